@@ -1,0 +1,1 @@
+"""FPRM: placeholder until its issue lands."""

@@ -1,0 +1,299 @@
+"""Configuration of LoopFormer (Jeddi et al., "LoopFormer: Elastic-Depth Looped Transformers", ICLR 2026).
+
+One configuration covers the paper's model and its baselines:
+
+- LoopFormer:  ``loop_conditioning="shortcut"`` (every loop step is conditioned on its time t and step size Δ)
+- TMLT:        ``loop_conditioning="timestep"`` (conditioned on the integer loop index only)
+- Base-Loop:   ``loop_conditioning="none"``
+- Base (iso-FLOP, not looped): ``num_hidden_layers=k*L, num_loops=1, loop_conditioning="none"``
+
+The trajectory (loop budget M and step schedule Δ_1..Δ_M) is resolved by
+[`LoopFormerConfig.resolve_trajectory`], the one place where a budget or schedule is validated.
+"""
+
+import math
+import numbers
+import warnings
+
+try:  # transformers >= 5.x spells it PreTrainedConfig; keep the old alias working
+    from transformers.configuration_utils import PreTrainedConfig
+except ImportError:  # pragma: no cover
+    from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
+
+
+STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
+LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
+POSITION_EMBEDDING_TYPES = ("learned", "rope")
+SCHEDULE_SUM_TOLERANCE = 1e-6
+
+# Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
+_warned_trajectories = set()
+
+
+def _is_real_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _ramp_on_grid(budget, num_loops, descending):
+    """M positive multiples of 1/L summing to 1, as close as possible to a linear ramp M, M-1, ..., 1."""
+    weights = [budget - i for i in range(budget)]
+    if budget > num_loops:  # no grid schedule exists: use the continuous ramp
+        steps = [w / sum(weights) for w in weights]
+    else:
+        # Each step gets one grid unit, the L-M spare units follow the ramp (largest remainder rounding).
+        spare = num_loops - budget
+        shares = [spare * w / sum(weights) for w in weights]
+        units = [math.floor(s) for s in shares]
+        by_remainder = sorted(range(budget), key=lambda i: (units[i] - shares[i], i))
+        for i in by_remainder[: spare - sum(units)]:
+            units[i] += 1
+        steps = [(1 + u) / num_loops for u in units]
+    return steps if descending else steps[::-1]
+
+
+class LoopFormerConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`LoopFormerModel`]: `num_hidden_layers` shared blocks looped `num_loops` times.
+
+    Args:
+        vocab_size (`int`, defaults to 50304): size of the token vocabulary.
+        hidden_size (`int`, defaults to 768): width d of the residual stream.
+        num_attention_heads (`int`, defaults to 12): query heads per attention layer.
+        num_key_value_heads (`int`, *optional*): key/value heads (grouped-query attention); defaults to
+            `num_attention_heads`. Must divide `num_attention_heads`.
+        intermediate_size (`int`, defaults to 3072): width of the MLP.
+        hidden_act (`str`, defaults to `"gelu"`): MLP activation. `"gelu"` is the reference (a plain two-layer
+            MLP); `"swiglu"` selects a gated SiLU MLP; any other name from `transformers.activations.ACT2FN`
+            is used in the plain MLP.
+        num_hidden_layers (`int`, defaults to 3): k, the number of distinct (shared) blocks.
+        num_loops (`int`, defaults to 8): L, the number of loop steps of the training trajectory.
+        loop_conditioning (`str`, defaults to `"shortcut"`): `"shortcut"` (t and Δ, LoopFormer), `"timestep"`
+            (integer loop index, TMLT) or `"none"` (Base-Loop, no modulation).
+        position_embedding_type (`str`, defaults to `"learned"`): `"learned"` absolute positions (reference) or
+            `"rope"`.
+        rope_theta (`float`, defaults to 10000.0): RoPE base, used when `position_embedding_type="rope"`.
+        max_position_embeddings (`int`, defaults to 1024): longest sequence the model accepts.
+        tie_word_embeddings (`bool`, defaults to `True`): share the input embedding with `lm_head`.
+        rms_norm_eps (`float`, *optional*): epsilon of every RMSNorm; `None` (the reference) uses the torch default,
+            the machine epsilon of the activations' dtype.
+        frequency_embedding_size (`int`, defaults to 256): width of the sinusoidal features of t and Δ.
+        max_period (`float`, defaults to 10000.0): longest period of those sinusoidal features.
+        default_loop_budget (`int`, *optional*): budget M used when a call gives neither `loop_budget` nor a
+            schedule list; `None` means `num_loops`.
+        default_step_schedule (`str`, defaults to `"uniform"`): preset used when a call gives no schedule; one of
+            `"uniform"`, `"coarse_to_fine"`, `"fine_to_coarse"`.
+        attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
+        attention_bias (`bool`, defaults to `False`): biases in the attention projections.
+        mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
+        initializer_range (`float`, defaults to 0.02): std of the normal initialisation of weights.
+        use_cache (`bool`, defaults to `True`): return a KV cache (one slot per loop step and block).
+    """
+
+    model_type = "loopformer"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=50304,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_key_value_heads=None,
+        intermediate_size=3072,
+        hidden_act="gelu",
+        num_hidden_layers=3,
+        num_loops=8,
+        loop_conditioning="shortcut",
+        position_embedding_type="learned",
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rms_norm_eps=None,
+        frequency_embedding_size=256,
+        max_period=10000.0,
+        default_loop_budget=None,
+        default_step_schedule="uniform",
+        attention_dropout=0.0,
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        use_cache=True,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.num_hidden_layers = num_hidden_layers
+        self.num_loops = num_loops
+        self.loop_conditioning = loop_conditioning
+        self.position_embedding_type = position_embedding_type
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.frequency_embedding_size = frequency_embedding_size
+        self.max_period = max_period
+        self.default_loop_budget = default_loop_budget
+        self.default_step_schedule = default_step_schedule
+        self.attention_dropout = attention_dropout
+        self.attention_bias = attention_bias
+        self.mlp_bias = mlp_bias
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self._validate_fields()
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+    def _validate_fields(self):
+        def positive_int(name):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "num_hidden_layers", "num_loops", "max_position_embeddings",
+                     "frequency_embedding_size"):
+            positive_int(name)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
+        choices = {
+            "loop_conditioning": LOOP_CONDITIONING_MODES,
+            "position_embedding_type": POSITION_EMBEDDING_TYPES,
+            "default_step_schedule": STEP_SCHEDULE_PRESETS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        if self.hidden_act != "swiglu":
+            from transformers.activations import ACT2FN
+
+            if self.hidden_act not in ACT2FN:
+                raise ValueError(
+                    f"`hidden_act` must be 'swiglu' or an activation of transformers.activations.ACT2FN, "
+                    f"got {self.hidden_act!r}."
+                )
+        if self.rms_norm_eps is not None and not (_is_real_number(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"`rms_norm_eps` must be None or a positive float, got {self.rms_norm_eps!r}.")
+        for name in ("rope_theta", "max_period"):
+            value = getattr(self, name)
+            if not (_is_real_number(value) and value > 0):
+                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        for name in ("attention_dropout", "initializer_range"):
+            value = getattr(self, name)
+            if not (_is_real_number(value) and 0 <= value <= (1 if name == "attention_dropout" else math.inf)):
+                raise ValueError(f"`{name}` must be a non-negative number, got {value!r}.")
+        if self.default_loop_budget is not None:
+            self._check_budget(self.default_loop_budget, "default_loop_budget")
+
+    # ---- trajectories ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_budget(budget, name="loop_budget"):
+        if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1, got {budget!r} ({type(budget).__name__}).")
+        return int(budget)
+
+    def step_schedule_preset(self, name, budget):
+        """The step sizes Δ_1..Δ_M of a named schedule for budget M (on the 1/L grid whenever M <= L)."""
+        if name == "uniform":
+            return [1.0 / budget] * budget
+        if name in ("coarse_to_fine", "fine_to_coarse"):
+            return _ramp_on_grid(budget, self.num_loops, descending=name == "coarse_to_fine")
+        raise ValueError(f"`step_schedule` preset must be one of {STEP_SCHEDULE_PRESETS}, got {name!r}.")
+
+    def resolve_trajectory(self, loop_budget=None, step_schedule=None):
+        """Validate a (budget, schedule) request and return the step sizes (Δ_1, ..., Δ_M) as a tuple of floats.
+
+        A schedule list alone sets the budget; a preset name uses `loop_budget` (or the config default). A budget
+        that disagrees with the schedule's length, and every malformed value, raises `ValueError`. A budget above
+        `num_loops` or a step off the 1/L grid is allowed with one warning (extrapolation).
+        """
+        if loop_budget is not None:
+            loop_budget = self._check_budget(loop_budget)
+        if step_schedule is None:
+            step_schedule = self.default_step_schedule
+        if isinstance(step_schedule, str):
+            budget = loop_budget or self.default_loop_budget or self.num_loops
+            steps = self.step_schedule_preset(step_schedule, budget)
+            named = step_schedule
+        else:
+            steps = self._check_schedule(step_schedule)
+            if loop_budget is not None and loop_budget != len(steps):
+                raise ValueError(
+                    f"`loop_budget`={loop_budget} disagrees with `step_schedule` of length {len(steps)} "
+                    f"({list(steps)}); give one of them, or a schedule with exactly `loop_budget` steps."
+                )
+            named = None
+        if self.loop_conditioning != "shortcut" and named != "uniform" and any(
+            abs(s - steps[0]) > SCHEDULE_SUM_TOLERANCE for s in steps
+        ):
+            raise ValueError(
+                f"`step_schedule`={step_schedule!r} needs loop_conditioning='shortcut'; a model with "
+                f"loop_conditioning={self.loop_conditioning!r} only knows the number of steps (use 'uniform')."
+            )
+        self._warn_if_extrapolating(steps)
+        return tuple(float(s) for s in steps)
+
+    @staticmethod
+    def _check_schedule(schedule):
+        if hasattr(schedule, "tolist"):  # torch / numpy arrays
+            schedule = schedule.tolist()
+        if not isinstance(schedule, (list, tuple)):
+            raise ValueError(
+                f"`step_schedule` must be a preset name {STEP_SCHEDULE_PRESETS} or a list of positive floats summing "
+                f"to 1, got {schedule!r} ({type(schedule).__name__})."
+            )
+        if len(schedule) == 0:
+            raise ValueError("`step_schedule` is empty; it needs at least one positive step summing to 1.")
+        for step in schedule:
+            if not _is_real_number(step) or not math.isfinite(step) or step <= 0:
+                raise ValueError(
+                    f"`step_schedule` must hold positive finite numbers summing to 1, got {list(schedule)!r} "
+                    f"(bad entry {step!r})."
+                )
+        total = math.fsum(schedule)
+        if abs(total - 1.0) > SCHEDULE_SUM_TOLERANCE:
+            raise ValueError(
+                f"`step_schedule` must sum to 1 within {SCHEDULE_SUM_TOLERANCE}, got {list(schedule)!r} "
+                f"(sum {total!r})."
+            )
+        return [float(s) for s in schedule]
+
+    def _warn_if_extrapolating(self, steps):
+        L = self.num_loops
+        off_grid = any(abs(s * L - round(s * L)) > 1e-6 for s in steps)
+        if len(steps) <= L and not off_grid:
+            return
+        key = (L, tuple(round(s, 9) for s in steps))
+        if key in _warned_trajectories:
+            return
+        _warned_trajectories.add(key)
+        reason = f"budget {len(steps)} > num_loops {L}" if len(steps) > L else f"steps off the 1/{L} grid"
+        warnings.warn(
+            f"LoopFormer trajectory {[round(s, 6) for s in steps]} extrapolates beyond training ({reason}).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS"]

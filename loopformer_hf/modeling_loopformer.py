@@ -1,0 +1,527 @@
+"""LoopFormer: k shared transformer blocks looped along a trajectory of M steps, each step conditioned on its
+normalised time t and step size Δ (Jeddi et al., ICLR 2026). Reads top to bottom in the order a token travels:
+norm → positions → attention → MLP → loop conditioning (t, Δ) → modulated block → the loop → head.
+
+KV cache: every (loop step i, block j) pair attends to its own keys and values, so the cache holds one slot per
+pair, at index ``i * k + j``. A cache records the trajectory it was built under; reusing it with another one is
+an error instead of silently wrong logits.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import logging
+
+from .configuration_loopformer import LoopFormerConfig
+
+
+logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def rms_norm(x, weight=None, eps=None):
+    """RMSNorm in float32; `eps=None` is torch's default (machine epsilon of the input dtype), as the reference."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
+
+
+class LoopFormerRMSNorm(nn.Module):
+    """The final norm (with weight); the block norms are weightless calls to `rms_norm`."""
+
+    def __init__(self, hidden_size, eps=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LoopFormerRotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(hidden_states, n_rep):
+    if n_rep == 1:
+        return hidden_states
+    b, h, s, d = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None:
+        q_len, kv_len = scores.shape[-2:]
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class LoopFormerAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
+                output_attentions=False):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, cache_slot)
+
+        attention_interface = eager_attention_forward
+        if self.config._attn_implementation != "eager" and not output_attentions:
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, weights = attention_interface(
+            self, q, k, v, attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1)), weights
+
+
+class LoopFormerMLP(nn.Module):
+    """GELU MLP (reference) or, with ``hidden_act="swiglu"``, a gated SiLU MLP."""
+
+    def __init__(self, config):
+        super().__init__()
+        bias = config.mlp_bias
+        self.gated = config.hidden_act == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN["silu" if self.gated else config.hidden_act]
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class LoopFormerTimestepEmbedder(nn.Module):
+    """Sinusoidal features of a scalar (width `frequency_embedding_size`, order [cos, sin]) → Linear → SiLU → Linear."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.frequency_embedding_size = config.frequency_embedding_size
+        self.max_period = config.max_period
+        self.mlp = nn.Sequential(
+            nn.Linear(config.frequency_embedding_size, config.hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(config.hidden_size, config.hidden_size, bias=True),
+        )
+
+    def forward(self, t):
+        half = self.frequency_embedding_size // 2
+        freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t.float()[:, None] * freqs[None]
+        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if self.frequency_embedding_size % 2:
+            features = F.pad(features, (0, 1))
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+class LoopFormerLoopConditioning(nn.Module):
+    """The vector c of each loop step, shared by every token and every block of that step.
+
+    shortcut (LoopFormer): c_i = TimeEmb(t_{i-1}) + StepEmb(Δ_i), t_{i-1} = Δ_1 + ... + Δ_{i-1}
+    timestep (TMLT):       c_i = TimeEmb(i - 1), the integer loop index
+    none (Base-Loop):      no conditioning
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.mode = config.loop_conditioning
+        if self.mode != "none":
+            self.time_embedder = LoopFormerTimestepEmbedder(config)
+        if self.mode == "shortcut":
+            self.dt_embedder = LoopFormerTimestepEmbedder(config)
+
+    def forward(self, trajectory, device):
+        """(M, d) conditioning vectors for the step sizes `trajectory`, or None without conditioning."""
+        if self.mode == "none":
+            return None
+        if self.mode == "timestep":
+            return self.time_embedder(torch.arange(len(trajectory), device=device, dtype=torch.float32))
+        dt = torch.tensor(trajectory, device=device, dtype=torch.float64)
+        t = torch.cumsum(dt, 0) - dt  # time at the start of each step
+        return self.time_embedder(t.float()) + self.dt_embedder(dt.float())
+
+
+class LoopFormerBlock(GradientCheckpointingLayer):
+    """x = x + gate_attn·Attn(RMSNorm(x)·(1 + scale_attn)); x = x + gate_mlp·MLP(RMSNorm(x)·(1 + scale_mlp)).
+
+    The adaLN layer is zero-initialised, so every residual branch starts closed. Without conditioning
+    (Base-Loop) there is no adaLN: gates are 1 and scales 0, i.e. a plain pre-norm block.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.self_attn = LoopFormerAttention(config)
+        self.mlp = LoopFormerMLP(config)
+        if config.loop_conditioning != "none":
+            # order of the chunks: gate_attn, gate_mlp, scale_attn, scale_mlp (no shift), as the reference
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 4 * config.hidden_size))
+            self.adaLN_modulation[1].zero_init = True
+
+    def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
+                cache_slot=0, output_attentions=False):
+        normed = rms_norm(hidden_states, eps=self.eps)
+        if conditioning is not None:
+            gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(
+                hidden_states.dtype).chunk(4, dim=-1)
+            normed = normed * (1 + scale_attn)
+        attn_out, attn_weights = self.self_attn(
+            normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
+            output_attentions=output_attentions,
+        )
+        hidden_states = hidden_states + (attn_out if conditioning is None else gate_attn * attn_out)
+        normed = rms_norm(hidden_states, eps=self.eps)
+        if conditioning is None:
+            return hidden_states + self.mlp(normed), attn_weights
+        return hidden_states + gate_mlp * self.mlp(normed * (1 + scale_mlp)), attn_weights
+
+
+class LoopFormerPreTrainedModel(PreTrainedModel):
+    config_class = LoopFormerConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LoopFormerBlock"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if getattr(module, "zero_init", False):  # adaLN: every residual branch starts closed
+            from transformers import initialization as init
+
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
+        else:
+            super()._init_weights(module)
+
+
+@dataclass
+class LoopFormerCacheSpec:
+    """What a cache was filled under; a cache answers only for the trajectory that filled it."""
+
+    trajectory: tuple
+    num_blocks: int
+
+
+class LoopFormerModel(LoopFormerPreTrainedModel):
+    def __init__(self, config: LoopFormerConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.rotary_emb = LoopFormerRotaryEmbedding(config)
+        self.loop_conditioning = LoopFormerLoopConditioning(config)
+        self.layers = nn.ModuleList([LoopFormerBlock(config) for _ in range(config.num_hidden_layers)])
+        self.norm = LoopFormerRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # ---- cache ----------------------------------------------------------------------------------------------------
+
+    def _prepare_cache(self, cache, trajectory):
+        """One slot per (loop step, block). Returns the cache to use, checking it matches `trajectory`."""
+        spec = LoopFormerCacheSpec(tuple(trajectory), len(self.layers))
+        needed = len(trajectory) * len(self.layers)
+        if cache is None:
+            cache = DynamicCache()
+        elif not isinstance(cache, Cache):
+            raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
+        if cache.get_seq_length() == 0:
+            # generate() builds DynamicCache(config) with exactly num_hidden_layers slots that never grow;
+            # an empty cache that is too small is replaced by one that adds slots as they are written.
+            if 0 < len(getattr(cache, "layers", ())) < needed:
+                if not isinstance(cache, DynamicCache) or type(cache) is not DynamicCache:
+                    raise ValueError(
+                        f"LoopFormer needs {needed} cache slots (loop budget {len(trajectory)} x "
+                        f"{len(self.layers)} blocks); the given {type(cache).__name__} has {len(cache.layers)}."
+                    )
+                cache = DynamicCache()
+            cache.loopformer_spec = spec
+            return cache
+        previous = getattr(cache, "loopformer_spec", None)
+        if previous != spec:
+            was = "an unknown trajectory" if previous is None else f"trajectory {list(previous.trajectory)}"
+            raise ValueError(
+                f"This cache was filled under {was}, but this call runs trajectory {list(trajectory)} "
+                f"(loop budget {len(trajectory)}). Every (loop step, block) has its own cache slot, so a cache only "
+                f"serves the loop_budget/step_schedule that built it: start a new cache (or call without one)."
+            )
+        return cache
+
+    # ---- masks and positions -------------------------------------------------------------------------------------
+
+    def _attention_mask(self, attention_mask, batch, q_len, past_len, device):
+        """Boolean (batch, 1, q_len, past_len + q_len) mask, True = may attend; None = plain causal."""
+        kv_len = past_len + q_len
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return attention_mask
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, kv_len):
+                raise ValueError(
+                    f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, kv_len)}, "
+                    f"got {tuple(attention_mask.shape)}."
+                )
+            if bool(attention_mask.all()):
+                attention_mask = None
+        if attention_mask is None and (q_len == 1 or past_len == 0) and self.config._attn_implementation == "sdpa":
+            return None
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(past_len)
+        mask = causal[None, None].expand(batch, 1, q_len, kv_len)
+        if attention_mask is not None:
+            mask = mask & attention_mask.bool()[:, None, None, :]
+            # Rows of pure padding would attend to nothing (NaN in sdpa): let them see everything; no real token
+            # ever reads their output, since their keys are masked for all real queries.
+            mask = mask | ~mask.any(dim=-1, keepdim=True)
+        return mask
+
+    def _position_ids(self, attention_mask, batch, q_len, past_len, device):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            positions = attention_mask.long().cumsum(-1) - 1
+            return positions.clamp(min=0)[:, -q_len:]
+        return torch.arange(past_len, past_len + q_len, device=device)[None].expand(batch, q_len)
+
+    # ---- forward -------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        loop_budget=None,
+        step_schedule=None,
+        past_key_values=None,
+        cache_position=None,
+        **kwargs,
+    ):
+        r"""
+        loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
+        step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
+            ("uniform", "coarse_to_fine", "fine_to_coarse").
+
+        `hidden_states` (with `output_hidden_states=True`) holds the embeddings followed by the residual stream after
+        each loop step: M + 1 tensors. `attentions` holds one tensor per (loop step, block).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        cache = cache if cache is not None else past_key_values
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
+
+        if input_ids is not None:
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+                raise ValueError(
+                    f"`input_ids` must lie in [0, {self.config.vocab_size - 1}], got values in "
+                    f"[{int(input_ids.min())}, {int(input_ids.max())}]."
+                )
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, q_len = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+
+        cache = self._prepare_cache(cache, trajectory) if use_cache else None
+        past_len = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
+        mask = self._attention_mask(attention_mask, batch, q_len, past_len, device)
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if self.config.position_embedding_type == "learned":
+            if int(position_ids.max()) >= self.config.max_position_embeddings:
+                raise ValueError(
+                    f"Position {int(position_ids.max())} is beyond max_position_embeddings="
+                    f"{self.config.max_position_embeddings} (learned positions cannot extrapolate)."
+                )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+
+        conditioning = self.loop_conditioning(trajectory, device)
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        num_blocks = len(self.layers)
+        for step in range(len(trajectory)):
+            c = None if conditioning is None else conditioning[step][None, None]
+            for j, block in enumerate(self.layers):
+                hidden_states, weights = block(
+                    hidden_states, c,
+                    attention_mask=mask,
+                    position_embeddings=position_embeddings,
+                    cache=cache,
+                    cache_slot=step * num_blocks + j,
+                    output_attentions=output_attentions,
+                )
+                if output_attentions:
+                    all_attentions += (weights,)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+
+        hidden_states = self.norm(hidden_states)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions,
+            **{CACHE_FIELD: cache},
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: LoopFormerConfig):
+        super().__init__(config)
+        self.model = LoopFormerModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        loop_budget=None,
+        step_schedule=None,
+        past_key_values=None,
+        cache_position=None,
+        **kwargs,
+    ):
+        r"""
+        labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
+        loop_budget (`int`, *optional*): number of loop steps M; also a `generate` kwarg.
+        step_schedule (`str` or list of `float`, *optional*): Δ_1..Δ_M summing to 1 or a preset name; also a
+            `generate` kwarg.
+        """
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            loop_budget=loop_budget,
+            step_schedule=step_schedule,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index")}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = ["LoopFormerPreTrainedModel", "LoopFormerModel", "LoopFormerForCausalLM"]
