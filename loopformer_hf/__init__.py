@@ -9,6 +9,12 @@ AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(LoopFormerConfig, LoopFormerForCausalLM, exist_ok=True)
 
+# save_pretrained then writes `auto_map` and copies the configuration/modeling files next to the weights, so a
+# saved folder loads with `trust_remote_code=True` where this package is not installed.
+LoopFormerConfig.register_for_auto_class()
+LoopFormerModel.register_for_auto_class("AutoModel")
+LoopFormerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
 __version__ = "0.1.0"
 __all__ = [
     "LoopFormerConfig",

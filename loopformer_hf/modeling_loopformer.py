@@ -123,7 +123,7 @@ class LoopFormerAttention(nn.Module):
             k, v = cache.update(k, v, cache_slot)
 
         attention_interface = eager_attention_forward
-        if self.config._attn_implementation != "eager" and not output_attentions:
+        if self.config._attn_implementation not in (None, "eager") and not output_attentions:
             attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         out, weights = attention_interface(
             self, q, k, v, attention_mask,
@@ -366,7 +366,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         loop_budget=None,
         step_schedule=None,
         past_key_values=None,
-        cache_position=None,
         **kwargs,
     ):
         r"""
@@ -484,7 +483,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         loop_budget=None,
         step_schedule=None,
         past_key_values=None,
-        cache_position=None,
         **kwargs,
     ):
         r"""

@@ -1,0 +1,295 @@
+"""Convert a checkpoint of the authors' reference code (a nanoGPT fork) into a saved `LoopFormerForCausalLM`.
+
+    python -m loopformer_hf.convert_reference --checkpoint ckpt.pt --output out/ \
+        --n-layer 3 --n-loops 8 --n-embd 2048 --n-head 32 --mlp-hidden 5120
+
+The checkpoint holds no shape hyper-parameters we rely on, so they are given on the command line (defaults are
+the reference's: vocab 50304, block_size 1024, GELU MLP of width 4·n_embd unless `--mlp-hidden` is given). Every
+key of the checkpoint must be mapped and every parameter of the model must be filled with a tensor of the right
+shape; anything else is a `ValueError` that lists the offending keys.
+
+Key mapping (reference → this package), for each shared block j:
+
+    transformer.wte.weight                              → model.embed_tokens.weight (and the tied lm_head.weight)
+    transformer.wpe.weight                              → model.embed_positions.weight
+    transformer.h.blocks.{j}.attn.c_attn.weight (q|k|v) → model.layers.{j}.self_attn.{q,k,v}_proj.weight
+    transformer.h.blocks.{j}.attn.c_proj.weight         → model.layers.{j}.self_attn.o_proj.weight
+    transformer.h.blocks.{j}.mlp.c_fc.weight            → model.layers.{j}.mlp.up_proj.weight
+    transformer.h.blocks.{j}.mlp.c_proj.weight          → model.layers.{j}.mlp.down_proj.weight
+    transformer.h.blocks.{j}.adaLN_modulation.1.{w,b}   → model.layers.{j}.adaLN_modulation.1.{w,b}
+    transformer.norm_f.weight                           → model.norm.weight
+    time_embedder.mlp.{0,2}.{w,b}                       → model.loop_conditioning.time_embedder.mlp.{0,2}.{w,b}
+    dt_embedder.mlp.{0,2}.{w,b}                         → model.loop_conditioning.dt_embedder.mlp.{0,2}.{w,b}
+    lm_head.weight                                      → tied to wte (must equal it when present)
+
+Checkpoint containers handled explicitly: a bare state dict; a `.pt` dict that wraps it under `"model"` (nanoGPT's
+`train.py`) or `"state_dict"`; the `_orig_mod.` prefix that `torch.compile` adds to every key; and nanoGPT's
+causal-mask buffer `transformer.h.blocks.{j}.attn.bias` (not a weight; dropped after checking its shape).
+"""
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+from .configuration_loopformer import LOOP_CONDITIONING_MODES, LoopFormerConfig
+from .modeling_loopformer import LoopFormerForCausalLM
+
+
+COMPILE_PREFIX = "_orig_mod."
+WRAPPER_KEYS = ("model", "state_dict")
+TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt")
+SAFETENSORS_EXTENSIONS = (".safetensors",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
+
+
+# ---- reading the checkpoint --------------------------------------------------------------------------------------
+
+
+def load_reference_state_dict(path, allow_pickle=False):
+    """Read a reference checkpoint (`.pt`/`.pth`/`.bin`/`.ckpt` or `.safetensors`) and return its flat state dict.
+
+    `.pt` files are read with `torch.load(weights_only=True)` unless `allow_pickle=True` (only for files you trust).
+    A wrapped state dict (`{"model": sd, ...}` or `{"state_dict": sd, ...}`) is unwrapped and the `_orig_mod.`
+    prefix of torch.compile'd models is removed.
+    """
+    path = os.fspath(path)
+    lower = path.lower()
+    if not lower.endswith(TORCH_EXTENSIONS + SAFETENSORS_EXTENSIONS):
+        raise ValueError(
+            f"`--checkpoint` {path!r} has an unsupported extension; allowed: "
+            f"{', '.join(TORCH_EXTENSIONS + SAFETENSORS_EXTENSIONS)}."
+        )
+    if not os.path.isfile(path):
+        raise ValueError(f"`--checkpoint` {path!r} does not exist or is not a file.")
+    if lower.endswith(SAFETENSORS_EXTENSIONS):
+        from safetensors.torch import load_file
+
+        obj = load_file(path, device="cpu")
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
+        except Exception as error:  # torch raises UnpicklingError / RuntimeError for unsafe or corrupt files
+            hint = "" if allow_pickle else " If the file is trusted and holds other Python objects, pass --allow-pickle."
+            raise ValueError(f"Could not read {path!r} with torch.load: {error}.{hint}") from error
+    return _unwrap(obj, path)
+
+
+def _is_state_dict(obj):
+    return isinstance(obj, dict) and len(obj) > 0 and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    )
+
+
+def _unwrap(obj, path):
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path!r} holds a {type(obj).__name__}, not a state dict (a dict of tensors).")
+    if not _is_state_dict(obj):
+        wrapped = [key for key in WRAPPER_KEYS if _is_state_dict(obj.get(key))]
+        if not wrapped:
+            raise ValueError(
+                f"{path!r} is neither a state dict (a dict of name -> tensor) nor a dict that wraps one under "
+                f"{' or '.join(repr(k) for k in WRAPPER_KEYS)}; its top-level keys are {sorted(map(str, obj))[:20]}."
+            )
+        obj = obj[wrapped[0]]
+    state_dict = {}
+    for key, value in obj.items():
+        new_key = key[len(COMPILE_PREFIX):] if key.startswith(COMPILE_PREFIX) else key
+        if new_key in state_dict:
+            raise ValueError(f"{path!r} holds both {new_key!r} and {COMPILE_PREFIX + new_key!r}.")
+        state_dict[new_key] = value
+    return state_dict
+
+
+# ---- mapping -------------------------------------------------------------------------------------------------------
+
+
+def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024, mlp_hidden=None,
+                 loop_conditioning="shortcut", frequency_embedding_size=256, max_period=10000.0, **extra):
+    """The `LoopFormerConfig` of a reference model: GELU MLP, no biases, learned positions, tied head."""
+    if loop_conditioning not in LOOP_CONDITIONING_MODES:
+        raise ValueError(f"`loop_conditioning` must be one of {LOOP_CONDITIONING_MODES}, got {loop_conditioning!r}.")
+    return LoopFormerConfig(
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        num_attention_heads=n_head,
+        intermediate_size=4 * n_embd if mlp_hidden is None else mlp_hidden,
+        hidden_act="gelu",
+        num_hidden_layers=n_layer,
+        num_loops=n_loops,
+        loop_conditioning=loop_conditioning,
+        position_embedding_type="learned",
+        max_position_embeddings=block_size,
+        tie_word_embeddings=True,
+        rms_norm_eps=None,
+        frequency_embedding_size=frequency_embedding_size,
+        max_period=max_period,
+        attention_bias=False,
+        mlp_bias=False,
+        **extra,
+    )
+
+
+def map_reference_state_dict(reference, config):
+    """Map reference keys onto `LoopFormerForCausalLM` keys. Raises `ValueError` listing every problem at once."""
+    d = config.hidden_size
+    mapped, unknown, problems = {}, [], []
+
+    def put(new_key, tensor, source):
+        mapped[new_key] = (tensor, source)
+
+    for key, tensor in reference.items():
+        block = _BLOCK_KEY.match(key)
+        if key == "transformer.wte.weight":
+            put("model.embed_tokens.weight", tensor, key)
+        elif key == "transformer.wpe.weight":
+            put("model.embed_positions.weight", tensor, key)
+        elif key == "transformer.norm_f.weight":
+            put("model.norm.weight", tensor, key)
+        elif key == "lm_head.weight":
+            continue  # tied; checked against wte below
+        elif re.fullmatch(r"(time|dt)_embedder\.mlp\.[02]\.(weight|bias)", key):
+            put(f"model.loop_conditioning.{key}", tensor, key)
+        elif block:
+            j, rest = block.group(1), block.group(2)
+            prefix = f"model.layers.{j}."
+            if rest == "attn.c_attn.weight":
+                if tensor.dim() != 2 or tensor.shape[0] != 3 * d:
+                    problems.append(f"{key}: fused qkv must have shape ({3 * d}, {d}), got {tuple(tensor.shape)}")
+                    continue
+                q, k, v = tensor.split(d, dim=0)
+                for name, part in zip("qkv", (q, k, v)):
+                    put(f"{prefix}self_attn.{name}_proj.weight", part, key)
+            elif rest == "attn.c_proj.weight":
+                put(f"{prefix}self_attn.o_proj.weight", tensor, key)
+            elif rest == "mlp.c_fc.weight":
+                put(f"{prefix}mlp.up_proj.weight", tensor, key)
+            elif rest == "mlp.c_proj.weight":
+                put(f"{prefix}mlp.down_proj.weight", tensor, key)
+            elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
+                put(prefix + rest, tensor, key)
+            elif rest == "attn.bias":  # nanoGPT's causal mask buffer (no flash attention): not a weight
+                n = config.max_position_embeddings
+                if tuple(tensor.shape) != (1, 1, n, n):
+                    problems.append(f"{key}: causal-mask buffer must have shape (1, 1, {n}, {n}), got "
+                                    f"{tuple(tensor.shape)}")
+            else:
+                unknown.append(key)
+        else:
+            unknown.append(key)
+
+    if "lm_head.weight" in reference and "transformer.wte.weight" in reference:
+        head, wte = reference["lm_head.weight"], reference["transformer.wte.weight"]
+        if head.shape != wte.shape or not torch.equal(head, wte):
+            problems.append("lm_head.weight differs from transformer.wte.weight; the reference ties them and so does "
+                            "the converted model (tie_word_embeddings=True)")
+
+    model_shapes = _expected_shapes(config)
+    for new_key in mapped:
+        if new_key not in model_shapes:
+            unknown.append(mapped[new_key][1])
+    missing = sorted(key for key in model_shapes if key not in mapped and key != "lm_head.weight")
+    for new_key, (tensor, source) in mapped.items():
+        expected = model_shapes.get(new_key)
+        if expected is not None and tuple(tensor.shape) != expected:
+            problems.append(f"{source} -> {new_key}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
+        if not tensor.is_floating_point():
+            problems.append(f"{source}: dtype {tensor.dtype} is not a floating-point type")
+
+    if unknown or missing or problems:
+        parts = []
+        if unknown:
+            parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model with "
+                         f"loop_conditioning={config.loop_conditioning!r}): {sorted(set(unknown))}")
+        if missing:
+            parts.append(f"missing keys (model parameters the checkpoint does not fill): {missing}")
+        if problems:
+            parts.append("shape/value mismatches: " + "; ".join(problems))
+        raise ValueError(
+            "The checkpoint does not match the given shape hyper-parameters "
+            f"(n_layer={config.num_hidden_layers}, n_embd={config.hidden_size}, n_head={config.num_attention_heads}, "
+            f"vocab_size={config.vocab_size}, block_size={config.max_position_embeddings}, "
+            f"mlp_hidden={config.intermediate_size}):\n  - " + "\n  - ".join(parts)
+        )
+    return {new_key: tensor for new_key, (tensor, _) in mapped.items()}
+
+
+def _expected_shapes(config):
+    with torch.device("meta"):
+        model = LoopFormerForCausalLM(config)
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024,
+            mlp_hidden=None, loop_conditioning="shortcut", frequency_embedding_size=256, max_period=10000.0,
+            dtype="float32", allow_pickle=False, safe_serialization=True):
+    """Convert `checkpoint` and save it with `save_pretrained` into `output`. Returns the converted model (eval)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    config = build_config(n_layer, n_loops, n_embd, n_head, vocab_size=vocab_size, block_size=block_size,
+                          mlp_hidden=mlp_hidden, loop_conditioning=loop_conditioning,
+                          frequency_embedding_size=frequency_embedding_size, max_period=max_period)
+    reference = load_reference_state_dict(checkpoint, allow_pickle=allow_pickle)
+    state_dict = map_reference_state_dict(reference, config)
+
+    model = LoopFormerForCausalLM(config)
+    result = model.load_state_dict({k: v.to(torch.float32) for k, v in state_dict.items()}, strict=False)
+    leftover = sorted(set(result.missing_keys) - {"lm_head.weight"}) + sorted(result.unexpected_keys)
+    if leftover:  # map_reference_state_dict checked this already; a failure here is a bug of the converter
+        raise RuntimeError(f"internal error: keys not loaded into the model: {leftover}")
+    if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(DTYPES[dtype]).eval()
+    model.save_pretrained(output, safe_serialization=safe_serialization)
+    return model
+
+
+# ---- command line --------------------------------------------------------------------------------------------------
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m loopformer_hf.convert_reference",
+        description="Convert a reference LoopFormer (nanoGPT-style) checkpoint into a saved LoopFormerForCausalLM.",
+    )
+    p.add_argument("--checkpoint", required=True, help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
+    p.add_argument("--output", required=True, help="folder to save_pretrained into")
+    p.add_argument("--n-layer", type=int, required=True, help="k, number of shared blocks")
+    p.add_argument("--n-loops", type=int, required=True, help="L, loop steps of the training trajectory")
+    p.add_argument("--n-embd", type=int, required=True, help="hidden size d")
+    p.add_argument("--n-head", type=int, required=True, help="attention heads")
+    p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary size (default: 50304)")
+    p.add_argument("--block-size", type=int, default=1024, help="learned positions (default: 1024)")
+    p.add_argument("--mlp-hidden", type=int, default=None, help="GELU MLP width (default: 4 * n_embd)")
+    p.add_argument("--loop-conditioning", default="shortcut", choices=LOOP_CONDITIONING_MODES,
+                   help="shortcut (LoopFormer, default); timestep/none assume the same key names without the "
+                        "missing embedders/adaLN")
+    p.add_argument("--frequency-embedding-size", type=int, default=256, help="sinusoidal width (default: 256)")
+    p.add_argument("--max-period", type=float, default=10000.0, help="sinusoid max period (default: 10000)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="torch.load with weights_only=False (only for trusted .pt files holding other objects)")
+    return p
+
+
+def main(argv=None):
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        convert(
+            args.checkpoint, args.output, n_layer=args.n_layer, n_loops=args.n_loops, n_embd=args.n_embd,
+            n_head=args.n_head, vocab_size=args.vocab_size, block_size=args.block_size, mlp_hidden=args.mlp_hidden,
+            loop_conditioning=args.loop_conditioning, frequency_embedding_size=args.frequency_embedding_size,
+            max_period=args.max_period, dtype=args.dtype, allow_pickle=args.allow_pickle,
+        )
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

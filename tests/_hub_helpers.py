@@ -1,0 +1,117 @@
+"""Tiny tokenizers, models and subprocess helpers shared by the shipping tests (publish, pipelines, PEFT, lm-eval,
+distributed, compile). Everything is built here in a second; nothing is downloaded."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "a loop runs the same blocks again and again to think longer",
+    "to be or not to be that is the question",
+    "one two three four five six seven eight nine ten",
+    "the quick brown fox jumps over the lazy dog",
+] * 4
+
+# A prelude for fresh interpreters: the project's packages cannot be imported there, as on a machine where they are
+# not installed (they are installed editable in the dev venv, so blocking them is the only way to prove it).
+BLOCK_PACKAGES = "import sys\nsys.modules['loopformer_hf'] = None\nsys.modules['fprm_hf'] = None\n"
+
+
+def make_tokenizer(vocab_size=300):
+    """A byte-level BPE fast tokenizer trained on CORPUS, with <|endoftext|> as bos/eos/pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+    )
+
+
+def tiny_config(tokenizer=None, **overrides):
+    from loopformer_hf import LoopFormerConfig
+
+    vocab = len(tokenizer) if tokenizer is not None else 300
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2,
+        num_loops=4, max_position_embeddings=128, frequency_embedding_size=16,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+    kwargs.update(overrides)
+    return LoopFormerConfig(**kwargs)
+
+
+def make_model(tokenizer=None, seed=0, **overrides):
+    """A tiny LoopFormerForCausalLM whose adaLN layers are randomised (zero at init would make every block the
+    identity, and then the loop budget could not change anything a test looks at)."""
+    from loopformer_hf import LoopFormerForCausalLM
+
+    torch.manual_seed(seed)
+    model = LoopFormerForCausalLM(tiny_config(tokenizer, **overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "adaLN_modulation" in name:
+                param.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def save_checkpoint(path, seed=0, **overrides):
+    """Save a tiny model + tokenizer (+ generation config) the way a training run leaves a checkpoint."""
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed=seed, **overrides)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def run_python(code, env=None, timeout=240, block_packages=True, cwd=None):
+    """Run `code` in a fresh interpreter (the project's packages blocked by default); returns CompletedProcess and
+    raises with its output when it fails."""
+    full_env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    full_env.update(env or {})
+    prelude = BLOCK_PACKAGES if block_packages else ""
+    proc = subprocess.run(
+        [PYTHON, "-c", prelude + textwrap.dedent(code)], env=full_env, capture_output=True, text=True,
+        timeout=timeout, cwd=cwd or REPO_ROOT,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
+    return proc
+
+
+def last_json_line(stdout):
+    """The last line of a subprocess's stdout that parses as JSON."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    raise AssertionError(f"no JSON line in output:\n{stdout}")
+
+
+def hf_env(tmp_path, endpoint=None, token=None):
+    """Environment for a fresh process: an isolated HF cache (so remote code and files really come from the server)."""
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1"}
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+    if token:
+        env["HF_TOKEN"] = token
+    return env

@@ -1,0 +1,109 @@
+"""Issue 2, item 5: a KV cache that is right across loops (one slot per (loop step, block))."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import randomize_modulation, tiny_loopformer_config
+import loopformer_hf
+
+SCHEDULES = [(M, None) for M in range(1, 5)] + [(None, [0.5, 0.25, 0.125, 0.125]), (None, "coarse_to_fine")]
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+@pytest.mark.parametrize("budget,schedule", SCHEDULES)
+def test_prefill_plus_decode_equals_uncached_forward(tiny_model, budget, schedule):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 30))
+    full = tiny_model(ids, loop_budget=budget, step_schedule=schedule, use_cache=False).logits
+    out = tiny_model(ids[:, :10], loop_budget=budget, step_schedule=schedule, use_cache=True)
+    cache, pieces = out.cache, [out.logits]
+    for i in range(10, 30):  # 20 single-token decode steps
+        out = tiny_model(ids[:, i : i + 1], cache=cache, loop_budget=budget, step_schedule=schedule, use_cache=True)
+        cache = out.cache
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+    steps = len(tiny_model.config.resolve_trajectory(budget, schedule))
+    assert len(cache.layers) == steps * tiny_model.config.num_hidden_layers
+
+
+def test_past_key_values_name_is_accepted(tiny_model):
+    """transformers <= 5.23 passes the cache as `past_key_values`; it must not be ignored."""
+    ids = torch.randint(3, 97, (1, 12))
+    full = tiny_model(ids, use_cache=False).logits
+    out = tiny_model(ids[:, :8], use_cache=True)
+    step = tiny_model(ids[:, 8:], past_key_values=out.cache, use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 8:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+@pytest.mark.parametrize("kwargs", [{"loop_budget": 1}, {"loop_budget": 3}, {"step_schedule": [0.5, 0.25, 0.25]}, {}])
+def test_greedy_generate_with_and_without_cache_agree(tiny_model, kwargs):
+    ids = torch.randint(3, 97, (2, 6))
+    cached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, **kwargs)
+    uncached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False,
+                                   **kwargs)
+    assert cached.shape == (2, 26)
+    assert torch.equal(cached, uncached)
+
+
+def test_generate_grows_the_cache_generate_built(tiny_model):
+    """generate() builds DynamicCache(config) with num_hidden_layers slots; budget 4 needs 4 x 2 slots."""
+    seen = []
+    hook = tiny_model.model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(kw.get("cache")), with_kwargs=True
+    )
+    try:
+        tiny_model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False, loop_budget=4)
+    finally:
+        hook.remove()
+    assert len(seen) == 3
+    assert seen[1] is seen[2]  # decode steps reuse the cache the prefill returned
+    assert len(seen[2].layers) == 4 * 2
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_left_padded_batch_generates_like_each_prompt_alone(tiny_config, sdpa):
+    torch.manual_seed(0)
+    impl = "sdpa" if sdpa else "eager"
+    model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM._from_config(tiny_config, attn_implementation=impl))
+    model.eval()
+    prompts = [torch.randint(3, 97, (n,)) for n in (3, 9, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((3, width), tiny_config.pad_token_id)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, step_schedule=[0.5, 0.25, 0.25], pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kw)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"prompt {row} differs when batched"
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [({"loop_budget": 2}, {"loop_budget": 4}), ({"step_schedule": [0.75, 0.25]}, {"step_schedule": [0.5, 0.5]})],
+)
+def test_reusing_a_cache_under_another_trajectory_raises(tiny_model, first, second):
+    ids = torch.randint(3, 97, (1, 8))
+    out = tiny_model(ids, use_cache=True, **first)
+    with pytest.raises(ValueError, match="cache was filled under trajectory"):
+        tiny_model(ids[:, :1], cache=out.cache, use_cache=True, **second)
+    # the same trajectory still works with that cache
+    tiny_model(ids[:, :1], cache=out.cache, use_cache=True, **first)
+
+
+def test_foreign_cache_without_trajectory_record_raises(tiny_model):
+    cache = DynamicCache()
+    k = torch.zeros(1, 4, 3, 16)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="unknown trajectory"):
+        tiny_model(torch.randint(3, 97, (1, 1)), cache=cache, use_cache=True)
+
+
+def test_user_supplied_empty_cache_is_filled_in_place(tiny_model):
+    cache = DynamicCache()
+    out = tiny_model(torch.randint(3, 97, (1, 5)), cache=cache, use_cache=True, loop_budget=2)
+    assert out.cache is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4
