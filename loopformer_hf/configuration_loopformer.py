@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover
 STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
+HALT_KV_FILLS = ("recompute", "reuse")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
 # Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
@@ -82,6 +83,9 @@ class LoopFormerConfig(PreTrainedConfig):
             schedule list; `None` means `num_loops`.
         default_step_schedule (`str`, defaults to `"uniform"`): preset used when a call gives no schedule; one of
             `"uniform"`, `"coarse_to_fine"`, `"fine_to_coarse"`.
+        halt_kv_fill (`str`, defaults to `"recompute"`): with per-token halting (`halt_eps`), how the cache slots a
+            halted token skips are filled: `"recompute"` projects keys/values from its frozen state with each later
+            step's modulation; `"reuse"` repeats the keys/values of its last computed step.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -112,6 +116,7 @@ class LoopFormerConfig(PreTrainedConfig):
         max_period=10000.0,
         default_loop_budget=None,
         default_step_schedule="uniform",
+        halt_kv_fill="recompute",
         attention_dropout=0.0,
         attention_bias=False,
         mlp_bias=False,
@@ -139,6 +144,7 @@ class LoopFormerConfig(PreTrainedConfig):
         self.max_period = max_period
         self.default_loop_budget = default_loop_budget
         self.default_step_schedule = default_step_schedule
+        self.halt_kv_fill = halt_kv_fill
         self.attention_dropout = attention_dropout
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
@@ -180,6 +186,7 @@ class LoopFormerConfig(PreTrainedConfig):
             "loop_conditioning": LOOP_CONDITIONING_MODES,
             "position_embedding_type": POSITION_EMBEDDING_TYPES,
             "default_step_schedule": STEP_SCHEDULE_PRESETS,
+            "halt_kv_fill": HALT_KV_FILLS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -253,6 +260,19 @@ class LoopFormerConfig(PreTrainedConfig):
             )
         self._warn_if_extrapolating(steps)
         return tuple(float(s) for s in steps)
+
+    @staticmethod
+    def check_halt_eps(halt_eps):
+        """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
+        if halt_eps is None:
+            return None
+        if hasattr(halt_eps, "item") and getattr(halt_eps, "ndim", 0) == 0:
+            halt_eps = halt_eps.item()
+        if not _is_real_number(halt_eps) or not math.isfinite(halt_eps) or halt_eps <= 0:
+            raise ValueError(
+                f"`halt_eps` must be None or a positive finite float, got {halt_eps!r} ({type(halt_eps).__name__})."
+            )
+        return float(halt_eps)
 
     @staticmethod
     def _check_schedule(schedule):

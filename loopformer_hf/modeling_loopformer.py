@@ -68,11 +68,6 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
 def repeat_kv(hidden_states, n_rep):
     if n_rep == 1:
         return hidden_states
@@ -110,15 +105,29 @@ class LoopFormerAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
-                output_attentions=False):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    def project_kv(self, hidden_states, position_embeddings, reuse_kv=None):
+        """Keys and values of `hidden_states`; rows where `reuse_kv=(halted, k, v)` is halted take the given ones."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+            cos, sin = position_embeddings
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        if reuse_kv is not None:
+            halted, old_k, old_v = reuse_kv
+            k = torch.where(halted[:, None, :, None], old_k, k)
+            v = torch.where(halted[:, None, :, None], old_v, v)
+        return k, v
+
+    def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
+                output_attentions=False, reuse_kv=None):
+        """Returns the attention output, its weights (eager only) and this call's own (keys, values)."""
+        input_shape = hidden_states.shape[:-1]
+        q = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+        new_kv = k, v = self.project_kv(hidden_states, position_embeddings, reuse_kv)
         if cache is not None:
             k, v = cache.update(k, v, cache_slot)
 
@@ -130,7 +139,7 @@ class LoopFormerAttention(nn.Module):
             dropout=self.config.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
         )
-        return self.o_proj(out.reshape(*input_shape, -1)), weights
+        return self.o_proj(out.reshape(*input_shape, -1)), weights, new_kv
 
 
 class LoopFormerMLP(nn.Module):
@@ -220,21 +229,37 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             self.adaLN_modulation[1].zero_init = True
 
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False):
+                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, kv_only=False):
+        """One block. With per-token halting (`halted`, a (batch, seq) bool mask), halted tokens keep their state;
+        their keys/values for this slot come from that frozen state, or from `reuse_kv` (their last computed slot).
+        `kv_only`: every token has halted, so only this slot's keys/values are written to the cache.
+
+        Returns (hidden_states, attention weights, this call's (keys, values)).
+        """
         normed = rms_norm(hidden_states, eps=self.eps)
         if conditioning is not None:
             gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(
                 hidden_states.dtype).chunk(4, dim=-1)
             normed = normed * (1 + scale_attn)
-        attn_out, attn_weights = self.self_attn(
+        if kv_only:
+            k, v = self.self_attn.project_kv(normed, position_embeddings, reuse_kv)
+            if cache is not None:
+                cache.update(k, v, cache_slot)
+            return hidden_states, None, (k, v)
+        attn_out, attn_weights, kv = self.self_attn(
             normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
-            output_attentions=output_attentions,
+            output_attentions=output_attentions, reuse_kv=reuse_kv,
         )
+        residual = hidden_states
         hidden_states = hidden_states + (attn_out if conditioning is None else gate_attn * attn_out)
         normed = rms_norm(hidden_states, eps=self.eps)
         if conditioning is None:
-            return hidden_states + self.mlp(normed), attn_weights
-        return hidden_states + gate_mlp * self.mlp(normed * (1 + scale_mlp)), attn_weights
+            hidden_states = hidden_states + self.mlp(normed)
+        else:
+            hidden_states = hidden_states + gate_mlp * self.mlp(normed * (1 + scale_mlp))
+        if halted is not None:
+            hidden_states = torch.where(halted[..., None], residual, hidden_states)
+        return hidden_states, attn_weights, kv
 
 
 class LoopFormerPreTrainedModel(PreTrainedModel):
@@ -260,10 +285,26 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
 
 @dataclass
 class LoopFormerCacheSpec:
-    """What a cache was filled under; a cache answers only for the trajectory that filled it."""
+    """What a cache was filled under; a cache answers only for the trajectory (and halting rule) that filled it."""
 
     trajectory: tuple
     num_blocks: int
+    halt_eps: float | None = None
+    halt_kv_fill: str | None = None
+
+
+@dataclass
+class LoopFormerModelOutput(BaseModelOutputWithPast):
+    """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`; otherwise every token runs M)."""
+
+    loop_counts: torch.LongTensor | None = None
+
+
+@dataclass
+class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
+    """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`)."""
+
+    loop_counts: torch.LongTensor | None = None
 
 
 class LoopFormerModel(LoopFormerPreTrainedModel):
@@ -288,9 +329,11 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     # ---- cache ----------------------------------------------------------------------------------------------------
 
-    def _prepare_cache(self, cache, trajectory):
+    def _prepare_cache(self, cache, trajectory, halt_eps=None):
         """One slot per (loop step, block). Returns the cache to use, checking it matches `trajectory`."""
-        spec = LoopFormerCacheSpec(tuple(trajectory), len(self.layers))
+        spec = LoopFormerCacheSpec(
+            tuple(trajectory), len(self.layers), halt_eps, self.config.halt_kv_fill if halt_eps is not None else None
+        )
         needed = len(trajectory) * len(self.layers)
         if cache is None:
             cache = DynamicCache()
@@ -311,10 +354,15 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         previous = getattr(cache, "loopformer_spec", None)
         if previous != spec:
             was = "an unknown trajectory" if previous is None else f"trajectory {list(previous.trajectory)}"
+            if previous is not None and previous.trajectory == spec.trajectory:
+                was = f"halt_eps={previous.halt_eps} (kv fill {previous.halt_kv_fill})"
+                now = f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill})"
+            else:
+                now = f"trajectory {list(trajectory)} (loop budget {len(trajectory)})"
             raise ValueError(
-                f"This cache was filled under {was}, but this call runs trajectory {list(trajectory)} "
-                f"(loop budget {len(trajectory)}). Every (loop step, block) has its own cache slot, so a cache only "
-                f"serves the loop_budget/step_schedule that built it: start a new cache (or call without one)."
+                f"This cache was filled under {was}, but this call runs {now}. Every (loop step, block) has its own "
+                f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps that built it: start a "
+                f"new cache (or call without one)."
             )
         return cache
 
@@ -365,6 +413,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         return_dict=None,
         loop_budget=None,
         step_schedule=None,
+        halt_eps=None,
         past_key_values=None,
         **kwargs,
     ):
@@ -372,6 +421,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
             ("uniform", "coarse_to_fine", "fine_to_coarse").
+        halt_eps (`float`, *optional*): adaptive depth per token: a token stops looping once
+            ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps, never beyond the budget; `loop_counts` reports the steps.
 
         `hidden_states` (with `output_hidden_states=True`) holds the embeddings followed by the residual stream after
         each loop step: M + 1 tensors. `attentions` holds one tensor per (loop step, block).
@@ -388,6 +439,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
+        halt_eps = self.config.check_halt_eps(halt_eps)
 
         if input_ids is not None:
             if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
@@ -399,7 +451,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         batch, q_len = inputs_embeds.shape[:2]
         device = inputs_embeds.device
 
-        cache = self._prepare_cache(cache, trajectory) if use_cache else None
+        cache = self._prepare_cache(cache, trajectory, halt_eps) if use_cache else None
         past_len = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
@@ -421,26 +473,51 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         num_blocks = len(self.layers)
+        # Per-token halting (halt_eps): `active` tokens keep looping; a halted token's state is frozen, and the
+        # cache slots it skips are filled (halt_kv_fill) so that later tokens can still attend to every slot.
+        active = torch.ones(batch, q_len, dtype=torch.bool, device=device) if halt_eps is not None else None
+        loop_counts = torch.zeros(batch, q_len, dtype=torch.long, device=device) if halt_eps is not None else None
+        reuse = self.config.halt_kv_fill == "reuse"
+        last_kv = [None] * num_blocks
         for step in range(len(trajectory)):
             c = None if conditioning is None else conditioning[step][None, None]
+            halted = None if active is None or bool(active.all()) else ~active
+            everyone_halted = active is not None and not bool(active.any())
+            if everyone_halted and cache is None:
+                break  # nothing left to compute and no slot to fill
+            previous = hidden_states
             for j, block in enumerate(self.layers):
-                hidden_states, weights = block(
+                slot = step * num_blocks + j
+                if everyone_halted and reuse:
+                    cache.update(*last_kv[j], slot)
+                    continue
+                hidden_states, weights, kv = block(
                     hidden_states, c,
                     attention_mask=mask,
                     position_embeddings=position_embeddings,
                     cache=cache,
-                    cache_slot=step * num_blocks + j,
+                    cache_slot=slot,
                     output_attentions=output_attentions,
+                    halted=halted,
+                    reuse_kv=(halted, *last_kv[j]) if reuse and halted is not None else None,
+                    kv_only=everyone_halted,
                 )
-                if output_attentions:
+                if active is not None:
+                    last_kv[j] = kv
+                if output_attentions and weights is not None:
                     all_attentions += (weights,)
+            if active is not None:
+                loop_counts += active
+                delta = (hidden_states - previous).float().abs().amax(-1)
+                residual = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
+                active = active & ~(residual < halt_eps)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
 
         hidden_states = self.norm(hidden_states)
-        output = BaseModelOutputWithPast(
+        output = LoopFormerModelOutput(
             last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions,
-            **{CACHE_FIELD: cache},
+            loop_counts=loop_counts, **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
 
@@ -482,6 +559,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         logits_to_keep=0,
         loop_budget=None,
         step_schedule=None,
+        halt_eps=None,
         past_key_values=None,
         **kwargs,
     ):
@@ -490,6 +568,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         loop_budget (`int`, *optional*): number of loop steps M; also a `generate` kwarg.
         step_schedule (`str` or list of `float`, *optional*): Δ_1..Δ_M summing to 1 or a preset name; also a
             `generate` kwarg.
+        halt_eps (`float`, *optional*): per-token adaptive depth (see [`LoopFormerModel.forward`]); also a
+            `generate` kwarg. The output's `loop_counts` holds the loop steps each token ran.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
@@ -504,7 +584,10 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             return_dict=True,
             loop_budget=loop_budget,
             step_schedule=step_schedule,
+            halt_eps=halt_eps,
         )
+        if outputs.loop_counts is not None and self._generation_loop_counts is not None:
+            self._generation_loop_counts.append(outputs.loop_counts)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -512,14 +595,38 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index")}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-        output = CausalLMOutputWithPast(
+        output = LoopFormerCausalLMOutput(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            loop_counts=outputs.loop_counts,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
         return output if return_dict else output.to_tuple()
+
+    _generation_loop_counts = None
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs.
+
+        With `halt_eps`, `model.last_loop_counts` holds afterwards a (batch, length - 1) tensor: the loop steps
+        spent on each input position (position i produced token i + 1); a dict output also carries it as
+        `loop_counts`.
+        """
+        self._generation_loop_counts = []
+        try:
+            out = super().generate(*args, **kwargs)
+            per_call = self._generation_loop_counts
+        finally:
+            self._generation_loop_counts = None
+        # The first call sees the prompt; every later one adds one position (the last column, cached or not).
+        self.last_loop_counts = (
+            torch.cat([per_call[0]] + [c[:, -1:] for c in per_call[1:]], dim=1) if per_call else None
+        )
+        if self.last_loop_counts is not None and not isinstance(out, torch.Tensor):
+            out["loop_counts"] = self.last_loop_counts
+        return out
 
 
 __all__ = ["LoopFormerPreTrainedModel", "LoopFormerModel", "LoopFormerForCausalLM"]

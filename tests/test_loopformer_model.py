@@ -85,10 +85,10 @@ def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
         block.adaLN_modulation[1].bias.normal_(0, 0.1)
     gate_attn, gate_mlp, scale_attn, scale_mlp = block.adaLN_modulation(c).chunk(4, -1)
     norm = lambda v: torch.nn.functional.rms_norm(v, (d,))  # noqa: E731
-    attn, _ = block.self_attn(norm(x) * (1 + scale_attn), None, None)
+    attn, _, _ = block.self_attn(norm(x) * (1 + scale_attn), None, None)
     h = x + gate_attn * attn
     expected = h + gate_mlp * block.mlp(norm(h) * (1 + scale_mlp))
-    got, _ = block(x, c)
+    got, _, _ = block(x, c)
     torch.testing.assert_close(got, expected)
 
 

@@ -1,0 +1,121 @@
+"""Issue 6: per-token adaptive depth (`halt_eps`) with a KV cache that stays right for tokens that halted early."""
+
+import pytest
+import torch
+
+from conftest import randomize_modulation, tiny_loopformer_config
+import loopformer_hf
+
+EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).eval()
+
+
+def decode_token_by_token(model, ids, prefix, **kw):
+    out = model(ids[:, :prefix], **kw)
+    cache, logits, counts = out.cache, [out.logits], [out.loop_counts]
+    for i in range(prefix, ids.shape[1]):
+        out = model(ids[:, i : i + 1], cache=cache, **kw)
+        cache = out.cache
+        logits.append(out.logits)
+        counts.append(out.loop_counts)
+    return torch.cat(logits, 1), torch.cat(counts, 1)
+
+
+@pytest.mark.parametrize("fill", ["recompute", "reuse"])
+def test_cached_adaptive_decode_equals_uncached_adaptive_forward(model, fill):
+    model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 30))
+    full = model(ids, halt_eps=EPS, use_cache=False)
+    assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
+    logits, counts = decode_token_by_token(model, ids, 10, halt_eps=EPS)
+    assert torch.equal(counts, full.loop_counts)
+    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
+
+
+def test_the_two_fill_strategies_differ_once_a_token_halts(model):
+    ids = torch.randint(3, 97, (1, 30))
+    model.config.halt_kv_fill = "recompute"
+    a = model(ids, halt_eps=EPS)
+    model.config.halt_kv_fill = "reuse"
+    b = model(ids, halt_eps=EPS)
+    assert not torch.allclose(a.logits, b.logits)
+
+
+def test_halting_never_exceeds_the_budget_and_freezes_halted_tokens(model):
+    ids = torch.randint(3, 97, (2, 20))
+    out = model(ids, halt_eps=EPS, loop_budget=4, output_hidden_states=True)
+    counts = out.loop_counts
+    assert counts.min() >= 1 and counts.max() <= 4
+    for step in range(1, 4):  # a token that ran `step` steps keeps that state afterwards
+        frozen = counts == step
+        if frozen.any():
+            torch.testing.assert_close(out.hidden_states[4][frozen], out.hidden_states[step][frozen])
+    assert model(ids, halt_eps=EPS, loop_budget=2).loop_counts.max() <= 2
+    # without halting every token runs the full budget; a tiny eps halts nothing
+    assert model(ids).loop_counts is None
+    assert torch.all(model(ids, halt_eps=1e-12).loop_counts == 4)
+
+
+def test_halt_eps_combines_with_a_schedule(model):
+    ids = torch.randint(3, 97, (1, 12))
+    a = model(ids, halt_eps=EPS, step_schedule=[0.5, 0.25, 0.25])
+    b = model(ids, halt_eps=EPS, step_schedule=[0.25, 0.25, 0.5])
+    assert a.loop_counts.max() <= 3
+    assert not torch.allclose(a.logits, b.logits)
+
+
+def test_loop_counts_fall_as_eps_grows(model):
+    ids = torch.randint(3, 97, (2, 20))
+    means = [model(ids, halt_eps=e).loop_counts.float().mean().item() for e in (1e-6, 0.4, 0.6, 5.0)]
+    assert means == sorted(means, reverse=True) and means[0] == 4 and means[-1] == 1
+
+
+def test_batched_equals_one_by_one_with_left_padding(model):
+    prompts = [torch.randint(3, 97, (n,)) for n in (4, 9, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = p
+        mask[row, width - len(p):] = 1
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, halt_eps=EPS, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kw)
+    batched_counts = model.last_loop_counts
+    assert batched_counts.shape == (3, width + 9)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], **kw)
+        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"prompt {row}: tokens depend on the batch"
+        assert torch.equal(batched_counts[row, width - len(p):], model.last_loop_counts[0]), f"prompt {row}: counts"
+
+
+def test_generate_returns_loop_counts(model):
+    ids = torch.randint(3, 97, (2, 5))
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=EPS,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 11) and out.loop_counts.shape == (2, 10)
+    assert torch.equal(out.loop_counts, model.last_loop_counts)
+    uncached = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=EPS,
+                              use_cache=False)
+    assert torch.equal(uncached, out.sequences) and torch.equal(model.last_loop_counts, out.loop_counts)
+    model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert model.last_loop_counts is None
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, float("nan"), float("inf"), True, "0.1", [0.1]])
+def test_bad_halt_eps_raises(model, bad):
+    with pytest.raises(ValueError, match="halt_eps") as info:
+        model(torch.randint(3, 97, (1, 4)), halt_eps=bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_cache_built_with_another_halt_eps_is_refused(model):
+    ids = torch.randint(3, 97, (1, 6))
+    out = model(ids, halt_eps=EPS)
+    with pytest.raises(ValueError, match="halt_eps"):
+        model(ids[:, :1], cache=out.cache)
+    model(ids[:, :1], cache=out.cache, halt_eps=EPS)
