@@ -1,0 +1,95 @@
+"""Wall-clock of cached generation with per-token halting (`halt_eps`) against mean loops per token.
+
+    python benchmarks/bench_halting.py [--checkpoint runs/main/loopformer] [--output benchmarks/results/halting.json]
+
+For fixed budgets M = 1..L and a sweep of halt_eps (both KV fill strategies), it runs greedy cached generation
+side by side (interleaved repeats, medians) and prints the time per generated token relative to the full budget L,
+next to the mean loop steps per generated token relative to L. Without a checkpoint a tiny random model is used
+(its halting pattern is arbitrary; use a trained checkpoint for meaningful halting).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import loopformer_hf
+from transformers import AutoModelForCausalLM
+
+
+def tiny_random_model():
+    torch.manual_seed(0)
+    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                                         num_hidden_layers=2, num_loops=4, max_position_embeddings=1024)
+    model = loopformer_hf.LoopFormerForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adaLN_modulation" in name:
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="a LoopFormer folder; default: a tiny random model")
+    parser.add_argument("--eps", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.4])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default="benchmarks/results/halting.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval() if args.checkpoint else tiny_random_model()
+    L = model.config.num_loops
+    prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+
+    runs = {f"M={m}": dict(loop_budget=m) for m in range(1, L + 1)}
+    for fill in ("recompute", "reuse"):
+        for eps in args.eps:
+            runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill)
+
+    def run(kw):
+        kw = dict(kw)
+        model.config.halt_kv_fill = kw.pop("fill", "recompute")
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                           pad_token_id=0, **kw)
+        seconds = time.perf_counter() - start
+        counts = model.last_loop_counts
+        # positions prompt-1 .. end-1 produced the generated tokens
+        loops = counts[0, args.prompt_len - 1:].float().mean().item() if counts is not None else kw["loop_budget"]
+        return seconds / args.new_tokens, loops
+
+    times = {name: [] for name in runs}
+    loops = {}
+    run(runs[f"M={L}"])  # warm-up
+    for _ in range(args.repeats):  # interleaved so that machine noise hits every configuration alike
+        for name, kw in runs.items():
+            t, l = run(kw)
+            times[name].append(t)
+            loops[name] = l
+    ref = statistics.median(times[f"M={L}"])
+    table = []
+    print(f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18}")
+    for name in runs:
+        med = statistics.median(times[name])
+        row = dict(run=name, mean_loops=loops[name], loops_over_L=loops[name] / L, ms_per_token=1e3 * med,
+                   time_ratio=med / ref)
+        table.append(row)
+        print(f"{name:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} {row['ms_per_token']:>14.2f} "
+              f"{row['time_ratio']:>18.2f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(dict(checkpoint=args.checkpoint, num_loops=L, new_tokens=args.new_tokens, rows=table), f, indent=2)
+    print(f"wrote {args.output}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
