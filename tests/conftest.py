@@ -39,3 +39,10 @@ def tiny_config():
 def tiny_model(tiny_config):
     torch.manual_seed(0)
     return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_config)).eval()
+
+
+def cache_of(output):
+    """The returned KV cache: transformers 5.24 names the field `cache`, earlier 5.x releases `past_key_values`."""
+    from loopformer_hf.modeling_loopformer import CACHE_FIELD
+
+    return getattr(output, CACHE_FIELD)

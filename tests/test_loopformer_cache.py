@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import randomize_modulation, tiny_loopformer_config
+from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 
 SCHEDULES = [(M, None) for M in range(1, 5)] + [(None, [0.5, 0.25, 0.125, 0.125]), (None, "coarse_to_fine")]
@@ -17,10 +17,10 @@ def test_prefill_plus_decode_equals_uncached_forward(tiny_model, budget, schedul
     ids = torch.randint(3, 97, (2, 30))
     full = tiny_model(ids, loop_budget=budget, step_schedule=schedule, use_cache=False).logits
     out = tiny_model(ids[:, :10], loop_budget=budget, step_schedule=schedule, use_cache=True)
-    cache, pieces = out.cache, [out.logits]
+    cache, pieces = cache_of(out), [out.logits]
     for i in range(10, 30):  # 20 single-token decode steps
         out = tiny_model(ids[:, i : i + 1], cache=cache, loop_budget=budget, step_schedule=schedule, use_cache=True)
-        cache = out.cache
+        cache = cache_of(out)
         pieces.append(out.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
     steps = len(tiny_model.config.resolve_trajectory(budget, schedule))
@@ -32,7 +32,7 @@ def test_past_key_values_name_is_accepted(tiny_model):
     ids = torch.randint(3, 97, (1, 12))
     full = tiny_model(ids, use_cache=False).logits
     out = tiny_model(ids[:, :8], use_cache=True)
-    step = tiny_model(ids[:, 8:], past_key_values=out.cache, use_cache=True)
+    step = tiny_model(ids[:, 8:], past_key_values=cache_of(out), use_cache=True)
     torch.testing.assert_close(step.logits, full[:, 8:], atol=1e-5, rtol=0)
 
 
@@ -90,9 +90,9 @@ def test_reusing_a_cache_under_another_trajectory_raises(tiny_model, first, seco
     ids = torch.randint(3, 97, (1, 8))
     out = tiny_model(ids, use_cache=True, **first)
     with pytest.raises(ValueError, match="cache was filled under trajectory"):
-        tiny_model(ids[:, :1], cache=out.cache, use_cache=True, **second)
+        tiny_model(ids[:, :1], cache=cache_of(out), use_cache=True, **second)
     # the same trajectory still works with that cache
-    tiny_model(ids[:, :1], cache=out.cache, use_cache=True, **first)
+    tiny_model(ids[:, :1], cache=cache_of(out), use_cache=True, **first)
 
 
 def test_foreign_cache_without_trajectory_record_raises(tiny_model):
@@ -106,4 +106,4 @@ def test_foreign_cache_without_trajectory_record_raises(tiny_model):
 def test_user_supplied_empty_cache_is_filled_in_place(tiny_model):
     cache = DynamicCache()
     out = tiny_model(torch.randint(3, 97, (1, 5)), cache=cache, use_cache=True, loop_budget=2)
-    assert out.cache is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4
+    assert cache_of(out) is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4

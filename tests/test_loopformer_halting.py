@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import randomize_modulation, tiny_loopformer_config
+from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
@@ -17,10 +17,10 @@ def model():
 
 def decode_token_by_token(model, ids, prefix, **kw):
     out = model(ids[:, :prefix], **kw)
-    cache, logits, counts = out.cache, [out.logits], [out.loop_counts]
+    cache, logits, counts = cache_of(out), [out.logits], [out.loop_counts]
     for i in range(prefix, ids.shape[1]):
         out = model(ids[:, i : i + 1], cache=cache, **kw)
-        cache = out.cache
+        cache = cache_of(out)
         logits.append(out.logits)
         counts.append(out.loop_counts)
     return torch.cat(logits, 1), torch.cat(counts, 1)
@@ -117,5 +117,5 @@ def test_cache_built_with_another_halt_eps_is_refused(model):
     ids = torch.randint(3, 97, (1, 6))
     out = model(ids, halt_eps=EPS)
     with pytest.raises(ValueError, match="halt_eps"):
-        model(ids[:, :1], cache=out.cache)
-    model(ids[:, :1], cache=out.cache, halt_eps=EPS)
+        model(ids[:, :1], cache=cache_of(out))
+    model(ids[:, :1], cache=cache_of(out), halt_eps=EPS)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from conftest import randomize_modulation, tiny_loopformer_config
+from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 from loopformer_hf import configuration_loopformer
@@ -351,7 +351,7 @@ def test_rope_and_gqa_variants_cache_correctly():
     out = model(ids[:, :6])
     pieces = [out.logits]
     for i in range(6, 12):
-        out = model(ids[:, i : i + 1], cache=out.cache)
+        out = model(ids[:, i : i + 1], cache=cache_of(out))
         pieces.append(out.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
 
