@@ -1,0 +1,322 @@
+"""LoopFormer speed on CPU: training step and cached generation vs an iso-FLOP Llama, KV-cache speed-up, and how
+generation time scales with the loop budget M. One command; prints a table and writes JSON.
+
+    .venv/bin/python benchmarks/bench_loopformer.py                      # full run (tens of minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_loopformer.py --quick --output /tmp/loopformer_quick.json   # smoke run
+
+Models (small config: hidden 256, 4 heads, vocab 512, fp32, sdpa attention):
+
+- LoopFormer k⊗L = 2⊗4 with `hidden_act="swiglu"` (3-matrix gated MLP, width 1024) and RoPE, so that each of its
+  k·L block applications does exactly the matmuls of one Llama decoder layer; the only differences left are the
+  looping and the adaLN modulation (plus the t/Δ embedders). The reference model's GELU MLP / learned positions are
+  not used here: they would change FLOPs and position costs, not the loop machinery being measured.
+- `transformers.LlamaForCausalLM` with k·L = 8 layers of the same hidden / intermediate size / heads, tied
+  embeddings: the iso-FLOP unlooped baseline.
+
+Method: the two sides of every ratio run interleaved (A B, B A, ...) in the same process, after one warm-up
+each; each ratio is the median over repeats of the per-repeat ratio (adjacent runs see the same machine load),
+and the medians of the raw times are reported too. Greedy decoding with `min_new_tokens = max_new_tokens`, so both
+sides produce exactly the same number of tokens. `torch.set_num_threads` is fixed (`--threads`).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import transformers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import loopformer_hf  # noqa: E402
+
+DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer.json")
+
+FULL = dict(hidden=256, heads=4, intermediate=1024, vocab=512, k=2, loops=4, seq=256, batch=4,
+            prompt=32, gen_short=256, gen_long=1024, gen_vs_llama=256, gen_budget=256,
+            repeats=5, repeats_long=3, train_repeats=7)
+QUICK = dict(hidden=64, heads=4, intermediate=256, vocab=512, k=2, loops=4, seq=64, batch=2,
+             prompt=8, gen_short=16, gen_long=48, gen_vs_llama=16, gen_budget=16,
+             repeats=2, repeats_long=2, train_repeats=2)
+
+TARGETS = {  # name: (comparison, bound description)
+    "train_step_loopformer_over_llama": "<= 1.15",
+    "generate_tokens_per_s_loopformer_over_llama": ">= 0.85",
+    "cached_over_uncached_speedup_short": ">= 3.0",
+    "cached_over_uncached_speedup_long": "> short (gap widens)",
+}
+
+
+# ---- models --------------------------------------------------------------------------------------------------------
+
+
+def build_models(cfg, position_embedding, seed=0):
+    max_pos = max(2048, cfg["prompt"] + cfg["gen_long"] + 1, cfg["seq"])
+    torch.manual_seed(seed)
+    lf_config = loopformer_hf.LoopFormerConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
+        intermediate_size=cfg["intermediate"], hidden_act="swiglu", num_hidden_layers=cfg["k"],
+        num_loops=cfg["loops"], position_embedding_type=position_embedding, max_position_embeddings=max_pos,
+        tie_word_embeddings=True, pad_token_id=0, attn_implementation="sdpa",
+    )
+    loopformer = loopformer_hf.LoopFormerForCausalLM(lf_config)
+    with torch.no_grad():  # adaLN is zero at init (closed branches): give it trained-like random values
+        for name, p in loopformer.named_parameters():
+            if "adaLN_modulation" in name:
+                p.normal_(0.0, 0.02) if name.endswith("weight") else p.fill_(0.5)
+    llama_config = LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["k"] * cfg["loops"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"], max_position_embeddings=max_pos, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+    )
+    llama = LlamaForCausalLM(llama_config)
+    return loopformer, llama
+
+
+def count_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- timing --------------------------------------------------------------------------------------------------------
+
+
+def interleaved(fns, repeats, warmup=1):
+    """Run every callable `warmup` times, then `repeats` rounds in alternating order; seconds per call by name."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(times, num, den):
+    """Median of per-round ratios num/den (each round measured back to back)."""
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def train_step_fn(model, batch):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def generate_fn(model, prompt, new_tokens, use_cache=True, **kwargs):
+    result = {}
+
+    def run():
+        with torch.inference_mode():
+            result["tokens"] = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, use_cache=use_cache, pad_token_id=0, **kwargs,
+            )
+
+    run.result = result
+    return run
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------------
+
+
+def run_benchmark(cfg, threads, position_embedding, log=print):
+    torch.set_num_threads(threads)
+    # uniform budgets such as M=3 of L=4 are off the 1/L grid: the model warns once; the timing does not care
+    warnings.filterwarnings("ignore", message="LoopFormer trajectory")
+    loopformer, llama = build_models(cfg, position_embedding)
+    g = torch.Generator().manual_seed(1)
+    results = {}
+
+    # (i) training step, fp32
+    log(f"[i] training step: batch {cfg['batch']} x seq {cfg['seq']}, {cfg['train_repeats']} rounds")
+    loopformer.train()
+    llama.train()
+    batch = torch.randint(3, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    t = interleaved({"loopformer": train_step_fn(loopformer, batch), "llama": train_step_fn(llama, batch)},
+                    cfg["train_repeats"])
+    results["train_step"] = dict(
+        loopformer_s=med(t["loopformer"]), llama_s=med(t["llama"]),
+        ratio=paired_ratio(t, "loopformer", "llama"), times=t,
+    )
+    loopformer.eval()
+    llama.eval()
+
+    prompt = torch.randint(3, cfg["vocab"], (1, cfg["prompt"]), generator=g)
+
+    # (ii-a) cached generate vs Llama
+    n = cfg["gen_vs_llama"]
+    log(f"[ii] cached generate vs Llama: {n} new tokens, {cfg['repeats']} rounds")
+    t = interleaved({"loopformer": generate_fn(loopformer, prompt, n), "llama": generate_fn(llama, prompt, n)},
+                    cfg["repeats"])
+    results["generate_vs_llama"] = dict(
+        new_tokens=n, loopformer_tokens_per_s=n / med(t["loopformer"]), llama_tokens_per_s=n / med(t["llama"]),
+        ratio=paired_ratio(t, "llama", "loopformer"),  # tokens/s ratio = inverse time ratio
+        times=t,
+    )
+
+    # (ii-b) cached vs uncached, short and long
+    # The long pair skips its warm-up (the short pair has warmed the same code paths): one uncached run of 1024
+    # tokens takes minutes on two cores.
+    for label, n, repeats, warmup in (("short", cfg["gen_short"], cfg["repeats"], 1),
+                                      ("long", cfg["gen_long"], cfg["repeats_long"], 0)):
+        log(f"[ii] cached vs uncached generate: {n} new tokens, {repeats} rounds")
+        cached, uncached = generate_fn(loopformer, prompt, n, True), generate_fn(loopformer, prompt, n, False)
+        t = interleaved({"cached": cached, "uncached": uncached}, repeats, warmup=warmup)
+        results[f"cached_vs_uncached_{label}"] = dict(
+            new_tokens=n, cached_s=med(t["cached"]), uncached_s=med(t["uncached"]),
+            speedup=paired_ratio(t, "uncached", "cached"),
+            same_tokens=bool(torch.equal(cached.result["tokens"], uncached.result["tokens"])), times=t,
+        )
+
+    # (iii) generate time at budget M over time at L
+    n, L = cfg["gen_budget"], cfg["loops"]
+    log(f"[iii] cached generate at budget M = 1..{L}: {n} new tokens, {cfg['repeats']} rounds")
+    fns = {M: generate_fn(loopformer, prompt, n, loop_budget=M) for M in range(1, L + 1)}
+    t = interleaved(fns, cfg["repeats"])
+    results["budget_scaling"] = {
+        str(M): dict(time_s=med(t[M]), ratio=paired_ratio(t, M, L), bound=M / L + 0.1) for M in range(1, L + 1)
+    }
+    # supplementary: the same for one forward pass over a full sequence (model compute without generate's loop)
+    log(f"[iii'] forward over seq {cfg['seq']} at budget M = 1..{L}")
+    seq = batch[:1]
+
+    def forward_fn(M):
+        def run():
+            with torch.inference_mode():
+                loopformer(seq, loop_budget=M, use_cache=False)
+        return run
+
+    t = interleaved({M: forward_fn(M) for M in range(1, L + 1)}, cfg["repeats"])
+    results["budget_scaling_forward"] = {
+        str(M): dict(time_s=med(t[M]), ratio=paired_ratio(t, M, L), bound=M / L + 0.1) for M in range(1, L + 1)
+    }
+
+    ratios = {
+        "train_step_loopformer_over_llama": results["train_step"]["ratio"],
+        "generate_tokens_per_s_loopformer_over_llama": results["generate_vs_llama"]["ratio"],
+        "cached_over_uncached_speedup_short": results["cached_vs_uncached_short"]["speedup"],
+        "cached_over_uncached_speedup_long": results["cached_vs_uncached_long"]["speedup"],
+    }
+    for M in range(1, L + 1):
+        ratios[f"generate_time_budget_{M}_over_{L}"] = results["budget_scaling"][str(M)]["ratio"]
+    met = {
+        "train_step_loopformer_over_llama": ratios["train_step_loopformer_over_llama"] <= 1.15,
+        "generate_tokens_per_s_loopformer_over_llama": ratios["generate_tokens_per_s_loopformer_over_llama"] >= 0.85,
+        "cached_over_uncached_speedup_short": ratios["cached_over_uncached_speedup_short"] >= 3.0,
+        "cached_over_uncached_speedup_long":
+            ratios["cached_over_uncached_speedup_long"] > ratios["cached_over_uncached_speedup_short"],
+    }
+    targets = dict(TARGETS)
+    for M in range(1, L + 1):
+        key = f"generate_time_budget_{M}_over_{L}"
+        targets[key] = f"<= {M / L + 0.1:.3f}"
+        met[key] = ratios[key] <= M / L + 0.1
+    return dict(
+        ratios=ratios, targets=targets, met=met, results=results,
+        models=dict(loopformer_params=count_params(loopformer), llama_params=count_params(llama)),
+    )
+
+
+def format_table(report):
+    cfg, res, ratios, targets, met = (report["config"], report["results"], report["ratios"], report["targets"],
+                                      report["met"])
+    L = cfg["loops"]
+    rows = [("measurement", "LoopFormer", "baseline", "ratio", "target", "met")]
+    tr = res["train_step"]
+    rows.append((f"train step (b{cfg['batch']}x{cfg['seq']}) s, vs Llama {cfg['k'] * L}L",
+                 f"{tr['loopformer_s']:.4f}", f"{tr['llama_s']:.4f}"))
+    gl = res["generate_vs_llama"]
+    rows.append((f"cached generate {gl['new_tokens']} tok/s, vs Llama",
+                 f"{gl['loopformer_tokens_per_s']:.1f}", f"{gl['llama_tokens_per_s']:.1f}"))
+    for label in ("short", "long"):
+        c = res[f"cached_vs_uncached_{label}"]
+        rows.append((f"cached vs uncached, {c['new_tokens']} new tok (s)", f"{c['cached_s']:.3f}",
+                     f"{c['uncached_s']:.3f}"))
+    for M in range(1, L + 1):
+        b = res["budget_scaling"][str(M)]
+        rows.append((f"generate at M={M} vs M={L} (s)", f"{b['time_s']:.3f}",
+                     f"{res['budget_scaling'][str(L)]['time_s']:.3f}"))
+    keys = list(ratios)
+    table = [rows[0]] + [row + (f"{ratios[k]:.3f}", targets[k], "yes" if met[k] else "NO")
+                         for row, k in zip(rows[1:], keys)]
+    for M in range(1, L + 1):
+        f = res["budget_scaling_forward"][str(M)]
+        table.append((f"(suppl.) forward seq {cfg['seq']} M={M} vs M={L} (s)", f"{f['time_s']:.4f}",
+                      f"{res['budget_scaling_forward'][str(L)]['time_s']:.4f}", f"{f['ratio']:.3f}",
+                      f"<= {f['bound']:.3f}", "yes" if f["ratio"] <= f["bound"] else "NO"))
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
+    lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", default=DEFAULT_OUTPUT, help=f"JSON file to write (default: {DEFAULT_OUTPUT})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run (timings meaningless)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1, the least noisy)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per measurement (default: 5; 2 with --quick)")
+    p.add_argument("--repeats-long", type=int, default=None,
+                   help="rounds for the long cached-vs-uncached pair (default: 3; 2 with --quick)")
+    p.add_argument("--position-embedding", default="rope", choices=("rope", "learned"),
+                   help="LoopFormer positions (default: rope, as the Llama baseline)")
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("repeats", "repeats_long"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.repeats is not None:
+        cfg["repeats"] = cfg["train_repeats"] = args.repeats
+    if args.repeats_long is not None:
+        cfg["repeats_long"] = args.repeats_long
+    start = time.time()
+    report = run_benchmark(cfg, args.threads, args.position_embedding, log=lambda s: print(s, flush=True))
+    report = dict(
+        config=dict(cfg, threads=args.threads, quick=args.quick, dtype="float32", attn_implementation="sdpa",
+                    loopformer_mlp="swiglu", position_embedding=args.position_embedding),
+        environment=dict(torch=torch.__version__, transformers=transformers.__version__,
+                         python=platform.python_version(), machine=platform.machine(), cpu_count=os.cpu_count()),
+        wall_s=time.time() - start,
+        **report,
+    )
+    print()
+    print(format_table(report))
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {args.output} ({report['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Issue 2, item 8: the benchmark runs as one command (quick mode here) and its JSON carries every ratio.
+
+No timing assertions: the numbers of a smoke run on a shared machine mean nothing.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "bench_loopformer.py")
+EXPECTED_RATIOS = [
+    "train_step_loopformer_over_llama",
+    "generate_tokens_per_s_loopformer_over_llama",
+    "cached_over_uncached_speedup_short",
+    "cached_over_uncached_speedup_long",
+] + [f"generate_time_budget_{M}_over_4" for M in range(1, 5)]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_quick_benchmark_writes_every_ratio(tmp_path):
+    out = tmp_path / "nested" / "bench.json"
+    proc = _run("--quick", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert sorted(report["ratios"]) == sorted(EXPECTED_RATIOS)
+    for name, value in report["ratios"].items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    assert sorted(report["targets"]) == sorted(EXPECTED_RATIOS)
+    assert sorted(report["met"]) == sorted(EXPECTED_RATIOS)
+    assert all(isinstance(v, bool) for v in report["met"].values())
+
+    config = report["config"]
+    assert config["quick"] is True and config["threads"] >= 1 and config["k"] * config["loops"] == 8
+    results = report["results"]
+    assert results["cached_vs_uncached_short"]["new_tokens"] < results["cached_vs_uncached_long"]["new_tokens"]
+    # cached and uncached greedy generation must produce the same tokens (a correctness check, not a timing one)
+    assert results["cached_vs_uncached_short"]["same_tokens"] and results["cached_vs_uncached_long"]["same_tokens"]
+    assert sorted(results["budget_scaling"]) == ["1", "2", "3", "4"]
+    assert [len(t) for t in results["train_step"]["times"].values()] == [config["train_repeats"]] * 2
+    # the printed table has one row per ratio, with its value
+    for name in ("train step", "cached generate", "cached vs uncached", "generate at M=1 vs M=4"):
+        assert name in proc.stdout
+    assert f"{report['ratios']['train_step_loopformer_over_llama']:.3f}" in proc.stdout
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    proc = _run("--quick", "--threads", "0", "--output", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "--threads must be >= 1, got 0" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
