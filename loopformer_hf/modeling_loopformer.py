@@ -8,6 +8,7 @@ an error instead of silently wrong logits.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,17 @@ logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _cache_argument(cache, past_key_values, owner):
+    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
+    if past_key_values is None:
+        return cache
+    if CACHE_FIELD == "cache":
+        warnings.warn(
+            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
+        )
+    return cache if cache is not None else past_key_values
 
 
 def rms_norm(x, weight=None, eps=None):
@@ -53,9 +65,12 @@ class LoopFormerRMSNorm(nn.Module):
 class LoopFormerRotaryEmbedding(nn.Module):
     def __init__(self, config):
         super().__init__()
+        self.register_buffer("inv_freq", self.compute_inv_freq(config), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config):
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
     def forward(self, x, position_ids):
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
@@ -133,7 +148,9 @@ class LoopFormerAttention(nn.Module):
 
         attention_interface = eager_attention_forward
         if self.config._attn_implementation not in (None, "eager") and not output_attentions:
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
         out, weights = attention_interface(
             self, q, k, v, attention_mask,
             dropout=self.config.attention_dropout if self.training else 0.0,
@@ -279,6 +296,10 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
 
             init.zeros_(module.weight)
             init.zeros_(module.bias)
+        elif isinstance(module, LoopFormerRotaryEmbedding):  # non-persistent: rebuilt when loading from meta
+            from transformers import initialization as init
+
+            init.copy_(module.inv_freq, module.compute_inv_freq(self.config))
         else:
             super()._init_weights(module)
 
@@ -435,7 +456,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        cache = cache if cache is not None else past_key_values
+        cache = _cache_argument(cache, past_key_values, type(self).__name__)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
@@ -576,7 +597,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
+            cache=_cache_argument(cache, past_key_values, type(self).__name__),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -593,7 +614,9 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
-            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index")}
+            loss_kwargs = {
+                k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")
+            }
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,

@@ -7,4 +7,5 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import torch, transformer
   .venv/bin/pip install --no-cache-dir -q --disable-pip-version-check -r requirements-lock.txt 2>&1 | grep -v "is ignored" || true
   .venv/bin/pip install --no-cache-dir -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true
 fi
+bash scripts/fetch_transformers_tests.sh  # transformers' own common model tests, from its source distribution
 .venv/bin/python -c "import torch, transformers, loopformer_hf, fprm_hf; print('env ok: torch', torch.__version__, 'transformers', transformers.__version__)"
