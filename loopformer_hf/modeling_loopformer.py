@@ -400,7 +400,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                     f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, kv_len)}, "
                     f"got {tuple(attention_mask.shape)}."
                 )
-            if bool(attention_mask.all()):
+            if not torch.compiler.is_compiling() and bool(attention_mask.all()):
                 attention_mask = None
         if attention_mask is None and (q_len == 1 or past_len == 0) and self.config._attn_implementation == "sdpa":
             return None
@@ -463,7 +463,11 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         halt_eps = self.config.check_halt_eps(halt_eps)
 
         if input_ids is not None:
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            # checks read values (a graph break), so compiled graphs skip them
+            checking = not torch.compiler.is_compiling()
+            if checking and input_ids.numel() and (
+                int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
+            ):
                 raise ValueError(
                     f"`input_ids` must lie in [0, {self.config.vocab_size - 1}], got values in "
                     f"[{int(input_ids.min())}, {int(input_ids.max())}]."
@@ -481,7 +485,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = None
         if self.config.position_embedding_type == "learned":
-            if int(position_ids.max()) >= self.config.max_position_embeddings:
+            if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
                 raise ValueError(
                     f"Position {int(position_ids.max())} is beyond max_position_embeddings="
                     f"{self.config.max_position_embeddings} (learned positions cannot extrapolate)."

@@ -53,7 +53,7 @@ def tiny_config(tokenizer=None, **overrides):
     kwargs = dict(
         vocab_size=vocab, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2,
         num_loops=4, max_position_embeddings=128, frequency_embedding_size=16,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return LoopFormerConfig(**kwargs)
@@ -109,9 +109,32 @@ def last_json_line(stdout):
 
 def hf_env(tmp_path, endpoint=None, token=None):
     """Environment for a fresh process: an isolated HF cache (so remote code and files really come from the server)."""
-    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1"}
+    # conftest.py sets HF_HUB_OFFLINE=1 for the test session; these processes talk to the local test Hub.
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
     if endpoint:
         env["HF_ENDPOINT"] = endpoint
     if token:
         env["HF_TOKEN"] = token
     return env
+
+
+def make_fprm(seed=0, **overrides):
+    """A tiny sequence FPRM (causal, state-tracking layout) with a low loop cap."""
+    from fprm_hf import FPRMConfig, FPRMForReasoning
+
+    kwargs = dict(
+        vocab_size=8, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=1,
+        grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0,
+        max_loops=4,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return FPRMForReasoning(FPRMConfig(**kwargs)).eval()
+
+
+def fprm_task_rows(n=16, length=6, vocab=8, seed=0):
+    """A toy task for FPRM: the label of each position is the running sum of the inputs mod `vocab`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, length), generator=g)
+    y = x.cumsum(-1) % vocab
+    return [{"input_ids": a.tolist(), "labels": b.tolist()} for a, b in zip(x, y)]

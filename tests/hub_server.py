@@ -180,7 +180,8 @@ class HubHandler(BaseHTTPRequestHandler):
                 repo_url = f"http://{self.headers.get('Host')}/{url_prefix}{repo_id}"
                 if (repo_type, repo_id) in self.state.repos:
                     return self._send(409, {"error": "You already created this model repo", "url": repo_url})
-                self.state.repos[(repo_type, repo_id)] = Repo(repo_id, repo_type, bool(payload.get("private")))
+                private = bool(payload.get("private")) or payload.get("visibility") == "private"  # hub 1.x | 2.x
+                self.state.repos[(repo_type, repo_id)] = Repo(repo_id, repo_type, private)
                 return self._send(200, {"url": repo_url, "name": repo_id})
             if len(parts) >= 6 and parts[0] == "api" and parts[1] in ("models", "datasets", "spaces"):
                 repo_type, repo_id, rest = self._split_api_path(parts[1:])

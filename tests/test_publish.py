@@ -1,0 +1,298 @@
+"""`python -m training.publish` against a Hub-compatible server on 127.0.0.1: push, load by repo id in a fresh process
+where the packages cannot be imported, model card metadata and snippets, repeated pushes, bad token, unreachable
+endpoint, FPRM through its Auto class."""
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from _hub_helpers import PYTHON, REPO_ROOT, hf_env, last_json_line, make_fprm, make_model, make_tokenizer, run_python
+from hub_server import HubServer
+
+import loopformer_hf  # noqa: F401  (registers the classes for the in-process side)
+from training.publish import load_eval_results, main as publish_main
+
+
+TOKEN = "hf_test_write_token"
+REPO = "org/loopformer-tiny"
+FPRM_REPO = "org/fprm-tiny"
+FPRM_IDS = [[1, 2, 3, 4, 5, 6], [7, 0, 1, 1, 2, 3]]
+EVAL = {
+    "task": {"type": "text-generation", "name": "Language modeling"},
+    "dataset": {"name": "tiny-corpus", "type": "text", "split": "test"},
+    "results": [
+        {"metric": "perplexity", "value": 41.5, "loop_budget": 1},
+        {"metric": "perplexity", "value": 17.25, "loop_budget": 4, "step_schedule": "uniform"},
+    ],
+}
+INPUT_IDS = [[5, 17, 42, 9, 100, 3, 77]]
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _free_closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the block ends: connections are refused
+
+
+@pytest.fixture(scope="module")
+def hub():
+    import huggingface_hub.constants
+
+    # conftest.py puts the session offline; the in-process pushes here go to the local test server.
+    with pytest.MonkeyPatch.context() as patch, HubServer(tokens={TOKEN}) as server:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "loopformer-tiny"
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "eval_results.json").write_text(json.dumps(EVAL))
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def pushed(hub, checkpoint):
+    """First push, through the command line exactly as documented."""
+    path, model = checkpoint
+    before = _digest(path)
+    proc = subprocess.run(
+        [PYTHON, "-m", "training.publish", "--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN,
+         "--dataset", "org/tiny-corpus", "--tag", "tiny"],
+        cwd=REPO_ROOT, env={**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _digest(path) == before  # the checkpoint is only read
+    return model
+
+
+@pytest.fixture(scope="module")
+def pushed_fprm(hub, tmp_path_factory):
+    """An FPRM checkpoint (no tokenizer: its inputs are task tokens) pushed the same way."""
+    path = tmp_path_factory.mktemp("fprm") / "fprm-tiny"
+    model = make_fprm(seed=0)
+    model.save_pretrained(path)
+    assert publish_main(["--checkpoint", str(path), "--repo-id", FPRM_REPO, "--token", TOKEN,
+                         "--endpoint", hub.endpoint]) == 0
+    return model
+
+
+def test_fprm_push_has_auto_map_code_and_card(hub, pushed_fprm):
+    files = hub.files(FPRM_REPO)
+    assert {"model.safetensors", "config.json", "configuration_fprm.py", "modeling_fprm.py", "README.md"} <= set(files)
+    config = json.loads(files["config.json"])
+    assert config["auto_map"]["AutoModelForTokenClassification"] == "modeling_fprm.FPRMForReasoning"
+    meta = yaml.safe_load(files["README.md"].decode().split("---")[1])
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "token-classification"
+    assert "fprm" in meta["tags"] and "custom_code" in meta["tags"]
+
+
+def test_push_uploads_weights_config_code_tokenizer_generation_config_card(hub, pushed):
+    files = hub.files(REPO)
+    assert set(files) == {
+        "model.safetensors", "config.json", "configuration_loopformer.py", "modeling_loopformer.py",
+        "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
+    }
+    config = json.loads(files["config.json"])
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_loopformer.LoopFormerForCausalLM"
+    assert config["auto_map"]["AutoConfig"] == "configuration_loopformer.LoopFormerConfig"
+    assert files["modeling_loopformer.py"] == (REPO_ROOT / "loopformer_hf" / "modeling_loopformer.py").read_bytes()
+
+
+def test_model_card_metadata_and_model_index_from_eval_json(hub, pushed):
+    card = hub.files(REPO)["README.md"].decode()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-generation"
+    assert meta["license"] == "apache-2.0"
+    assert meta["datasets"] == ["org/tiny-corpus"]
+    assert {"loopformer", "custom_code", "tiny"} <= set(meta["tags"])
+    (entry,) = meta["model-index"][0]["results"]
+    assert entry["dataset"] == {"name": "tiny-corpus", "type": "text", "split": "test"}
+    assert entry["task"]["type"] == "text-generation"
+    got = {m["config"]: m["value"] for m in entry["metrics"]}
+    assert got == {"loop_budget=1": 41.5, "loop_budget=4,step_schedule=uniform": 17.25}
+    assert "| 17.25 |" in card  # the same numbers in the card body
+    assert f'from_pretrained("{REPO}", trust_remote_code=True)' in card
+
+
+def test_fresh_process_without_packages_loads_by_repo_id_with_equal_logits_and_card_snippets_run(
+        hub, pushed, pushed_fprm, tmp_path):
+    code = f"""
+    import json, re, torch
+    try:
+        import loopformer_hf
+        raise SystemExit("loopformer_hf should not be importable here")
+    except ImportError:
+        pass
+    from huggingface_hub import hf_hub_download
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    tok = AutoTokenizer.from_pretrained("{REPO}", trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained("{REPO}", trust_remote_code=True).eval()
+    ids = torch.tensor({INPUT_IDS})
+    with torch.no_grad():
+        logits = {{
+            "default": model(ids).logits,
+            "m1": model(ids, loop_budget=1).logits,
+            "sched": model(ids, step_schedule=[0.5, 0.25, 0.25]).logits,
+        }}
+    torch.save(logits, r"{tmp_path / 'logits.pt'}")
+    gen = model.generate(**tok(["the cat"], return_tensors="pt"), loop_budget=2, max_new_tokens=6, do_sample=False)
+    pipe = pipeline("text-generation", model="{REPO}", trust_remote_code=True)
+    text = pipe("the cat", loop_budget=2, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    card = open(hf_hub_download("{REPO}", "README.md")).read()
+    snippets = re.findall(r"```python\\n(.*?)```", card, re.S)
+    for snippet in snippets:
+        exec(snippet, {{}})
+    try:
+        import fprm_hf
+        raise SystemExit("fprm_hf should not be importable here")
+    except ImportError:
+        pass
+    from transformers import AutoModelForTokenClassification
+    fprm = AutoModelForTokenClassification.from_pretrained("{FPRM_REPO}", trust_remote_code=True).eval()
+    with torch.no_grad():
+        fprm_out = fprm(torch.tensor({FPRM_IDS}), halting=False)
+    torch.save({{"logits": fprm_out.logits, "iterations": fprm_out.iterations}}, r"{tmp_path / 'fprm.pt'}")
+    fprm_card = open(hf_hub_download("{FPRM_REPO}", "README.md")).read()
+    fprm_snippets = re.findall(r"```python\\n(.*?)```", fprm_card, re.S)
+    for snippet in fprm_snippets:
+        exec(snippet, {{}})
+    print(json.dumps({{"module": type(model).__module__, "tokens": len(tok),
+                      "generate_text": tok.decode(gen[0], skip_special_tokens=True), "pipe_text": text,
+                      "snippets": len(snippets), "fprm_module": type(fprm).__module__,
+                      "fprm_snippets": len(fprm_snippets)}}))
+    """
+    proc = run_python(code, env=hf_env(tmp_path, hub.endpoint))
+    result = last_json_line(proc.stdout)
+    assert result["module"].startswith("transformers_modules")  # the pushed code, not the package
+    assert result["tokens"] == len(make_tokenizer())
+    assert result["pipe_text"] == result["generate_text"]
+    assert result["snippets"] == 3
+    remote = torch.load(tmp_path / "logits.pt")
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        assert torch.equal(remote["default"], pushed(ids).logits)
+        assert torch.equal(remote["m1"], pushed(ids, loop_budget=1).logits)
+        assert torch.equal(remote["sched"], pushed(ids, step_schedule=[0.5, 0.25, 0.25]).logits)
+    assert not torch.equal(remote["m1"], remote["default"])  # the budget reached the remote model
+    assert result["fprm_module"].startswith("transformers_modules") and result["fprm_snippets"] == 1
+    fprm_remote = torch.load(tmp_path / "fprm.pt")
+    with torch.no_grad():
+        local = pushed_fprm(torch.tensor(FPRM_IDS), halting=False)
+    assert torch.equal(fprm_remote["logits"], local.logits)
+    assert torch.equal(fprm_remote["iterations"], local.iterations)
+
+
+def test_repeated_push_updates_the_repo(hub, pushed, tmp_path):
+    from safetensors.torch import load
+
+    first_commits = hub.commits(REPO)
+    first_weights = hub.files(REPO)["model.safetensors"]
+    tokenizer = make_tokenizer()
+    retrained = make_model(tokenizer, seed=1)
+    path = tmp_path / "retrained"
+    retrained.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    eval_json = tmp_path / "eval2.json"
+    eval_json.write_text(json.dumps({**EVAL, "results": [{"metric": "perplexity", "value": 11.0, "loop_budget": 4}]}))
+    argv = ["--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN, "--endpoint", hub.endpoint,
+            "--eval-json", str(eval_json), "--commit-message", "second run"]
+    assert publish_main(argv) == 0
+    commits = hub.commits(REPO)
+    assert commits[:-1] == first_commits and len(commits) == len(first_commits) + 1
+    now = hub.files(REPO)
+    state = load(now["model.safetensors"])
+    assert torch.equal(state["model.embed_tokens.weight"], retrained.model.embed_tokens.weight)
+    assert now["model.safetensors"] != first_weights
+    assert hub.files(REPO, first_commits[-1])["model.safetensors"] == first_weights  # history kept
+    assert "| 11 |" in now["README.md"].decode() and "41.5" not in now["README.md"].decode()
+
+
+def test_bad_token_fails_clearly_and_changes_nothing(hub, pushed, checkpoint, capsys):
+    path, _ = checkpoint
+    before, commits = _digest(path), hub.commits(REPO)
+    code = publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--token", "hf_wrong", "--endpoint", hub.endpoint])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "rejected the token (HTTP 401" in err and "--token" in err
+    assert f"checkpoint at {path} is as it was" in err
+    assert _digest(path) == before and hub.commits(REPO) == commits
+
+
+def test_unreachable_endpoint_fails_clearly(hub, checkpoint, capsys):
+    path, _ = checkpoint
+    before = _digest(path)
+    endpoint = f"http://127.0.0.1:{_free_closed_port()}"
+    code = publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN, "--endpoint", endpoint])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"Could not reach the Hub endpoint {endpoint}" in err
+    assert _digest(path) == before
+
+
+def test_private_flag_makes_a_private_repo(hub, checkpoint):
+    path, _ = checkpoint
+    assert publish_main(["--checkpoint", str(path), "--repo-id", "org/secret", "--token", TOKEN, "--endpoint",
+                         hub.endpoint, "--private"]) == 0
+    assert hub.state.repos[("model", "org/secret")].private
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    with pytest.raises(RepositoryNotFoundError):
+        HfApi(endpoint=hub.endpoint, token=False).model_info("org/secret")
+    assert HfApi(endpoint=hub.endpoint, token=TOKEN).model_info("org/secret").sha == hub.commits("org/secret")[-1]
+
+
+def test_user_errors(checkpoint, tmp_path, capsys):
+    path, _ = checkpoint
+    assert publish_main(["--checkpoint", str(tmp_path / "nope"), "--repo-id", REPO, "--dry-run",
+                         "--stage-dir", str(tmp_path / "s")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert publish_main(["--checkpoint", str(path), "--repo-id", "bad//id", "--dry-run",
+                         "--stage-dir", str(tmp_path / "s")]) == 1
+    assert "bad//id" in capsys.readouterr().err
+    no_tok = tmp_path / "no_tok"
+    make_model().save_pretrained(no_tok)
+    assert publish_main(["--checkpoint", str(no_tok), "--repo-id", REPO, "--dry-run",
+                         "--stage-dir", str(tmp_path / "s2")]) == 1
+    assert "No tokenizer" in capsys.readouterr().err
+    bad_eval = tmp_path / "bad.json"
+    bad_eval.write_text(json.dumps({"perplexity": 3}))
+    with pytest.raises(ValueError, match="not an evaluation JSON"):
+        load_eval_results(bad_eval)
+
+
+def test_dry_run_stages_without_network(checkpoint, tmp_path):
+    path, _ = checkpoint
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--dry-run", "--stage-dir", str(stage),
+                         "--endpoint", f"http://127.0.0.1:{_free_closed_port()}"]) == 0
+    assert (stage / "README.md").exists() and (stage / "model.safetensors").exists()
+
+
+def test_lm_eval_results_json_becomes_model_index(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({
+        "results": {"tiny_lambada": {"alias": "tiny_lambada", "acc,none": 0.25, "acc_stderr,none": 0.1}},
+        "config": {"model_args": "pretrained=x,default_loop_budget=2"},
+    }))
+    (result,) = load_eval_results(path)
+    assert result["metric_type"] == "acc" and result["metric_value"] == 0.25
+    assert result["dataset_name"] == "tiny_lambada" and result["metric_config"] == "pretrained=x,default_loop_budget=2"
