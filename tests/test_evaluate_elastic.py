@@ -1,0 +1,118 @@
+"""Elastic evaluation: every budget and schedule, representation metrics per step, JSON and plots; and the
+representation metrics themselves."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from training import evaluate_elastic, representations, train_loopformer
+
+TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
+        "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",
+        "--per_device_train_batch_size", "8", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+        "--max_steps", "2", "--save_strategy", "no", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    for variant in ("loopformer", "base_loop", "base"):
+        train_loopformer.main(["--output_dir", str(root / variant), "--variant", variant, *TINY])
+    return root
+
+
+def test_every_budget_and_schedule_is_scored_and_written(checkpoints, tmp_path, capsys):
+    paths = [str(checkpoints / v) for v in ("loopformer", "base_loop", "base")]
+    records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--generate_budgets", "1", "4"])
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "elastic_eval.json").read_text())["models"]
+    assert [r["name"] for r in saved] == ["loopformer", "base_loop", "base"]
+    lf, bl, base = saved
+    for rec in (lf, bl):
+        assert sorted({(r["budget"], r["schedule"]) for r in rec["results"]}) == sorted(
+            (m, s) for m in range(1, 5) for s in evaluate_elastic.SCHEDULES)
+    for r in lf["results"]:
+        assert r["em"] is not None and 0 <= r["em"] <= 1 and r["ppl"] > 1 and abs(sum(r["trajectory"]) - 1) < 1e-9
+        assert set(r["em_by_depth"]) <= {"1", "2", "3"}
+    by = {(r["budget"], r["schedule"]): r["trajectory"] for r in lf["results"]}
+    assert by[(3, "coarse_to_fine")] == [0.5, 0.25, 0.25] and by[(3, "fine_to_coarse")] == [0.25, 0.25, 0.5]
+    # Base-Loop knows only step counts: a schedule whose steps differ (M=3 here) is recorded as null; a preset that
+    # comes out uniform on the grid (M = 1, 2, 4 with L = 4) is scored
+    nulls = {(r["budget"], r["schedule"]) for r in bl["results"] if r["ppl"] is None}
+    assert nulls == {(3, "coarse_to_fine"), (3, "fine_to_coarse")}
+    assert [r["budget"] for r in base["results"] if r["schedule"] == "uniform"] == [1]
+    # representations: embeddings + one entry per loop step (Base: per group of k blocks)
+    for rec in saved:
+        reps = rec["representations"]
+        for key in ("anisotropy", "curvature", "prompt_entropy", "cka_to_previous"):
+            assert len(reps[key]) == 5, (rec["name"], key)
+        assert len(reps["cka"]) == 5 and reps["cka"][2][2] == pytest.approx(1.0)
+    assert (tmp_path / "quality_vs_budget.png").stat().st_size > 1000
+    assert (tmp_path / "representations.png").stat().st_size > 1000
+    assert "| loopformer |" in printed and "M=4" in printed
+    assert "generate(loop_budget=1)" in printed and "generate(loop_budget=4)" in printed
+    assert records[0]["generations"][0]["budget"] == 1
+
+
+def test_halt_eps_sweep_reports_quality_against_mean_loops(checkpoints, tmp_path, capsys):
+    """Issue 6: quality against mean loop steps per token, next to the fixed budgets, and its plot."""
+    paths = [str(checkpoints / v) for v in ("loopformer", "base")]
+    records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--schedules", "uniform",
+                                     "--halt_eps", "1e-9", "1e9"])
+    lf, base = records
+    assert "halting" not in base  # the iso-FLOP Base does not loop
+    tiny, huge = lf["halting"]
+    assert tiny["mean_loops"] == 4 and huge["mean_loops"] == 1  # never halts / halts after the first step
+    full = [r for r in lf["results"] if r["budget"] == 4][0]
+    assert tiny["ppl"] == pytest.approx(full["ppl"], rel=1e-5) and tiny["em"] == full["em"]
+    assert math.isfinite(huge["ppl"])  # one step of Δ = 1/L: not the M = 1 trajectory (Δ = 1)
+    assert set(tiny["mean_loops_by_depth"]) <= {"1", "2", "3"}
+    assert (tmp_path / "quality_vs_compute.png").stat().st_size > 1000
+    assert "| halt_eps | mean loops/token |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="halt_eps"):
+        evaluate_elastic.main([paths[0], "--output_dir", str(tmp_path), "--halt_eps", "0"])
+
+
+def test_truncated_checkpoint_is_a_clear_error(checkpoints, tmp_path):
+    import shutil
+
+    bad = shutil.copytree(checkpoints / "base_loop", tmp_path / "bad")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(train_loopformer.CheckpointError, match="model.safetensors"):
+        evaluate_elastic.main([str(bad), "--output_dir", str(tmp_path / "out")])
+
+
+def test_bad_cli_values_raise_value_error(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="'zigzag'"):
+        evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--schedules", "zigzag"])
+    with pytest.raises(ValueError, match="2 names for 1"):
+        evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--names", "a", "b"])
+
+
+# ---- the metrics -----------------------------------------------------------------------------------------------------
+
+def test_linear_cka_is_one_for_rotations_and_scalings_and_low_for_independent_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 16, generator=g)
+    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=g))
+    assert representations.linear_cka(x, 3.0 * x @ q + 1.0) == pytest.approx(1.0, abs=1e-9)
+    assert representations.linear_cka(x, torch.randn(200, 16, generator=g)) < 0.2
+
+
+def test_anisotropy_curvature_and_entropy_on_known_geometry():
+    same = torch.ones(10, 4)
+    assert representations.anisotropy(same) == pytest.approx(1.0)
+    assert representations.anisotropy(torch.eye(6)) == pytest.approx(0.0)
+    line = torch.arange(8.0)[:, None] * torch.tensor([[1.0, 2.0, 0.5]])
+    assert representations.curvature(line) == pytest.approx(0.0, abs=1e-6)
+    zigzag = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [2.0, 1.0], [2.0, 2.0]])
+    assert representations.curvature(zigzag) == pytest.approx(math.pi / 2)
+    # centred rows spanning k orthogonal directions equally: entropy log(k) (unnormalised)
+    k = 4
+    x = torch.cat([torch.eye(k), -torch.eye(k)])
+    assert representations.prompt_entropy(x, normalize=False) == pytest.approx(math.log(k), rel=1e-6)
+    rank_one = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [2.0, 0.0]])
+    assert representations.prompt_entropy(rank_one, normalize=False) == pytest.approx(0.0, abs=1e-9)

@@ -1,0 +1,1 @@
+"""Dataset builders: synthetic reasoning and text for LoopFormer; Sudoku, mazes, state tracking and ARC for FPRM."""

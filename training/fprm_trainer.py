@@ -1,0 +1,150 @@
+"""FPRM training through `transformers.Trainer`: truncated BPTT with deep supervision, as the paper (TRM style).
+
+Every Trainer step is one *segment*: `n_backward` solver iterations with gradient, starting from the state the
+previous segment left (detached), then one loss and one optimizer step. A sample stays in the batch ("carry") for
+up to `max_segments` segments or until the solver halts it; its slot is then refilled from the next batch of the
+data loader. So the number of loops a sample sees grows with `max_segments` while the autograd graph, hence peak
+memory, only ever spans `n_backward` iterations (the truncated Neumann series of (I − J)⁻¹ of the paper).
+
+`n_backward = max_segments × n_backward` loops in one segment (`max_segments=1`) is full BPTT, for contrast.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+
+LOSS_TYPES = ("softmax", "stablemax")
+
+
+@dataclass
+class FPRMTrainingArguments(TrainingArguments):
+    n_backward: int = field(
+        default=4, metadata={"help": "Solver iterations with gradient per segment (6 Sudoku/maze, 4 state tracking)."}
+    )
+    max_segments: int = field(
+        default=16,
+        metadata={"help": "Segments before a sample is replaced (12 Sudoku, 24 maze, 128 state tracking)."},
+    )
+    train_halt_eps: float | None = field(
+        default=None, metadata={"help": "halt_eps in training (default: the config's)."}
+    )
+    loss_type: str = field(
+        default="softmax", metadata={"help": f"Cross-entropy over {LOSS_TYPES}; the reference uses stablemax."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("n_backward", "max_segments"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        if self.train_halt_eps is not None and not self.train_halt_eps > 0:
+            raise ValueError(f"`train_halt_eps` must be a positive number or None, got {self.train_halt_eps!r}.")
+
+
+def stablemax_cross_entropy(logits, labels, ignore_index=-100):
+    """Cross-entropy with s(x) = x + 1 (x ≥ 0), 1 / (1 − x) (x < 0) in place of exp (TRM's stablemax)."""
+    logits = logits.double()
+    s = torch.where(logits >= 0, logits + 1, 1 / (1 - logits))
+    logprobs = torch.log(s / s.sum(-1, keepdim=True))
+    valid = labels != ignore_index
+    picked = torch.gather(logprobs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -(picked * valid).sum().float() / valid.sum().clamp(min=1)
+
+
+def token_loss(logits, labels, loss_type):
+    if loss_type == "stablemax":
+        return stablemax_cross_entropy(logits, labels)
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+@dataclass
+class Carry:
+    """The samples in flight: their inputs, labels, solver state and segments done."""
+
+    inputs: dict
+    state: object
+    segments: torch.Tensor
+
+    def done(self, max_segments):
+        return self.state.halted | (self.segments >= max_segments)
+
+
+class FPRMTrainer(Trainer):
+    """`Trainer` whose training step is one deep-supervision segment of truncated BPTT (module docstring).
+
+    Evaluation (`model.eval()`) runs the ordinary forward: the full solver with `gamma_eval`. α parameters are kept
+    out of weight decay (they are logits of scales in (0, 1), not weights).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, FPRMTrainingArguments):
+            raise ValueError(f"FPRMTrainer needs FPRMTrainingArguments, got {type(self.args).__name__}.")
+        self.carry = None
+        self._segment_stats = {"iterations": [], "halted": [], "segments": []}
+
+    def get_decay_parameter_names(self, model):
+        return [n for n in super().get_decay_parameter_names(model) if "alpha" not in n]
+
+    def _core(self, model):
+        return self.accelerator.unwrap_model(model).model
+
+    def _refill(self, model, inputs):
+        """Replace finished samples of the carry with the rows of the new batch in the same slots."""
+        core = self._core(model)
+        fresh_inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "labels", "puzzle_identifiers")}
+        with torch.no_grad():
+            x = core.embed(fresh_inputs["input_ids"], fresh_inputs.get("puzzle_identifiers"))
+            fresh_state = core.initial_solver_state(x)
+        segments = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        carry = self.carry
+        if carry is None or carry.state.hidden.shape != fresh_state.hidden.shape:
+            self.carry = Carry(fresh_inputs, fresh_state, segments)
+            return
+        replace = carry.done(self.args.max_segments)
+        mixed = {}
+        for k, v in fresh_inputs.items():
+            mask = replace.view(-1, *([1] * (v.dim() - 1)))
+            mixed[k] = torch.where(mask, v, carry.inputs[k])
+        segments = torch.where(replace, segments, carry.segments)
+        self.carry = Carry(mixed, carry.state.where(replace, fresh_state), segments)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+        self._refill(model, inputs)
+        carry = self.carry
+        labels = carry.inputs["labels"]
+        model_inputs = {k: v for k, v in carry.inputs.items() if k != "labels"}
+        outputs = model(
+            **model_inputs,
+            max_loops=self.args.n_backward,
+            halt_eps=self.args.train_halt_eps,
+            solver_state=carry.state,
+        )
+        loss = token_loss(outputs.logits, labels, self.args.loss_type)
+        # the state goes on to the next segment without its graph: memory spans n_backward iterations only
+        carry.state = outputs.solver_state.detach()
+        carry.segments = carry.segments + 1
+        stats = self._segment_stats
+        stats["iterations"].append(float(outputs.iterations.float().mean()))
+        stats["halted"].append(float(carry.state.halted.float().mean()))
+        stats["segments"].append(float(carry.segments.float().mean()))
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        for key, values in self._segment_stats.items():
+            if values and "loss" in logs:
+                logs[f"segment_{key}"] = round(sum(values) / len(values), 4)
+                values.clear()
+        super().log(logs, *args, **kwargs)
+
+
+__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "token_loss"]

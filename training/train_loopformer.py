@@ -1,0 +1,301 @@
+"""Train LoopFormer or one of its baselines as a causal LM with the stock `Trainer` (in the style of run_clm.py).
+
+    python -m training.train_loopformer --output_dir runs/loopformer --variant loopformer \
+        --task synthetic --max_steps 600 --use_cpu
+
+Variants (all the same model class, different configurations; see `VARIANTS`):
+
+| variant        | loop_conditioning | blocks x loops | objective                                            |
+|----------------|-------------------|----------------|------------------------------------------------------|
+| loopformer     | shortcut (t, Δ)   | k x L          | CE_full + λ1·CE_short + λ2·MSE (ShortcutConsistencyCallback) |
+| base_loop      | none              | k x L          | CE_full                                              |
+| tmlt           | timestep          | k x L          | CE_full                                              |
+| naive_loop_ee  | none              | k x L          | CE_full + λ1·CE_early-exit (callback, λ2 = 0)        |
+| tmlt_ee        | timestep          | k x L          | CE_full + λ1·CE_early-exit (callback, λ2 = 0)        |
+| base           | none              | (k·L) x 1      | CE (iso-FLOP, not looped)                            |
+
+Data (`--task`): `synthetic` (the embedded multi-hop variable-binding corpus, no network or files) or `text`
+(`--dataset_name` of Hugging Face datasets, or `--train_files` files/folders such as ../shared/data/shakespeare).
+A byte-level BPE is trained on the training data and saved with the model. The output folder holds a model that
+`AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, and
+`loopformer_training.json` (variant and data arguments, which the elastic evaluation reads back).
+
+Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI):
+
+    accelerate launch --multi_gpu --num_processes 2 -m training.train_loopformer --use_cpu --ddp_backend gloo ...
+
+Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
+"""
+
+import json
+import logging
+import os
+import struct
+import sys
+from dataclasses import asdict, dataclass, field
+
+import datasets
+import torch
+import transformers
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
+from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
+from training.callbacks import ShortcutConsistencyCallback
+from training.data import synthetic, text
+from training.tokenizer import train_bpe_tokenizer
+
+logger = logging.getLogger(__name__)
+
+TRAINING_META_FILE = "loopformer_training.json"
+# variant -> (loop_conditioning, looped, callback trajectory or None, default λ2)
+VARIANTS = {
+    "loopformer": ("shortcut", True, "shortcut", 0.1),
+    "base_loop": ("none", True, None, 0.0),
+    "tmlt": ("timestep", True, None, 0.0),
+    "naive_loop_ee": ("none", True, "early_exit", 0.0),
+    "tmlt_ee": ("timestep", True, "early_exit", 0.0),
+    "base": ("none", False, None, 0.0),
+}
+TASKS = ("synthetic", "text")
+
+
+@dataclass
+class ModelArguments:
+    variant: str = field(default="loopformer", metadata={"help": f"One of {tuple(VARIANTS)}."})
+    hidden_size: int = field(default=128, metadata={"help": "Width d of the residual stream."})
+    num_blocks: int = field(default=1, metadata={"help": "k, shared blocks per loop step (base: k·L blocks, 1 step)."})
+    num_loops: int = field(default=8, metadata={"help": "L, loop steps of the training trajectory."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
+    intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
+    position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
+
+
+@dataclass
+class DataArguments:
+    task: str = field(default="synthetic", metadata={"help": f"One of {TASKS}."})
+    dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})
+    dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
+    train_files: list[str] = field(default=None, metadata={"help": "Text files or folders of .txt (task=text)."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text (dataset_name)."})
+    validation_fraction: float = field(default=0.05, metadata={"help": "Tail of each document held out (text)."})
+    max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
+    block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
+    num_train_problems: int = field(default=20000, metadata={"help": "Synthetic training problems."})
+    num_eval_problems: int = field(default=400, metadata={"help": "Synthetic held-out problems."})
+    min_depth: int = field(default=1, metadata={"help": "Fewest hops of a synthetic problem."})
+    max_depth: int = field(default=6, metadata={"help": "Most hops of a synthetic problem."})
+    synthetic_kind: str = field(default="arithmetic", metadata={"help": "'arithmetic' chains or 'binding' (hops)."})
+    num_chains: int = field(default=2, metadata={"help": "Binding: chains per problem (1 target + distractors)."})
+    answer_only_loss: bool = field(default=True, metadata={"help": "Synthetic: CE on the answer tokens only."})
+    corpus_seed: int = field(default=0, metadata={"help": "Seed of the synthetic corpus and the text split."})
+    tokenizer_vocab_size: int = field(default=None, metadata={"help": "BPE size (default 300 synthetic, 1024 text)."})
+
+
+@dataclass
+class ShortcutArguments:
+    lambda_short: float = field(default=0.1, metadata={"help": "λ1: weight of CE on the short trajectory."})
+    lambda_consistency: float = field(default=None, metadata={"help": "λ2 (default 0.1 loopformer, 0 for -EE)."})
+    consistency_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up of λ1, λ2 (steps)."})
+    consistency: str = field(default="mse", metadata={"help": "'mse' on final hidden states or 'kl' on logits."})
+    shortcut_seed: int = field(default=0, metadata={"help": "Seed of the trajectory sampler (same on all ranks)."})
+    log_trajectories: bool = field(default=False, metadata={"help": "Write each rank's sampled trajectories."})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, truncated or corrupt."""
+
+
+def _check_safetensors(path):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file.")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CheckpointError(f"{path} is truncated or corrupt: header of {header_len} bytes in a {size}-byte file.")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise CheckpointError(f"{path} is corrupt: its safetensors header is not valid JSON ({e}).") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt: the header describes {8 + header_len + end} bytes, the file has {size}."
+        )
+
+
+def check_checkpoint(path, for_resume=False):
+    """Raise `CheckpointError` naming the file if `path` is not a complete model (and, `for_resume`, trainer) save."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"Checkpoint {path!r} is not a folder.")
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint {path!r} has no config.json.") from None
+    except ValueError as e:
+        raise CheckpointError(f"{config_path} is corrupt: {e}.") from None
+    weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    if not weights and not os.path.exists(os.path.join(path, "pytorch_model.bin")):
+        raise CheckpointError(f"Checkpoint {path!r} holds no weights (model.safetensors).")
+    for name in weights:
+        _check_safetensors(os.path.join(path, name))
+    if for_resume:
+        state_path = os.path.join(path, "trainer_state.json")
+        try:
+            with open(state_path) as f:
+                json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.") from None
+        except ValueError as e:
+            raise CheckpointError(f"{state_path} is corrupt: {e}.") from None
+        for name in ("optimizer.pt", "scheduler.pt"):
+            file = os.path.join(path, name)
+            if not os.path.exists(file):
+                raise CheckpointError(f"Trainer checkpoint {path!r} lacks {name}; it cannot be resumed exactly.")
+            try:
+                torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as e:  # torch raises several types for a bad archive
+                raise CheckpointError(f"{file} is truncated or corrupt ({type(e).__name__}: {e}).") from None
+
+
+def build_config(model_args, vocab_size, block_size):
+    if model_args.variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
+    conditioning, looped, _, _ = VARIANTS[model_args.variant]
+    k, L = model_args.num_blocks, model_args.num_loops
+    return LoopFormerConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_args.hidden_size,
+        num_attention_heads=model_args.num_attention_heads,
+        intermediate_size=model_args.intermediate_size or 4 * model_args.hidden_size,
+        num_hidden_layers=k if looped else k * L,
+        num_loops=L if looped else 1,
+        loop_conditioning=conditioning,
+        position_embedding_type=model_args.position_embedding_type,
+        max_position_embeddings=block_size,
+    )
+
+
+def build_callback(model_args, shortcut_args, training_args):
+    _, _, trajectory, default_lambda2 = VARIANTS[model_args.variant]
+    if trajectory is None:
+        return None
+    lambda2 = shortcut_args.lambda_consistency
+    return ShortcutConsistencyCallback(
+        lambda_short=shortcut_args.lambda_short,
+        lambda_consistency=default_lambda2 if lambda2 is None else lambda2,
+        warmup_steps=shortcut_args.consistency_warmup_steps,
+        consistency=shortcut_args.consistency,
+        trajectory=trajectory,
+        seed=shortcut_args.shortcut_seed,
+        log_trajectories_dir=training_args.output_dir if shortcut_args.log_trajectories else None,
+    )
+
+
+def build_data(data_args):
+    """(tokenizer, train Dataset, eval Dataset, block_size)."""
+    if data_args.task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
+    if data_args.task == "synthetic":
+        train_problems = synthetic.make_problems(
+            data_args.num_train_problems, data_args.min_depth, data_args.max_depth, data_args.num_chains,
+            seed=data_args.corpus_seed, kind=data_args.synthetic_kind)
+        eval_problems = held_out_problems(data_args)
+        tokenizer = train_bpe_tokenizer([p.text for p in train_problems], data_args.tokenizer_vocab_size or 300)
+        longest = max(len(tokenizer(p.text)["input_ids"]) for p in train_problems + eval_problems)
+        block_size = data_args.block_size or longest
+        train = synthetic.tokenize_problems(train_problems, tokenizer, block_size, data_args.answer_only_loss)
+        evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)
+        train.pop("depth"), evaluation.pop("depth")
+    else:
+        train_text, valid_text = held_out_text(data_args, with_train=True)
+        tokenizer = train_bpe_tokenizer([train_text[i:i + 10_000] for i in range(0, len(train_text), 10_000)],
+                                        data_args.tokenizer_vocab_size or 1024)
+        block_size = data_args.block_size or 128
+        train = text.chunk_text(train_text, tokenizer, block_size)
+        evaluation = text.chunk_text(valid_text, tokenizer, block_size)
+    return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+
+
+def held_out_problems(data_args):
+    """The synthetic held-out problems (a seed the training corpus never uses)."""
+    return synthetic.make_problems(data_args.num_eval_problems, data_args.min_depth, data_args.max_depth,
+                                   data_args.num_chains, seed=f"{data_args.corpus_seed}-heldout",
+                                   kind=data_args.synthetic_kind)
+
+
+def held_out_text(data_args, with_train=False):
+    docs = text.read_text_documents(data_args.dataset_name, data_args.dataset_config_name, data_args.train_files,
+                                    data_args.text_column)
+    train_text, valid_text = text.split_documents(docs, data_args.validation_fraction, data_args.corpus_seed,
+                                                  data_args.max_train_chars)
+    return (train_text, valid_text) if with_train else valid_text
+
+
+def resolve_resume(training_args):
+    resume = training_args.resume_from_checkpoint
+    if resume == "last":
+        resume = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if resume is None:
+            logger.info("No checkpoint in %s: training from scratch.", training_args.output_dir)
+    if resume is not None:
+        check_checkpoint(resume, for_resume=True)
+    return resume
+
+
+def main(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, shortcut_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, shortcut_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    if model_args.variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
+    if shortcut_args.consistency not in ("mse", "kl"):
+        raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
+    resume = resolve_resume(training_args)
+
+    set_seed(training_args.seed)
+    tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)
+    config = build_config(model_args, len(tokenizer), block_size)
+    config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    model = LoopFormerForCausalLM(config)
+    logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
+                model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
+                len(train_dataset), block_size)
+
+    callback = build_callback(model_args, shortcut_args, training_args)
+    extra = callback.trainer_kwargs() if callback is not None else {}
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+        **extra,
+    )
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
+                "shortcut": asdict(shortcut_args) if callback is not None else None, "block_size": block_size,
+                "train_runtime_s": result.metrics.get("train_runtime")}
+        with open(os.path.join(training_args.output_dir, TRAINING_META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
