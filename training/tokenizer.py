@@ -32,4 +32,5 @@ def train_bpe_tokenizer(texts, vocab_size=512, min_frequency=2):
         pad_token=EOS_TOKEN,
         unk_token=None,
         clean_up_tokenization_spaces=False,
+        padding_side="left",  # batched generation pads on the left; training rows are padded by the data code
     )
