@@ -9,7 +9,7 @@
    `halt_eps` against `halting=False` at the same `max_loops` (`--halting_model`, a folder written by
    training/train_fprm.py).
 
-    python benchmarks/bench_fprm_memory.py                       # memory table, JSON to outputs/bench_fprm.json
+    python benchmarks/bench_fprm_memory.py                       # memory table, JSON to benchmarks/results/
     python benchmarks/bench_fprm_memory.py --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
 """
 
@@ -155,7 +155,7 @@ def main(argv=None):
     parser.add_argument("--num_test", type=int, default=300)
     parser.add_argument("--max_loops", type=int, default=200)
     parser.add_argument("--halt_eps", type=float, default=0.05)
-    parser.add_argument("--output", default=os.path.join(ROOT, "outputs", "bench_fprm.json"))
+    parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results", "fprm_memory.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = {"memory": [], "settings": vars(args)}

@@ -1,1 +1,35 @@
-"""FPRM: placeholder until its issue lands."""
+"""FPRM for transformers: importing this package registers the model with the Auto classes."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+
+from .configuration_fprm import FPRMConfig
+from .modeling_fprm import (
+    FPRMForReasoning,
+    FPRMModel,
+    FPRMModelOutput,
+    FPRMPreTrainedModel,
+    FPRMReasoningOutput,
+    FPRMSolverState,
+)
+
+AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
+AutoModel.register(FPRMConfig, FPRMModel, exist_ok=True)
+# The head predicts one answer token per input token: token classification is the Auto class that fits.
+AutoModelForTokenClassification.register(FPRMConfig, FPRMForReasoning, exist_ok=True)
+
+# save_pretrained then writes `auto_map` and copies the configuration/modeling files next to the weights, so a
+# saved folder loads with `trust_remote_code=True` where this package is not installed.
+FPRMConfig.register_for_auto_class()
+FPRMModel.register_for_auto_class("AutoModel")
+FPRMForReasoning.register_for_auto_class("AutoModelForTokenClassification")
+
+__version__ = "0.1.0"
+__all__ = [
+    "FPRMConfig",
+    "FPRMModel",
+    "FPRMForReasoning",
+    "FPRMPreTrainedModel",
+    "FPRMSolverState",
+    "FPRMModelOutput",
+    "FPRMReasoningOutput",
+]

@@ -1,0 +1,521 @@
+"""FPRM model: config, Auto classes and export, the architecture, the solver (Algorithm 1), stability, bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+
+from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel, FPRMSolverState
+from fprm_hf.configuration_fprm import RESIDUAL_SCALINGS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine run several times faster on one thread than on two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides):
+    kwargs = dict(
+        vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+        grid_size=4, conv_type="2d", num_prefix_tokens=2, max_loops=30,
+    )
+    kwargs.update(overrides)
+    return FPRMConfig(**kwargs)
+
+
+def sequence_config(**overrides):
+    return tiny_config(
+        grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0,
+        **overrides,
+    )
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return FPRMForReasoning(tiny_config(**overrides)).eval()
+
+
+def grid_inputs(batch=3, seed=1, vocab=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, 16), generator=g)
+
+
+# ---- 1. config, Auto classes, safetensors, trust_remote_code ------------------------------------------------------
+
+
+def test_config_defaults_follow_the_paper_and_transformers_names():
+    c = FPRMConfig()
+    assert c.model_type == "fprm"
+    assert (c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers) == (11, 512, 8, 2)
+    assert (c.alpha1, c.alpha2, c.halt_eps, c.init_std, c.patience) == (0.75, 0.25, 0.1, 6.0, 5)
+    assert (c.gamma_train, c.gamma_eval, c.conv_kernel_size, c.num_prefix_tokens) == (0.9, 0.99, 3, 16)
+    assert sequence_config().conv_kernel_size == 4  # causal kernel-4 conv for sequences
+
+
+def test_auto_classes_resolve_fprm():
+    config = tiny_config()
+    assert isinstance(AutoConfig.for_model("fprm", hidden_size=32, num_attention_heads=4), FPRMConfig)
+    assert type(AutoModel.from_config(config)) is FPRMModel
+    assert type(AutoModelForTokenClassification.from_config(config)) is FPRMForReasoning
+
+
+def test_save_and_load_roundtrip_safetensors(tmp_path):
+    model = tiny_model()
+    ids = grid_inputs()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "pytorch_model.bin").exists()
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForTokenClassification"] == "modeling_fprm.FPRMForReasoning"
+    loaded = AutoModelForTokenClassification.from_pretrained(tmp_path).eval()
+    assert type(loaded) is FPRMForReasoning
+    with torch.no_grad():
+        a, b = model(ids), loaded(ids)
+    torch.testing.assert_close(a.logits, b.logits)
+    assert torch.equal(a.iterations, b.iterations)
+    torch.testing.assert_close(loaded.model.z_init, model.model.z_init)  # z0 is saved, not re-drawn
+
+
+def test_trust_remote_code_loads_without_the_package(tmp_path):
+    model = tiny_model()
+    ids = grid_inputs()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    script = f"""
+import importlib.abc, sys, torch
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "fprm_hf":
+            raise ImportError("package blocked for this test")
+sys.meta_path.insert(0, Block())
+from transformers import AutoModelForTokenClassification
+m = AutoModelForTokenClassification.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+assert "fprm_hf" not in sys.modules
+e = torch.load({str(tmp_path / "expected.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(m(e["ids"]).logits, e["logits"])
+print("REMOTE_OK", type(m).__module__)
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REMOTE_OK" in out.stdout and "fprm_hf" not in out.stdout.split("REMOTE_OK")[1]
+
+
+# ---- 2. the architecture ------------------------------------------------------------------------------------------
+
+
+def test_alpha_init_and_tied_betas():
+    model = tiny_model()
+    scaling = model.model.residual_scaling
+    alpha1, beta1, alpha2, beta2 = scaling(torch.zeros(1, 1, 32))
+    torch.testing.assert_close(alpha1, torch.full((32,), 0.75))
+    torch.testing.assert_close(alpha2, torch.full((32,), 0.25))
+    k = 2 * 2  # 2N sub-layers with N = 2 blocks
+    expected_beta2 = 1 - 0.25 * 0.75**k
+    expected_beta1 = expected_beta2 * (1 - 0.75) / (1 - 0.75**k + 1e-5)
+    torch.testing.assert_close(beta2, torch.full((32,), expected_beta2))
+    torch.testing.assert_close(beta1, torch.full((32,), expected_beta1))
+    assert scaling.alpha1_logit.requires_grad  # learned; not buffers
+
+
+def test_one_loop_step_matches_the_spec_equations():
+    """f(y) recomputed by hand from the modules: h = α2·y + β2·u, then h = α1·h + β1·F(RMSNorm(h)) per sub-layer."""
+    model = tiny_model().model
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.residual_scaling.alpha1_logit.normal_()  # per-channel values, not just the init
+        model.residual_scaling.alpha2_logit.normal_()
+        x = model.embed(grid_inputs(2))
+        y = torch.randn_like(x)
+        a1 = torch.sigmoid(model.residual_scaling.alpha1_logit)
+        a2 = torch.sigmoid(model.residual_scaling.alpha2_logit)
+        b2 = 1 - a2 * a1**4
+        b1 = b2 * (1 - a1) / (1 - a1**4 + 1e-5)
+        norm = lambda t: t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)  # noqa: E731
+        conv = model.injection.conv
+        grid = norm(y)[:, 2:].transpose(1, 2).reshape(2, 32, 4, 4)
+        conv_term = torch.nn.functional.conv2d(grid, conv.weight, padding=1, groups=32).reshape(2, 32, 16).transpose(1, 2)
+        u = x.clone()
+        u[:, 2:] += conv_term
+        pe = model.position_embeddings(x)
+        h = a2 * y + b2 * u
+        for block in model.layers:
+            h = a1 * h + b1 * block.self_attn(norm(h), pe)
+            h = a1 * h + b1 * block.mlp(norm(h))
+        torch.testing.assert_close(model.fixed_point_map(y, x, pe), h, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", RESIDUAL_SCALINGS)
+def test_every_residual_scaling_variant_runs_and_trains(scaling):
+    torch.manual_seed(0)
+    model = FPRMForReasoning(tiny_config(residual_scaling=scaling, max_loops=3)).train()
+    out = model(grid_inputs(), labels=grid_inputs(seed=2), halt_eps=1e-6)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_variant_coefficients():
+    x = torch.zeros(1, 1, 32)
+    fixed = tiny_model(residual_scaling="fixed", alpha1=0.6, alpha2=0.3).model.residual_scaling
+    assert not list(fixed.parameters())  # fixed scalars are not learned
+    a1, b1, a2, b2 = fixed(x)
+    assert math.isclose(float(a1), 0.6, rel_tol=1e-6) and math.isclose(float(b2), 1 - 0.3 * 0.6**4, rel_tol=1e-6)
+    outer = tiny_model(residual_scaling="outer_only").model.residual_scaling
+    a1, b1, a2, b2 = outer(x)
+    assert a1 == 1.0 and b1 == 1.0
+    torch.testing.assert_close(b2, 1 - a2)
+    dep = tiny_model(residual_scaling="input_dependent").model.residual_scaling
+    a1, _, a2, _ = dep(torch.randn(2, 5, 32))
+    assert a1.shape == (2, 5, 32)  # per token and channel
+    torch.testing.assert_close(a1, torch.full_like(a1, 0.75))  # starts at α1 for every input
+    assert tiny_model(residual_scaling="none").model.residual_scaling(x) == (1.0, 1.0, 1.0, 1.0)
+
+
+def test_post_norm_variant_saturates_at_unit_rms():
+    model = tiny_model(norm_position="post", residual_scaling="none").model
+    with torch.no_grad():
+        x = model.embed(grid_inputs(2))
+        f = model.fixed_point_map(torch.randn_like(x) * 50, x)
+    torch.testing.assert_close(f.pow(2).mean(-1), torch.ones(2, 18), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="post.*residual_scaling='none'"):
+        tiny_config(norm_position="post")
+
+
+def test_input_is_reinjected_every_loop_step():
+    """f depends on x at every step, not only at the first one: a changed x changes f(y) for the same y."""
+    model = tiny_model().model
+    with torch.no_grad():
+        x1, x2 = model.embed(grid_inputs(1, seed=1)), model.embed(grid_inputs(1, seed=5))
+        y = torch.randn_like(x1)
+        assert not torch.allclose(model.fixed_point_map(y, x1), model.fixed_point_map(y, x2))
+
+
+def test_causal_sequence_model_does_not_see_the_future_and_grid_model_does():
+    torch.manual_seed(0)
+    causal = FPRMForReasoning(sequence_config()).eval()
+    ids = torch.randint(1, 7, (1, 12))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] % 6) + 1
+    with torch.no_grad():
+        a, b = causal(ids, halting=False, max_loops=5), causal(changed, halting=False, max_loops=5)
+    torch.testing.assert_close(a.logits[:, :-1], b.logits[:, :-1])
+    assert not torch.allclose(a.logits[:, -1], b.logits[:, -1])
+    grid = tiny_model()
+    ids = grid_inputs(1)
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 7
+    with torch.no_grad():
+        a, b = grid(ids, halting=False, max_loops=5), grid(changed, halting=False, max_loops=5)
+    assert not torch.allclose(a.logits[:, 0], b.logits[:, 0])  # bidirectional
+
+
+def test_causal_conv_has_kernel_4_and_2d_conv_is_3x3_depthwise():
+    seq = FPRMForReasoning(sequence_config()).model.injection.conv
+    assert isinstance(seq, torch.nn.Conv1d) and seq.kernel_size == (4,) and seq.groups == 32
+    grid = tiny_model().model.injection.conv
+    assert isinstance(grid, torch.nn.Conv2d) and grid.kernel_size == (3, 3) and grid.groups == 32
+
+
+def test_2d_conv_only_mixes_grid_neighbours():
+    model = tiny_model(num_prefix_tokens=0).model
+    with torch.no_grad():
+        x = torch.zeros(1, 16, 32)
+        y = torch.randn(1, 16, 32)
+        base = model.injection(y, x)
+        y[0, 5] = torch.randn(32)  # change only cell (1, 1) of the 4x4 grid
+        delta = (model.injection(y, x) - base).abs().sum(-1).view(4, 4)
+    touched = (delta > 0).nonzero().tolist()
+    assert touched and all(abs(r - 1) <= 1 and abs(c - 1) <= 1 for r, c in touched)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned", "none"])
+def test_position_embedding_types(positions):
+    torch.manual_seed(0)
+    model = FPRMForReasoning(tiny_config(position_embedding_type=positions, conv_type="none")).eval()
+    assert (model.model.embed_positions is not None) == (positions == "learned")
+    assert (model.model.rotary_emb is not None) == (positions == "rope")
+    ids = torch.full((1, 16), 3)
+    with torch.no_grad():
+        logits = model(ids, halting=False, max_loops=3).logits
+    # identical tokens everywhere: only positions can tell the cells apart
+    spread = (logits - logits[:, :1]).abs().max()
+    assert (spread > 1e-4) == (positions != "none")
+
+
+def test_prefix_tokens_per_puzzle_identifier():
+    model = tiny_model(num_puzzle_identifiers=3)
+    assert model.model.prefix.shape == (3, 2, 32)
+    ids = grid_inputs(2)
+    with torch.no_grad():
+        a = model(ids, puzzle_identifiers=torch.tensor([0, 0]), halting=False, max_loops=3).logits
+        b = model(ids, puzzle_identifiers=torch.tensor([0, 2]), halting=False, max_loops=3).logits
+    assert a.shape == (2, 16, 7)  # prefix positions are dropped from the logits
+    torch.testing.assert_close(a[0], b[0])
+    assert not torch.allclose(a[1], b[1])
+
+
+def test_z0_is_truncated_normal_with_init_std():
+    z0 = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        z0.append(FPRMModel(tiny_config(hidden_size=512, intermediate_size=8, num_hidden_layers=1)).z_init)
+    z0 = torch.cat(z0)
+    assert z0.abs().max() <= 12.0 + 1e-5  # truncated at 2 std
+    assert 4.5 < float(z0.std()) < 5.8  # std of N(0, 6) truncated at ±2σ is 6 * 0.88 = 5.3
+
+
+# ---- 3. the solver ------------------------------------------------------------------------------------------------
+
+
+def test_residual_and_damped_update_of_one_iteration():
+    model = tiny_model().model
+    ids = grid_inputs(2)
+    with torch.no_grad():
+        out = model(ids, max_loops=1, eta=0.5, halting=False)
+        x = model.embed(ids)
+        y0 = model.initial_solver_state(x).hidden
+        f = model.fixed_point_map(y0, x, model.position_embeddings(x))
+    r = ((y0 - f).abs().amax(-1) / (f.abs().amax(-1) + 1e-8)).amax(-1)
+    torch.testing.assert_close(out.residuals, r)
+    torch.testing.assert_close(out.solver_state.hidden, 0.5 * f + 0.5 * y0)
+
+
+def _simulate_decay(trace, eta0, patience, gamma, halt_eps, min_eta):
+    """Algorithm 1's bookkeeping replayed from a residual trace: returns (eta, halting iteration)."""
+    eta, best, p = eta0, math.inf, patience
+    for i, r in enumerate(trace, start=1):
+        if r < best:
+            best, p = r, patience
+        else:
+            p -= 1
+        if p <= 0 and r >= halt_eps:
+            eta, p = eta * gamma, patience
+        if r < halt_eps or eta < min_eta:
+            return eta, i
+    return eta, len(trace)
+
+
+def test_step_decay_patience_and_eta_halting_follow_algorithm_1():
+    model = tiny_model(seed=4).model
+    ids = grid_inputs(3, seed=7)
+    knobs = dict(halt_eps=1e-9, patience=2, gamma=0.5, min_eta=0.02, max_loops=300)
+    with torch.no_grad():
+        out = model(ids, output_residual_trace=True, **knobs)
+    assert out.converged.sum() == 0
+    for row in range(3):
+        n = int(out.iterations[row])
+        eta, stop = _simulate_decay(out.residual_trace[row, :n].tolist(), 1.0, 2, 0.5, 1e-9, 0.02)
+        assert stop == n
+        assert math.isclose(float(out.solver_state.eta[row]), eta, rel_tol=1e-6)
+    assert (out.iterations < 300).all()  # halted by η < min_eta, not the cap
+    assert (out.solver_state.eta < 0.02).all()
+
+
+def test_per_sample_halting_freezes_rows_and_stops_when_all_halted():
+    model = tiny_model(seed=1).model
+    ids = grid_inputs(4, seed=3)
+    calls = []
+    model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
+    with torch.no_grad():
+        out = model(ids, halt_eps=0.05, max_loops=200, output_residual_trace=True)
+    assert out.converged.all() and (out.residuals < 0.05).all()
+    assert len(set(out.iterations.tolist())) > 1, "rows should halt at different iterations for this test"
+    assert len(calls) == int(out.iterations.max())  # the loop ends when the last row halts
+    # only rows still iterating are evaluated
+    assert calls == [int((out.iterations > i).sum()) for i in range(len(calls))]
+    # a frozen row equals the same sample solved alone, so nothing touched it after it halted
+    for row in (int(out.iterations.argmin()), int(out.iterations.argmax())):
+        with torch.no_grad():
+            alone = model(ids[row : row + 1], halt_eps=0.05, max_loops=200)
+        assert int(alone.iterations) == int(out.iterations[row])
+        torch.testing.assert_close(alone.last_hidden_state[0], out.last_hidden_state[row], rtol=1e-4, atol=1e-5)
+    # its residual trace stays flat after it halted
+    first = int(out.iterations.min())
+    row = int(out.iterations.argmin())
+    assert torch.all(out.residual_trace[row, first - 1 :] == out.residual_trace[row, first - 1])
+
+
+def test_forward_knobs_override_config_and_halting_false_runs_the_cap():
+    model = tiny_model(seed=1)
+    ids = grid_inputs(3)
+    with torch.no_grad():
+        loose = model(ids, halt_eps=0.5, max_loops=200)
+        tight = model(ids, halt_eps=0.01, max_loops=200)
+        capped = model(ids, max_loops=7)
+        always = model(ids, max_loops=9, halting=False)
+    assert (loose.iterations <= tight.iterations).all() and loose.iterations.sum() < tight.iterations.sum()
+    assert (capped.iterations <= 7).all()
+    assert (always.iterations == 9).all()
+
+
+def test_solver_state_continues_where_it_stopped():
+    model = tiny_model(seed=2).model
+    ids = grid_inputs(2)
+    with torch.no_grad():
+        full = model(ids, max_loops=8, halting=False)
+        first = model(ids, max_loops=3, halting=False)
+        second = model(ids, max_loops=5, halting=False, solver_state=first.solver_state)
+    torch.testing.assert_close(second.solver_state.hidden, full.solver_state.hidden)
+    assert (second.solver_state.iterations == 8).all() and (second.iterations == 5).all()
+
+
+# ---- 7. stability ---------------------------------------------------------------------------------------------------
+
+
+def _run_loops(model, steps, seed=0):
+    """Iterate f `steps` times; return the state norms ‖y_t‖∞ and the largest ‖u‖∞ and ‖F_k‖∞ seen."""
+    seen = {"u": 0.0, "f": 0.0}
+
+    def record(key):
+        def hook(module, args, output):
+            seen[key] = max(seen[key], float(output.abs().max()))
+        return hook
+
+    m = model.model
+    m.injection.register_forward_hook(record("u"))
+    for block in m.layers:
+        block.self_attn.register_forward_hook(record("f"))
+        block.mlp.register_forward_hook(record("f"))
+    norms = []
+    with torch.no_grad():
+        x = m.embed(grid_inputs(1, seed=seed))
+        y = m.initial_solver_state(x).hidden
+        pe = m.position_embeddings(x)
+        norms.append(float(y.abs().max()))
+        for _ in range(steps):
+            y = m.fixed_point_map(y, x, pe)
+            norms.append(float(y.abs().max()))
+    return norms, seen
+
+
+def test_input_independent_stays_within_theorem_1_bound_while_plain_prenorm_grows():
+    """Theorem 1 with the tied β's: per channel |y'| ≤ a|y| + (1−a)(α1^(2N)|u| + c_f), a = α2·α1^(2N) ∈ (0, 1), so
+    every iterate obeys ‖y_t‖∞ ≤ max(‖z0‖∞, ‖u‖∞ + c_f), with c_f the largest sub-layer output."""
+    torch.manual_seed(0)
+    stable = FPRMForReasoning(tiny_config()).eval()
+    norms, seen = _run_loops(stable, 500)
+    bound = max(norms[0], seen["u"] + seen["f"])
+    assert all(math.isfinite(n) and n <= bound * (1 + 1e-5) for n in norms)
+
+    torch.manual_seed(0)
+    plain = FPRMForReasoning(tiny_config(residual_scaling="none")).eval()
+    plain_norms, plain_seen = _run_loops(plain, 500)
+    plain_bound = max(plain_norms[0], plain_seen["u"] + plain_seen["f"])
+    assert plain_norms[-1] > 10 * plain_bound  # far outside the bound a scaled model obeys
+    assert plain_norms[-1] > 3 * plain_norms[100]  # and still growing
+
+
+def test_non_finite_residual_stops_and_flags_that_sample_only():
+    model = tiny_model(seed=1).model
+    ids = grid_inputs(3, seed=3)
+    with torch.no_grad():
+        clean = model(ids, halt_eps=0.05, max_loops=100)
+        bad_x = model.embed(ids[1:2])
+    original = model.fixed_point_map
+    calls = {"n": 0}
+
+    def sabotaged(y, x, pe=None):
+        out = original(y, x, pe)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third iteration of sample 1 blows up
+            hit = (x - bad_x).abs().amax(dim=(1, 2)) == 0
+            out = out.masked_fill(hit[:, None, None], float("nan"))
+        return out
+
+    model.fixed_point_map = sabotaged
+    with torch.no_grad():
+        out = model(ids, halt_eps=0.05, max_loops=100, output_residual_trace=True)
+    assert out.diverged.tolist() == [False, True, False]
+    assert not out.converged[1] and int(out.iterations[1]) == 3
+    assert torch.isinf(out.residuals[1])
+    for t in (out.last_hidden_state, out.residual_trace, out.solver_state.hidden):
+        assert not torch.isnan(t).any()
+    # the other samples are untouched by their neighbour's failure
+    for row in (0, 2):
+        assert int(out.iterations[row]) == int(clean.iterations[row])
+        torch.testing.assert_close(out.last_hidden_state[row], clean.last_hidden_state[row])
+
+
+def test_non_finite_weights_give_finite_logits_and_a_flag():
+    model = tiny_model(seed=1)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+        out = model(grid_inputs(2), max_loops=10)
+    assert out.diverged.all() and not torch.isnan(out.logits).any()
+
+
+# ---- 8. bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(halt_eps=0.0), r"`halt_eps` must be a positive finite number .* got 0.0"),
+        (dict(halt_eps=-1e-3), r"`halt_eps` must be a positive finite number .* got -0.001"),
+        (dict(halt_eps=float("nan")), r"`halt_eps` must be a positive finite number .* got nan"),
+        (dict(max_loops=0), r"`max_loops` must be an integer >= 1, got 0"),
+        (dict(max_loops=2.5), r"`max_loops` must be an integer >= 1, got 2.5"),
+        (dict(eta=1.5), r"`eta` must be a number in \(0, 1\], got 1.5"),
+        (dict(gamma=0), r"`gamma` must be a number in \(0, 1\], got 0"),
+        (dict(patience=0), r"`patience` must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_solver_knobs_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(grid_inputs(1), **kwargs)
+
+
+def test_bad_config_values_raise_value_error():
+    with pytest.raises(ValueError, match=r"`halt_eps` must be a positive finite number .* got 0"):
+        tiny_config(halt_eps=0)
+    with pytest.raises(ValueError, match=r"`max_loops` must be an integer >= 1, got 0"):
+        tiny_config(max_loops=0)
+    with pytest.raises(ValueError, match=r"`residual_scaling` must be one of .*'input_independent'.* got 'bogus'"):
+        tiny_config(residual_scaling="bogus")
+    with pytest.raises(ValueError, match=r"`alpha1` must lie strictly between 0 and 1, got 1.0"):
+        tiny_config(alpha1=1.0)
+    with pytest.raises(ValueError, match=r"conv_type='2d'.*needs `grid_size`"):
+        tiny_config(grid_size=None)
+
+
+def test_token_ids_outside_vocabulary_raise_value_error():
+    model = tiny_model()
+    ids = grid_inputs(2)
+    ids[1, 3] = 7
+    with pytest.raises(ValueError, match=r"`input_ids` must lie in \[0, 6\] \(vocab_size=7\), got values in \[0, 7\]"):
+        model(ids)
+    ids[1, 3] = -1
+    with pytest.raises(ValueError, match=r"got values in \[-1, "):
+        model(ids)
+
+
+def test_grid_of_wrong_size_raises_value_error():
+    with pytest.raises(ValueError, match=r"reads 4x4 grids, i.e. 16 tokens per sample; got 9 tokens"):
+        tiny_model()(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_bad_puzzle_identifiers_and_labels_raise_value_error():
+    model = tiny_model(num_puzzle_identifiers=2)
+    with pytest.raises(ValueError, match=r"`puzzle_identifiers` must lie in \[0, 1\].*got values in \[0, 5\]"):
+        model(grid_inputs(2), puzzle_identifiers=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"`labels` must have the shape of `input_ids` \(2, 16\), got \(2, 15\)"):
+        model(grid_inputs(2), labels=torch.zeros(2, 15, dtype=torch.long))
+
+
+def test_solver_state_type_is_checked():
+    with pytest.raises(ValueError, match="`solver_state` must be the FPRMSolverState"):
+        tiny_model()(grid_inputs(2), solver_state="nope")
+    assert FPRMSolverState  # exported for users who carry states between calls

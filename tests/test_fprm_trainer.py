@@ -1,0 +1,170 @@
+"""FPRM training: truncated BPTT + deep supervision through FPRMTrainer, memory flat in the loop cap, the script."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+
+from fprm_hf import FPRMConfig, FPRMForReasoning
+from training.fprm_trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_fprm_memory import train_memory  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    config = FPRMConfig(vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, grid_size=4,
+                        num_prefix_tokens=2, init_std=1.0)
+    return FPRMForReasoning(config)
+
+
+def numbered_dataset(rows=64):
+    """Row i has token (i % 5) + 2 in its first cell, so tests can tell which sample occupies a carry slot."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (rows, 16), generator=g)
+    ids[:, 0] = torch.arange(rows) % 5 + 2
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": torch.randint(2, 7, (rows, 16), generator=g).tolist()})
+
+
+def make_trainer(tmp_path, model, steps, **overrides):
+    kwargs = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                  per_device_train_batch_size=8, max_steps=steps, n_backward=3, max_segments=2,
+                  train_halt_eps=1e-12, learning_rate=1e-3, weight_decay=0.1, disable_tqdm=True,
+                  logging_strategy="no", dataloader_drop_last=True, seed=0)
+    kwargs.update(overrides)
+    return FPRMTrainer(model=model, args=FPRMTrainingArguments(**kwargs), train_dataset=numbered_dataset())
+
+
+def test_alpha_parameters_get_no_weight_decay(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_model(), 1)
+    trainer.create_optimizer()
+    decay_of = {}
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            decay_of[names[id(p)]] = group["weight_decay"]
+    assert decay_of["model.residual_scaling.alpha1_logit"] == 0.0
+    assert decay_of["model.residual_scaling.alpha2_logit"] == 0.0
+    assert decay_of["model.layers.0.mlp.down_proj.weight"] == 0.1
+
+
+def test_each_step_is_one_segment_with_detached_carry_and_replacement(tmp_path):
+    model = tiny_model()
+    trainer = make_trainer(tmp_path, model, 1)
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
+    segment_inputs, segment_states = [], []
+    original = trainer.compute_loss
+
+    def spy(m, inputs, *args, **kwargs):
+        loss = original(m, inputs, *args, **kwargs)
+        segment_inputs.append(trainer.carry.inputs["input_ids"][:, 0].clone())
+        segment_states.append(trainer.carry.state)
+        return loss
+
+    trainer.compute_loss = spy
+    trainer.args.max_steps = 5
+    trainer.train()
+    assert trainer.state.global_step == 5  # one optimizer step per segment
+    assert len(calls) == 5 * 3  # n_backward iterations per segment, never more
+    for state in segment_states:
+        assert not state.hidden.requires_grad and state.hidden.grad_fn is None  # detached between segments
+    iterations = [s.iterations.tolist() for s in segment_states]
+    # max_segments=2: a sample runs 3 then 6 iterations, then its slot is refilled from the next batch
+    assert iterations[0] == [3] * 8 and iterations[1] == [6] * 8 and iterations[2] == [3] * 8
+    assert torch.equal(segment_inputs[0], segment_inputs[1])  # the same samples continue in segment 2
+    assert not torch.equal(segment_inputs[1], segment_inputs[2])  # new samples in segment 3
+
+
+def test_a_halted_sample_is_replaced_at_the_next_segment(tmp_path):
+    model = tiny_model()
+    trainer = make_trainer(tmp_path, model, 1, max_segments=100, train_halt_eps=1e3)  # everything halts at once
+    trainer.train()
+    assert trainer.carry.state.halted.all() and (trainer.carry.state.iterations == 1).all()
+    before = trainer.carry.inputs["input_ids"].clone()
+    trainer._refill(model, {k: torch.tensor(v) for k, v in numbered_dataset()[8:16].items()})
+    assert not trainer.carry.state.halted.any() and (trainer.carry.segments == 0).all()
+    assert not torch.equal(before, trainer.carry.inputs["input_ids"])
+
+
+def test_truncated_bptt_memory_is_flat_in_the_loop_cap_and_full_bptt_is_not(tmp_path):
+    """Small version of benchmarks/bench_fprm_memory.py: saved activations at 8 vs 64 loops."""
+    kw = dict(hidden=32, batch=4, size=4, output_dir=str(tmp_path))
+    t8, t64 = train_memory(8, "truncated", **kw), train_memory(64, "truncated", **kw)
+    f8, f64 = train_memory(8, "full", **kw), train_memory(64, "full", **kw)
+    assert t8["iterations_per_sample"] == 8 and t64["iterations_per_sample"] == 64 == f64["iterations_per_sample"]
+    assert t64["saved_activation_bytes"] / t8["saved_activation_bytes"] <= 1.2
+    assert f64["saved_activation_bytes"] / f8["saved_activation_bytes"] > 4
+
+
+def test_stablemax_cross_entropy_matches_its_definition():
+    logits = torch.tensor([[[2.0, -1.0, 0.5]], [[-3.0, 0.0, 1.0]]])
+    labels = torch.tensor([[0], [-100]])
+    s = torch.tensor([3.0, 0.5, 1.5])
+    expected = -torch.log(s[0] / s.sum())
+    torch.testing.assert_close(stablemax_cross_entropy(logits, labels), expected)
+
+
+def test_training_arguments_are_validated(tmp_path):
+    with pytest.raises(ValueError, match=r"`n_backward` must be an integer >= 1, got 0"):
+        FPRMTrainingArguments(output_dir=str(tmp_path), n_backward=0, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"`loss_type` must be one of \('softmax', 'stablemax'\), got 'mse'"):
+        FPRMTrainingArguments(output_dir=str(tmp_path), loss_type="mse", use_cpu=True, report_to="none")
+
+
+@pytest.mark.parametrize(
+    "task_flags, expected_keys, plots",
+    [
+        (["--task", "sudoku", "--sudoku_size", "4", "--num_prefix_tokens", "2"],
+         ["iterations_vs_num_blanks", "iterations_vs_rating"], ["iterations_vs_num_blanks.png"]),
+        (["--task", "s5", "--train_length", "8", "--test_length", "16"],
+         ["per_prefix_accuracy", "iterations_vs_length", "accuracy_at_length"], ["per_prefix_accuracy.png"]),
+    ],
+)
+def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
+    from training.train_fprm import main
+
+    results = main(task_flags + [
+        "--output_dir", str(tmp_path), "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
+        "--num_attention_heads", "4", "--intermediate_size", "64", "--max_steps", "4", "--n_backward", "2",
+        "--max_segments", "2", "--per_device_train_batch_size", "8", "--eval_max_loops", "6",
+        "--use_cpu", "true", "--disable_tqdm", "true", "--logging_steps", "2",
+    ])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for key in ["halting", "always_cap", "halting_vs_cap"] + expected_keys:
+        assert key in saved, key
+    assert saved["halting"]["mean_iterations"] <= 6 and saved["always_cap"]["mean_iterations"] == 6
+    assert 0 <= saved["halting"]["cell_accuracy"] <= 1 and saved["train_steps"] == 4
+    assert results["halting"] == saved["halting"]
+    for name in plots + ["training_loss.png"]:
+        assert (tmp_path / name).stat().st_size > 1000
+    assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+def test_train_script_rejects_unknown_preset_and_task(tmp_path):
+    from training.train_fprm import parse_args
+
+    with pytest.raises(ValueError, match=r"`--preset` must be one of \[.*'s5-quick'.*\], got 'nope'"):
+        parse_args(["--preset", "nope"])
+    with pytest.raises(ValueError, match=r"`--task` must be one of .*, got 'chess'"):
+        parse_args(["--task", "chess", "--output_dir", str(tmp_path)])
+
+
+def test_presets_are_defaults_that_flags_override():
+    from training.train_fprm import parse_args
+
+    model_args, data_args, eval_args, train_args = parse_args(["--preset", "s5-quick", "--max_steps", "7"])
+    assert data_args.task == "s5" and train_args.n_backward == 4 and train_args.max_steps == 7
+    assert train_args.output_dir.endswith("fprm-s5-quick")
