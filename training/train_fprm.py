@@ -33,14 +33,16 @@ TASKS = ("sudoku", "maze", "s5", "a5", "arc")
 
 # Each preset: flags of the three argument groups. Sizes chosen to finish on a 2-core CPU in the stated time.
 PRESETS = {
-    # measured: 9.7 min training + ~2 min evaluation. The spec's state-tracking settings (causal, no positions,
-    # conv kernel 4, n_backward 4); it does NOT reach the S5 target in this budget (docs/fprm.md).
+    # Short mixed lengths (2..4: every position is reachable within the 8 training loops and a step is cheap, so the
+    # 120x120 group table gets a dense signal), a wider MLP, 2 segments per sample (16 segments at batch 64 let the
+    # optimizer memorise the in-flight batch instead of learning the table), no halting in training. Measured
+    # numbers and the failures of the length-32 recipe: docs/fprm.md.
     "s5-quick": dict(
-        task="s5", num_train=60000, num_test=100, train_length=32, test_length=128,
-        hidden_size=128, num_attention_heads=4, intermediate_size=256, num_hidden_layers=2, init_std=1.0,
+        task="s5", num_train=200000, num_test=100, train_length=4, min_train_length=2, test_length=128,
+        hidden_size=128, num_attention_heads=4, intermediate_size=512, num_hidden_layers=2, init_std=1.0,
         patience=10, gamma_train=0.95, eval_max_loops=160, eval_halt_eps=0.05,
-        n_backward=4, max_segments=16, train_halt_eps=0.01, per_device_train_batch_size=64, learning_rate=1e-3,
-        weight_decay=0.01, warmup_steps=50, max_steps=800, adam_beta2=0.95, time_budget_minutes=11.0,
+        n_backward=4, max_segments=2, train_halt_eps=1e-6, per_device_train_batch_size=128, learning_rate=1e-3,
+        weight_decay=0.01, warmup_steps=50, max_steps=5000, adam_beta2=0.95, time_budget_minutes=10.0,
         torch_threads=1,
     ),
     "s5-full": dict(  # the paper's protocol at small width; hours on a CPU, minutes on a GPU
@@ -115,6 +117,9 @@ class DataArguments:
     sudoku_size: int = field(default=4)
     maze_size: int = field(default=15)
     train_length: int = field(default=32)
+    min_train_length: int | None = field(
+        default=None, metadata={"help": "state tracking: train lengths uniform in [min_train_length, train_length] "
+                                        "(default: all exactly train_length)"})
     test_length: int = field(default=128)
     arc_max_grid: int = field(default=10)
     arc_max_tasks: int = field(default=40)
@@ -184,6 +189,7 @@ def build_task(data_args, seed):
 
         group = data_args.task.upper()
         ds = build_state_tracking_dataset(group, data_args.num_train, data_args.num_test, data_args.train_length,
+                                          min_train_length=data_args.min_train_length,
                                           test_length=data_args.test_length, seed=seed)
         return ds, dict(vocab_size=vocab_size(group), grid_size=None, conv_type="causal_1d", causal=True,
                         position_embedding_type="none", num_prefix_tokens=0,
