@@ -246,10 +246,9 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             self.adaLN_modulation[1].zero_init = True
 
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, kv_only=False):
+                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None):
         """One block. With per-token halting (`halted`, a (batch, seq) bool mask), halted tokens keep their state;
         their keys/values for this slot come from that frozen state, or from `reuse_kv` (their last computed slot).
-        `kv_only`: every token has halted, so only this slot's keys/values are written to the cache.
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
@@ -258,11 +257,6 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(
                 hidden_states.dtype).chunk(4, dim=-1)
             normed = normed * (1 + scale_attn)
-        if kv_only:
-            k, v = self.self_attn.project_kv(normed, position_embeddings, reuse_kv)
-            if cache is not None:
-                cache.update(k, v, cache_slot)
-            return hidden_states, None, (k, v)
         attn_out, attn_weights, kv = self.self_attn(
             normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
             output_attentions=output_attentions, reuse_kv=reuse_kv,
@@ -419,6 +413,31 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             return positions.clamp(min=0)[:, -q_len:]
         return torch.arange(past_len, past_len + q_len, device=device)[None].expand(batch, q_len)
 
+    def _fill_halted_slots(self, frozen, conditioning, position_embeddings, cache, remaining, last_kv):
+        """Every token has halted: write the cache slots of the `remaining` loop steps (a range) at once.
+
+        "reuse" repeats each block's last computed keys/values; "recompute" projects them from the frozen state
+        under each remaining step's modulation (all steps in one batched call per block).
+        """
+        num_blocks = len(self.layers)
+        for j, block in enumerate(self.layers):
+            if self.config.halt_kv_fill == "reuse":
+                per_step = [last_kv[j]] * len(remaining)
+            else:
+                normed = rms_norm(frozen, eps=block.eps)
+                if conditioning is None:
+                    per_step = [block.self_attn.project_kv(normed, position_embeddings)] * len(remaining)
+                else:
+                    scale_attn = block.adaLN_modulation(conditioning[remaining.start:]).to(frozen.dtype).chunk(4, -1)[2]
+                    steps = len(remaining)
+                    x = (normed[:, None] * (1 + scale_attn[None, :, None, :])).flatten(1, 2)  # (B, S*T, d)
+                    pos = None if position_embeddings is None else tuple(p.repeat(1, steps, 1)
+                                                                          for p in position_embeddings)
+                    k, v = block.self_attn.project_kv(x, pos)
+                    per_step = list(zip(k.chunk(steps, dim=2), v.chunk(steps, dim=2)))
+            for step, (k, v) in zip(remaining, per_step):
+                cache.update(k, v, step * num_blocks + j)
+
     # ---- forward -------------------------------------------------------------------------------------------------
 
     def forward(
@@ -503,33 +522,32 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         active = torch.ones(batch, q_len, dtype=torch.bool, device=device) if halt_eps is not None else None
         loop_counts = torch.zeros(batch, q_len, dtype=torch.long, device=device) if halt_eps is not None else None
         reuse = self.config.halt_kv_fill == "reuse"
-        last_kv = [None] * num_blocks
+        last_kv = [None] * num_blocks  # per block: the keys/values of the last step each token computed
         for step in range(len(trajectory)):
             c = None if conditioning is None else conditioning[step][None, None]
             halted = None if active is None or bool(active.all()) else ~active
-            everyone_halted = active is not None and not bool(active.any())
-            if everyone_halted and cache is None:
-                break  # nothing left to compute and no slot to fill
+            if active is not None and not bool(active.any()):  # every token has halted: no block runs any more
+                if cache is not None:
+                    self._fill_halted_slots(hidden_states, conditioning, position_embeddings, cache,
+                                            range(step, len(trajectory)), last_kv)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,) * (len(trajectory) - step)
+                break
             previous = hidden_states
             for j, block in enumerate(self.layers):
-                slot = step * num_blocks + j
-                if everyone_halted and reuse:
-                    cache.update(*last_kv[j], slot)
-                    continue
                 hidden_states, weights, kv = block(
                     hidden_states, c,
                     attention_mask=mask,
                     position_embeddings=position_embeddings,
                     cache=cache,
-                    cache_slot=slot,
+                    cache_slot=step * num_blocks + j,
                     output_attentions=output_attentions,
                     halted=halted,
                     reuse_kv=(halted, *last_kv[j]) if reuse and halted is not None else None,
-                    kv_only=everyone_halted,
                 )
                 if active is not None:
                     last_kv[j] = kv
-                if output_attentions and weights is not None:
+                if output_attentions:
                     all_attentions += (weights,)
             if active is not None:
                 loop_counts += active

@@ -119,3 +119,14 @@ def test_cache_built_with_another_halt_eps_is_refused(model):
     with pytest.raises(ValueError, match="halt_eps"):
         model(ids[:, :1], cache=cache_of(out))
     model(ids[:, :1], cache=cache_of(out), halt_eps=EPS)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_everyone_halted_still_reports_every_step_and_fills_every_slot(model, use_cache):
+    ids = torch.randint(3, 97, (1, 6))
+    out = model(ids, halt_eps=1e9, output_hidden_states=True, use_cache=use_cache)
+    assert torch.all(out.loop_counts == 1) and len(out.hidden_states) == 5
+    for h in out.hidden_states[2:]:
+        torch.testing.assert_close(h, out.hidden_states[1])
+    if use_cache:
+        assert len(cache_of(out).layers) == 4 * 2 and cache_of(out).get_seq_length(7) == 6
