@@ -116,9 +116,10 @@ class FPRMAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        attention_interface = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        # get_interface (rather than indexing) lets `set_attn_implementation` switch the kernel on a built model
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         out, _ = attention_interface(
             self, q, k, v, None,
             dropout=self.config.attention_dropout if self.training else 0.0,
