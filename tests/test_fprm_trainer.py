@@ -166,7 +166,7 @@ def test_presets_are_defaults_that_flags_override():
     from training.train_fprm import parse_args
 
     model_args, data_args, eval_args, train_args = parse_args(["--preset", "s5-quick", "--max_steps", "7"])
-    assert data_args.task == "s5" and train_args.n_backward == 4 and train_args.max_steps == 7
+    assert data_args.task == "s5" and train_args.n_backward == 2 and train_args.max_steps == 7
     assert train_args.output_dir.endswith("fprm-s5-quick")
 
 
@@ -183,23 +183,86 @@ def test_train_script_passes_min_train_length_to_state_tracking():
     assert s5_quick.min_train_length is not None and s5_quick.min_train_length < s5_quick.train_length
 
 
+class _FixedAccuracyCurriculum:
+    """A LengthCurriculumCallback whose accuracy probe returns scripted values (the growth rule is what is tested)."""
+
+    @staticmethod
+    def make(stream, final_length, accuracies, trainer_args):
+        from training.train_fprm import LengthCurriculumCallback
+
+        class Scripted(LengthCurriculumCallback):
+            def accuracy_at_max_length(self, model):
+                return accuracies.pop(0)
+
+        return Scripted(stream, final_length, threshold=0.9, check_steps=10, trainer_args=trainer_args)
+
+
+def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp_path):
+    from types import SimpleNamespace
+
+    from training.data.state_tracking import StateTrackingStream
+
+    stream = StateTrackingStream("S3", min_length=2, max_length=4)
+    args = FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2,
+                                 max_segments=3)
+    cb = _FixedAccuracyCurriculum.make(stream, 9, [0.5, 0.95, 0.91, 0.99, 1.0], args)
+    assert args.max_segments == 3  # ceil((4 + 2) / 2) = 3 segments reach position 4
+    lengths = []
+    for step in range(10, 70, 5):
+        cb.on_step_end(args, SimpleNamespace(global_step=step), None, model=None)
+        lengths.append(stream.max_length)
+    # checked every 10 steps only; 0.5 keeps 4; 0.95: 4 -> 6; 0.91: 6 -> 9 (= final); no checks after the final length
+    assert lengths == [4, 4, 6, 6, 9, 9, 9, 9, 9, 9, 9, 9]
+    assert args.max_segments == 6  # ceil((9 + 2) / 2)
+    assert [h["max_length"] for h in cb.history] == [4, 4, 6]
+
+
+def test_train_script_length_curriculum_end_to_end(tmp_path):
+    """The real probe on a model that trains for a few steps: the curriculum runs inside Trainer, raises the
+    Trainer's own max_segments and is recorded in results.json."""
+    from training.train_fprm import main
+
+    results = main([
+        "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
+        "--curriculum_threshold", "0.01", "--curriculum_check_steps", "2", "--num_train", "0", "--num_test", "4",
+        "--test_length", "8", "--hidden_size", "32", "--num_attention_heads", "4", "--intermediate_size", "64",
+        "--max_steps", "8", "--n_backward", "2", "--max_segments", "1", "--per_device_train_batch_size", "16",
+        "--eval_max_loops", "10", "--output_dir", str(tmp_path), "--use_cpu", "true", "--disable_tqdm", "true",
+        "--conv_kernel_size", "2",
+    ])
+    lengths = [h["max_length"] for h in results["curriculum"]]
+    assert lengths[0] == 2 and lengths == sorted(lengths) and len(set(lengths)) > 1
+    assert json.loads((tmp_path / "results.json").read_text())["curriculum"] == results["curriculum"]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["conv_kernel_size"] == 2 and config["vocab_size"] == 7
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--task", "sudoku", "--curriculum_start_length", "4", "--max_steps", "5"],
+         r"`--curriculum_start_length` is for state tracking .*, got task 'sudoku'"),
+        (["--task", "s5", "--train_length", "8", "--curriculum_start_length", "12", "--max_steps", "5"],
+         r"`--curriculum_start_length` must lie in \[min_train_length=1, train_length=8\], got 12"),
+        (["--task", "s5", "--curriculum_start_length", "4", "--curriculum_threshold", "1.5", "--max_steps", "5"],
+         r"`--curriculum_threshold` must lie in \(0, 1\], got 1.5"),
+        (["--task", "s5", "--curriculum_start_length", "4"], r"set `--max_steps`"),
+    ],
+)
+def test_curriculum_flags_are_validated(tmp_path, flags, message):
+    from training.train_fprm import parse_args
+
+    with pytest.raises(ValueError, match=message):
+        parse_args(flags + ["--output_dir", str(tmp_path)])
+
+
 def _s3_rows(count, min_length, max_length, pad_to, seed):
     """S3 running products in the state-tracking format (token = element + 1, pad 0, padded labels -100)."""
-    import itertools
+    from training.data.state_tracking import build_state_tracking_dataset
 
-    from training.data.state_tracking import running_products
-
-    perms = list(itertools.permutations(range(3)))
-    index = {p: i for i, p in enumerate(perms)}
-    table = [[index[tuple(b[a[i]] for i in range(3))] for b in perms] for a in perms]
-    g = torch.Generator().manual_seed(seed)
-    ids, labels = [], []
-    for _ in range(count):
-        length = int(torch.randint(min_length, max_length + 1, (1,), generator=g))
-        seq = torch.randint(0, 6, (length,), generator=g).tolist()
-        ids.append([s + 1 for s in seq] + [0] * (pad_to - length))
-        labels.append([p + 1 for p in running_products(seq, table)] + [-100] * (pad_to - length))
-    return ids, labels
+    ds = build_state_tracking_dataset("S3", num_train=count, num_test=0, train_length=max_length,
+                                      min_train_length=min_length, pad_train_to=pad_to, seed=seed)["train"]
+    return ds["input_ids"], ds["labels"]
 
 
 def test_state_tracking_config_learns_s3_running_products(tmp_path):

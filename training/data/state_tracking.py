@@ -1,7 +1,8 @@
 """A5 / S5 state tracking (Merrill et al., "The Illusion of State"): a sequence of group elements, and at every
 position the running product of the prefix so far.
 
-Elements are permutations of {0..4} in lexicographic order (S5: 120, A5: the 60 even ones). Tokens: 0 = pad,
+Elements are permutations of {0..n-1} in lexicographic order (S5: 120, A5: the 60 even ones; the smaller S3, S4 and
+A4 share the format, for quick runs and tests). Tokens: 0 = pad,
 element i -> i + 1, for inputs and labels alike (`vocab_size = |G| + 1`); padded label positions are -100.
 The running product is p_t = p_{t-1} · g_t with (p · g)(i) = g(p(i)): apply the prefix, then the new element.
 """
@@ -9,10 +10,11 @@ The running product is p_t = p_{t-1} · g_t with (p · g)(i) = g(p(i)): apply th
 import itertools
 import random
 
+import torch
 from datasets import Dataset, DatasetDict
 
 
-GROUPS = ("S5", "A5")
+GROUPS = ("S5", "A5", "S4", "A4", "S3")
 PAD_ID = 0
 IGNORE_INDEX = -100
 
@@ -25,15 +27,15 @@ def _parity(perm):
 def group_elements(group):
     if group not in GROUPS:
         raise ValueError(f"`group` must be one of {GROUPS}, got {group!r}.")
-    perms = list(itertools.permutations(range(5)))
-    return perms if group == "S5" else [p for p in perms if _parity(p) == 0]
+    perms = list(itertools.permutations(range(int(group[1]))))
+    return perms if group[0] == "S" else [p for p in perms if _parity(p) == 0]
 
 
 def multiplication_table(group):
     """table[a][b] = index of a · b (apply a, then b)."""
     elements = group_elements(group)
     index = {p: i for i, p in enumerate(elements)}
-    return [[index[tuple(b[a[i]] for i in range(5))] for b in elements] for a in elements]
+    return [[index[tuple(b[i] for i in a)] for b in elements] for a in elements]
 
 
 def vocab_size(group):
@@ -83,4 +85,34 @@ def build_state_tracking_dataset(group="S5", num_train=10000, num_test=1000, tra
     return DatasetDict({"train": Dataset.from_dict(train), "test": Dataset.from_dict(test)})
 
 
-__all__ = ["build_state_tracking_dataset", "group_elements", "multiplication_table", "running_products", "vocab_size"]
+class StateTrackingStream(torch.utils.data.IterableDataset):
+    """Endless fresh training sequences with lengths uniform in [min_length, max_length], padded to max_length.
+
+    `max_length` may be raised while training (a length curriculum, `train_fprm.LengthCurriculumCallback`): the
+    next sequence drawn uses the new value. Fresh samples every step rather than a fixed set, so a sample's
+    deep-supervision segments are the only repeats (the group table is then learned, not a training set).
+    """
+
+    def __init__(self, group="S5", min_length=2, max_length=4, seed=0):
+        self.table = multiplication_table(group)
+        self.min_length, self.max_length, self.seed = min_length, max_length, seed
+        self.set_max_length(max_length)
+
+    def set_max_length(self, max_length):
+        if not isinstance(max_length, int) or max_length < self.min_length:
+            raise ValueError(f"`max_length` must be an integer >= min_length={self.min_length}, got {max_length!r}.")
+        self.max_length = max_length
+
+    def sample(self, count, rng):
+        """`count` rows at the current maximum length, as lists (input_ids, labels, length)."""
+        return _rows(count, (self.min_length, self.max_length), self.max_length, self.table, rng)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(self.seed * 1009 + (info.id if info else 0))
+        while True:
+            row = self.sample(1, rng)
+            yield {"input_ids": row["input_ids"][0], "labels": row["labels"][0]}
+
+
+__all__ = ["StateTrackingStream", "build_state_tracking_dataset", "group_elements", "multiplication_table", "running_products", "vocab_size"]
