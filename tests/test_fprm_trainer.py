@@ -289,3 +289,44 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
     acc = (logits.argmax(-1) == torch.tensor(test_labels)).float().mean(0)
     assert acc[0] > 0.99  # the first running product is the element itself
     assert acc[1:4].mean() > 0.9, acc.tolist()  # 2-, 3- and 4-element products (chance 1/6)
+
+
+def test_s5_recipe_probe_runs_and_reports_per_prefix_accuracy():
+    """The probe behind docs/fprm.md's S5 ablations, on S3 for a few seconds: S3 is learned within that time."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from s5_recipe_probe import main as probe
+
+    result = probe(["--group", "S3", "--minutes", "0.25", "--batch", "64", "--d", "32", "--ff", "64",
+                    "--num_test", "16", "--lr", "3e-3", "--curriculum", "0.9"])
+    assert set(result["accuracy_at_k"]) == {2, 4, 8, 16, 32, 64, 128}
+    assert result["accuracy_at_k"][2] > 0.9 and result["steps"] > 50
+
+
+def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops():
+    from types import SimpleNamespace
+
+    from transformers import get_constant_schedule_with_warmup
+
+    from training.train_fprm import TimeBudgetCallback
+
+    now = [0.0]
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=0)
+    cb = TimeBudgetCallback(minutes=10, decay_fraction=0.25, clock=lambda: now[0])
+    control = SimpleNamespace(should_training_stop=False)
+    cb.on_train_begin(None, None, control, lr_scheduler=scheduler)
+    used = []
+    for seconds in (0, 300, 450, 525, 600, 660):
+        now[0] = seconds
+        cb.on_step_begin(None, None, control, optimizer=optimizer, lr_scheduler=scheduler)
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+        assert scheduler.get_last_lr()[0] == pytest.approx(used[-1])  # what the Trainer logs is what was used
+        cb.on_step_end(None, None, control)
+    # full lr until 75% of the budget, then linear to 0 at 100%
+    assert used == pytest.approx([1e-3, 1e-3, 1e-3, 5e-4, 0.0, 0.0])
+    assert control.should_training_stop
+    with pytest.raises(ValueError, match=r"`time_budget_decay_fraction` must lie in \[0, 1\], got 2"):
+        TimeBudgetCallback(minutes=1, decay_fraction=2)

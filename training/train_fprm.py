@@ -46,14 +46,15 @@ PRESETS = {
         conv_kernel_size=2, patience=10, gamma_train=0.95, eval_max_loops=160, eval_halt_eps=0.05,
         n_backward=2, max_segments=3, train_halt_eps=1e-6, per_device_train_batch_size=512, learning_rate=1e-3,
         lr_scheduler_type="constant_with_warmup", weight_decay=0.01, warmup_steps=20, max_steps=100000,
-        adam_beta2=0.95, time_budget_minutes=12.0,
+        adam_beta2=0.95, time_budget_minutes=12.0, time_budget_decay_fraction=0.3,
     ),
-    "s5-full": dict(  # the paper's protocol at small width; hours on a CPU, minutes on a GPU
-        task="s5", num_train=500000, num_test=1000, train_length=32, test_length=128,
-        hidden_size=256, num_attention_heads=8, intermediate_size=768, num_hidden_layers=2, init_std=1.0,
-        patience=10, gamma_train=0.95, eval_max_loops=512, eval_halt_eps=0.05,
-        n_backward=4, max_segments=128, per_device_train_batch_size=256, learning_rate=3e-4, weight_decay=0.01,
-        warmup_steps=500, max_steps=40000, adam_beta2=0.95,
+    "s5-full": dict(  # the s5-quick recipe at width 256 with a step-based schedule; a GPU job
+        task="s5", num_train=0, num_test=1000, train_length=32, min_train_length=2, curriculum_start_length=4,
+        curriculum_threshold=0.9, curriculum_check_steps=200, test_length=128,
+        hidden_size=256, num_attention_heads=8, intermediate_size=1024, num_hidden_layers=2, init_std=1.0,
+        conv_kernel_size=2, patience=10, gamma_train=0.95, eval_max_loops=256, eval_halt_eps=0.05,
+        n_backward=2, max_segments=3, train_halt_eps=1e-6, per_device_train_batch_size=1024, learning_rate=1e-3,
+        lr_scheduler_type="cosine", weight_decay=0.01, warmup_steps=200, max_steps=40000, adam_beta2=0.95,
     ),
     "sudoku4-quick": dict(  # measured: 7.0 min training + ~1 min data and evaluation
         task="sudoku", sudoku_size=4, num_train=3000, num_test=300,
@@ -146,6 +147,9 @@ class EvalArguments:
     eval_batch_size: int = field(default=100)
     compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
     time_budget_minutes: float | None = field(default=None, metadata={"help": "stop training after this long"})
+    time_budget_decay_fraction: float = field(
+        default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
+                                       "budget (0: no decay)"})
     torch_threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU)"})
 
 
@@ -450,16 +454,38 @@ class LengthCurriculumCallback(TrainerCallback):
 
 
 class TimeBudgetCallback(TrainerCallback):
-    """Stops training after a wall-clock budget (the presets promise a CPU time)."""
+    """Stops training after a wall-clock budget (the presets promise a CPU time). With `decay_fraction` > 0 the
+    learning rate also falls linearly to 0 over that last fraction of the budget, on top of the Trainer's own
+    schedule: the step count a budget buys is not known in advance, so a step-based decay cannot be placed."""
 
-    def __init__(self, minutes):
-        self.seconds = minutes * 60
+    def __init__(self, minutes, decay_fraction=0.0, clock=time.perf_counter):
+        if not 0 <= decay_fraction <= 1:
+            raise ValueError(f"`time_budget_decay_fraction` must lie in [0, 1], got {decay_fraction}.")
+        self.seconds, self.decay_fraction, self.clock = minutes * 60, decay_fraction, clock
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.start = self.clock()
+        if self.decay_fraction:
+            if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
+                raise ValueError(f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
+                                 f"{type(lr_scheduler).__name__}.")
+            self.base_lrs = list(lr_scheduler.base_lrs)
+
+    def lr_factor(self):
+        left = 1 - (self.clock() - self.start) / self.seconds
+        return min(1.0, max(0.0, left) / self.decay_fraction) if self.decay_fraction else 1.0
+
+    def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if not self.decay_fraction:
+            return
+        factor = self.lr_factor()
+        # scale the scheduler's base values too, so that the logged learning rate is the one used
+        for i, group in enumerate(optimizer.param_groups):
+            lr_scheduler.base_lrs[i] = self.base_lrs[i] * factor
+            group["lr"] = lr_scheduler.base_lrs[i] * lr_scheduler.lr_lambdas[i](lr_scheduler.last_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.perf_counter() - self.start > self.seconds:
+        if self.clock() - self.start > self.seconds:
             control.should_training_stop = True
 
 
@@ -486,7 +512,9 @@ def main(argv=None):
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
     train_dataset = ds["train"].select_columns(train_columns)
-    callbacks = [TimeBudgetCallback(eval_args.time_budget_minutes)] if eval_args.time_budget_minutes else []
+    callbacks = []
+    if eval_args.time_budget_minutes:
+        callbacks.append(TimeBudgetCallback(eval_args.time_budget_minutes, eval_args.time_budget_decay_fraction))
     curriculum = None
     if data_args.curriculum_start_length is not None:
         from training.data.state_tracking import StateTrackingStream
