@@ -148,6 +148,8 @@ def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
     assert saved["halting"]["mean_iterations"] <= 6 and saved["always_cap"]["mean_iterations"] == 6
     assert 0 <= saved["halting"]["cell_accuracy"] <= 1 and saved["train_steps"] == 4
     assert results["halting"] == saved["halting"]
+    if "per_prefix_accuracy" in expected_keys:
+        assert saved["max_train_length"] == 8
     for name in plots + ["training_loss.png"]:
         assert (tmp_path / name).stat().st_size > 1000
     assert (tmp_path / "model" / "model.safetensors").exists()
@@ -232,6 +234,7 @@ def test_train_script_length_curriculum_end_to_end(tmp_path):
     ])
     lengths = [h["max_length"] for h in results["curriculum"]]
     assert lengths[0] == 2 and lengths == sorted(lengths) and len(set(lengths)) > 1
+    assert results["max_train_length"] >= lengths[-1] > 2  # the plot's "longest training length" line
     assert json.loads((tmp_path / "results.json").read_text())["curriculum"] == results["curriculum"]
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["conv_kernel_size"] == 2 and config["vocab_size"] == 7

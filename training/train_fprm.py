@@ -352,7 +352,8 @@ def print_report(results, train_seconds):
                 extra = f"  exact {row['exact_accuracy']:.3f}  n={row['count']}" if "count" in row else ""
                 print(f"  {label!s:>14}  mean iterations {row['mean_iterations']:.1f}{extra}")
     if "accuracy_at_length" in results:
-        print("per-prefix accuracy: " + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items()))
+        print(f"per-prefix accuracy (trained on lengths <= {results.get('max_train_length')}): "
+              + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items()))
     if "arc_pass_at_2" in results:
         a = results["arc_pass_at_2"]
         print(f"ARC pass@2 (vote over augmentations): {a['score']:.3f} on {a['test_inputs']} test inputs")
@@ -387,7 +388,7 @@ def write_plots(results, log_history, output_dir):
         acc = results["per_prefix_accuracy"]
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.plot(range(1, len(acc) + 1), acc)
-        ax.axvline(32, color="grey", linestyle="--", label="train length")
+        ax.axvline(results["max_train_length"], color="grey", linestyle="--", label="longest training length")
         ax.set(xlabel="prefix length k", ylabel="accuracy", ylim=(0, 1.02), title="Length generalisation")
         ax.legend()
         paths.append(_save(fig, output_dir, "per_prefix_accuracy.png"))
@@ -539,6 +540,8 @@ def main(argv=None):
     })
     if curriculum is not None:
         results["curriculum"] = curriculum.history
+    if data_args.task in STATE_TRACKING_TASKS:
+        results["max_train_length"] = train_dataset.max_length if curriculum is not None else data_args.train_length
     print_report(results, train_seconds)
     plots = write_plots(results, trainer.state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
