@@ -185,29 +185,18 @@ def test_train_script_passes_min_train_length_to_state_tracking():
     assert s5_quick.min_train_length is not None and s5_quick.min_train_length < s5_quick.train_length
 
 
-class _FixedAccuracyCurriculum:
-    """A LengthCurriculumCallback whose accuracy probe returns scripted values (the growth rule is what is tested)."""
-
-    @staticmethod
-    def make(stream, final_length, accuracies, trainer_args):
-        from training.train_fprm import LengthCurriculumCallback
-
-        class Scripted(LengthCurriculumCallback):
-            def accuracy_at_max_length(self, model):
-                return accuracies.pop(0)
-
-        return Scripted(stream, final_length, threshold=0.9, check_steps=10, trainer_args=trainer_args)
-
-
 def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp_path):
     from types import SimpleNamespace
 
     from training.data.state_tracking import StateTrackingStream
+    from training.train_fprm import LengthCurriculumCallback
 
     stream = StateTrackingStream("S3", min_length=2, max_length=4)
     args = FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2,
                                  max_segments=3)
-    cb = _FixedAccuracyCurriculum.make(stream, 9, [0.5, 0.95, 0.91, 0.99, 1.0], args)
+    cb = LengthCurriculumCallback(stream, 9, threshold=0.9, check_steps=10, trainer_args=args)
+    accuracies = [0.5, 0.95, 0.91, 0.99, 1.0]
+    cb.accuracy_at_max_length = lambda model: accuracies.pop(0)  # scripted: the growth rule is what is tested
     assert args.max_segments == 3  # ceil((4 + 2) / 2) = 3 segments reach position 4
     lengths = []
     for step in range(10, 70, 5):

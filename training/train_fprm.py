@@ -14,6 +14,7 @@ iterations and wall-clock), and writes PNG plots and `results.json` to `--output
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -414,8 +415,6 @@ class LengthCurriculumCallback(TrainerCallback):
     segments to reach its last position (one position per loop step: ceil((length + 2) / n_backward))."""
 
     def __init__(self, stream, final_length, threshold, check_steps, trainer_args, num_check=256, seed=12345):
-        import random
-
         self.stream, self.final_length, self.threshold, self.check_steps = stream, final_length, threshold, check_steps
         self.trainer_args, self.num_check = trainer_args, num_check
         self.base_segments = trainer_args.max_segments

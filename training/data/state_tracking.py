@@ -95,7 +95,7 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
 
     def __init__(self, group="S5", min_length=2, max_length=4, seed=0):
         self.table = multiplication_table(group)
-        self.min_length, self.max_length, self.seed = min_length, max_length, seed
+        self.min_length, self.seed = min_length, seed
         self.set_max_length(max_length)
 
     def set_max_length(self, max_length):
@@ -115,4 +115,11 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
             yield {"input_ids": row["input_ids"][0], "labels": row["labels"][0]}
 
 
-__all__ = ["StateTrackingStream", "build_state_tracking_dataset", "group_elements", "multiplication_table", "running_products", "vocab_size"]
+__all__ = [
+    "StateTrackingStream",
+    "build_state_tracking_dataset",
+    "group_elements",
+    "multiplication_table",
+    "running_products",
+    "vocab_size",
+]
