@@ -7,7 +7,7 @@
    `torch.cuda.max_memory_allocated` when a GPU is present.
 2. Halting vs always running the cap: mean iterations, wall-clock and accuracy of a trained model, with
    `halt_eps` against `halting=False` at the same `max_loops` (`--halting_model`, a folder written by
-   training/train_fprm.py).
+   training/fprm/train.py).
 
     python benchmarks/bench_fprm_memory.py                       # memory table, JSON to benchmarks/results/
     python benchmarks/bench_fprm_memory.py --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from transformers import TrainerCallback  # noqa: E402
 
 from fprm_hf import FPRMConfig, FPRMForReasoning  # noqa: E402
-from training.fprm_trainer import FPRMTrainer, FPRMTrainingArguments  # noqa: E402
+from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments  # noqa: E402
 
 
 class SavedActivations:
@@ -121,15 +121,16 @@ def _in_fresh_process(loops, mode, hidden, batch):
 
 
 def halting_vs_cap(model_dir, task, num_test, max_loops, halt_eps, batch_size=100, seed=1):
-    from training.train_fprm import STATE_TRACKING_TASKS, accuracy, run_solver
+    from training.fprm.evaluate import accuracy, run_solver
+    from training.fprm.tasks import STATE_TRACKING_TASKS
 
     model = FPRMForReasoning.from_pretrained(model_dir).eval()
     if task.startswith("sudoku"):
-        from training.data.sudoku import build_sudoku_dataset
+        from training.fprm.tasks.sudoku import build_sudoku_dataset
 
         test = build_sudoku_dataset(int(task[len("sudoku"):]), 0, num_test, seed=seed + 1000)["test"]
     elif task in STATE_TRACKING_TASKS:
-        from training.data.state_tracking import build_state_tracking_dataset
+        from training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
         test = build_state_tracking_dataset(task.upper(), 0, num_test, seed=seed + 1000)["test"]
     else:

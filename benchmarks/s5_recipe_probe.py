@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fprm_hf import FPRMConfig, FPRMForReasoning  # noqa: E402
-from training.data.state_tracking import GROUPS, multiplication_table  # noqa: E402
+from training.fprm.tasks.state_tracking import GROUPS, multiplication_table  # noqa: E402
 
 
 def parse_args(argv=None):

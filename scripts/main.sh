@@ -24,17 +24,17 @@ COMMON=(--task synthetic --num_loops 4 --num_blocks 1 --hidden_size 128 --num_at
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"
-$PY -m training.train_loopformer --output_dir "$OUT/base_loop" --variant base_loop "${COMMON[@]}" \
+$PY -m training.loopformer.train --output_dir "$OUT/base_loop" --variant base_loop "${COMMON[@]}" \
     --disable_tqdm true > "$OUT/base_loop.log" 2>&1 &
 BASE_PID=$!
-$PY -m training.train_loopformer --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}"
+$PY -m training.loopformer.train --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}"
 echo "== waiting for Base-Loop"
 wait "$BASE_PID" || { tail -n 30 "$OUT/base_loop.log"; exit 1; }
 grep -E "train_runtime|train_loss" "$OUT/base_loop.log" | tail -n 2
 echo "== training took $(( $(date +%s) - START )) s"
 
 echo "== elastic evaluation"
-$PY -m training.evaluate_elastic "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
+$PY -m training.loopformer.evaluate "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
     --output_dir "$OUT/eval" --generate_budgets 1 2 4 --halt_eps 0.1 0.3 0.5 0.8
 $PY - "$OUT/loopformer" <<'PYEOF'
 import sys

@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
-from training import evaluate_elastic, representations, train_loopformer
+from training.checkpoints import CheckpointError
+from training.loopformer import evaluate as evaluate_elastic
+from training.loopformer import representations
+from training.loopformer import train as train_loopformer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
         "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",
@@ -81,7 +84,7 @@ def test_truncated_checkpoint_is_a_clear_error(checkpoints, tmp_path):
     bad = shutil.copytree(checkpoints / "base_loop", tmp_path / "bad")
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(train_loopformer.CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match="model.safetensors"):
         evaluate_elastic.main([str(bad), "--output_dir", str(tmp_path / "out")])
 
 

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from training.fprm_trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_fprm_memory import train_memory  # noqa: E402
@@ -134,7 +134,7 @@ def test_training_arguments_are_validated(tmp_path):
     ],
 )
 def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
-    from training.train_fprm import main
+    from training.fprm.train import main
 
     results = main(task_flags + [
         "--output_dir", str(tmp_path), "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
@@ -156,7 +156,7 @@ def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
 
 
 def test_train_script_rejects_unknown_preset_and_task(tmp_path):
-    from training.train_fprm import parse_args
+    from training.fprm.train import parse_args
 
     with pytest.raises(ValueError, match=r"`--preset` must be one of \[.*'s5-quick'.*\], got 'nope'"):
         parse_args(["--preset", "nope"])
@@ -165,7 +165,7 @@ def test_train_script_rejects_unknown_preset_and_task(tmp_path):
 
 
 def test_presets_are_defaults_that_flags_override():
-    from training.train_fprm import parse_args
+    from training.fprm.train import parse_args
 
     model_args, data_args, eval_args, train_args = parse_args(["--preset", "s5-quick", "--max_steps", "7"])
     assert data_args.task == "s5" and train_args.n_backward == 2 and train_args.max_steps == 7
@@ -173,7 +173,8 @@ def test_presets_are_defaults_that_flags_override():
 
 
 def test_train_script_passes_min_train_length_to_state_tracking():
-    from training.train_fprm import build_task, parse_args
+    from training.fprm.tasks import build_task
+    from training.fprm.train import parse_args
 
     _, data_args, _, _ = parse_args(["--task", "s5", "--train_length", "8", "--min_train_length", "2",
                                      "--num_train", "200", "--num_test", "2", "--test_length", "16"])
@@ -188,8 +189,8 @@ def test_train_script_passes_min_train_length_to_state_tracking():
 def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp_path):
     from types import SimpleNamespace
 
-    from training.data.state_tracking import StateTrackingStream
-    from training.train_fprm import LengthCurriculumCallback
+    from training.fprm.tasks.state_tracking import StateTrackingStream
+    from training.fprm.callbacks import LengthCurriculumCallback
 
     stream = StateTrackingStream("S3", min_length=2, max_length=4)
     args = FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2,
@@ -211,7 +212,7 @@ def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp
 def test_train_script_length_curriculum_end_to_end(tmp_path):
     """The real probe on a model that trains for a few steps: the curriculum runs inside Trainer, raises the
     Trainer's own max_segments and is recorded in results.json."""
-    from training.train_fprm import main
+    from training.fprm.train import main
 
     results = main([
         "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
@@ -242,7 +243,7 @@ def test_train_script_length_curriculum_end_to_end(tmp_path):
     ],
 )
 def test_curriculum_flags_are_validated(tmp_path, flags, message):
-    from training.train_fprm import parse_args
+    from training.fprm.train import parse_args
 
     with pytest.raises(ValueError, match=message):
         parse_args(flags + ["--output_dir", str(tmp_path)])
@@ -250,7 +251,7 @@ def test_curriculum_flags_are_validated(tmp_path, flags, message):
 
 def _s3_rows(count, min_length, max_length, pad_to, seed):
     """S3 running products in the state-tracking format (token = element + 1, pad 0, padded labels -100)."""
-    from training.data.state_tracking import build_state_tracking_dataset
+    from training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
     ds = build_state_tracking_dataset("S3", num_train=count, num_test=0, train_length=max_length,
                                       min_train_length=min_length, pad_train_to=pad_to, seed=seed)["train"]
@@ -299,7 +300,7 @@ def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops()
 
     from transformers import get_constant_schedule_with_warmup
 
-    from training.train_fprm import TimeBudgetCallback
+    from training.fprm.callbacks import TimeBudgetCallback
 
     now = [0.0]
     model = torch.nn.Linear(2, 2)

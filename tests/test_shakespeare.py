@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from training import evaluate_elastic, train_loopformer
-from training.data import text
+from training.loopformer import evaluate as evaluate_elastic
+from training.loopformer import train as train_loopformer
+from training.loopformer.data import text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "shakespeare")

@@ -143,7 +143,7 @@ def _parse_int_list(text, name):
 def _text_dataset(args, tokenizer):
     import datasets
 
-    from training.data.text import chunk_text, read_text_documents
+    from training.loopformer.data.text import chunk_text, read_text_documents
 
     docs = read_text_documents(args.dataset, args.dataset_config, args.train_files, args.text_column)
     return datasets.Dataset.from_dict(chunk_text("\n".join(docs), tokenizer, args.block_size))

@@ -88,8 +88,8 @@ def build_state_tracking_dataset(group="S5", num_train=10000, num_test=1000, tra
 class StateTrackingStream(torch.utils.data.IterableDataset):
     """Endless fresh training sequences with lengths uniform in [min_length, max_length], padded to max_length.
 
-    `max_length` may be raised while training (a length curriculum, `train_fprm.LengthCurriculumCallback`): the
-    next sequence drawn uses the new value. Fresh samples every step rather than a fixed set, so a sample's
+    `max_length` may be raised while training (a length curriculum,
+    `training.fprm.callbacks.LengthCurriculumCallback`): the next sequence drawn uses the new value. Fresh samples every step rather than a fixed set, so a sample's
     deep-supervision segments are the only repeats (the group table is then learned, not a training set).
     """
 

@@ -1,6 +1,6 @@
 """Train LoopFormer or one of its baselines as a causal LM with the stock `Trainer` (in the style of run_clm.py).
 
-    python -m training.train_loopformer --output_dir runs/loopformer --variant loopformer \
+    python -m training.loopformer.train --output_dir runs/loopformer --variant loopformer \
         --task synthetic --max_steps 600 --use_cpu
 
 Variants (all the same model class, different configurations; see `VARIANTS`):
@@ -22,7 +22,7 @@ A byte-level BPE is trained on the training data and saved with the model. The o
 
 Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI):
 
-    accelerate launch --multi_gpu --num_processes 2 -m training.train_loopformer --use_cpu --ddp_backend gloo ...
+    accelerate launch --multi_gpu --num_processes 2 -m training.loopformer.train --use_cpu --ddp_backend gloo ...
 
 Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
 """
@@ -30,21 +30,20 @@ Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint 
 import json
 import logging
 import os
-import struct
 import sys
 from dataclasses import asdict, dataclass, field
 
 import datasets
-import torch
 import transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
-from training.callbacks import ShortcutConsistencyCallback
-from training.data import synthetic, text
-from training.tokenizer import train_bpe_tokenizer
+from training.checkpoints import check_checkpoint
+from training.loopformer.data import synthetic, text
+from training.loopformer.data.tokenizer import train_bpe_tokenizer
+from training.loopformer.objective import ShortcutConsistencyCallback
 
 logger = logging.getLogger(__name__)
 
@@ -101,66 +100,6 @@ class ShortcutArguments:
     consistency: str = field(default="mse", metadata={"help": "'mse' on final hidden states or 'kl' on logits."})
     shortcut_seed: int = field(default=0, metadata={"help": "Seed of the trajectory sampler (same on all ranks)."})
     log_trajectories: bool = field(default=False, metadata={"help": "Write each rank's sampled trajectories."})
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing, truncated or corrupt."""
-
-
-def _check_safetensors(path):
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file.")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise CheckpointError(f"{path} is truncated or corrupt: header of {header_len} bytes in a {size}-byte file.")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as e:
-            raise CheckpointError(f"{path} is corrupt: its safetensors header is not valid JSON ({e}).") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end != size:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt: the header describes {8 + header_len + end} bytes, the file has {size}."
-        )
-
-
-def check_checkpoint(path, for_resume=False):
-    """Raise `CheckpointError` naming the file if `path` is not a complete model (and, `for_resume`, trainer) save."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"Checkpoint {path!r} is not a folder.")
-    config_path = os.path.join(path, "config.json")
-    try:
-        with open(config_path) as f:
-            json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"Checkpoint {path!r} has no config.json.") from None
-    except ValueError as e:
-        raise CheckpointError(f"{config_path} is corrupt: {e}.") from None
-    weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-    if not weights and not os.path.exists(os.path.join(path, "pytorch_model.bin")):
-        raise CheckpointError(f"Checkpoint {path!r} holds no weights (model.safetensors).")
-    for name in weights:
-        _check_safetensors(os.path.join(path, name))
-    if for_resume:
-        state_path = os.path.join(path, "trainer_state.json")
-        try:
-            with open(state_path) as f:
-                json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.") from None
-        except ValueError as e:
-            raise CheckpointError(f"{state_path} is corrupt: {e}.") from None
-        for name in ("optimizer.pt", "scheduler.pt"):
-            file = os.path.join(path, name)
-            if not os.path.exists(file):
-                raise CheckpointError(f"Trainer checkpoint {path!r} lacks {name}; it cannot be resumed exactly.")
-            try:
-                torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as e:  # torch raises several types for a bad archive
-                raise CheckpointError(f"{file} is truncated or corrupt ({type(e).__name__}: {e}).") from None
 
 
 def build_config(model_args, vocab_size, block_size):

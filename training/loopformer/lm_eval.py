@@ -13,12 +13,12 @@ Two routes, both tested (tests/test_lm_eval.py):
 2. This module's registered model `loopformer`, which passes `loop_budget` / `step_schedule` explicitly to each
    call (a schedule is a preset name or colon-separated steps, since commas separate model_args):
 
-       python -m training.lm_eval_model --model loopformer \
+       python -m training.loopformer.lm_eval --model loopformer \
            --model_args pretrained=runs/loopformer-tiny,loop_budget=4,step_schedule=0.4:0.3:0.2:0.1 \
            --tasks lambada_openai --device cpu --batch_size 8
 
-   `python -m training.lm_eval_model` is the `lm_eval` command with the `loopformer` model registered; in Python,
-   `import training.lm_eval_model` before `lm_eval.simple_evaluate(model="loopformer", ...)` does the same.
+   `python -m training.loopformer.lm_eval` is the `lm_eval` command with the `loopformer` model registered; in Python,
+   `import training.loopformer.lm_eval` before `lm_eval.simple_evaluate(model="loopformer", ...)` does the same.
 """
 
 import sys

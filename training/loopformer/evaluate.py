@@ -1,7 +1,7 @@
 """Elastic-depth evaluation of one or more checkpoints: quality at every budget M = 1..L and schedule, and
 representation metrics per loop step. Writes `elastic_eval.json` (every number) and PNG plots.
 
-    python -m training.evaluate_elastic runs/loopformer runs/base_loop --output_dir runs/eval
+    python -m training.loopformer.evaluate runs/loopformer runs/base_loop --output_dir runs/eval
 
 Quality, on the held-out data the checkpoint's `loopformer_training.json` describes:
 - synthetic task: exact match of the answer (all answer tokens and the closing newline are the greedy choices,
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import loopformer_hf  # noqa: F401
-from training import representations
-from training.data import synthetic
-from training.train_loopformer import (TRAINING_META_FILE, DataArguments, check_checkpoint, held_out_problems,
-                                       held_out_text)
-from training.data.text import chunk_text
+from training.checkpoints import check_checkpoint
+from training.loopformer import representations
+from training.loopformer.data import synthetic
+from training.loopformer.data.text import chunk_text
+from training.loopformer.train import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
 EVAL_FILE = "elastic_eval.json"
@@ -45,7 +45,7 @@ def load_checkpoint(path):
                                   os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE))
                       if os.path.exists(p)), None)
     if meta_path is None:
-        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by training/train_loopformer.py), so the "
+        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by training/loopformer/train.py), so the "
                          f"held-out data it was trained for is unknown.")
     with open(meta_path) as f:
         meta = json.load(f)

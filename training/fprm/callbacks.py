@@ -1,0 +1,88 @@
+"""Callbacks of FPRM training: the state-tracking length curriculum and the wall-clock budget of the presets."""
+
+import math
+import random
+import time
+
+import torch
+from transformers import TrainerCallback
+
+
+class LengthCurriculumCallback(TrainerCallback):
+    """Raises the stream's maximum length by half (at least 1, at most `final_length`) whenever accuracy at the
+    current maximum on a fresh held-out batch reaches `threshold`, and gives every sample enough deep-supervision
+    segments to reach its last position (one position per loop step: ceil((length + 2) / n_backward))."""
+
+    def __init__(self, stream, final_length, threshold, check_steps, trainer_args, num_check=256, seed=12345):
+        self.stream, self.final_length, self.threshold, self.check_steps = stream, final_length, threshold, check_steps
+        self.trainer_args, self.num_check = trainer_args, num_check
+        self.base_segments = trainer_args.max_segments
+        self.rng = random.Random(seed)
+        self.history = []
+        self._set_segments()
+
+    def _set_segments(self):
+        needed = math.ceil((self.stream.max_length + 2) / self.trainer_args.n_backward)
+        self.trainer_args.max_segments = max(self.base_segments, needed)
+
+    @torch.no_grad()
+    def accuracy_at_max_length(self, model):
+        length = self.stream.max_length
+        rows = self.stream.sample(self.num_check, self.rng)
+        ids, labels = torch.tensor(rows["input_ids"]), torch.tensor(rows["labels"])
+        full = torch.tensor(rows["length"]) == length
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        logits = model(ids.to(device), max_loops=length + 4, halting=False).logits
+        model.train(was_training)
+        correct = (logits.argmax(-1).cpu() == labels)[full, length - 1]
+        return float(correct.float().mean()) if correct.numel() else 0.0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.check_steps or self.stream.max_length >= self.final_length:
+            return
+        acc = self.accuracy_at_max_length(model)
+        self.history.append({"step": state.global_step, "max_length": self.stream.max_length, "accuracy": acc})
+        if acc >= self.threshold:
+            length = self.stream.max_length
+            self.stream.set_max_length(min(self.final_length, length + max(1, length // 2)))
+            self._set_segments()
+            print(f"curriculum: step {state.global_step}, accuracy {acc:.3f} at length {length} -> train up to "
+                  f"length {self.stream.max_length} ({self.trainer_args.max_segments} segments)")
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stops training after a wall-clock budget (the presets promise a CPU time). With `decay_fraction` > 0 the
+    learning rate also falls linearly to 0 over that last fraction of the budget, on top of the Trainer's own
+    schedule: the step count a budget buys is not known in advance, so a step-based decay cannot be placed."""
+
+    def __init__(self, minutes, decay_fraction=0.0, clock=time.perf_counter):
+        if not 0 <= decay_fraction <= 1:
+            raise ValueError(f"`time_budget_decay_fraction` must lie in [0, 1], got {decay_fraction}.")
+        self.seconds, self.decay_fraction, self.clock = minutes * 60, decay_fraction, clock
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.start = self.clock()
+        if self.decay_fraction:
+            if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
+                raise ValueError(f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
+                                 f"{type(lr_scheduler).__name__}.")
+            self.base_lrs = list(lr_scheduler.base_lrs)
+
+    def lr_factor(self):
+        left = 1 - (self.clock() - self.start) / self.seconds
+        return min(1.0, max(0.0, left) / self.decay_fraction) if self.decay_fraction else 1.0
+
+    def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if not self.decay_fraction:
+            return
+        factor = self.lr_factor()
+        # scale the scheduler's base values too, so that the logged learning rate is the one used
+        for i, group in enumerate(optimizer.param_groups):
+            lr_scheduler.base_lrs[i] = self.base_lrs[i] * factor
+            group["lr"] = lr_scheduler.base_lrs[i] * lr_scheduler.lr_lambdas[i](lr_scheduler.last_epoch)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.clock() - self.start > self.seconds:
+            control.should_training_stop = True

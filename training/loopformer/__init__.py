@@ -1,0 +1,2 @@
+"""LoopFormer training: `train` (Trainer + the shortcut-consistency objective in `objective`), `data` (synthetic
+reasoning, text, tokenizer), `evaluate` (elastic-depth evaluation), `report`, `representations`, `lm_eval`."""
