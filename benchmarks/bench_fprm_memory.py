@@ -9,8 +9,8 @@
    `halt_eps` against `halting=False` at the same `max_loops` (`--halting_model`, a folder written by
    training/fprm/train.py).
 
-    python benchmarks/bench_fprm_memory.py                       # memory table, JSON to benchmarks/results/
-    python benchmarks/bench_fprm_memory.py --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
+    python -m benchmarks.bench_fprm_memory                       # memory table, JSON to benchmarks/results/
+    python -m benchmarks.bench_fprm_memory --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
 """
 
 import argparse
@@ -23,13 +23,12 @@ import time
 
 import torch
 
+from transformers import TrainerCallback
+
+from fprm_hf import FPRMConfig, FPRMForReasoning
+from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from transformers import TrainerCallback  # noqa: E402
-
-from fprm_hf import FPRMConfig, FPRMForReasoning  # noqa: E402
-from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments  # noqa: E402
 
 
 class SavedActivations:
@@ -111,10 +110,10 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
 
 
 def _in_fresh_process(loops, mode, hidden, batch):
-    code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.dirname(__file__)!r});"
-            f"import torch; torch.set_num_threads(1); from bench_fprm_memory import train_memory;"
+    code = ("import json; import torch; torch.set_num_threads(1);"
+            "from benchmarks.bench_fprm_memory import train_memory;"
             f"print('RESULT', json.dumps(train_memory({loops}, {mode!r}, hidden={hidden}, batch={batch})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.split("RESULT", 1)[1])

@@ -1,6 +1,6 @@
 """Wall-clock of cached generation with per-token halting (`halt_eps`) against mean loops per token.
 
-    python benchmarks/bench_halting.py [--checkpoint runs/main/loopformer] [--output benchmarks/results/halting.json]
+    python -m benchmarks.bench_halting [--checkpoint runs/main/loopformer] [--output benchmarks/results/halting.json]
 
 For fixed budgets M = 1..L and a sweep of halt_eps (both KV fill strategies), it runs greedy cached generation
 side by side (interleaved repeats, medians) and prints the time per generated token relative to the full budget L,
@@ -36,8 +36,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="a LoopFormer folder; default: a tiny random model")
     parser.add_argument("--eps", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.4])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt_len", type=int, default=32)
+    parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default="benchmarks/results/halting.json")

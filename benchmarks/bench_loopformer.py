@@ -1,8 +1,8 @@
 """LoopFormer speed on CPU: training step and cached generation vs an iso-FLOP Llama, KV-cache speed-up, and how
 generation time scales with the loop budget M. One command; prints a table and writes JSON.
 
-    .venv/bin/python benchmarks/bench_loopformer.py                      # full run (tens of minutes on 2 cores)
-    .venv/bin/python benchmarks/bench_loopformer.py --quick --output /tmp/loopformer_quick.json   # smoke run
+    .venv/bin/python -m benchmarks.bench_loopformer                      # full run (tens of minutes on 2 cores)
+    .venv/bin/python -m benchmarks.bench_loopformer --quick --output /tmp/loopformer_quick.json   # smoke run
 
 Models (small config: hidden 256, 4 heads, vocab 512, fp32, sdpa attention):
 
@@ -30,14 +30,10 @@ import warnings
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
 
-import transformers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import loopformer_hf  # noqa: E402
+import loopformer_hf
 
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer.json")
 
@@ -281,9 +277,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run (timings meaningless)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1, the least noisy)")
     p.add_argument("--repeats", type=int, default=None, help="rounds per measurement (default: 5; 2 with --quick)")
-    p.add_argument("--repeats-long", type=int, default=None,
+    p.add_argument("--repeats_long", type=int, default=None,
                    help="rounds for the long cached-vs-uncached pair (default: 3; 2 with --quick)")
-    p.add_argument("--position-embedding", default="rope", choices=("rope", "learned"),
+    p.add_argument("--position_embedding", default="rope", choices=("rope", "learned"),
                    help="LoopFormer positions (default: rope, as the Llama baseline)")
     args = p.parse_args(argv)
     if args.threads < 1:

@@ -1,5 +1,5 @@
 """LoopFormer on a CUDA device: cache exactness, generate in fp32/fp16/bf16, halt_eps, and cached-generate speed by
-budget. One short script for a lent GPU: python benchmarks/cuda_check.py [--output results.json]"""
+budget. One short script for a lent GPU: python -m benchmarks.cuda_check [--output results.json]"""
 
 import argparse
 import json

@@ -4,9 +4,9 @@ Fresh random sequences every step; each batch gets enough deep-supervision segme
 state detached in between, one optimizer step per segment) to reach its last position. Every 30 s it prints the
 per-prefix accuracy at k = 1..12 on held-out length-128 sequences; at the end, the accuracy at k = 2..128.
 
-    python benchmarks/s5_recipe_probe.py --kernel 4 --minutes 7          # the paper's conv kernel: k = 3 stays at chance
-    python benchmarks/s5_recipe_probe.py --kernel 2 --minutes 7          # k = 3, 4 follow k = 2 within minutes
-    python benchmarks/s5_recipe_probe.py --kernel 2 --curriculum 0.9 --minutes 11
+    python -m benchmarks.s5_recipe_probe --kernel 4 --minutes 7          # the paper's conv kernel: k = 3 stays at chance
+    python -m benchmarks.s5_recipe_probe --kernel 2 --minutes 7          # k = 3, 4 follow k = 2 within minutes
+    python -m benchmarks.s5_recipe_probe --kernel 2 --curriculum 0.9 --minutes 11
 
 Flags for the other recipes tried there: --tie (tied head and embeddings), --layers 1, --bos (a start token whose
 state the first element composes with), --reach (no loss on positions a segment cannot have reached yet),
@@ -17,16 +17,12 @@ state the first element composes with), --reach (no loss on positions a segment 
 import argparse
 import json
 import math
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from fprm_hf import FPRMConfig, FPRMForReasoning  # noqa: E402
-from training.fprm.tasks.state_tracking import GROUPS, multiplication_table  # noqa: E402
+from fprm_hf import FPRMConfig, FPRMForReasoning
+from training.fprm.tasks.state_tracking import GROUPS, multiplication_table
 
 
 def parse_args(argv=None):

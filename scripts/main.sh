@@ -14,13 +14,9 @@ STEPS=${STEPS:-2000}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # One thread per run: the two runs share the machine's cores instead of fighting over them.
 export OMP_NUM_THREADS=1
-# Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4. lr 1e-3: at 3e-3 the
-# adaLN gates of LoopFormer grew until the residual stream blew up (|h| ~ 1e5) and it stayed at chance.
-COMMON=(--task synthetic --num_loops 4 --num_blocks 1 --hidden_size 128 --num_attention_heads 4
-        --max_depth 4 --num_train_problems 100000 --num_eval_problems 500
-        --max_steps "$STEPS" --per_device_train_batch_size 64 --learning_rate 1e-3 --lr_scheduler_type cosine
-        --warmup_steps 100 --weight_decay 0.1 --adam_beta2 0.95 --max_grad_norm 1.0
-        --logging_steps 100 --save_steps 1000 --save_total_limit 1 --use_cpu --report_to none --seed 0)
+# Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
+# configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
+COMMON=(--config configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --save_steps 1000 --save_total_limit 1)
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "bench_loopformer.py")
 EXPECTED_RATIOS = [
     "train_step_loopformer_over_llama",
     "generate_tokens_per_s_loopformer_over_llama",
@@ -20,7 +19,7 @@ EXPECTED_RATIOS = [
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_loopformer", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
 
 
 def test_quick_benchmark_writes_every_ratio(tmp_path):

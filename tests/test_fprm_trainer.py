@@ -1,18 +1,14 @@
 """FPRM training: truncated BPTT + deep supervision through FPRMTrainer, memory flat in the loop cap, the script."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 from datasets import Dataset
 
+from benchmarks.bench_fprm_memory import train_memory
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from bench_fprm_memory import train_memory  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -286,8 +282,7 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
 
 def test_s5_recipe_probe_runs_and_reports_per_prefix_accuracy():
     """The probe behind docs/fprm.md's S5 ablations, on S3 for a few seconds: S3 is learned within that time."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from s5_recipe_probe import main as probe
+    from benchmarks.s5_recipe_probe import main as probe
 
     result = probe(["--group", "S3", "--minutes", "0.25", "--batch", "64", "--d", "32", "--ff", "64",
                     "--num_test", "16", "--lr", "3e-3", "--curriculum", "0.9"])

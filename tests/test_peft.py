@@ -100,9 +100,9 @@ def test_finetune_text_cli_trains_or_freezes_loop_conditioning(tokenizer, tmp_pa
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(CORPUS))
     summary = finetune_main([
-        "--model", str(base_dir), "--train-files", str(text), "--output", str(tmp_path / "out"),
-        "--block-size", "16", "--batch-size", "4", "--max-steps", "3", "--learning-rate", "1e-2",
-        "--loop-budgets", "1,2,4", "--loop-conditioning", flag, "--merge",
+        "--model", str(base_dir), "--train_files", str(text), "--output", str(tmp_path / "out"),
+        "--block_size", "16", "--batch_size", "4", "--max_steps", "3", "--learning_rate", "1e-2",
+        "--loop_budgets", "1,2,4", "--loop_conditioning", flag, "--merge",
     ])
     assert summary["steps"] == 3 and summary["train_loss"] == summary["train_loss"]  # finite
     saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
@@ -126,8 +126,8 @@ def test_finetune_fprm_on_a_task_with_lora(tmp_path):
     data = tmp_path / "task.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in fprm_task_rows()))
     summary = finetune_main([
-        "--model", str(tmp_path / "fprm"), "--task-data", str(data), "--output", str(tmp_path / "out"),
-        "--batch-size", "8", "--max-steps", "2", "--max-loops", "3", "--loop-conditioning", "train", "--merge",
+        "--model", str(tmp_path / "fprm"), "--task_data", str(data), "--output", str(tmp_path / "out"),
+        "--batch_size", "8", "--max_steps", "2", "--max_loops", "3", "--loop_conditioning", "train", "--merge",
     ])
     assert summary["steps"] == 2
     saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")

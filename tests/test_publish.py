@@ -72,7 +72,7 @@ def pushed(hub, checkpoint):
     path, model = checkpoint
     before = _digest(path)
     proc = subprocess.run(
-        [PYTHON, "-m", "training.publish", "--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN,
+        [PYTHON, "-m", "training.publish", "--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN,
          "--dataset", "org/tiny-corpus", "--tag", "tiny"],
         cwd=REPO_ROOT, env={**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True,
         timeout=180,
@@ -88,7 +88,7 @@ def pushed_fprm(hub, tmp_path_factory):
     path = tmp_path_factory.mktemp("fprm") / "fprm-tiny"
     model = make_fprm(seed=0)
     model.save_pretrained(path)
-    assert publish_main(["--checkpoint", str(path), "--repo-id", FPRM_REPO, "--token", TOKEN,
+    assert publish_main(["--checkpoint", str(path), "--repo_id", FPRM_REPO, "--token", TOKEN,
                          "--endpoint", hub.endpoint]) == 0
     return model
 
@@ -212,8 +212,8 @@ def test_repeated_push_updates_the_repo(hub, pushed, tmp_path):
     tokenizer.save_pretrained(path)
     eval_json = tmp_path / "eval2.json"
     eval_json.write_text(json.dumps({**EVAL, "results": [{"metric": "perplexity", "value": 11.0, "loop_budget": 4}]}))
-    argv = ["--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN, "--endpoint", hub.endpoint,
-            "--eval-json", str(eval_json), "--commit-message", "second run"]
+    argv = ["--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN, "--endpoint", hub.endpoint,
+            "--eval_json", str(eval_json), "--commit_message", "second run"]
     assert publish_main(argv) == 0
     commits = hub.commits(REPO)
     assert commits[:-1] == first_commits and len(commits) == len(first_commits) + 1
@@ -228,7 +228,7 @@ def test_repeated_push_updates_the_repo(hub, pushed, tmp_path):
 def test_bad_token_fails_clearly_and_changes_nothing(hub, pushed, checkpoint, capsys):
     path, _ = checkpoint
     before, commits = _digest(path), hub.commits(REPO)
-    code = publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--token", "hf_wrong", "--endpoint", hub.endpoint])
+    code = publish_main(["--checkpoint", str(path), "--repo_id", REPO, "--token", "hf_wrong", "--endpoint", hub.endpoint])
     err = capsys.readouterr().err
     assert code == 1
     assert "rejected the token (HTTP 401" in err and "--token" in err
@@ -240,7 +240,7 @@ def test_unreachable_endpoint_fails_clearly(hub, checkpoint, capsys):
     path, _ = checkpoint
     before = _digest(path)
     endpoint = f"http://127.0.0.1:{_free_closed_port()}"
-    code = publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--token", TOKEN, "--endpoint", endpoint])
+    code = publish_main(["--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN, "--endpoint", endpoint])
     err = capsys.readouterr().err
     assert code == 1
     assert f"Could not reach the Hub endpoint {endpoint}" in err
@@ -249,7 +249,7 @@ def test_unreachable_endpoint_fails_clearly(hub, checkpoint, capsys):
 
 def test_private_flag_makes_a_private_repo(hub, checkpoint):
     path, _ = checkpoint
-    assert publish_main(["--checkpoint", str(path), "--repo-id", "org/secret", "--token", TOKEN, "--endpoint",
+    assert publish_main(["--checkpoint", str(path), "--repo_id", "org/secret", "--token", TOKEN, "--endpoint",
                          hub.endpoint, "--private"]) == 0
     assert hub.state.repos[("model", "org/secret")].private
     from huggingface_hub import HfApi
@@ -262,16 +262,16 @@ def test_private_flag_makes_a_private_repo(hub, checkpoint):
 
 def test_user_errors(checkpoint, tmp_path, capsys):
     path, _ = checkpoint
-    assert publish_main(["--checkpoint", str(tmp_path / "nope"), "--repo-id", REPO, "--dry-run",
-                         "--stage-dir", str(tmp_path / "s")]) == 1
+    assert publish_main(["--checkpoint", str(tmp_path / "nope"), "--repo_id", REPO, "--dry_run",
+                         "--stage_dir", str(tmp_path / "s")]) == 1
     assert "no config.json" in capsys.readouterr().err
-    assert publish_main(["--checkpoint", str(path), "--repo-id", "bad//id", "--dry-run",
-                         "--stage-dir", str(tmp_path / "s")]) == 1
+    assert publish_main(["--checkpoint", str(path), "--repo_id", "bad//id", "--dry_run",
+                         "--stage_dir", str(tmp_path / "s")]) == 1
     assert "bad//id" in capsys.readouterr().err
     no_tok = tmp_path / "no_tok"
     make_model().save_pretrained(no_tok)
-    assert publish_main(["--checkpoint", str(no_tok), "--repo-id", REPO, "--dry-run",
-                         "--stage-dir", str(tmp_path / "s2")]) == 1
+    assert publish_main(["--checkpoint", str(no_tok), "--repo_id", REPO, "--dry_run",
+                         "--stage_dir", str(tmp_path / "s2")]) == 1
     assert "No tokenizer" in capsys.readouterr().err
     bad_eval = tmp_path / "bad.json"
     bad_eval.write_text(json.dumps({"perplexity": 3}))
@@ -282,7 +282,7 @@ def test_user_errors(checkpoint, tmp_path, capsys):
 def test_dry_run_stages_without_network(checkpoint, tmp_path):
     path, _ = checkpoint
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(path), "--repo-id", REPO, "--dry-run", "--stage-dir", str(stage),
+    assert publish_main(["--checkpoint", str(path), "--repo_id", REPO, "--dry_run", "--stage_dir", str(stage),
                          "--endpoint", f"http://127.0.0.1:{_free_closed_port()}"]) == 0
     assert (stage / "README.md").exists() and (stage / "model.safetensors").exists()
 

@@ -1,12 +1,12 @@
 """LoRA fine-tuning of LoopFormer (on text) and FPRM (on a task) with PEFT and `transformers.Trainer`.
 
-    # LoopFormer on local text files (or --dataset NAME --text-column text), budgets sampled per batch
-    python -m training.finetune_lora --model runs/loopformer-tiny --train-files notes/ --output runs/lora \
-        --loop-budgets 2,4,8 --max-steps 200 [--loop-conditioning train|freeze] [--merge]
+    # LoopFormer on local text files (or --dataset NAME --text_column text), budgets sampled per batch
+    python -m training.finetune_lora --model runs/loopformer-tiny --train_files notes/ --output runs/lora \
+        --loop_budgets 2,4,8 --max_steps 200 [--loop_conditioning train|freeze] [--merge]
 
     # FPRM on a task: a `datasets` folder (save_to_disk) or a JSON-lines file with `input_ids` and `labels`
-    python -m training.finetune_lora --model runs/fprm-s5 --task-data s5_train.jsonl --output runs/fprm-lora \
-        --max-loops 16 --max-steps 200
+    python -m training.finetune_lora --model runs/fprm-s5 --task_data s5_train.jsonl --output runs/fprm-lora \
+        --max_loops 16 --max_steps 200
 
 Target modules (LoRA on every `nn.Linear` of these names, in every shared block; the blocks are looped, so one
 adapter acts at every loop step):
@@ -16,7 +16,7 @@ adapter acts at every loop step):
 | LoopFormer | q_proj, k_proj, v_proj, o_proj | up_proj, down_proj (+ gate_proj when hidden_act="swiglu") |
 | FPRM | q_proj, k_proj, v_proj, o_proj | gate_proj, up_proj, down_proj (SwiGLU) |
 
-Loop-conditioning parameters (`--loop-conditioning`): LoopFormer's `model.loop_conditioning.*` (the t and Δ
+Loop-conditioning parameters (`--loop_conditioning`): LoopFormer's `model.loop_conditioning.*` (the t and Δ
 embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling` (the α/β of the loop update).
 `freeze` (default) keeps them as in the base model (PEFT freezes every base parameter); `train` makes them trainable
 through PEFT's `modules_to_save`: a trained copy is stored in the adapter and `merge_and_unload()` puts it in place.
@@ -87,9 +87,9 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=None, train_loop_
         modules_to_save = loop_conditioning_modules(model)
         if not modules_to_save:
             raise ValueError(
-                f"--loop-conditioning train: this model has no loop-conditioning parameters "
+                f"--loop_conditioning train: this model has no loop-conditioning parameters "
                 f"(model_type={model.config.model_type!r}, loop_conditioning="
-                f"{getattr(model.config, 'loop_conditioning', None)!r}); use --loop-conditioning freeze."
+                f"{getattr(model.config, 'loop_conditioning', None)!r}); use --loop_conditioning freeze."
             )
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
@@ -158,10 +158,10 @@ def _task_dataset(path):
     elif path.is_file():
         ds = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
     else:
-        raise ValueError(f"--task-data {path} is neither a saved datasets folder nor a JSON-lines file.")
+        raise ValueError(f"--task_data {path} is neither a saved datasets folder nor a JSON-lines file.")
     missing = {"input_ids", "labels"} - set(ds.column_names)
     if missing:
-        raise ValueError(f"--task-data needs columns input_ids and labels; {path} has {ds.column_names}.")
+        raise ValueError(f"--task_data needs columns input_ids and labels; {path} has {ds.column_names}.")
     keep = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds.column_names]
     return ds.select_columns(keep)
 
@@ -171,24 +171,24 @@ def build_parser():
     p.add_argument("--model", required=True, help="base checkpoint folder or Hub repo id")
     p.add_argument("--output", required=True)
     data = p.add_argument_group("data (one of)")
-    data.add_argument("--train-files", nargs="+", default=None, help="LoopFormer: .txt files or folders")
+    data.add_argument("--train_files", nargs="+", default=None, help="LoopFormer: .txt files or folders")
     data.add_argument("--dataset", default=None, help="LoopFormer: a datasets name or path (train split)")
-    data.add_argument("--dataset-config", default=None)
-    data.add_argument("--text-column", default="text")
-    data.add_argument("--task-data", default=None, help="FPRM: datasets folder or JSON-lines with input_ids, labels")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--lora-r", type=int, default=8)
-    p.add_argument("--lora-alpha", type=int, default=16)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--target-modules", default=None, help="comma-separated; default: the documented ones")
-    p.add_argument("--loop-conditioning", choices=["freeze", "train"], default="freeze",
+    data.add_argument("--dataset_config", default=None)
+    data.add_argument("--text_column", default="text")
+    data.add_argument("--task_data", default=None, help="FPRM: datasets folder or JSON-lines with input_ids, labels")
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--lora_alpha", type=int, default=16)
+    p.add_argument("--lora_dropout", type=float, default=0.0)
+    p.add_argument("--target_modules", default=None, help="comma-separated; default: the documented ones")
+    p.add_argument("--loop_conditioning", choices=["freeze", "train"], default="freeze",
                    help="freeze (default) or train the loop-conditioning parameters")
-    p.add_argument("--loop-budgets", default=None, help="LoopFormer: budgets sampled per batch, e.g. 2,4,8 "
+    p.add_argument("--loop_budgets", default=None, help="LoopFormer: budgets sampled per batch, e.g. 2,4,8 "
                                                          "(default: the config's default budget)")
-    p.add_argument("--max-loops", type=int, default=None, help="FPRM: solver cap during fine-tuning")
-    p.add_argument("--max-steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--max_loops", type=int, default=None, help="FPRM: solver cap during fine-tuning")
+    p.add_argument("--max_steps", type=int, default=100)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--merge", action="store_true", help="also save merge_and_unload() as <output>/merged")
     return p
@@ -204,17 +204,17 @@ def main(argv=None):
     tokenizer = None
     if config.model_type == "loopformer":
         if args.task_data:
-            raise ValueError("--task-data is for FPRM; give LoopFormer text with --train-files or --dataset.")
+            raise ValueError("--task_data is for FPRM; give LoopFormer text with --train_files or --dataset.")
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model)
         train = _text_dataset(args, tokenizer)
-        budgets = _parse_int_list(args.loop_budgets, "--loop-budgets") if args.loop_budgets else []
+        budgets = _parse_int_list(args.loop_budgets, "--loop_budgets") if args.loop_budgets else []
         collator = ExtraKwargsCollator(choices={"loop_budget": budgets}, seed=args.seed)
     elif config.model_type == "fprm":
         import fprm_hf
 
         if not args.task_data:
-            raise ValueError("FPRM fine-tuning needs --task-data (a datasets folder or JSON-lines file).")
+            raise ValueError("FPRM fine-tuning needs --task_data (a datasets folder or JSON-lines file).")
         model = fprm_hf.FPRMForReasoning.from_pretrained(args.model)
         train = _task_dataset(args.task_data)
         collator = ExtraKwargsCollator(fixed={"max_loops": args.max_loops} if args.max_loops else None)

@@ -1,7 +1,7 @@
 """Publish a trained checkpoint to the Hugging Face Hub (or any Hub-compatible endpoint).
 
-    python -m training.publish --checkpoint runs/loopformer-tiny --repo-id org/loopformer-tiny \
-        [--token hf_...] [--private] [--eval-json runs/eval.json] [--dataset org/data] [--license apache-2.0]
+    python -m training.publish --checkpoint runs/loopformer-tiny --repo_id org/loopformer-tiny \
+        [--token hf_...] [--private] [--eval_json runs/eval.json] [--dataset org/data] [--license apache-2.0]
 
 What lands in the repo (one commit; a repeated push is a new commit on top that replaces these files):
 
@@ -13,11 +13,11 @@ What lands in the repo (one commit; a repeated push is a new commit on top that 
   pipeline_tag, license, tags, datasets, base_model, and a `model-index` built from the evaluation JSON) and usage
   snippets written for this repo id.
 
-The checkpoint folder is only read. Everything is staged in a temporary folder (or `--stage-dir`, which is kept),
-and `--dry-run` stages without contacting the Hub. The endpoint is `--endpoint`, else `HF_ENDPOINT`, else
+The checkpoint folder is only read. Everything is staged in a temporary folder (or `--stage_dir`, which is kept),
+and `--dry_run` stages without contacting the Hub. The endpoint is `--endpoint`, else `HF_ENDPOINT`, else
 huggingface.co; the token is `--token`, else `HF_TOKEN` or the one stored by `hf auth login`.
 
-Evaluation JSON (`--eval-json`, else `eval_results.json` / `evaluation.json` in the checkpoint) may be
+Evaluation JSON (`--eval_json`, else `eval_results.json` / `evaluation.json` in the checkpoint) may be
 - this package's format: {"task": {"type": "text-generation", "name": "Language modeling"},
   "dataset": {"name": "...", "type": "...", "split": "test"},
   "results": [{"metric": "perplexity", "value": 12.3, "loop_budget": 4, "step_schedule": "uniform"}, ...]}
@@ -224,15 +224,15 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, licen
 
     validate_repo_id(repo_id)  # HFValidationError is a ValueError
     if "/" not in repo_id:
-        raise ValueError(f"--repo-id must be 'owner/name', got {repo_id!r}.")
+        raise ValueError(f"--repo_id must be 'owner/name', got {repo_id!r}.")
     checkpoint = Path(checkpoint)
     if not (checkpoint / "config.json").is_file():
         raise ValueError(f"--checkpoint {checkpoint} is not a saved model folder (no config.json there).")
     out_dir = Path(out_dir)
     if out_dir.resolve() == checkpoint.resolve():
-        raise ValueError("--stage-dir must differ from --checkpoint (the checkpoint is never written to).")
+        raise ValueError("--stage_dir must differ from --checkpoint (the checkpoint is never written to).")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"--stage-dir {out_dir} is not empty; give an empty or new folder.")
+        raise ValueError(f"--stage_dir {out_dir} is not empty; give an empty or new folder.")
 
     kinds = _model_kinds()
     config = AutoConfig.from_pretrained(checkpoint)
@@ -351,7 +351,7 @@ def publish(checkpoint, repo_id, *, endpoint=None, token=None, private=False, st
     tmp = None
     if stage_dir is None:
         if dry_run:
-            raise ValueError("--dry-run needs --stage-dir (where the staged files are kept to look at).")
+            raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
         tmp = tempfile.mkdtemp(prefix="publish-")
         stage_dir = Path(tmp) / "repo"
     try:
@@ -369,23 +369,23 @@ def publish(checkpoint, repo_id, *, endpoint=None, token=None, private=False, st
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m training.publish", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a folder written by save_pretrained / Trainer")
-    p.add_argument("--repo-id", required=True, help="owner/name on the Hub")
+    p.add_argument("--repo_id", required=True, help="owner/name on the Hub")
     p.add_argument("--token", default=None, help="write token (default: HF_TOKEN or the stored login)")
     p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
     p.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
     p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    p.add_argument("--commit-message", default=None)
+    p.add_argument("--commit_message", default=None)
     p.add_argument("--tokenizer", default=None, help="tokenizer folder if the checkpoint has none")
-    p.add_argument("--eval-json", default=None, help="evaluation results for the card's model-index")
+    p.add_argument("--eval_json", default=None, help="evaluation results for the card's model-index")
     p.add_argument("--license", default="apache-2.0")
     p.add_argument("--dataset", action="append", default=None, help="training dataset id (repeatable)")
     p.add_argument("--tag", action="append", default=None, help="extra tag (repeatable)")
-    p.add_argument("--base-model", default=None, help="the model this one was fine-tuned from")
+    p.add_argument("--base_model", default=None, help="the model this one was fine-tuned from")
     p.add_argument("--language", action="append", default=None, help="language code (repeatable)")
-    p.add_argument("--training-text", default=None, help="a paragraph for the card's Training section")
+    p.add_argument("--training_text", default=None, help="a paragraph for the card's Training section")
     p.add_argument("--prompt", default="The", help="prompt used in the card's usage snippets")
-    p.add_argument("--stage-dir", default=None, help="stage the repo here and keep it (default: a temp folder)")
-    p.add_argument("--dry-run", action="store_true", help="stage only (needs --stage-dir); push nothing")
+    p.add_argument("--stage_dir", default=None, help="stage the repo here and keep it (default: a temp folder)")
+    p.add_argument("--dry_run", action="store_true", help="stage only (needs --stage_dir); push nothing")
     return p
 
 

@@ -4,8 +4,10 @@ processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep su
     python -m training.fprm.train --preset s5-quick            # ~15 min on a 2-core CPU
     python -m training.fprm.train --preset sudoku4-quick       # ~10 min on a 2-core CPU
     python -m training.fprm.train --preset sudoku6-quick --max_steps 500 --output_dir outputs/s6
+    python -m training.fprm.train configs/fprm/maze15-quick.yaml --torch_threads 2
 
-A preset only sets defaults: any flag given on the command line wins. The evaluation prints cell and exact
+A preset is a YAML file of configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
+the first argument). It only sets defaults: any flag given on the command line wins. The evaluation prints cell and exact
 accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze: path length; state tracking:
 sequence length), the per-prefix accuracy curve (state tracking), halting vs always running the cap (accuracy,
 iterations and wall-clock), and writes PNG plots and `results.json` to `--output_dir`.
@@ -22,74 +24,20 @@ import torch
 from transformers import HfArgumentParser, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
+from training.arguments import parse_args_with_config, split_config_file
 from training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from training.fprm.evaluate import evaluate, print_report, write_plots
 from training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 
-# Each preset: flags of the three argument groups. Sizes chosen to finish on a 2-core CPU in the stated time.
-PRESETS = {
-    # Fresh sequences under a length curriculum (2..4 first, the maximum raised by half whenever accuracy at it
-    # reaches 0.9, up to the spec's 32), short segments (2 loops with gradient, enough segments to reach the last
-    # position), batch 512, and a conv kernel of 2: with the paper's kernel 4 the taps t-2 and t-3 (zero padding at
-    # the start of a sequence, real states later) keep the learned product from being iterated (k = 3 stays at
-    # chance). Measured numbers and the failed recipes: docs/fprm.md.
-    "s5-quick": dict(
-        task="s5", num_train=0, num_test=100, train_length=32, min_train_length=2, curriculum_start_length=4,
-        curriculum_threshold=0.9, curriculum_check_steps=100, test_length=128,
-        hidden_size=128, num_attention_heads=4, intermediate_size=512, num_hidden_layers=2, init_std=1.0,
-        conv_kernel_size=2, patience=10, gamma_train=0.95, eval_max_loops=160, eval_halt_eps=0.05,
-        n_backward=2, max_segments=3, train_halt_eps=1e-6, per_device_train_batch_size=512, learning_rate=1e-3,
-        lr_scheduler_type="constant_with_warmup", weight_decay=0.01, warmup_steps=20, max_steps=100000,
-        adam_beta2=0.95, time_budget_minutes=12.0, time_budget_decay_fraction=0.3,
-    ),
-    "s5-full": dict(  # the s5-quick recipe at width 256 with a step-based schedule; a GPU job
-        task="s5", num_train=0, num_test=1000, train_length=32, min_train_length=2, curriculum_start_length=4,
-        curriculum_threshold=0.9, curriculum_check_steps=200, test_length=128,
-        hidden_size=256, num_attention_heads=8, intermediate_size=1024, num_hidden_layers=2, init_std=1.0,
-        conv_kernel_size=2, patience=10, gamma_train=0.95, eval_max_loops=256, eval_halt_eps=0.05,
-        n_backward=2, max_segments=3, train_halt_eps=1e-6, per_device_train_batch_size=1024, learning_rate=1e-3,
-        lr_scheduler_type="cosine", weight_decay=0.01, warmup_steps=200, max_steps=40000, adam_beta2=0.95,
-    ),
-    "sudoku4-quick": dict(  # measured: 7.0 min training + ~1 min data and evaluation
-        task="sudoku", sudoku_size=4, num_train=3000, num_test=300,
-        hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2, num_prefix_tokens=4,
-        eval_max_loops=200, eval_halt_eps=0.05,
-        n_backward=4, max_segments=8, train_halt_eps=0.01, per_device_train_batch_size=64, learning_rate=1e-3,
-        weight_decay=0.001, warmup_steps=50, max_steps=1200, adam_beta2=0.95, time_budget_minutes=9.0,
-        torch_threads=1,
-    ),
-    "sudoku6-quick": dict(  # measured: 8.9 min training + ~1.5 min data and evaluation
-        task="sudoku", sudoku_size=6, num_train=5000, num_test=300,
-        hidden_size=96, num_attention_heads=4, intermediate_size=192, num_hidden_layers=2, num_prefix_tokens=4,
-        eval_max_loops=200, eval_halt_eps=0.05,
-        n_backward=6, max_segments=12, train_halt_eps=0.01, per_device_train_batch_size=64, learning_rate=1e-3,
-        weight_decay=0.001, warmup_steps=50, max_steps=1000, adam_beta2=0.95, time_budget_minutes=12.0,
-        torch_threads=1,
-    ),
-    "sudoku9-full": dict(  # the paper's Sudoku-Extreme model; a GPU job
-        task="sudoku", sudoku_size=9, num_train=100000, num_test=2000,
-        hidden_size=512, num_attention_heads=8, intermediate_size=1536, num_hidden_layers=2, num_prefix_tokens=16,
-        init_std=6.0, eval_max_loops=2000, eval_halt_eps=0.1, eval_gamma=0.997, patience=10,
-        n_backward=6, max_segments=12, per_device_train_batch_size=768, learning_rate=1e-3, weight_decay=0.001,
-        warmup_steps=2000, max_steps=50000, adam_beta2=0.95, loss_type="stablemax",
-    ),
-    "maze15-quick": dict(
-        task="maze", maze_size=15, num_train=2000, num_test=200,
-        hidden_size=96, num_attention_heads=4, intermediate_size=192, num_hidden_layers=2, num_prefix_tokens=4,
-        eval_max_loops=300, eval_halt_eps=0.05,
-        n_backward=6, max_segments=24, per_device_train_batch_size=32, learning_rate=1e-3, weight_decay=0.001,
-        warmup_steps=100, max_steps=1500, adam_beta2=0.95, time_budget_minutes=14.0, torch_threads=1,
-    ),
-    "arc-tiny": dict(  # the pipeline on ARC-AGI-1 tasks with grids up to 10x10; accuracy will be near zero
-        task="arc", arc_max_grid=10, arc_max_tasks=40, arc_augmentations=8,
-        hidden_size=96, num_attention_heads=4, intermediate_size=192, num_hidden_layers=2, num_prefix_tokens=4,
-        eval_max_loops=100, eval_halt_eps=0.1,
-        n_backward=4, max_segments=8, per_device_train_batch_size=32, learning_rate=1e-3, weight_decay=0.1,
-        warmup_steps=50, max_steps=600, adam_beta2=0.95, time_budget_minutes=10.0, torch_threads=1,
-    ),
-}
+# Presets: YAML files of flags of the four argument groups; `--preset NAME` reads configs/fprm/NAME.yaml.
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                           "fprm")
+
+
+def preset_names():
+    return sorted(name[: -len(".yaml")] for name in os.listdir(PRESETS_DIR) if name.endswith(".yaml"))
 
 
 @dataclass
@@ -112,7 +60,9 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    preset: str | None = field(default=None, metadata={"help": f"one of {sorted(PRESETS)}"})
+    preset: str | None = field(
+        default=None, metadata={"help": "a file of configs/fprm/ by name: `--preset s5-quick` reads "
+                                        "configs/fprm/s5-quick.yaml (the same as `--config` with that file)"})
     task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
     num_train: int = field(default=2000)
     num_test: int = field(default=200)
@@ -150,6 +100,7 @@ class EvalArguments:
 
 
 def parse_args(argv=None):
+    """The four argument groups: defaults here, then a preset or config file, then the flags given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, EvalArguments, FPRMTrainingArguments))
     preset = None
@@ -158,19 +109,15 @@ def parse_args(argv=None):
             preset = argv[i + 1]
         elif arg.startswith("--preset="):
             preset = arg.split("=", 1)[1]
-    defaults = []
     if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"`--preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
-        for key, value in PRESETS[preset].items():
-            defaults += [f"--{key}", str(value)]
-        if "--output_dir" not in " ".join(argv):
-            defaults += ["--output_dir", f"outputs/fprm-{preset}"]
-    defaults += ["--report_to", "none", "--save_strategy", "no", "--dataloader_drop_last", "true",
-                 "--logging_steps", "50"]
-    if "--output_dir" not in " ".join(defaults + argv):
-        defaults += ["--output_dir", "outputs/fprm"]
-    model_args, data_args, eval_args, train_args = parser.parse_args_into_dataclasses(defaults + argv)
+        if preset not in preset_names():
+            raise ValueError(f"`--preset` must be one of {preset_names()}, got {preset!r}.")
+        argv = ["--config", os.path.join(PRESETS_DIR, f"{preset}.yaml"), *argv]
+    config_file, _ = split_config_file(argv)
+    name = os.path.splitext(os.path.basename(config_file))[0] if config_file else None
+    defaults = {"report_to": "none", "save_strategy": "no", "dataloader_drop_last": True, "logging_steps": 50,
+                "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm"}
+    (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     start = data_args.curriculum_start_length

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 import loopformer_hf  # noqa: F401
 from training.checkpoints import check_checkpoint
 from training.loopformer import representations
-from training.loopformer.data import synthetic
+from training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
 from training.loopformer.data.text import chunk_text
-from training.loopformer.train import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
 EVAL_FILE = "elastic_eval.json"

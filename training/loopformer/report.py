@@ -2,10 +2,11 @@
 and writes the report.
 
     python -m training.loopformer.report             # train missing runs under runs/results, evaluate, write the docs
-    python -m training.loopformer.report --no-train  # only evaluate existing runs and rewrite the docs
+    python -m training.loopformer.report --no_train  # only evaluate existing runs and rewrite the docs
 
 Runs: the six variants (LoopFormer, Base-Loop, TMLT, TMLT-EE, Naive-Loop-EE, iso-FLOP Base) on the embedded
-synthetic task and, where ../shared/data/shakespeare exists, on Shakespeare, at the tiny CPU sizes in `SETTINGS`.
+synthetic task and, where ../shared/data/shakespeare exists, on Shakespeare, at the tiny CPU sizes of `CONFIGS`
+(configs/loopformer/).
 Every number and every verdict in the report is computed here from `elastic_eval.json`; nothing is typed in.
 """
 
@@ -18,25 +19,20 @@ import subprocess
 import sys
 import time
 
+from training.loopformer.data import TRAINING_META_FILE
 from training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, quality_by_budget
+from training.loopformer.evaluate import main as evaluate_checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "shakespeare")
 VARIANTS = [("loopformer", "LoopFormer"), ("base_loop", "Base-Loop"), ("tmlt", "TMLT"), ("tmlt_ee", "TMLT-EE"),
             ("naive_loop_ee", "Naive-Loop-EE"), ("base", "Base (iso-FLOP)")]
 EE_VARIANTS = ("tmlt_ee", "naive_loop_ee")
-# The main job's sizes (scripts/main.sh): d=128, one shared block, L=4. At lr 3e-3 LoopFormer's adaLN gates blew the
-# residual stream up (|h| ~ 1e5) and it stayed at chance; 1e-3 trains.
-COMMON = ["--num_loops", "4", "--num_blocks", "1", "--hidden_size", "128", "--num_attention_heads", "4",
-          "--per_device_train_batch_size", "64", "--learning_rate", "1e-3", "--lr_scheduler_type", "cosine",
-          "--warmup_steps", "100", "--weight_decay", "0.1", "--adam_beta2", "0.95", "--logging_steps", "100",
-          "--save_strategy", "no", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"]
-SETTINGS = {
-    "synthetic": ["--task", "synthetic", "--max_depth", "4", "--num_train_problems", "100000",
-                  "--num_eval_problems", "500", "--max_steps", "2000"],
-    "shakespeare": ["--task", "text", "--train_files", SHAKESPEARE, "--max_train_chars", "1000000",
-                    "--block_size", "64", "--tokenizer_vocab_size", "1024", "--max_steps", "600"],
-}
+# Each task's sizes (configs/loopformer/: d=128, one shared block, L=4, as scripts/main.sh), and what the report
+# changes: no checkpoints, no progress bars in the logs.
+CONFIGS = {"synthetic": "configs/loopformer/synthetic-tiny.yaml",
+           "shakespeare": "configs/loopformer/shakespeare-tiny.yaml"}
+REPORT_FLAGS = ["--save_strategy", "no", "--disable_tqdm", "true"]
 HALT_EPS = ["0.05", "0.1", "0.2", "0.3", "0.5", "0.8"]  # the adaptive-depth sweep (issue 6)
 
 
@@ -46,11 +42,13 @@ def train_missing(runs_dir, tasks, parallel=2):
     for task in tasks:
         for variant, _ in VARIANTS:
             out = os.path.join(runs_dir, task, variant)
-            if os.path.exists(os.path.join(out, "loopformer_training.json")):
+            if os.path.exists(os.path.join(out, TRAINING_META_FILE)):
                 continue
             os.makedirs(out, exist_ok=True)
-            cmd = [sys.executable, "-m", "training.loopformer.train", "--output_dir", out, "--variant", variant,
-                   *COMMON, *SETTINGS[task]]
+            cmd = [sys.executable, "-m", "training.loopformer.train", "--config", CONFIGS[task], "--output_dir", out,
+                   "--variant", variant, *REPORT_FLAGS]
+            if task == "shakespeare":  # the same files by absolute path, which the evaluation finds from any folder
+                cmd += ["--train_files", SHAKESPEARE]
             jobs.append((out, cmd))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     running = []
@@ -71,11 +69,10 @@ def train_missing(runs_dir, tasks, parallel=2):
 
 
 def evaluate(runs_dir, task):
-    names = [(v, n) for v, n in VARIANTS if os.path.exists(os.path.join(runs_dir, task, v, "loopformer_training.json"))]
+    names = [(v, n) for v, n in VARIANTS if os.path.exists(os.path.join(runs_dir, task, v, TRAINING_META_FILE))]
     out = os.path.join(runs_dir, task, "eval")
-    cmd = [sys.executable, "-m", "training.loopformer.evaluate", *[os.path.join(runs_dir, task, v) for v, _ in names],
-           "--names", *[n for _, n in names], "--output_dir", out, "--max_rows", "500", "--halt_eps", *HALT_EPS]
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    evaluate_checkpoints([*[os.path.join(runs_dir, task, v) for v, _ in names], "--names", *[n for _, n in names],
+                          "--output_dir", out, "--max_rows", "500", "--halt_eps", *HALT_EPS])
     return out
 
 
@@ -190,7 +187,8 @@ def write_report(runs_dir, tasks, docs_dir):
     md = ["# Results at tiny scale (CPU)", "",
           "Generated by `python -m training.loopformer.report` from the runs under "
           f"`{os.path.relpath(runs_dir, REPO)}`; every number and verdict below is computed from "
-          "`elastic_eval.json` by that command. Settings: " + " ".join(COMMON), ""]
+          "`elastic_eval.json` by that command. Settings: each task's config file below, with " + " ".join(REPORT_FLAGS),
+          ""]
     for task in tasks:
         path = os.path.join(runs_dir, task, "eval", EVAL_FILE)
         if not os.path.exists(path):
@@ -202,7 +200,7 @@ def write_report(runs_dir, tasks, docs_dir):
             if os.path.exists(os.path.join(os.path.dirname(path), name)):
                 shutil.copy(os.path.join(os.path.dirname(path), name), os.path.join(plots_dir, f"{task}_{name}"))
         metric, _ = _metric(task)
-        md += [f"## {task}", "", "Task settings: `" + " ".join(SETTINGS[task]).replace(REPO + "/", "") + "`", "",
+        md += [f"## {task}", "", f"Task settings: `{CONFIGS[task]}`", "",
                "| model | parameters | train time (s) |", "|---|---|---|"]
         md += [f"| {r['name']} | {r['parameters']} | {r['train_runtime_s'] or float('nan'):.0f} |" for r in records]
         title = "Exact match on held-out problems" if task == "synthetic" else "Held-out perplexity"
@@ -255,12 +253,12 @@ def main(argv=None):
     parser.add_argument("--runs_dir", default=os.path.join(REPO, "runs", "results"))
     parser.add_argument("--docs_dir", default=os.path.join(REPO, "docs"))
     parser.add_argument("--tasks", nargs="*", default=["synthetic", "shakespeare"])
-    parser.add_argument("--no-train", dest="train", action="store_false", help="Only evaluate existing runs.")
+    parser.add_argument("--no_train", dest="train", action="store_false", help="Only evaluate existing runs.")
     parser.add_argument("--parallel", type=int, default=2, help="Training runs at once (one thread each).")
     args = parser.parse_args(argv)
-    bad = [t for t in args.tasks if t not in SETTINGS]
+    bad = [t for t in args.tasks if t not in CONFIGS]
     if bad:
-        raise ValueError(f"--tasks {bad} unknown; allowed: {tuple(SETTINGS)}.")
+        raise ValueError(f"--tasks {bad} unknown; allowed: {tuple(CONFIGS)}.")
     tasks = [t for t in args.tasks if t != "shakespeare" or os.path.isdir(SHAKESPEARE)]
     if len(tasks) < len(args.tasks):
         print(f"skipping shakespeare: {os.path.normpath(SHAKESPEARE)} does not exist", flush=True)

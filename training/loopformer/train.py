@@ -2,6 +2,10 @@
 
     python -m training.loopformer.train --output_dir runs/loopformer --variant loopformer \
         --task synthetic --max_steps 600 --use_cpu
+    python -m training.loopformer.train --config configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
+
+A JSON or YAML file of flags (`--config FILE`, or FILE as the first argument; see configs/loopformer/) sets
+defaults that the flags given override.
 
 Variants (all the same model class, different configurations; see `VARIANTS`):
 
@@ -30,7 +34,6 @@ Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint 
 import json
 import logging
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 
 import datasets
@@ -40,14 +43,15 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
+from training.arguments import parse_args_with_config
 from training.checkpoints import check_checkpoint
-from training.loopformer.data import synthetic, text
+from training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
+                                      synthetic, text)
 from training.loopformer.data.tokenizer import train_bpe_tokenizer
 from training.loopformer.objective import ShortcutConsistencyCallback
 
 logger = logging.getLogger(__name__)
 
-TRAINING_META_FILE = "loopformer_training.json"
 # variant -> (loop_conditioning, looped, callback trajectory or None, default λ2)
 VARIANTS = {
     "loopformer": ("shortcut", True, "shortcut", 0.1),
@@ -57,7 +61,6 @@ VARIANTS = {
     "tmlt_ee": ("timestep", True, "early_exit", 0.0),
     "base": ("none", False, None, 0.0),
 }
-TASKS = ("synthetic", "text")
 
 
 @dataclass
@@ -69,27 +72,6 @@ class ModelArguments:
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
     intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
     position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
-
-
-@dataclass
-class DataArguments:
-    task: str = field(default="synthetic", metadata={"help": f"One of {TASKS}."})
-    dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})
-    dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
-    train_files: list[str] = field(default=None, metadata={"help": "Text files or folders of .txt (task=text)."})
-    text_column: str = field(default="text", metadata={"help": "Column holding the text (dataset_name)."})
-    validation_fraction: float = field(default=0.05, metadata={"help": "Tail of each document held out (text)."})
-    max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
-    block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
-    num_train_problems: int = field(default=20000, metadata={"help": "Synthetic training problems."})
-    num_eval_problems: int = field(default=400, metadata={"help": "Synthetic held-out problems."})
-    min_depth: int = field(default=1, metadata={"help": "Fewest hops of a synthetic problem."})
-    max_depth: int = field(default=6, metadata={"help": "Most hops of a synthetic problem."})
-    synthetic_kind: str = field(default="arithmetic", metadata={"help": "'arithmetic' chains or 'binding' (hops)."})
-    num_chains: int = field(default=2, metadata={"help": "Binding: chains per problem (1 target + distractors)."})
-    answer_only_loss: bool = field(default=True, metadata={"help": "Synthetic: CE on the answer tokens only."})
-    corpus_seed: int = field(default=0, metadata={"help": "Seed of the synthetic corpus and the text split."})
-    tokenizer_vocab_size: int = field(default=None, metadata={"help": "BPE size (default 300 synthetic, 1024 text)."})
 
 
 @dataclass
@@ -161,21 +143,6 @@ def build_data(data_args):
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
-def held_out_problems(data_args):
-    """The synthetic held-out problems (a seed the training corpus never uses)."""
-    return synthetic.make_problems(data_args.num_eval_problems, data_args.min_depth, data_args.max_depth,
-                                   data_args.num_chains, seed=f"{data_args.corpus_seed}-heldout",
-                                   kind=data_args.synthetic_kind)
-
-
-def held_out_text(data_args, with_train=False):
-    docs = text.read_text_documents(data_args.dataset_name, data_args.dataset_config_name, data_args.train_files,
-                                    data_args.text_column)
-    train_text, valid_text = text.split_documents(docs, data_args.validation_fraction, data_args.corpus_seed,
-                                                  data_args.max_train_chars)
-    return (train_text, valid_text) if with_train else valid_text
-
-
 def resolve_resume(training_args):
     resume = training_args.resume_from_checkpoint
     if resume == "last":
@@ -189,10 +156,7 @@ def resolve_resume(training_args):
 
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, shortcut_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, shortcut_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
