@@ -170,7 +170,9 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
 def map_reference_state_dict(reference, config, model_type="loopformer"):
     """Map reference keys onto `LoopFormerForCausalLM` keys. Raises `ValueError` listing every problem at once."""
     plain_list = _check_model_type(model_type)[2]
-    block_key, other_layout = (_LIST_BLOCK_KEY, _SHARED_BLOCK_KEY) if plain_list else (_SHARED_BLOCK_KEY, _LIST_BLOCK_KEY)
+    block_key, other_layout = _SHARED_BLOCK_KEY, _LIST_BLOCK_KEY
+    if plain_list:
+        block_key, other_layout = other_layout, block_key
     d = config.hidden_size
     mapped, unknown, problems = {}, [], []
 
@@ -300,7 +302,8 @@ def _parser():
     )
     p.add_argument("--checkpoint", required=True, help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
     p.add_argument("--output", required=True, help="folder to save_pretrained into")
-    p.add_argument("--n-layer", type=int, required=True, help="k, number of shared blocks")
+    p.add_argument("--n-layer", type=int, required=True,
+                   help="k, number of shared blocks (model type base: all its blocks)")
     p.add_argument("--n-loops", type=int, default=None,
                    help="L, loop steps of the training trajectory (required except for --model-type base: 1)")
     p.add_argument("--n-embd", type=int, required=True, help="hidden size d")

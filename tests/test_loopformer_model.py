@@ -87,7 +87,8 @@ SIGMA = 0.02
 def _expected_init(name, scheme, k):
     """(mean, std) of a fresh parameter under each scheme, written from the authors' code: their model-level init
     (every Linear N(0, σ), zero bias; embeddings N(0, σ)) runs after the blocks' adaLN zero-init and overwrites it,
-    then every `c_proj.weight` (attention and MLP output) is re-drawn N(0, σ/√(2·n_layer)), n_layer = shared blocks."""
+    then every `c_proj.weight` (attention and MLP output) is re-drawn N(0, σ/√(2·n_layer)), n_layer = shared
+    blocks."""
     if name.endswith("bias"):
         return 0.0, 0.0
     if "norm" in name:
