@@ -153,6 +153,30 @@ def test_block_norm_weight_adds_learnable_block_norms():
         assert not torch.allclose(weighted(ids).last_hidden_state, plain(ids).last_hidden_state)
 
 
+@pytest.mark.parametrize("conditioning", ["shortcut", "none"])
+def test_weighted_block_norms_in_cached_adaptive_decode(conditioning):
+    """With halting and halt_kv_fill="recompute", the slots of halted tokens are projected through the block's
+    attention norm, its weight included: cached decoding still equals the uncached forward."""
+    torch.manual_seed(0)
+    config = tiny_loopformer_config(loop_conditioning=conditioning, block_norm_weight=True, halt_kv_fill="recompute")
+    model = randomize_modulation(LoopFormerForCausalLM(config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+    ids, eps = torch.randint(3, 97, (2, 24)), 0.5
+    with torch.no_grad():
+        full = model(ids, halt_eps=eps, use_cache=False)
+        assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
+        out = model(ids[:, :8], halt_eps=eps)
+        logits, cache = [out.logits], cache_of(out)
+        for i in range(8, ids.shape[1]):
+            out = model(ids[:, i:i + 1], cache=cache, halt_eps=eps)
+            logits.append(out.logits)
+            cache = cache_of(out)
+    torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
+
+
 def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
     torch.manual_seed(0)
     block = loopformer_hf.modeling_loopformer.LoopFormerBlock(tiny_config).eval()
