@@ -65,7 +65,7 @@ def build_models(cfg, position_embedding, seed=0):
         tie_word_embeddings=True, pad_token_id=0, attn_implementation="sdpa",
     )
     loopformer = loopformer_hf.LoopFormerForCausalLM(lf_config)
-    with torch.no_grad():  # adaLN is zero at init (closed branches): give it trained-like random values
+    with torch.no_grad():  # adaLN starts small (or zero): give it trained-like random values
         for name, p in loopformer.named_parameters():
             if "adaLN_modulation" in name:
                 p.normal_(0.0, 0.02) if name.endswith("weight") else p.fill_(0.5)

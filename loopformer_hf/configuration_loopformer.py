@@ -4,8 +4,8 @@ One configuration covers the paper's model and its baselines:
 
 - LoopFormer:  ``loop_conditioning="shortcut"`` (every loop step is conditioned on its time t and step size Δ)
 - TMLT:        ``loop_conditioning="timestep"`` (conditioned on the integer loop index only)
-- Base-Loop:   ``loop_conditioning="none"``
-- Base (iso-FLOP, not looped): ``num_hidden_layers=k*L, num_loops=1, loop_conditioning="none"``
+- Base-Loop:   ``loop_conditioning="none", block_norm_weight=True``
+- Base (iso-FLOP, not looped): ``num_hidden_layers=k*L, num_loops=1, loop_conditioning="none", block_norm_weight=True``
 
 The trajectory (loop budget M and step schedule Δ_1..Δ_M) is resolved by
 [`LoopFormerConfig.resolve_trajectory`], the one place where a budget or schedule is validated.
@@ -25,6 +25,7 @@ STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
+INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
 # Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
@@ -90,7 +91,18 @@ class LoopFormerConfig(PreTrainedConfig):
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
-        initializer_range (`float`, defaults to 0.02): std of the normal initialisation of weights.
+        initializer_range (`float`, defaults to 0.02): std σ of the normal initialisation of weights.
+        initializer_scheme (`str`, defaults to `"reference"`): how a new model is initialised.
+            `"reference"` is what the authors' code effectively does (its model-level init runs after the blocks'
+            own zero-init of adaLN and overwrites it): every Linear, adaLN and the t/Δ embedders included, N(0, σ)
+            with zero bias; the residual output projections (`self_attn.o_proj`, `mlp.down_proj`) re-drawn
+            N(0, σ/√(2k)) with k = `num_hidden_layers`; embeddings N(0, σ); norm weights 1. The gates thus start
+            small but open. `"zero_adaln"` is the paper's DiT-style description (the package's init before this
+            option): adaLN weight and bias 0, so every residual branch starts closed; every other Linear and the
+            embeddings N(0, σ), residual projections not rescaled.
+        block_norm_weight (`bool`, defaults to `False`): give the two RMSNorms inside each block a learnable weight
+            (torch `nn.RMSNorm` defaults: initialised to 1). The reference's Base-Loop and Base blocks have it; its
+            LoopFormer and TMLT blocks (adaLN scales instead) do not.
         use_cache (`bool`, defaults to `True`): return a KV cache (one slot per loop step and block).
     """
 
@@ -122,6 +134,8 @@ class LoopFormerConfig(PreTrainedConfig):
         attention_bias=False,
         mlp_bias=False,
         initializer_range=0.02,
+        initializer_scheme="reference",
+        block_norm_weight=False,
         use_cache=True,
         pad_token_id=None,
         bos_token_id=None,
@@ -150,6 +164,8 @@ class LoopFormerConfig(PreTrainedConfig):
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         self.initializer_range = initializer_range
+        self.initializer_scheme = initializer_scheme
+        self.block_norm_weight = block_norm_weight
         self.use_cache = use_cache
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
@@ -188,10 +204,13 @@ class LoopFormerConfig(PreTrainedConfig):
             "position_embedding_type": POSITION_EMBEDDING_TYPES,
             "default_step_schedule": STEP_SCHEDULE_PRESETS,
             "halt_kv_fill": HALT_KV_FILLS,
+            "initializer_scheme": INITIALIZER_SCHEMES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        if not isinstance(self.block_norm_weight, bool):
+            raise ValueError(f"`block_norm_weight` must be True or False, got {self.block_norm_weight!r}.")
         if self.hidden_act != "swiglu":
             from transformers.activations import ACT2FN
 
@@ -317,4 +336,4 @@ class LoopFormerConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS"]
+__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES"]

@@ -1,14 +1,23 @@
 """Convert a checkpoint of the authors' reference code (a nanoGPT fork) into a saved `LoopFormerForCausalLM`.
 
     python -m loopformer_hf.convert_reference --checkpoint ckpt.pt --output out/ \
-        --n-layer 3 --n-loops 8 --n-embd 2048 --n-head 32 --mlp-hidden 5120
+        --n-layer 3 --n-loops 8 --n-embd 2048 --n-head 32 --mlp-hidden 5120 [--model-type loopformer]
+
+`--model-type` names the reference file the checkpoint comes from (train.py's `model_type`):
+
+    loopformer (models/loopformer.py) → loop_conditioning="shortcut"
+    tmlt       (models/tmlt.py)       → loop_conditioning="timestep"
+    base_loop  (models/base_loop.py)  → loop_conditioning="none", block_norm_weight=True
+    base       (models/base.py)       → loop_conditioning="none", block_norm_weight=True, num_loops=1
+                                        (`--n-layer` is then the number of blocks, e.g. 24; `--n-loops` 1 or omitted)
 
 The checkpoint holds no shape hyper-parameters we rely on, so they are given on the command line (defaults are
 the reference's: vocab 50304, block_size 1024, GELU MLP of width 4·n_embd unless `--mlp-hidden` is given). Every
 key of the checkpoint must be mapped and every parameter of the model must be filled with a tensor of the right
 shape; anything else is a `ValueError` that lists the offending keys.
 
-Key mapping (reference → this package), for each shared block j:
+Key mapping (reference → this package), for each block j (Base keeps its blocks in a plain list: its keys are
+`transformer.h.{j}.…` instead of `transformer.h.blocks.{j}.…`):
 
     transformer.wte.weight                              → model.embed_tokens.weight (and the tied lm_head.weight)
     transformer.wpe.weight                              → model.embed_positions.weight
@@ -17,6 +26,8 @@ Key mapping (reference → this package), for each shared block j:
     transformer.h.blocks.{j}.mlp.c_fc.weight            → model.layers.{j}.mlp.up_proj.weight
     transformer.h.blocks.{j}.mlp.c_proj.weight          → model.layers.{j}.mlp.down_proj.weight
     transformer.h.blocks.{j}.adaLN_modulation.1.{w,b}   → model.layers.{j}.adaLN_modulation.1.{w,b}
+    transformer.h.blocks.{j}.norm_1.weight              → model.layers.{j}.input_layernorm.weight (Base-Loop, Base)
+    transformer.h.blocks.{j}.norm_2.weight              → model.layers.{j}.post_attention_layernorm.weight
     transformer.norm_f.weight                           → model.norm.weight
     time_embedder.mlp.{0,2}.{w,b}                       → model.loop_conditioning.time_embedder.mlp.{0,2}.{w,b}
     dt_embedder.mlp.{0,2}.{w,b}                         → model.loop_conditioning.dt_embedder.mlp.{0,2}.{w,b}
@@ -34,7 +45,7 @@ import sys
 
 import torch
 
-from .configuration_loopformer import LOOP_CONDITIONING_MODES, LoopFormerConfig
+from .configuration_loopformer import LoopFormerConfig
 from .modeling_loopformer import LoopFormerForCausalLM
 
 
@@ -43,7 +54,16 @@ WRAPPER_KEYS = ("model", "state_dict")
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
+# the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list)
+MODEL_TYPES = {
+    "loopformer": ("shortcut", False, False),
+    "tmlt": ("timestep", False, False),
+    "base_loop": ("none", True, False),
+    "base": ("none", True, True),
+}
+_SHARED_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
+_LIST_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
+_BLOCK_NORMS = {"norm_1.weight": "input_layernorm.weight", "norm_2.weight": "post_attention_layernorm.weight"}
 
 
 # ---- reading the checkpoint --------------------------------------------------------------------------------------
@@ -107,11 +127,24 @@ def _unwrap(obj, path):
 # ---- mapping -------------------------------------------------------------------------------------------------------
 
 
+def _check_model_type(model_type):
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"`model_type` must be one of {tuple(MODEL_TYPES)}, got {model_type!r}.")
+    return MODEL_TYPES[model_type]
+
+
 def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024, mlp_hidden=None,
-                 loop_conditioning="shortcut", frequency_embedding_size=256, max_period=10000.0, **extra):
-    """The `LoopFormerConfig` of a reference model: GELU MLP, no biases, learned positions, tied head."""
-    if loop_conditioning not in LOOP_CONDITIONING_MODES:
-        raise ValueError(f"`loop_conditioning` must be one of {LOOP_CONDITIONING_MODES}, got {loop_conditioning!r}.")
+                 model_type="loopformer", frequency_embedding_size=256, max_period=10000.0, **extra):
+    """The `LoopFormerConfig` of a reference model: GELU MLP, no biases, learned positions, tied head.
+
+    `n_loops=None` is allowed for `model_type="base"` only (one pass over its blocks)."""
+    loop_conditioning, block_norm_weight, plain_list = _check_model_type(model_type)
+    if plain_list:
+        if n_loops not in (None, 1):
+            raise ValueError(f"`n_loops` must be 1 (or omitted) for model_type='base' (not looped), got {n_loops!r}.")
+        n_loops = 1
+    elif n_loops is None:
+        raise ValueError(f"`n_loops` (L, loop steps of training) is required for model_type={model_type!r}.")
     return LoopFormerConfig(
         vocab_size=vocab_size,
         hidden_size=n_embd,
@@ -121,6 +154,7 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
         num_hidden_layers=n_layer,
         num_loops=n_loops,
         loop_conditioning=loop_conditioning,
+        block_norm_weight=block_norm_weight,
         position_embedding_type="learned",
         max_position_embeddings=block_size,
         tie_word_embeddings=True,
@@ -133,8 +167,12 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
     )
 
 
-def map_reference_state_dict(reference, config):
+def map_reference_state_dict(reference, config, model_type="loopformer"):
     """Map reference keys onto `LoopFormerForCausalLM` keys. Raises `ValueError` listing every problem at once."""
+    plain_list = _check_model_type(model_type)[2]
+    block_key, other_layout = _SHARED_BLOCK_KEY, _LIST_BLOCK_KEY
+    if plain_list:
+        block_key, other_layout = other_layout, block_key
     d = config.hidden_size
     mapped, unknown, problems = {}, [], []
 
@@ -142,7 +180,7 @@ def map_reference_state_dict(reference, config):
         mapped[new_key] = (tensor, source)
 
     for key, tensor in reference.items():
-        block = _BLOCK_KEY.match(key)
+        block = block_key.match(key)
         if key == "transformer.wte.weight":
             put("model.embed_tokens.weight", tensor, key)
         elif key == "transformer.wpe.weight":
@@ -171,6 +209,8 @@ def map_reference_state_dict(reference, config):
                 put(f"{prefix}mlp.down_proj.weight", tensor, key)
             elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
                 put(prefix + rest, tensor, key)
+            elif rest in _BLOCK_NORMS:
+                put(prefix + _BLOCK_NORMS[rest], tensor, key)
             elif rest == "attn.bias":  # nanoGPT's causal mask buffer (no flash attention): not a weight
                 n = config.max_position_embeddings
                 if tuple(tensor.shape) != (1, 1, n, n):
@@ -202,8 +242,12 @@ def map_reference_state_dict(reference, config):
     if unknown or missing or problems:
         parts = []
         if unknown:
-            parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model with "
-                         f"loop_conditioning={config.loop_conditioning!r}): {sorted(set(unknown))}")
+            parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model of "
+                         f"model_type={model_type!r}): {sorted(set(unknown))}")
+            if any(other_layout.match(key) for key in unknown):
+                hint = ("model_type='base' keeps its blocks under transformer.h.{j}" if plain_list else
+                        "keys transformer.h.{j}.… (no .blocks) are the layout of models/base.py: model_type='base'")
+                parts.append(f"block keys of the other layout: {hint}")
         if missing:
             parts.append(f"missing keys (model parameters the checkpoint does not fill): {missing}")
         if problems:
@@ -224,16 +268,17 @@ def _expected_shapes(config):
 
 
 def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024,
-            mlp_hidden=None, loop_conditioning="shortcut", frequency_embedding_size=256, max_period=10000.0,
+            mlp_hidden=None, model_type="loopformer", frequency_embedding_size=256, max_period=10000.0,
             dtype="float32", allow_pickle=False, safe_serialization=True):
-    """Convert `checkpoint` and save it with `save_pretrained` into `output`. Returns the converted model (eval)."""
+    """Convert `checkpoint` (a model of the reference's `model_type`) and save it with `save_pretrained` into
+    `output`. Returns the converted model (eval)."""
     if dtype not in DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}.")
     config = build_config(n_layer, n_loops, n_embd, n_head, vocab_size=vocab_size, block_size=block_size,
-                          mlp_hidden=mlp_hidden, loop_conditioning=loop_conditioning,
+                          mlp_hidden=mlp_hidden, model_type=model_type,
                           frequency_embedding_size=frequency_embedding_size, max_period=max_period)
     reference = load_reference_state_dict(checkpoint, allow_pickle=allow_pickle)
-    state_dict = map_reference_state_dict(reference, config)
+    state_dict = map_reference_state_dict(reference, config, model_type)
 
     model = LoopFormerForCausalLM(config)
     result = model.load_state_dict({k: v.to(torch.float32) for k, v in state_dict.items()}, strict=False)
@@ -257,16 +302,17 @@ def _parser():
     )
     p.add_argument("--checkpoint", required=True, help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
     p.add_argument("--output", required=True, help="folder to save_pretrained into")
-    p.add_argument("--n-layer", type=int, required=True, help="k, number of shared blocks")
-    p.add_argument("--n-loops", type=int, required=True, help="L, loop steps of the training trajectory")
+    p.add_argument("--n-layer", type=int, required=True,
+                   help="k, number of shared blocks (model type base: all its blocks)")
+    p.add_argument("--n-loops", type=int, default=None,
+                   help="L, loop steps of the training trajectory (required except for --model-type base: 1)")
     p.add_argument("--n-embd", type=int, required=True, help="hidden size d")
     p.add_argument("--n-head", type=int, required=True, help="attention heads")
     p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary size (default: 50304)")
     p.add_argument("--block-size", type=int, default=1024, help="learned positions (default: 1024)")
     p.add_argument("--mlp-hidden", type=int, default=None, help="GELU MLP width (default: 4 * n_embd)")
-    p.add_argument("--loop-conditioning", default="shortcut", choices=LOOP_CONDITIONING_MODES,
-                   help="shortcut (LoopFormer, default); timestep/none assume the same key names without the "
-                        "missing embedders/adaLN")
+    p.add_argument("--model-type", default="loopformer", choices=tuple(MODEL_TYPES),
+                   help="the reference model the checkpoint comes from: loopformer (default), tmlt, base_loop, base")
     p.add_argument("--frequency-embedding-size", type=int, default=256, help="sinusoidal width (default: 256)")
     p.add_argument("--max-period", type=float, default=10000.0, help="sinusoid max period (default: 10000)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
@@ -282,7 +328,7 @@ def main(argv=None):
         convert(
             args.checkpoint, args.output, n_layer=args.n_layer, n_loops=args.n_loops, n_embd=args.n_embd,
             n_head=args.n_head, vocab_size=args.vocab_size, block_size=args.block_size, mlp_hidden=args.mlp_hidden,
-            loop_conditioning=args.loop_conditioning, frequency_embedding_size=args.frequency_embedding_size,
+            model_type=args.model_type, frequency_embedding_size=args.frequency_embedding_size,
             max_period=args.max_period, dtype=args.dtype, allow_pickle=args.allow_pickle,
         )
     except ValueError as error:

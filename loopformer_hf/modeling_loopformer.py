@@ -51,11 +51,11 @@ def rms_norm(x, weight=None, eps=None):
 
 
 class LoopFormerRMSNorm(nn.Module):
-    """The final norm (with weight); the block norms are weightless calls to `rms_norm`."""
+    """RMSNorm with a learnable weight (the final norm; the block norms with `block_norm_weight`) or without one."""
 
-    def __init__(self, hidden_size, eps=None):
+    def __init__(self, hidden_size, eps=None, weight=True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if weight else None
         self.eps = eps
 
     def forward(self, x):
@@ -119,6 +119,7 @@ class LoopFormerAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj.residual_projection = True  # scaled init (see `_init_weights`)
 
     def project_kv(self, hidden_states, position_embeddings, reuse_kv=None):
         """Keys and values of `hidden_states`; rows where `reuse_kv=(halted, k, v)` is halted take the given ones."""
@@ -170,6 +171,7 @@ class LoopFormerMLP(nn.Module):
             self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj.residual_projection = True  # scaled init (see `_init_weights`)
         self.act_fn = ACT2FN["silu" if self.gated else config.hidden_act]
 
     def forward(self, x):
@@ -231,19 +233,23 @@ class LoopFormerLoopConditioning(nn.Module):
 class LoopFormerBlock(GradientCheckpointingLayer):
     """x = x + gate_attn·Attn(RMSNorm(x)·(1 + scale_attn)); x = x + gate_mlp·MLP(RMSNorm(x)·(1 + scale_mlp)).
 
-    The adaLN layer is zero-initialised, so every residual branch starts closed. Without conditioning
-    (Base-Loop) there is no adaLN: gates are 1 and scales 0, i.e. a plain pre-norm block.
+    Without conditioning (Base-Loop) there is no adaLN: gates are 1 and scales 0, i.e. a plain pre-norm block.
+    The two norms carry a learnable weight only with `config.block_norm_weight` (the reference's Base-Loop and Base).
     """
 
     def __init__(self, config):
         super().__init__()
         self.eps = config.rms_norm_eps
+        self.input_layernorm = LoopFormerRMSNorm(config.hidden_size, config.rms_norm_eps, config.block_norm_weight)
         self.self_attn = LoopFormerAttention(config)
+        self.post_attention_layernorm = LoopFormerRMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.block_norm_weight
+        )
         self.mlp = LoopFormerMLP(config)
         if config.loop_conditioning != "none":
             # order of the chunks: gate_attn, gate_mlp, scale_attn, scale_mlp (no shift), as the reference
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 4 * config.hidden_size))
-            self.adaLN_modulation[1].zero_init = True
+            self.adaLN_modulation[1].zero_init = True  # zeroed by initializer_scheme="zero_adaln" only
 
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
                 cache_slot=0, output_attentions=False, halted=None, reuse_kv=None):
@@ -252,7 +258,7 @@ class LoopFormerBlock(GradientCheckpointingLayer):
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
-        normed = rms_norm(hidden_states, eps=self.eps)
+        normed = self.input_layernorm(hidden_states)
         if conditioning is not None:
             gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(
                 hidden_states.dtype).chunk(4, dim=-1)
@@ -263,7 +269,7 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         )
         residual = hidden_states
         hidden_states = hidden_states + (attn_out if conditioning is None else gate_attn * attn_out)
-        normed = rms_norm(hidden_states, eps=self.eps)
+        normed = self.post_attention_layernorm(hidden_states)
         if conditioning is None:
             hidden_states = hidden_states + self.mlp(normed)
         else:
@@ -285,15 +291,21 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        if getattr(module, "zero_init", False):  # adaLN: every residual branch starts closed
-            from transformers import initialization as init
+        """`config.initializer_scheme`: "reference" (the authors' effective init) or "zero_adaln" (adaLN zeroed)."""
+        from transformers import initialization as init
 
+        reference = self.config.initializer_scheme == "reference"
+        if getattr(module, "zero_init", False) and not reference:  # adaLN-zero: every residual branch starts closed
             init.zeros_(module.weight)
             init.zeros_(module.bias)
         elif isinstance(module, LoopFormerRotaryEmbedding):  # non-persistent: rebuilt when loading from meta
-            from transformers import initialization as init
-
             init.copy_(module.inv_freq, module.compute_inv_freq(self.config))
+        elif getattr(module, "residual_projection", False) and reference:
+            # GPT-2's scaled init, N(0, σ/√(2k)) with k = shared blocks (the reference's n_layer)
+            init.normal_(module.weight, mean=0.0,
+                         std=self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers))
+            if module.bias is not None:
+                init.zeros_(module.bias)
         else:
             super()._init_weights(module)
 
@@ -424,7 +436,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             if self.config.halt_kv_fill == "reuse":
                 per_step = [last_kv[j]] * len(remaining)
             else:
-                normed = rms_norm(frozen, eps=block.eps)
+                normed = block.input_layernorm(frozen)
                 if conditioning is None:
                     per_step = [block.self_attn.project_kv(normed, position_embeddings)] * len(remaining)
                 else:

@@ -60,8 +60,8 @@ def tiny_config(tokenizer=None, **overrides):
 
 
 def make_model(tokenizer=None, seed=0, **overrides):
-    """A tiny LoopFormerForCausalLM whose adaLN layers are randomised (zero at init would make every block the
-    identity, and then the loop budget could not change anything a test looks at)."""
+    """A tiny LoopFormerForCausalLM whose adaLN layers are randomised with a large std (at init they are small or,
+    with zero_adaln, zero, and then the loop budget would barely change anything a test looks at)."""
     from loopformer_hf import LoopFormerForCausalLM
 
     torch.manual_seed(seed)

@@ -21,7 +21,8 @@ def tiny_loopformer_config(**overrides):
 
 
 def randomize_modulation(model, std=0.05, seed=0):
-    """adaLN is zero at init (every branch closed): give it random weights so loops and Δ matter in tests."""
+    """adaLN starts at zero (zero_adaln) or small (reference init): give it large random weights so that loops and Δ
+    matter clearly in tests."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

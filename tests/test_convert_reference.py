@@ -1,8 +1,10 @@
-"""Issue 2, item 7: weights from the reference code (nanoGPT-style keys) -> a saved LoopFormerForCausalLM.
+"""Issue 2, item 7 and issue 12: weights from the reference code (nanoGPT-style keys) -> a saved LoopFormerForCausalLM.
 
 The converted model is checked against an independent, minimal re-implementation of the reference forward written
 here from the spec (learned positions, GELU, no biases, torch-default RMSNorm eps, adaLN without shift, separate
-sinusoidal t/Δ embedders), not against the package's own modules.
+sinusoidal t/Δ embedders), not against the package's own modules. One forward per reference file:
+models/loopformer.py (t, Δ), models/tmlt.py (integer loop index), models/base_loop.py (no conditioning, block
+RMSNorms with a weight) and models/base.py (the same blocks in a plain list `transformer.h.{j}`, one pass).
 """
 
 import math
@@ -31,9 +33,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---- a random checkpoint in the reference layout ---------------------------------------------------------------------
 
 
-def reference_state_dict(seed=0, d=N_EMBD, n_layer=N_LAYER, vocab=VOCAB, block=BLOCK, mlp=None, freq=256):
+def reference_state_dict(seed=0, d=N_EMBD, n_layer=N_LAYER, vocab=VOCAB, block=BLOCK, mlp=None, freq=256,
+                         model_type="loopformer"):
     g = torch.Generator().manual_seed(seed)
     mlp = 4 * d if mlp is None else mlp
+    embedders = {"loopformer": ("time_embedder", "dt_embedder"), "tmlt": ("time_embedder",)}.get(model_type, ())
 
     def lin(out_f, in_f, gain=1.0):
         return torch.randn(out_f, in_f, generator=g) * gain / math.sqrt(in_f)
@@ -44,16 +48,20 @@ def reference_state_dict(seed=0, d=N_EMBD, n_layer=N_LAYER, vocab=VOCAB, block=B
     sd = {"transformer.wte.weight": torch.randn(vocab, d, generator=g),
           "transformer.wpe.weight": torch.randn(block, d, generator=g) * 0.5}
     for j in range(n_layer):
-        p = f"transformer.h.blocks.{j}."
+        p = f"transformer.h.{j}." if model_type == "base" else f"transformer.h.blocks.{j}."
         sd[p + "attn.c_attn.weight"] = lin(3 * d, d)
         sd[p + "attn.c_proj.weight"] = lin(d, d)
         sd[p + "mlp.c_fc.weight"] = lin(mlp, d)
         sd[p + "mlp.c_proj.weight"] = lin(d, mlp)
-        # random (not zero-init) modulation, so that gates, scales and the trajectory all change the logits
-        sd[p + "adaLN_modulation.1.weight"] = lin(4 * d, d, gain=0.5)
-        sd[p + "adaLN_modulation.1.bias"] = vec(4 * d, 0.3)
+        if embedders:
+            # random (not zero-init) modulation, so that gates, scales and the trajectory all change the logits
+            sd[p + "adaLN_modulation.1.weight"] = lin(4 * d, d, gain=0.5)
+            sd[p + "adaLN_modulation.1.bias"] = vec(4 * d, 0.3)
+        else:  # Base-Loop / Base: plain pre-norm blocks whose RMSNorms have a (here non-trivial) weight
+            sd[p + "norm_1.weight"] = 1 + vec(d, 0.3)
+            sd[p + "norm_2.weight"] = 1 + vec(d, 0.3)
     sd["transformer.norm_f.weight"] = 1 + vec(d, 0.1)
-    for name in ("time_embedder", "dt_embedder"):
+    for name in embedders:
         sd[f"{name}.mlp.0.weight"] = lin(d, freq)
         sd[f"{name}.mlp.0.bias"] = vec(d, 0.1)
         sd[f"{name}.mlp.2.weight"] = lin(d, d)
@@ -77,31 +85,50 @@ def _embedder(sd, name, t):
     return F.linear(F.silu(h), sd[f"{name}.mlp.2.weight"], sd[f"{name}.mlp.2.bias"])
 
 
-def reference_forward(sd, idx, trajectory, n_head=N_HEAD):
-    """Logits of the reference model: x = x + g_a·Attn(RMSNorm(x)(1+s_a)); x = x + g_m·MLP(RMSNorm(x)(1+s_m))."""
-    B, T = idx.shape
-    d = sd["transformer.wte.weight"].shape[1]
+def _reference_block(sd, p, x, c, n_head):
+    """One block. With c (LoopFormer, TMLT): x = x + g_a·Attn(RMSNorm(x)(1+s_a)); x = x + g_m·MLP(RMSNorm(x)(1+s_m)),
+    weightless norms. Without (Base-Loop, Base): x = x + Attn(RMSNorm_1(x)); x = x + MLP(RMSNorm_2(x)), with weights."""
+    B, T, d = x.shape
     hs = d // n_head
-    n_layer = len({k.split(".")[3] for k in sd if k.startswith("transformer.h.blocks.")})
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if c is not None:
+        mod = F.linear(F.silu(c), sd[p + "adaLN_modulation.1.weight"], sd[p + "adaLN_modulation.1.bias"])
+        gate_attn, gate_mlp, scale_attn, scale_mlp = mod[:, None, :].chunk(4, dim=-1)
+        h = F.rms_norm(x, (d,)) * (1 + scale_attn)  # eps=None: torch default
+    else:
+        gate_attn = gate_mlp = 1.0
+        h = F.rms_norm(x, (d,), sd[p + "norm_1.weight"])
+    q, k, v = F.linear(h, sd[p + "attn.c_attn.weight"]).split(d, dim=2)
+    q, k, v = (z.view(B, T, n_head, hs).transpose(1, 2) for z in (q, k, v))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
+    att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(dim=-1)
+    y = (att @ v).transpose(1, 2).reshape(B, T, d)
+    x = x + gate_attn * F.linear(y, sd[p + "attn.c_proj.weight"])
+    h = F.rms_norm(x, (d,)) * (1 + scale_mlp) if c is not None else F.rms_norm(x, (d,), sd[p + "norm_2.weight"])
+    return x + gate_mlp * F.linear(F.gelu(F.linear(h, sd[p + "mlp.c_fc.weight"])), sd[p + "mlp.c_proj.weight"])
+
+
+def reference_forward(sd, idx, trajectory, n_head=N_HEAD, model_type="loopformer"):
+    """Logits of the reference model. `trajectory`: the step sizes Δ (LoopFormer; the other types use its length
+    as their integer loop count); ignored by Base, which makes one pass over its list of blocks."""
+    T = idx.shape[1]
+    d = sd["transformer.wte.weight"].shape[1]
+    prefix = "transformer.h." if model_type == "base" else "transformer.h.blocks."
+    n_layer = len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
+    blocks = [f"{prefix}{j}." for j in range(n_layer)]
     x = sd["transformer.wte.weight"][idx] + sd["transformer.wpe.weight"][:T][None]
+    if model_type == "base":
+        trajectory = [None]
     t = 0.0
-    for dt in trajectory:
-        c = _embedder(sd, "time_embedder", t) + _embedder(sd, "dt_embedder", dt)  # (1, d)
-        for j in range(n_layer):
-            p = f"transformer.h.blocks.{j}."
-            mod = F.linear(F.silu(c), sd[p + "adaLN_modulation.1.weight"], sd[p + "adaLN_modulation.1.bias"])
-            gate_attn, gate_mlp, scale_attn, scale_mlp = mod[:, None, :].chunk(4, dim=-1)
-            h = F.rms_norm(x, (d,)) * (1 + scale_attn)  # eps=None: torch default
-            q, k, v = F.linear(h, sd[p + "attn.c_attn.weight"]).split(d, dim=2)
-            q, k, v = (z.view(B, T, n_head, hs).transpose(1, 2) for z in (q, k, v))
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
-            att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            y = (att @ v).transpose(1, 2).reshape(B, T, d)
-            x = x + gate_attn * F.linear(y, sd[p + "attn.c_proj.weight"])
-            h = F.rms_norm(x, (d,)) * (1 + scale_mlp)
-            x = x + gate_mlp * F.linear(F.gelu(F.linear(h, sd[p + "mlp.c_fc.weight"])), sd[p + "mlp.c_proj.weight"])
-        t += dt
+    for i, dt in enumerate(trajectory):
+        if model_type == "loopformer":
+            c = _embedder(sd, "time_embedder", t) + _embedder(sd, "dt_embedder", dt)  # (1, d)
+        elif model_type == "tmlt":
+            c = _embedder(sd, "time_embedder", i)  # the raw integer loop index 0..M-1
+        else:
+            c = None
+        for p in blocks:
+            x = _reference_block(sd, p, x, c, n_head)
+        t += dt or 0.0
     x = F.rms_norm(x, (d,), sd["transformer.norm_f.weight"])
     return F.linear(x, sd["lm_head.weight"])
 
@@ -252,3 +279,82 @@ def test_command_line_reports_errors_without_traceback(tmp_path, ref_sd, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "missing keys" in err and "model.norm.weight" in err and "Traceback" not in err
+
+
+# ---- TMLT, Base-Loop and Base (issue 12) -----------------------------------------------------------------------------
+
+BASE_LAYERS = 3  # Base: a plain list of blocks, one pass
+
+
+def _shape(model_type):
+    return dict(SHAPE_KWARGS, n_layer=BASE_LAYERS, n_loops=None) if model_type == "base" else SHAPE_KWARGS
+
+
+@pytest.mark.parametrize("model_type", ["loopformer", "tmlt", "base_loop", "base"])
+def test_each_reference_model_type_converts_and_matches(tmp_path, ids, model_type):
+    sd = reference_state_dict(seed=5, model_type=model_type, n_layer=BASE_LAYERS if model_type == "base" else N_LAYER)
+    compiled = {"_orig_mod." + k: v for k, v in sd.items()}  # as nanoGPT's train.py saves it
+    torch.save({"model": compiled, "iter_num": 1}, tmp_path / "ckpt.pt")
+    convert(tmp_path / "ckpt.pt", tmp_path / "hf", model_type=model_type, **_shape(model_type))
+    model = loopformer_hf.LoopFormerForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    expected_conditioning = {"loopformer": "shortcut", "tmlt": "timestep"}.get(model_type, "none")
+    assert model.config.loop_conditioning == expected_conditioning
+    assert model.config.block_norm_weight == (model_type in ("base_loop", "base"))
+    budgets = [None] if model_type == "base" else [None, 2, 1]
+    with torch.no_grad():
+        for budget in budgets:
+            trajectory = [1 / (budget or N_LOOPS)] * (budget or N_LOOPS)
+            expected = reference_forward(sd, ids, trajectory, model_type=model_type)
+            got = model(ids, loop_budget=budget, use_cache=False).logits
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=f"{model_type}, budget {budget}")
+    if model_type == "base":
+        assert model.config.num_loops == 1 and model.config.num_hidden_layers == BASE_LAYERS
+
+
+@pytest.mark.parametrize("model_type", ["tmlt", "base_loop"])
+def test_reference_forward_depends_on_what_the_type_adds(ids, model_type):
+    """Guards the test itself: TMLT's logits change with the loop index' embedder, Base-Loop's with the norm weights."""
+    sd = reference_state_dict(seed=5, model_type=model_type)
+    changed = dict(sd)
+    for key in sd:
+        if key.endswith(("norm_1.weight", "norm_2.weight")):
+            changed[key] = torch.ones_like(sd[key])
+        if key == "time_embedder.mlp.2.bias":
+            changed[key] = sd[key] + 1.0
+    with torch.no_grad():
+        assert (reference_forward(sd, ids, FULL, model_type=model_type)
+                - reference_forward(changed, ids, FULL, model_type=model_type)).abs().max() > 1e-2
+
+
+def test_base_layout_needs_model_type_base(tmp_path):
+    base = _save(tmp_path, reference_state_dict(model_type="base", n_layer=BASE_LAYERS), "base.pt")
+    with pytest.raises(ValueError, match=r"(?s)unknown keys.*transformer\.h\.0\.attn.*layout of models/base\.py"):
+        convert(base, tmp_path / "out", model_type="base_loop", **dict(SHAPE_KWARGS, n_layer=BASE_LAYERS))
+    with pytest.raises(ValueError, match=r"`n_loops` must be 1.*model_type='base'.*got 4"):
+        convert(base, tmp_path / "out", model_type="base", **dict(SHAPE_KWARGS, n_layer=BASE_LAYERS))
+    with pytest.raises(ValueError, match=r"`model_type` must be one of \('loopformer', 'tmlt', 'base_loop', 'base'\)"):
+        convert(base, tmp_path / "out", model_type="gpt", **SHAPE_KWARGS)
+
+
+def test_base_loop_without_norm_weights_is_rejected(tmp_path):
+    sd = {k: v for k, v in reference_state_dict(model_type="base_loop").items() if "norm_2" not in k}
+    with pytest.raises(ValueError, match=r"missing keys.*model\.layers\.0\.post_attention_layernorm\.weight"):
+        convert(_save(tmp_path, sd), tmp_path / "out", model_type="base_loop", **SHAPE_KWARGS)
+    # a LoopFormer checkpoint has no block-norm weights: given one, it is an unknown key, not silently dropped
+    sd = dict(reference_state_dict(), **{"transformer.h.blocks.0.norm_1.weight": torch.ones(N_EMBD)})
+    with pytest.raises(ValueError, match=r"unknown keys.*transformer\.h\.blocks\.0\.norm_1\.weight"):
+        convert(_save(tmp_path, sd), tmp_path / "out", **SHAPE_KWARGS)
+
+
+def test_command_line_converts_a_base_checkpoint(tmp_path, ids):
+    sd = reference_state_dict(model_type="base", n_layer=BASE_LAYERS)
+    ckpt = _save(tmp_path, sd, "base.pt")
+    args = [a for a in SHAPE_ARGS]
+    args[args.index("--n-layer") + 1] = str(BASE_LAYERS)
+    i = args.index("--n-loops")
+    del args[i:i + 2]
+    assert main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "hf"), "--model-type", "base", *args]) == 0
+    model = loopformer_hf.LoopFormerForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits,
+                                   reference_forward(sd, ids, None, model_type="base"), atol=1e-4, rtol=0)

@@ -34,11 +34,17 @@ def test_config_uses_transformers_standard_names():
     [("num_loops", 0), ("num_hidden_layers", -1), ("hidden_size", 65), ("num_key_value_heads", 3),
      ("loop_conditioning", "adaptive"), ("position_embedding_type", "alibi"), ("hidden_act", "nope"),
      ("rms_norm_eps", -1.0), ("default_step_schedule", "zigzag"), ("default_loop_budget", 0),
-     ("num_loops", True), ("attention_dropout", 2.0)],
+     ("num_loops", True), ("attention_dropout", 2.0), ("initializer_scheme", "xavier"),
+     ("block_norm_weight", "yes")],
 )
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         tiny_loopformer_config(**{field: value})
+
+
+def test_config_error_names_the_initializer_schemes():
+    with pytest.raises(ValueError, match=r"initializer_scheme.*\('reference', 'zero_adaln'\), got 'xavier'"):
+        tiny_loopformer_config(initializer_scheme="xavier")
 
 
 def test_config_round_trips(tmp_path):
@@ -57,9 +63,7 @@ def test_architecture_matches_spec(tiny_config):
     blocks = model.model.layers
     assert len(blocks) == tiny_config.num_hidden_layers  # k shared blocks, not k*L
     for block in blocks:
-        lin = block.adaLN_modulation[1]
-        assert lin.out_features == 4 * tiny_config.hidden_size
-        assert torch.count_nonzero(lin.weight) == 0 and torch.count_nonzero(lin.bias) == 0
+        assert block.adaLN_modulation[1].out_features == 4 * tiny_config.hidden_size
     cond = model.model.loop_conditioning
     assert cond.time_embedder.mlp[0].in_features == 256 and cond.dt_embedder.mlp[0].in_features == 256
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
@@ -67,12 +71,110 @@ def test_architecture_matches_spec(tiny_config):
     assert not any("norm" in n for n, _ in blocks[0].named_parameters())  # block norms have no weight
 
 
-def test_zero_init_gates_make_the_loops_an_identity(tiny_config):
-    model = LoopFormerForCausalLM(tiny_config).eval()
+def test_zero_init_gates_make_the_loops_an_identity():
+    model = LoopFormerForCausalLM(tiny_loopformer_config(initializer_scheme="zero_adaln")).eval()
     ids = torch.randint(3, 97, (1, 7))
     out = model(ids, output_hidden_states=True)
     for h in out.hidden_states[1:]:
         torch.testing.assert_close(h, out.hidden_states[0])
+
+
+# ---- initialisation --------------------------------------------------------------------------------------------
+
+SIGMA = 0.02
+
+
+def _expected_init(name, scheme, k):
+    """(mean, std) of a fresh parameter under each scheme, written from the authors' code: their model-level init
+    (every Linear N(0, σ), zero bias; embeddings N(0, σ)) runs after the blocks' adaLN zero-init and overwrites it,
+    then every `c_proj.weight` (attention and MLP output) is re-drawn N(0, σ/√(2·n_layer)), n_layer = shared
+    blocks."""
+    if name.endswith("bias"):
+        return 0.0, 0.0
+    if "norm" in name:
+        return 1.0, 0.0
+    if "adaLN_modulation" in name and scheme == "zero_adaln":
+        return 0.0, 0.0
+    if scheme == "reference" and name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.0, SIGMA / math.sqrt(2 * k)
+    return 0.0, SIGMA
+
+
+@pytest.mark.parametrize("scheme", ["reference", "zero_adaln"])
+@pytest.mark.parametrize("conditioning", ["shortcut", "timestep", "none"])
+def test_fresh_model_init_statistics_follow_the_scheme(scheme, conditioning):
+    """Per parameter: mean and std within 5% of the rule (≥ 8k draws each: the sample std's own spread is < 1%)."""
+    k = 3
+    config = tiny_loopformer_config(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_hidden_layers=k, num_loops=4,
+        vocab_size=128, max_position_embeddings=64, pad_token_id=None, attention_bias=True, mlp_bias=True,
+        loop_conditioning=conditioning, block_norm_weight=conditioning == "none", initializer_scheme=scheme,
+    )
+    torch.manual_seed(0)
+    model = LoopFormerForCausalLM(config)
+    assert config.initializer_range == SIGMA
+    seen = set()
+    for name, param in model.named_parameters():
+        mean, std = _expected_init(name, scheme, k)
+        seen.add((mean, std))
+        if std == 0.0:
+            assert torch.all(param == mean), name
+        else:
+            assert abs(param.mean().item()) < 0.05 * std, name
+            assert param.std().item() == pytest.approx(std, rel=0.05), name
+    # what each configuration must contain: residual projections (and, with conditioning, adaLN)
+    assert (0.0, SIGMA / math.sqrt(2 * k) if scheme == "reference" else SIGMA) in seen
+    assert (1.0, 0.0) in seen and (0.0, 0.0) in seen
+    if conditioning != "none":
+        adaln = model.model.layers[0].adaLN_modulation[1].weight
+        assert (torch.count_nonzero(adaln) == 0) == (scheme == "zero_adaln")
+
+
+def test_default_init_is_the_reference_and_opens_the_gates(tiny_config):
+    """The default scheme's adaLN is non-zero, so the loops are no longer an identity at init."""
+    assert tiny_config.initializer_scheme == "reference"
+    torch.manual_seed(0)
+    model = LoopFormerForCausalLM(tiny_config).eval()
+    out = model(torch.randint(3, 97, (1, 7)), output_hidden_states=True)
+    assert (out.hidden_states[1] - out.hidden_states[0]).abs().max() > 1e-4
+
+
+def test_block_norm_weight_adds_learnable_block_norms():
+    plain = LoopFormerModel(tiny_loopformer_config(loop_conditioning="none"))
+    weighted = LoopFormerModel(tiny_loopformer_config(loop_conditioning="none", block_norm_weight=True))
+    assert not any("layernorm" in n for n, _ in plain.named_parameters())
+    names = [n for n, _ in weighted.layers[0].named_parameters() if "layernorm" in n]
+    assert names == ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    weighted.load_state_dict(plain.state_dict(), strict=False)
+    ids = torch.randint(3, 97, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(weighted(ids).last_hidden_state, plain(ids).last_hidden_state)  # weight 1 = none
+        weighted.layers[0].post_attention_layernorm.weight.mul_(2.0)
+        assert not torch.allclose(weighted(ids).last_hidden_state, plain(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("conditioning", ["shortcut", "none"])
+def test_weighted_block_norms_in_cached_adaptive_decode(conditioning):
+    """With halting and halt_kv_fill="recompute", the slots of halted tokens are projected through the block's
+    attention norm, its weight included: cached decoding still equals the uncached forward."""
+    torch.manual_seed(0)
+    config = tiny_loopformer_config(loop_conditioning=conditioning, block_norm_weight=True, halt_kv_fill="recompute")
+    model = randomize_modulation(LoopFormerForCausalLM(config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.copy_(1 + 0.5 * torch.randn_like(param))
+    ids, eps = torch.randint(3, 97, (2, 24)), 0.5
+    with torch.no_grad():
+        full = model(ids, halt_eps=eps, use_cache=False)
+        assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
+        out = model(ids[:, :8], halt_eps=eps)
+        logits, cache = [out.logits], cache_of(out)
+        for i in range(8, ids.shape[1]):
+            out = model(ids[:, i:i + 1], cache=cache, halt_eps=eps)
+            logits.append(out.logits)
+            cache = cache_of(out)
+    torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
 
 
 def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
