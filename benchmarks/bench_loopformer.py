@@ -29,12 +29,12 @@ import time
 import warnings
 
 import torch
-
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import loopformer_hf
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer.json")
 
 FULL = dict(hidden=256, heads=4, intermediate=1024, vocab=512, k=2, loops=4, seq=256, batch=4,

@@ -120,16 +120,11 @@ def hf_env(tmp_path, endpoint=None, token=None):
 
 def make_fprm(seed=0, **overrides):
     """A tiny sequence FPRM (causal, state-tracking layout) with a low loop cap."""
-    from fprm_hf import FPRMConfig, FPRMForReasoning
+    from fprm_fixtures import sequence_fprm_config, tiny_fprm
 
-    kwargs = dict(
-        vocab_size=8, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=1,
-        grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0,
-        max_loops=4,
-    )
+    kwargs = dict(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4)
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    return FPRMForReasoning(FPRMConfig(**kwargs)).eval()
+    return tiny_fprm(seed, config=sequence_fprm_config(**kwargs))
 
 
 def fprm_task_rows(n=16, length=6, vocab=8, seed=0):

@@ -7,23 +7,12 @@ import torch
 from datasets import Dataset
 
 from benchmarks.bench_fprm_memory import train_memory
-from fprm_hf import FPRMConfig, FPRMForReasoning
+from fprm_fixtures import one_thread, sequence_fprm_config, tiny_fprm  # noqa: F401  (one_thread is autouse)
 from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    config = FPRMConfig(vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, grid_size=4,
-                        num_prefix_tokens=2, init_std=1.0)
-    return FPRMForReasoning(config)
+    return tiny_fprm(seed, init_std=1.0, max_loops=64).train()
 
 
 def numbered_dataset(rows=64):
@@ -260,11 +249,7 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
     small non-abelian group and chain it over a few positions. With 16 segments per sample the optimizer memorises
     the in-flight batch instead (the 4-element product falls from 0.97 to 0.56)."""
     ids, labels = _s3_rows(4096, 2, 6, 6, seed=0)
-    torch.manual_seed(0)
-    config = FPRMConfig(vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, grid_size=None,
-                        conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0,
-                        init_std=1.0, patience=10, gamma_train=0.95)
-    model = FPRMForReasoning(config)
+    model = tiny_fprm(0, config=sequence_fprm_config(init_std=1.0, patience=10, gamma_train=0.95, max_loops=64)).train()
     args = FPRMTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=32,
         max_steps=300, n_backward=4, max_segments=3, train_halt_eps=1e-6, learning_rate=3e-3, weight_decay=0.01,

@@ -7,10 +7,11 @@ processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep su
     python -m training.fprm.train configs/fprm/maze15-quick.yaml --torch_threads 2
 
 A preset is a YAML file of configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
-the first argument). It only sets defaults: any flag given on the command line wins. The evaluation prints cell and exact
-accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze: path length; state tracking:
-sequence length), the per-prefix accuracy curve (state tracking), halting vs always running the cap (accuracy,
-iterations and wall-clock), and writes PNG plots and `results.json` to `--output_dir`.
+the first argument). It only sets defaults: any flag given on the command line wins.
+
+The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
+path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
+running the cap (accuracy, iterations and wall-clock), and writes PNG plots and `results.json` to `--output_dir`.
 """
 
 import json

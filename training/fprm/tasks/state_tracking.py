@@ -89,8 +89,9 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
     """Endless fresh training sequences with lengths uniform in [min_length, max_length], padded to max_length.
 
     `max_length` may be raised while training (a length curriculum,
-    `training.fprm.callbacks.LengthCurriculumCallback`): the next sequence drawn uses the new value. Fresh samples every step rather than a fixed set, so a sample's
-    deep-supervision segments are the only repeats (the group table is then learned, not a training set).
+    `training.fprm.callbacks.LengthCurriculumCallback`): the next sequence drawn uses the new value. Fresh samples
+    every step rather than a fixed set, so a sample's deep-supervision segments are the only repeats (the group
+    table is then learned, not a training set).
     """
 
     def __init__(self, group="S5", min_length=2, max_length=4, seed=0):
