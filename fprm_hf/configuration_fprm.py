@@ -1,18 +1,28 @@
 """Configuration of FPRM, the Fixed-Point Reasoning Model ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped
 Transformers", arXiv 2606.18206).
 
-One configuration covers the paper's model and its ablations:
+The defaults compute what the authors' code computes with their `config/arch/fprm.yaml` (GitHub
+nilskiKonjIzDunava/fprm): one loop step f(y) is
 
-- FPRM (default):   ``residual_scaling="input_independent"`` (α = sigmoid(param) per channel, β tied)
-- fixed scalars:    ``residual_scaling="fixed"``
-- input-dependent:  ``residual_scaling="input_dependent"`` (α = sigmoid(Linear(RMSNorm(h))))
-- outer only:       ``residual_scaling="outer_only"`` (β2 = 1 − α2, α1 = β1 = 1)
-- plain pre-norm:   ``residual_scaling="none"`` (diverges as loops grow)
-- TRM-style:        ``norm_position="post", residual_scaling="none"`` (post-norm, saturates)
+    y' = [prefix rows of y ; DWConv(grid rows of y)]      the conv acts on the raw state and replaces it
+    h  = α2·y' + β2·x                                     re-inject the input x
+    h  = α1·h + β1·F(RMSNorm(h))                          for each of the 2N sub-layers F (pre-norm)
 
-The defaults are the paper's Sudoku-Extreme model (9×9 grid, 3×3 depthwise conv, bidirectional attention, RoPE,
-16 learned prefix tokens). For state tracking use ``grid_size=None, conv_type="causal_1d", causal=True,
-position_embedding_type="none", num_prefix_tokens=0``.
+with a causal kernel-4 conv, RoPE, 16 prefix rows, α1 = α2 = 0.5 at init and z0 drawn fresh (truncated normal,
+std `init_std`) for every sample and token. Their task configs differ from it (docs/fprm.md lists them): state
+tracking uses `causal=True, position_embedding_type="none", num_prefix_tokens=0, init_std=6.0`; Sudoku uses
+`conv_type="2d"` with a 3×3 kernel and α1/α2 = 0.75/0.25; the maze uses `norm_placement="output"`.
+
+Ablations and variants of the paper, all options of this one configuration:
+
+- residual scaling: `residual_scaling` = "input_independent" (default) | "fixed" | "input_dependent" | "none",
+  and `outer_only=True` (β2 = 1 − α2, α1 = β1 = 1); `residual_scaling="outer_only"` is read as
+  input_independent + outer_only;
+- norms: `norm_type` = "pre" | "post" (TRM style) | "peri", `norm_placement` = "none" | "input" | "output",
+  `normalize_input_injection`;
+- choices of earlier versions of this package kept as options (deviations from the authors):
+  `conv_placement="injection"` (u = x + DWConv(RMSNorm(y)), y keeps its identity path), `final_norm=True`
+  (an RMSNorm with weight before the head), `fixed_init=True` (one stored z0 vector, their `L_optimizer.init_vec`).
 """
 
 import math
@@ -24,11 +34,19 @@ except ImportError:  # pragma: no cover
     from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
 
 
-RESIDUAL_SCALINGS = ("input_independent", "fixed", "input_dependent", "outer_only", "none")
-NORM_POSITIONS = ("pre", "post")
+RESIDUAL_SCALINGS = ("input_independent", "fixed", "input_dependent", "none")
+NORM_TYPES = ("pre", "post", "peri")
+NORM_PLACEMENTS = ("none", "input", "output")
 CONV_TYPES = ("2d", "causal_1d", "none")
+CONV_PLACEMENTS = ("state", "injection")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
 DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
+
+
+def swiglu_width(hidden_size, expansion):
+    """The authors' SwiGLU width: expansion · d · 2/3, rounded to an integer, then up to a multiple of 256."""
+    width = round(expansion * hidden_size * 2 / 3)
+    return -(width // -256) * 256
 
 
 def _is_real(value):
@@ -69,34 +87,58 @@ def check_patience(value, name="patience"):
 
 class FPRMConfig(PreTrainedConfig):
     r"""
-    Configuration of an [`FPRMModel`]: `num_hidden_layers` pre-norm blocks (attention + SwiGLU) that define one step
-    f of a fixed-point iteration, solved by a damped iteration with adaptive step decay (Algorithm 1).
+    Configuration of an [`FPRMModel`]: `num_hidden_layers` blocks (attention + SwiGLU) that define one step f of a
+    fixed-point iteration, solved by a damped iteration with adaptive step decay (Algorithm 1). The defaults are the
+    authors' architecture defaults (module docstring).
 
     Args:
-        vocab_size (`int`, defaults to 11): input and output vocabulary (Sudoku: pad, blank, digits 1-9).
+        vocab_size (`int`, defaults to 11): input and output vocabulary.
         hidden_size (`int`, defaults to 512): width d of the state.
         num_attention_heads (`int`, defaults to 8): attention heads; must divide `hidden_size`.
-        intermediate_size (`int`, defaults to 1536): width of the SwiGLU MLP.
+        expansion (`float`, defaults to 4.0): SwiGLU expansion; sets `intermediate_size` when that is not given.
+        intermediate_size (`int`, *optional*): SwiGLU width; `None` uses the authors' rule, expansion · d · 2/3
+            rounded up to a multiple of 256 (1536 for d = 512).
         num_hidden_layers (`int`, defaults to 2): N blocks, i.e. 2N residual sub-layers per loop step.
-        grid_size (`int` or `[int, int]`, *optional*, defaults to 9): height and width of the input grid; inputs must
-            have exactly height × width tokens. `None` accepts sequences of any length (state tracking).
-        conv_type (`str`, defaults to `"2d"`): depthwise convolution on the state before the layers: `"2d"` (a
-            k×k conv over the grid; needs `grid_size`), `"causal_1d"` (a causal conv over the sequence) or `"none"`.
-        conv_kernel_size (`int`, *optional*): kernel size; `None` means 3 for `"2d"` and 4 for `"causal_1d"`.
-        causal (`bool`, defaults to `False`): causal attention (state tracking) instead of bidirectional (grids).
-        position_embedding_type (`str`, defaults to `"rope"`): `"rope"`, `"learned"` absolute positions, or `"none"`.
-        max_position_embeddings (`int`, defaults to 1024): longest sequence (prefix included) with learned positions.
+        grid_size (`int` or `[int, int]`, *optional*): height and width of an input grid; inputs must then have
+            exactly height × width tokens. `None` (default) accepts sequences of any length.
+        conv_type (`str`, defaults to `"causal_1d"`): depthwise convolution (no bias) over the grid/sequence rows of
+            the state: `"causal_1d"` (kernel k, k − 1 zeros on the left), `"2d"` (k × k over the grid, needs
+            `grid_size`) or `"none"`.
+        conv_kernel_size (`int`, *optional*): `None` means 4 for `"causal_1d"` and 3 for `"2d"`.
+        conv_bias (`bool`, defaults to `False`): a bias in the conv (the authors' `conv_bias`).
+        conv_placement (`str`, defaults to `"state"`): `"state"` (the authors'): the conv replaces the grid rows of
+            the raw state before the re-injection mix. `"injection"` (earlier versions of this package): the conv of
+            the normalised state is added to the re-injected input, u = x + DWConv(RMSNorm(y)), h = α2·y + β2·u.
+        causal (`bool`, defaults to `False`): causal attention (state tracking) instead of bidirectional.
+        position_embedding_type (`str`, defaults to `"rope"`): `"rope"` (on q and k), `"learned"` absolute
+            positions (x = √d·(emb + pos)/√2), or `"none"`.
+        max_position_embeddings (`int`, defaults to 1024): rows of the learned position table (prefix included).
         rope_theta (`float`, defaults to 10000.0): RoPE base.
-        num_prefix_tokens (`int`, defaults to 16): learned prefix tokens put before the input (0 disables them).
-        num_puzzle_identifiers (`int`, defaults to 1): rows of the prefix table; with more than one, the prefix is
-            chosen per sample by `puzzle_identifiers` (a per-puzzle embedding, as for ARC).
-        residual_scaling (`str`, defaults to `"input_independent"`): one of `"input_independent"`, `"fixed"`,
-            `"input_dependent"`, `"outer_only"`, `"none"` (see the module docstring).
-        norm_position (`str`, defaults to `"pre"`): `"pre"` (FPRM) or `"post"` (TRM-style; needs
-            `residual_scaling="none"`).
-        alpha1 (`float`, defaults to 0.75): initial (or fixed) inner scale α1 in (0, 1).
-        alpha2 (`float`, defaults to 0.25): initial (or fixed) outer scale α2 in (0, 1).
-        init_std (`float`, defaults to 6.0): std of the truncated normal initial latent z0.
+        num_prefix_tokens (`int`, defaults to 16): learned prefix rows put before the input (their puzzle
+            embedding; 0 disables them). The conv leaves them unchanged.
+        num_puzzle_identifiers (`int`, defaults to 1): rows of the prefix table, chosen per sample by
+            `puzzle_identifiers`.
+        residual_scaling (`str`, defaults to `"input_independent"`): `"input_independent"` (α = sigmoid(param) per
+            channel), `"fixed"` (the constants `alpha1`, `alpha2`), `"input_dependent"` (α = sigmoid(Linear(y')) per
+            token and channel) or `"none"` (α = β = 1). β's are tied: β2 = 1 − α2·α1^(2N),
+            β1 = β2·(1 − α1)/(1 − α1^(2N) + 1e-5).
+        outer_only (`bool`, defaults to `False`): only the outer mix is scaled: β2 = 1 − α2, α1 = β1 = 1.
+        alpha1 (`float`, defaults to 0.5): initial (or fixed) inner scale α1 in (0, 1).
+        alpha2 (`float`, defaults to 0.5): initial (or fixed) outer scale α2 in (0, 1).
+        norm_type (`str`, defaults to `"pre"`): `"pre"` (h ← α1·h + β1·F(RMSNorm(h))), `"post"`
+            (h ← RMSNorm(α1·h + β1·F(h)), TRM style) or `"peri"` (h ← α1·h + β1·RMSNorm(F(RMSNorm(h)))).
+        norm_placement (`str`, defaults to `"none"`): an extra weightless RMSNorm of the state, `"input"` (after the
+            conv, before the mix) or `"output"` (at the end of f; the authors' maze config).
+        normalize_input_injection (`bool`, defaults to `False`): re-inject RMSNorm(x) instead of x.
+        final_norm (`bool`, defaults to `False`): an RMSNorm with weight on the final state before the head (earlier
+            versions of this package); the authors' head reads the raw state.
+        softmax_temperature (`float`, defaults to 1.0): attention scores are scaled by 1/(√head_dim · temperature).
+        init_std (`float`, defaults to 1.0): std of the truncated normal (cut at ±2 std of the underlying normal,
+            rescaled to this std) that z0 is drawn from; their task configs use 6.0.
+        fixed_init (`bool`, defaults to `False`): `False`: z0 is drawn fresh for every sample and token at every
+            reset. `True`: one stored vector `z_init` (drawn at initialisation, saved with the weights) on every token.
+        initial_state_seed (`int`, defaults to 0): seed of the z0 draw in evaluation mode, so that an eval forward
+            is deterministic (see [`FPRMModel.initial_solver_state`]).
         halt_eps (`float`, defaults to 0.1): τ, a sample halts when its relative ∞-norm residual drops below it.
         max_loops (`int`, defaults to 64): iteration cap of the solver.
         eta (`float`, defaults to 1.0): η0, the initial damping step of y ← η·f(y) + (1 − η)·y.
@@ -107,8 +149,8 @@ class FPRMConfig(PreTrainedConfig):
         rms_norm_eps (`float`, defaults to 1e-5): epsilon of every RMSNorm.
         initializer_range (`float`, *optional*): std of linear weights; `None` uses LeCun (1/sqrt(fan_in)).
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities in training.
-        attention_bias (`bool`, defaults to `False`): biases in the attention projections.
-        mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
+        attention_bias (`bool`, defaults to `False`): a bias in the attention projections.
+        mlp_bias (`bool`, defaults to `False`): a bias in the MLP projections.
     """
 
     model_type = "fprm"
@@ -120,11 +162,14 @@ class FPRMConfig(PreTrainedConfig):
         vocab_size=11,
         hidden_size=512,
         num_attention_heads=8,
-        intermediate_size=1536,
+        expansion=4.0,
+        intermediate_size=None,
         num_hidden_layers=2,
-        grid_size=9,
-        conv_type="2d",
+        grid_size=None,
+        conv_type="causal_1d",
         conv_kernel_size=None,
+        conv_bias=False,
+        conv_placement="state",
         causal=False,
         position_embedding_type="rope",
         max_position_embeddings=1024,
@@ -132,10 +177,17 @@ class FPRMConfig(PreTrainedConfig):
         num_prefix_tokens=16,
         num_puzzle_identifiers=1,
         residual_scaling="input_independent",
-        norm_position="pre",
-        alpha1=0.75,
-        alpha2=0.25,
-        init_std=6.0,
+        outer_only=False,
+        alpha1=0.5,
+        alpha2=0.5,
+        norm_type="pre",
+        norm_placement="none",
+        normalize_input_injection=False,
+        final_norm=False,
+        softmax_temperature=1.0,
+        init_std=1.0,
+        fixed_init=False,
+        initial_state_seed=0,
         halt_eps=0.1,
         max_loops=64,
         eta=1.0,
@@ -152,9 +204,17 @@ class FPRMConfig(PreTrainedConfig):
         pad_token_id=0,
         **kwargs,
     ):
+        # names of earlier versions of this package, still read so that older configs and scripts keep working
+        if "norm_position" in kwargs:
+            norm_type = kwargs.pop("norm_position")
+        if residual_scaling == "outer_only":
+            residual_scaling, outer_only = "input_independent", True
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
+        self.expansion = expansion
+        if intermediate_size is None and _is_real(expansion) and _is_int(hidden_size):
+            intermediate_size = swiglu_width(hidden_size, expansion)
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
         if isinstance(grid_size, (tuple, list)) and len(grid_size) == 2:
@@ -164,6 +224,8 @@ class FPRMConfig(PreTrainedConfig):
         self.grid_size = grid_size
         self.conv_type = conv_type
         self.conv_kernel_size = DEFAULT_CONV_KERNEL.get(conv_type) if conv_kernel_size is None else conv_kernel_size
+        self.conv_bias = conv_bias
+        self.conv_placement = conv_placement
         self.causal = causal
         self.position_embedding_type = position_embedding_type
         self.max_position_embeddings = max_position_embeddings
@@ -171,10 +233,17 @@ class FPRMConfig(PreTrainedConfig):
         self.num_prefix_tokens = num_prefix_tokens
         self.num_puzzle_identifiers = num_puzzle_identifiers
         self.residual_scaling = residual_scaling
-        self.norm_position = norm_position
+        self.outer_only = outer_only
         self.alpha1 = alpha1
         self.alpha2 = alpha2
+        self.norm_type = norm_type
+        self.norm_placement = norm_placement
+        self.normalize_input_injection = normalize_input_injection
+        self.final_norm = final_norm
+        self.softmax_temperature = softmax_temperature
         self.init_std = init_std
+        self.fixed_init = fixed_init
+        self.initial_state_seed = initial_state_seed
         self.halt_eps = halt_eps
         self.max_loops = max_loops
         self.eta = eta
@@ -207,6 +276,8 @@ class FPRMConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if not _is_int(self.num_prefix_tokens) or self.num_prefix_tokens < 0:
             raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {self.num_prefix_tokens!r}.")
+        if not _is_int(self.initial_state_seed):
+            raise ValueError(f"`initial_state_seed` must be an integer, got {self.initial_state_seed!r}.")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -214,13 +285,18 @@ class FPRMConfig(PreTrainedConfig):
             )
         choices = {
             "residual_scaling": RESIDUAL_SCALINGS,
-            "norm_position": NORM_POSITIONS,
+            "norm_type": NORM_TYPES,
+            "norm_placement": NORM_PLACEMENTS,
             "conv_type": CONV_TYPES,
+            "conv_placement": CONV_PLACEMENTS,
             "position_embedding_type": POSITION_EMBEDDING_TYPES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        for name in ("causal", "outer_only", "conv_bias", "normalize_input_injection", "final_norm", "fixed_init"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.grid_size is not None and not (
             isinstance(self.grid_size, list) and len(self.grid_size) == 2
             and all(_is_int(s) and s >= 1 for s in self.grid_size)
@@ -234,18 +310,11 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"`causal` must be True or False, got {self.causal!r}.")
-        if self.norm_position == "post" and self.residual_scaling != "none":
-            raise ValueError(
-                f"`norm_position='post'` (TRM style) has no residual scaling: it needs residual_scaling='none', "
-                f"got {self.residual_scaling!r}."
-            )
         for name in ("alpha1", "alpha2"):
             value = getattr(self, name)
             if not (_is_real(value) and 0 < value < 1):
                 raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
-        for name in ("init_std", "rope_theta", "rms_norm_eps"):
+        for name in ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature"):
             value = getattr(self, name)
             if not (_is_real(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
@@ -262,4 +331,7 @@ class FPRMConfig(PreTrainedConfig):
         check_patience(self.patience)
 
 
-__all__ = ["FPRMConfig", "RESIDUAL_SCALINGS", "NORM_POSITIONS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES"]
+__all__ = [
+    "FPRMConfig", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "CONV_PLACEMENTS",
+    "POSITION_EMBEDDING_TYPES", "swiglu_width",
+]

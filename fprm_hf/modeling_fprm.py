@@ -1,20 +1,21 @@
 """FPRM: a looped transformer whose loop is a fixed-point iteration that halts per sample when it has converged
 ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped Transformers", arXiv 2606.18206).
 
-Reads top to bottom in the order a token travels: norm → positions → attention → SwiGLU → depthwise conv and input
-re-injection → residual scaling (α, β) → block → one loop step f → the solver (Algorithm 1) → head.
+Reads top to bottom in the order a token travels: norm → positions → attention → SwiGLU → depthwise conv →
+residual scaling (α, β) → block → one loop step f → the solver (Algorithm 1) → head.
 
-One loop step f(y) of the default (input-independent, pre-norm) model, with N blocks = 2N sub-layers F_k:
+One loop step f(y) of the default model (the authors' computation, step by step; N blocks = 2N sub-layers F_k):
 
-    u = x + DWConv(RMSNorm(y))                 re-injected input (the conv mixes neighbouring states)
-    h = α2·y + β2·u
-    h = α1·h + β1·F_k(RMSNorm(h))              for k = 1..2N
+    y' = [prefix rows of y ; DWConv(grid rows of y)]     conv on the raw state, replacing it (no norm before it)
+    h  = α2·y' + β2·x                                    x = √d·embedding, re-injected at every step
+    h  = α1·h + β1·F_k(RMSNorm(h))                       for k = 1..2N (pre-norm)
     β2 = 1 − α2·α1^(2N),  β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
 
-so every channel of f(y) is a convex-like combination of y, u and the sub-layer outputs, and the iterates stay
-bounded (Theorem 1) however many loops run.
+so the iterates stay bounded (Theorem 1) however many loops run. The solver iterates y ← η·f(y) + (1 − η)·y from a
+random z0; the head reads the final state with no norm in between.
 """
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -38,14 +39,33 @@ logger = logging.get_logger(__name__)
 
 RESIDUAL_DENOM_EPS = 1e-8  # r = ‖y − f(y)‖∞ / (‖f(y)‖∞ + 1e-8)
 BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
+LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
 def rms_norm(x, eps, weight=None):
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
 
 
+def truncated_normal_std(std, bound=2.0):
+    """The std of the normal that, cut at ±`bound` of its own std, has std `std` (the authors' and JAX's
+    truncated normal: z0 and the weights have exactly the std they are given)."""
+    pdf = math.exp(-0.5 * bound**2) / math.sqrt(2 * math.pi)
+    mass = math.erf(bound / math.sqrt(2))
+    return std / math.sqrt(1 - 2 * bound * pdf / mass)
+
+
+def sample_truncated_normal(shape, std, generator=None, device=None, dtype=torch.float32, bound=2.0):
+    """Draws from the truncated normal of `truncated_normal_std` (inverse-CDF sampling, so one `generator` decides
+    every value)."""
+    scale = truncated_normal_std(std, bound)
+    edge = math.erf(bound / math.sqrt(2))
+    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32) * (2 * edge) - edge
+    return (torch.erfinv(u) * (math.sqrt(2) * scale)).clamp(-bound * scale, bound * scale).to(dtype)
+
+
 class FPRMRMSNorm(nn.Module):
-    """The final norm before the head (with weight); the norms inside the loop are weightless `rms_norm` calls."""
+    """The optional final norm before the head (`final_norm=True`, with weight); the norms inside the loop are
+    weightless `rms_norm` calls."""
 
     def __init__(self, hidden_size, eps):
         super().__init__()
@@ -57,19 +77,19 @@ class FPRMRMSNorm(nn.Module):
 
 
 class FPRMRotaryEmbedding(nn.Module):
-    """RoPE over the flattened positions (prefix included). The frequencies are computed per call rather than kept
-    in a non-persistent buffer, which from_pretrained would leave uninitialised."""
+    """RoPE over the flattened positions (prefix included), in float32. The frequencies are computed per call rather
+    than kept in a non-persistent buffer, which from_pretrained would leave uninitialised."""
 
     def __init__(self, config):
         super().__init__()
         self.dim = config.head_dim
         self.base = config.rope_theta
 
-    def forward(self, seq_len, device, dtype):
+    def forward(self, seq_len, device):
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float, device=device) / self.dim))
         freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return emb.cos(), emb.sin()
 
 
 def rotate_half(x):
@@ -78,7 +98,9 @@ def rotate_half(x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    dtype = q.dtype  # rotate in float32 (cos/sin's dtype), as the authors
+    q, k = q.to(cos.dtype), k.to(cos.dtype)
+    return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -93,27 +115,22 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class FPRMAttention(nn.Module):
-    """Multi-head attention, bidirectional for grids and causal for state tracking (`config.causal`)."""
+    """Multi-head attention with a fused q|k|v projection, bidirectional for grids and causal for state tracking."""
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = self.head_dim**-0.5 / config.softmax_temperature
         self.is_causal = config.causal
-        bias = config.attention_bias
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, d, bias=bias)
-        self.k_proj = nn.Linear(d, d, bias=bias)
-        self.v_proj = nn.Linear(d, d, bias=bias)
-        self.o_proj = nn.Linear(d, d, bias=bias)
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(d, d, bias=config.attention_bias)
 
     def forward(self, hidden_states, position_embeddings=None):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv_proj(hidden_states).chunk(3, dim=-1))
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         # get_interface (rather than indexing) lets `set_attn_implementation` switch the kernel on a built model
@@ -130,73 +147,72 @@ class FPRMAttention(nn.Module):
 
 
 class FPRMMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU with a fused gate|up projection: down(silu(gate) * up)."""
 
     def __init__(self, config):
         super().__init__()
-        bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
-class FPRMInputInjection(nn.Module):
-    """u = x + DWConv(RMSNorm(y)): the input re-injected at every loop step, plus a depthwise convolution of the
-    (normalised, hence bounded) state over its neighbours: k×k over the grid, or causal kernel-k over the sequence.
-    Prefix tokens are outside the grid and get no conv term in 2-D."""
+class FPRMDepthwiseConv(nn.Module):
+    """Depthwise conv over the grid/sequence rows of a state (the prefix rows are not convolved): a causal kernel-k
+    conv over the sequence (k − 1 zeros on the left) or a k×k conv over the height × width grid (zero padding).
+    Returns the convolved rows only, (batch, tokens − prefix, hidden)."""
 
     def __init__(self, config):
         super().__init__()
         self.conv_type = config.conv_type
-        self.eps = config.rms_norm_eps
         self.num_prefix_tokens = config.num_prefix_tokens
         self.grid_size = config.grid_size
         d, k = config.hidden_size, config.conv_kernel_size
-        if self.conv_type == "2d":
-            self.conv = nn.Conv2d(d, d, k, padding=k // 2, groups=d, bias=False)
-        elif self.conv_type == "causal_1d":
-            self.conv = nn.Conv1d(d, d, k, groups=d, bias=False)
+        shape = (d, 1, k) if self.conv_type == "causal_1d" else (d, 1, k, k)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(d)) if config.conv_bias else None
 
-    def forward(self, y, x):
-        if self.conv_type == "none":
-            return x
-        normed = rms_norm(y, self.eps)
+    def forward(self, y):
+        rows = y[:, self.num_prefix_tokens :]
+        b, n, d = rows.shape
+        weight = self.weight.to(rows.dtype)
+        bias = None if self.bias is None else self.bias.to(rows.dtype)
         if self.conv_type == "causal_1d":
-            seq = F.pad(normed.transpose(1, 2), (self.conv.kernel_size[0] - 1, 0))  # left pad only: causal
-            return x + self.conv(seq).transpose(1, 2)
-        p = self.num_prefix_tokens
-        (h, w), b, d = self.grid_size, y.shape[0], y.shape[-1]
-        grid = normed[:, p:].transpose(1, 2).reshape(b, d, h, w)
-        mixed = self.conv(grid).reshape(b, d, h * w).transpose(1, 2)
-        return x + F.pad(mixed, (0, 0, p, 0))
+            seq = F.pad(rows.transpose(1, 2), (self.weight.shape[-1] - 1, 0))  # left pad only: causal
+            return F.conv1d(seq, weight, bias, groups=d).transpose(1, 2)
+        h, w = self.grid_size
+        grid = rows.transpose(1, 2).reshape(b, d, h, w)
+        out = F.conv2d(grid, weight, bias, padding=self.weight.shape[-1] // 2, groups=d)
+        return out.reshape(b, d, n).transpose(1, 2)
 
 
 class FPRMResidualScaling(nn.Module):
-    """The coefficients (α1, β1, α2, β2) of one loop step.
+    """The coefficients (α1, β1, α2, β2) of one loop step, read from the state y' after the conv.
 
     input_independent: α = sigmoid(logit) per channel, learned; β tied (module docstring).
     fixed:             α1, α2 are the config's constants; β tied.
-    input_dependent:   α = sigmoid(Linear(RMSNorm(y))) per token and channel; β tied.
-    outer_only:        α2 learned per channel, β2 = 1 − α2, α1 = β1 = 1.
+    input_dependent:   α = sigmoid(Linear(y')) per token and channel, one linear layer per α; β tied.
     none:              α = β = 1 (plain pre-norm, or post-norm).
+    outer_only (any of the first three): β2 = 1 − α2 and α1 = β1 = 1.
     """
 
     def __init__(self, config):
         super().__init__()
         self.mode = config.residual_scaling
+        self.outer_only = config.outer_only
         self.num_sublayers = 2 * config.num_hidden_layers
-        self.eps = config.rms_norm_eps
         d = config.hidden_size
         self.alpha1_init, self.alpha2_init = config.alpha1, config.alpha2
-        if self.mode in ("input_independent", "outer_only"):
+        inner = not self.outer_only
+        if self.mode == "input_independent":
             # stored as logits so that 0 < α < 1 always; excluded from weight decay by name ("alpha")
-            self.alpha1_logit = nn.Parameter(torch.empty(d)) if self.mode == "input_independent" else None
             self.alpha2_logit = nn.Parameter(torch.empty(d))
+            self.alpha1_logit = nn.Parameter(torch.empty(d)) if inner else None
         elif self.mode == "input_dependent":
-            self.alpha_proj = nn.Linear(d, 2 * d, bias=True)
+            self.alpha2_proj = nn.Linear(d, d, bias=True)
+            self.alpha1_proj = nn.Linear(d, d, bias=True) if inner else None
 
     def tied_betas(self, alpha1, alpha2):
         a1_pow = alpha1**self.num_sublayers
@@ -207,36 +223,43 @@ class FPRMResidualScaling(nn.Module):
     def forward(self, y):
         if self.mode == "none":
             return 1.0, 1.0, 1.0, 1.0
+        inner = not self.outer_only
         if self.mode == "fixed":
-            alpha1, alpha2 = torch.tensor(self.alpha1_init), torch.tensor(self.alpha2_init)
+            alpha2 = torch.tensor(self.alpha2_init)
+            alpha1 = torch.tensor(self.alpha1_init) if inner else None
         elif self.mode == "input_dependent":
-            alpha1, alpha2 = torch.sigmoid(self.alpha_proj(rms_norm(y, self.eps)).float()).chunk(2, dim=-1)
+            alpha2 = torch.sigmoid(self.alpha2_proj(y).float())
+            alpha1 = torch.sigmoid(self.alpha1_proj(y).float()) if inner else None
         else:
             alpha2 = torch.sigmoid(self.alpha2_logit.float())
-            if self.mode == "outer_only":
-                return 1.0, 1.0, alpha2.to(y.dtype), (1 - alpha2).to(y.dtype)
-            alpha1 = torch.sigmoid(self.alpha1_logit.float())
+            alpha1 = torch.sigmoid(self.alpha1_logit.float()) if inner else None
+        if self.outer_only:
+            return 1.0, 1.0, alpha2.to(device=y.device, dtype=y.dtype), (1 - alpha2).to(device=y.device, dtype=y.dtype)
         beta1, beta2 = self.tied_betas(alpha1, alpha2)
         return tuple(c.to(device=y.device, dtype=y.dtype) for c in (alpha1, beta1, alpha2, beta2))
 
 
 class FPRMBlock(nn.Module):
-    """Two sub-layers, attention then SwiGLU. Pre-norm: h ← α1·h + β1·F(RMSNorm(h)); post-norm (TRM style):
-    h ← RMSNorm(h + F(h))."""
+    """Two sub-layers, attention then SwiGLU, each h ← α1·h + β1·F(·) with the norm placed by `norm_type`:
+    pre: F(RMSNorm(h)); peri: RMSNorm(F(RMSNorm(h))); post: RMSNorm(α1·h + β1·F(h)) (TRM style)."""
 
     def __init__(self, config):
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.post_norm = config.norm_position == "post"
+        self.norm_type = config.norm_type
         self.self_attn = FPRMAttention(config)
         self.mlp = FPRMMLP(config)
 
+    def _sublayer(self, h, sublayer, alpha1, beta1, *args):
+        out = sublayer(h if self.norm_type == "post" else rms_norm(h, self.eps), *args)
+        if self.norm_type == "peri":
+            out = rms_norm(out, self.eps)
+        h = alpha1 * h + beta1 * out
+        return rms_norm(h, self.eps) if self.norm_type == "post" else h
+
     def forward(self, h, alpha1, beta1, position_embeddings=None):
-        if self.post_norm:
-            h = rms_norm(h + self.self_attn(h, position_embeddings), self.eps)
-            return rms_norm(h + self.mlp(h), self.eps)
-        h = alpha1 * h + beta1 * self.self_attn(rms_norm(h, self.eps), position_embeddings)
-        return alpha1 * h + beta1 * self.mlp(rms_norm(h, self.eps))
+        h = self._sublayer(h, self.self_attn, alpha1, beta1, position_embeddings)
+        return self._sublayer(h, self.mlp, alpha1, beta1)
 
 
 class FPRMPreTrainedModel(PreTrainedModel):
@@ -251,38 +274,38 @@ class FPRMPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        # Every module with FPRM-specific parameters is handled here explicitly; the `init` helpers skip tensors that
-        # were loaded from a checkpoint, so from_pretrained never overwrites weights.
+        # The authors' initialisation. Their truncated normal (cut at ±2σ of the underlying normal) is rescaled so
+        # that the values have exactly the std asked for. The `init` helpers skip tensors that were loaded from a
+        # checkpoint, so from_pretrained never overwrites weights.
         from transformers import initialization as init
 
         config = self.config
-        if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)):
-            if getattr(module, "alpha_init", False):  # input-dependent α starts at α1, α2 for every input
-                init.zeros_(module.weight)
-                d = config.hidden_size
-                init.constant_(module.bias[:d], _logit(config.alpha1))
-                init.constant_(module.bias[d:], _logit(config.alpha2))
-                return
-            fan_in = module.weight[0].numel()
-            std = config.initializer_range or fan_in**-0.5  # LeCun normal by default, as TRM
-            init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+
+        def trunc_normal(tensor, std):
+            s = truncated_normal_std(std)
+            init.trunc_normal_(tensor, std=s, a=-2 * s, b=2 * s)
+
+        if isinstance(module, nn.Linear):
+            trunc_normal(module.weight, config.initializer_range or module.weight.shape[1] ** -0.5)  # LeCun normal
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            # unit-scale inputs after the sqrt(d) multiplier of FPRMModel.embed
-            std = config.hidden_size**-0.5
-            init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            trunc_normal(module.weight, config.hidden_size**-0.5)  # unit-scale inputs after the √d multiplier
+        elif isinstance(module, FPRMDepthwiseConv):
+            bound = module.weight[0].numel() ** -0.5  # PyTorch's default conv init, as the authors' nn.Conv
+            init.uniform_(module.weight, -bound, bound)
+            if module.bias is not None:
+                init.uniform_(module.bias, -bound, bound)
         elif isinstance(module, FPRMResidualScaling):
-            if module.mode in ("input_independent", "outer_only"):
+            if module.mode == "input_independent":
                 if module.alpha1_logit is not None:
                     init.constant_(module.alpha1_logit, _logit(config.alpha1))
                 init.constant_(module.alpha2_logit, _logit(config.alpha2))
         elif isinstance(module, FPRMModel):
-            std = config.init_std  # z0 ~ truncated normal(0, init_std) on [-2 std, 2 std]
-            init.trunc_normal_(module.z_init, std=std, a=-2 * std, b=2 * std)
+            if module.z_init is not None:  # fixed_init: one stored z0 vector
+                trunc_normal(module.z_init, config.init_std)
             if module.prefix is not None:
-                s = config.hidden_size**-0.5
-                init.trunc_normal_(module.prefix, std=s, a=-2 * s, b=2 * s)
+                init.zeros_(module.prefix)  # the authors' puzzle embedding starts at zero
         elif isinstance(module, FPRMRMSNorm):
             init.ones_(module.weight)
 
@@ -326,7 +349,7 @@ class FPRMSolverState:
 @dataclass
 class FPRMModelOutput(ModelOutput):
     """
-    last_hidden_state: the final state y after the final RMSNorm, prefix tokens included.
+    last_hidden_state: the final state y, prefix tokens included (after the final RMSNorm when `final_norm=True`).
     iterations: (batch,) iterations of f this call applied to each sample.
     residuals: (batch,) final relative ∞-norm residual per sample (inf where it was not finite).
     converged: (batch,) True where the residual fell below `halt_eps`.
@@ -364,7 +387,7 @@ class FPRMReasoningOutput(ModelOutput):
 
 
 class FPRMModel(FPRMPreTrainedModel):
-    """Embeddings, the loop step f and the fixed-point solver. Returns the converged, normalised state."""
+    """Embeddings, the loop step f and the fixed-point solver. Returns the final state (prefix rows included)."""
 
     def __init__(self, config: FPRMConfig):
         super().__init__(config)
@@ -374,18 +397,19 @@ class FPRMModel(FPRMPreTrainedModel):
             nn.Embedding(config.max_position_embeddings, d) if config.position_embedding_type == "learned" else None
         )
         self.rotary_emb = FPRMRotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        # learned prefix tokens, one set per puzzle identifier
+        # learned prefix rows (the authors' puzzle embedding), one set per puzzle identifier
         self.prefix = (
             nn.Parameter(torch.empty(config.num_puzzle_identifiers, config.num_prefix_tokens, d))
             if config.num_prefix_tokens else None
         )
-        self.register_buffer("z_init", torch.empty(d), persistent=True)  # z0, broadcast to every token
-        self.injection = FPRMInputInjection(config)
+        if config.fixed_init:
+            self.register_buffer("z_init", torch.empty(d), persistent=True)  # z0, broadcast to every token
+        else:
+            self.z_init = None
+        self.conv = FPRMDepthwiseConv(config) if config.conv_type != "none" else None
         self.residual_scaling = FPRMResidualScaling(config)
-        if config.residual_scaling == "input_dependent":
-            self.residual_scaling.alpha_proj.alpha_init = True
         self.layers = nn.ModuleList([FPRMBlock(config) for _ in range(config.num_hidden_layers)])
-        self.norm = FPRMRMSNorm(d, config.rms_norm_eps)
+        self.norm = FPRMRMSNorm(d, config.rms_norm_eps) if config.final_norm else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -439,23 +463,43 @@ class FPRMModel(FPRMPreTrainedModel):
                 )
 
     def embed(self, input_ids, puzzle_identifiers=None):
-        """x: (batch, prefix + tokens, hidden), the input re-injected at every loop step."""
-        scale = self.config.hidden_size**0.5  # embeddings are initialised at std 1/sqrt(d): x has unit scale
+        """x: (batch, prefix + tokens, hidden), the input re-injected at every loop step:
+        √d·[prefix ; embedding], or √d·([prefix ; embedding] + positions)/√2 with learned positions."""
         x = self.embed_tokens(input_ids)
         if self.prefix is not None:
             if puzzle_identifiers is None:
                 puzzle_identifiers = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             x = torch.cat([self.prefix[puzzle_identifiers].to(x.dtype), x], dim=1)
         if self.embed_positions is not None:
-            x = x + self.embed_positions(torch.arange(x.shape[1], device=x.device))[None]
-        return scale * x
+            positions = self.embed_positions(torch.arange(x.shape[1], device=x.device))[None]
+            x = LEARNED_POSITION_SCALE * (x + positions)
+        return self.config.hidden_size**0.5 * x  # embeddings are initialised at std 1/√d: x has unit scale
 
-    def initial_solver_state(self, x, eta=None):
-        """A fresh state: y = z0 on every token, η = η0, nothing halted."""
+    def initial_z(self, x, generator=None):
+        """z0 for every sample and token of `x` (module docstring of the config, `fixed_init`, `init_std`).
+
+        - `fixed_init=True`: the stored vector `z_init` on every token.
+        - a `generator`: a fresh truncated normal per sample and token drawn from it.
+        - training mode: a fresh truncated normal per sample and token from the global RNG (the authors' reset).
+        - evaluation mode: one (tokens, hidden) draw from a generator seeded with `config.initial_state_seed`, the
+          same for every sample, so that an eval forward is deterministic and a row's output does not depend on
+          the batch it is in (nor, for a prefix of a longer input, on the tokens after it).
+        """
+        b, n, d = x.shape
+        if self.z_init is not None:
+            return self.z_init.to(x.dtype)[None, None].expand(b, n, d).clone()
+        std = self.config.init_std
+        if generator is not None or self.training:
+            return sample_truncated_normal((b, n, d), std, generator, x.device, x.dtype)
+        seeded = torch.Generator(device=x.device).manual_seed(self.config.initial_state_seed)
+        return sample_truncated_normal((n, d), std, seeded, x.device, x.dtype)[None].expand(b, n, d).clone()
+
+    def initial_solver_state(self, x, eta=None, generator=None):
+        """A fresh state: y = z0 (`initial_z`), η = η0, nothing halted."""
         b, dtype, device = x.shape[0], torch.float32, x.device
         eta = self.config.eta if eta is None else eta
         return FPRMSolverState(
-            hidden=self.z_init.to(x.dtype)[None, None].expand_as(x).clone(),
+            hidden=self.initial_z(x, generator),
             eta=torch.full((b,), float(eta), dtype=dtype, device=device),
             patience=torch.full((b,), self.config.patience, dtype=torch.long, device=device),
             best=torch.full((b,), float("inf"), dtype=dtype, device=device),
@@ -469,21 +513,32 @@ class FPRMModel(FPRMPreTrainedModel):
     def position_embeddings(self, x):
         if self.rotary_emb is None:
             return None
-        cos, sin = self.rotary_emb(x.shape[1], x.device, x.dtype)
+        cos, sin = self.rotary_emb(x.shape[1], x.device)
         return cos[None, None], sin[None, None]
 
     # ---- one loop step ------------------------------------------------------------------------------------------
 
     def fixed_point_map(self, y, x, position_embeddings=None):
         """f(y): one loop step with the input x re-injected (module docstring)."""
+        config = self.config
+        eps = config.rms_norm_eps
+        if config.normalize_input_injection:
+            x = rms_norm(x, eps)
+        u = x
+        if self.conv is not None:
+            p = config.num_prefix_tokens
+            if config.conv_placement == "state":  # the conv replaces the grid rows of the raw state
+                y = torch.cat([y[:, :p], self.conv(y)], dim=1)
+            else:  # "injection": u = x + DWConv(RMSNorm(y)) on the grid rows; y keeps its identity path
+                u = x + F.pad(self.conv(rms_norm(y, eps)), (0, 0, p, 0))
         alpha1, beta1, alpha2, beta2 = self.residual_scaling(y)
-        u = self.injection(y, x)
-        if self.config.norm_position == "post":
-            h = rms_norm(y + u, self.config.rms_norm_eps)
-        else:
-            h = alpha2 * y + beta2 * u
+        if config.norm_placement == "input":
+            y = rms_norm(y, eps)
+        h = alpha2 * y + beta2 * u
         for block in self.layers:
             h = block(h, alpha1, beta1, position_embeddings)
+        if config.norm_placement == "output":
+            h = rms_norm(h, eps)
         return h
 
     # ---- the solver (Algorithm 1) ---------------------------------------------------------------------------------
@@ -567,6 +622,7 @@ class FPRMModel(FPRMPreTrainedModel):
         halting=True,
         solver_state=None,
         output_residual_trace=False,
+        generator=None,
         return_dict=None,
     ):
         r"""
@@ -582,6 +638,9 @@ class FPRMModel(FPRMPreTrainedModel):
         halting (`bool`, defaults to `True`): `False` runs every sample for exactly `max_loops` iterations.
         solver_state (`FPRMSolverState`, *optional*): continue from a previous call's `solver_state`.
         output_residual_trace (`bool`, defaults to `False`): also return the residual after every iteration.
+        generator (`torch.Generator`, *optional*): draw z0 from it, fresh per sample and token (see `initial_z`;
+            without it, training mode uses the global RNG and evaluation mode a generator seeded with
+            `config.initial_state_seed`).
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         halt_eps, max_loops, eta, gamma, patience, min_eta = self._solver_settings(
@@ -590,7 +649,7 @@ class FPRMModel(FPRMPreTrainedModel):
         self.check_inputs(input_ids, puzzle_identifiers)
         x = self.embed(input_ids, puzzle_identifiers)
         if solver_state is None:
-            solver_state = self.initial_solver_state(x, eta)
+            solver_state = self.initial_solver_state(x, eta, generator)
         elif not isinstance(solver_state, FPRMSolverState) or solver_state.hidden.shape != x.shape:
             raise ValueError(
                 f"`solver_state` must be the FPRMSolverState of a previous call on inputs of this shape "
@@ -601,7 +660,7 @@ class FPRMModel(FPRMPreTrainedModel):
             x, solver_state, max_loops, halt_eps, gamma, patience, min_eta, halting, output_residual_trace
         )
         output = FPRMModelOutput(
-            last_hidden_state=self.norm(state.hidden),
+            last_hidden_state=state.hidden if self.norm is None else self.norm(state.hidden),
             iterations=iterations,
             residuals=state.residuals,
             converged=state.converged,
@@ -613,8 +672,9 @@ class FPRMModel(FPRMPreTrainedModel):
 
 
 class FPRMForReasoning(FPRMPreTrainedModel):
-    """FPRM with a per-token classification head: predicts the answer token of every input token (a Sudoku cell,
-    a maze cell, the running product of a state-tracking prefix)."""
+    """FPRM with a per-token classification head on the final state (no norm in between, as the authors): predicts
+    the answer token of every input token (a Sudoku cell, a maze cell, the running product of a state-tracking
+    prefix)."""
 
     def __init__(self, config: FPRMConfig):
         super().__init__(config)
@@ -648,6 +708,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         halting=True,
         solver_state=None,
         output_residual_trace=False,
+        generator=None,
         return_dict=None,
     ):
         r"""
@@ -671,6 +732,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             halting=halting,
             solver_state=solver_state,
             output_residual_trace=output_residual_trace,
+            generator=generator,
             return_dict=True,
         )
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
