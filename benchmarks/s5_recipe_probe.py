@@ -4,9 +4,9 @@ Fresh random sequences every step; each batch gets enough deep-supervision segme
 state detached in between, one optimizer step per segment) to reach its last position. Every 30 s it prints the
 per-prefix accuracy at k = 1..12 on held-out length-128 sequences; at the end, the accuracy at k = 2..128.
 
-    python -m benchmarks.s5_recipe_probe --kernel 4 --minutes 7          # the paper's conv kernel: k = 3 stays at chance
-    python -m benchmarks.s5_recipe_probe --kernel 2 --minutes 7          # k = 3, 4 follow k = 2 within minutes
-    python -m benchmarks.s5_recipe_probe --kernel 2 --curriculum 0.9 --minutes 11
+    python -m benchmarks.s5_recipe_probe --kernel 4 --init_std 6 --minutes 7   # the authors' computation, kernel 4
+    python -m benchmarks.s5_recipe_probe --kernel 2 --init_std 6 --minutes 7   # ... kernel 2
+    python -m benchmarks.s5_recipe_probe --legacy --kernel 2 --curriculum 0.9 --minutes 11   # earlier versions
 
 Flags for the other recipes tried there: --tie (tied head and embeddings), --layers 1, --bos (a start token whose
 state the first element composes with), --reach (no loss on positions a segment cannot have reached yet),
@@ -43,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kernel", type=int, default=2)
     p.add_argument("--tie", action="store_true")
+    p.add_argument("--legacy", action="store_true",
+                   help="the computation of earlier versions: conv added to the injection, one stored z0, a final "
+                        "norm, α 0.75/0.25 (default: the authors' computation)")
+    p.add_argument("--init_std", type=float, default=1.0, help="std of z0 (the authors' S5/A5 configs: 6.0)")
     p.add_argument("--bos", action="store_true")
     p.add_argument("--reach", action="store_true")
     p.add_argument("--minutes", type=float, default=5)
@@ -116,8 +120,10 @@ def main(argv=None):
     config = FPRMConfig(
         vocab_size=size + 1 + a.bos, hidden_size=a.d, num_attention_heads=a.heads, intermediate_size=a.ff,
         num_hidden_layers=a.layers, grid_size=None, conv_type="causal_1d", conv_kernel_size=a.kernel, causal=True,
-        position_embedding_type="none", num_prefix_tokens=0, init_std=1.0, patience=10, gamma_train=0.95,
+        position_embedding_type="none", num_prefix_tokens=0, init_std=a.init_std, patience=10, gamma_train=0.95,
         tie_word_embeddings=a.tie,
+        **(dict(conv_placement="injection", fixed_init=True, final_norm=True, alpha1=0.75, alpha2=0.25)
+           if a.legacy else {}),
     )
     model = FPRMForReasoning(config)
     decay = [p for n, p in model.named_parameters() if "alpha" not in n and p.dim() > 1]

@@ -77,7 +77,8 @@ def test_a_halted_sample_is_replaced_at_the_next_segment(tmp_path):
     model = tiny_model()
     trainer = make_trainer(tmp_path, model, 1, max_segments=100, train_halt_eps=1e3)  # everything halts at once
     trainer.train()
-    assert trainer.carry.state.halted.all() and (trainer.carry.state.iterations == 1).all()
+    # the authors' halting: the segment runs its n_backward = 3 iterations, then every sample halts
+    assert trainer.carry.state.halted.all() and (trainer.carry.state.iterations == 3).all()
     before = trainer.carry.inputs["input_ids"].clone()
     trainer._refill(model, {k: torch.tensor(v) for k, v in numbered_dataset()[8:16].items()})
     assert not trainer.carry.state.halted.any() and (trainer.carry.segments == 0).all()
@@ -249,8 +250,12 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
     small non-abelian group and chain it over a few positions. With 16 segments per sample the optimizer memorises
     the in-flight batch instead (the 4-element product falls from 0.97 to 0.56)."""
     ids, labels = _s3_rows(4096, 2, 6, 6, seed=0)
-    model = tiny_fprm(0, config=sequence_fprm_config(init_std=1.0, patience=10, gamma_train=0.95, max_loops=64)).train()
+    # the recipe of earlier versions (docs/fprm.md): conv added to the injection, one stored z0, a final norm
+    model = tiny_fprm(0, config=sequence_fprm_config(
+        init_std=1.0, patience=10, gamma_train=0.95, max_loops=64, conv_placement="injection", fixed_init=True,
+        final_norm=True, alpha1=0.75, alpha2=0.25)).train()
     args = FPRMTrainingArguments(
+        segment_halting="per_iteration",
         output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=32,
         max_steps=300, n_backward=4, max_segments=3, train_halt_eps=1e-6, learning_rate=3e-3, weight_decay=0.01,
         adam_beta2=0.95, warmup_steps=20, disable_tqdm=True, logging_strategy="no", dataloader_drop_last=True, seed=0,
@@ -303,3 +308,84 @@ def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops()
     assert control.should_training_stop
     with pytest.raises(ValueError, match=r"`time_budget_decay_fraction` must lie in \[0, 1\], got 2"):
         TimeBudgetCallback(minutes=1, decay_fraction=2)
+
+
+# ---- the authors' recipes ----------------------------------------------------------------------------------------
+
+
+def test_after_segment_halting_runs_every_iteration_then_halts_per_sample(tmp_path):
+    """The authors' training halting: a segment always runs its n_backward iterations (no freezing inside it); after
+    it, a sample halts where its last residual < τ (or η < min_eta) and is then replaced."""
+    def segment(tau, **kw):
+        model = tiny_model()
+        calls = []
+        model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
+        trainer = make_trainer(tmp_path, model, 1, train_halt_eps=tau, n_backward=3, max_segments=50, **kw)
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.model.train()
+        trainer.compute_loss(trainer.model, batch)
+        return trainer.carry.state, calls
+
+    first, _ = segment(1e-12)
+    tau = float(first.residuals.median())  # splits the batch (same seed, same z0 draws)
+    state, calls = segment(tau)
+    assert calls == [8, 8, 8]  # all rows, all 3 iterations
+    assert (state.iterations == 3).all()
+    assert torch.equal(state.halted, state.residuals < tau)
+    assert state.halted.any() and not state.halted.all(), "τ = the median residual should split this batch"
+    # per_iteration (earlier versions) freezes a row inside the segment instead
+    state, calls = segment(float(first.residuals.max()) * 1.01, segment_halting="per_iteration")
+    assert (state.iterations < 3).any() and calls[-1] < 8  # a frozen row is no longer evaluated
+    with pytest.raises(ValueError, match=r"`segment_halting` must be one of .* got 'never'"):
+        FPRMTrainingArguments(output_dir=str(tmp_path), segment_halting="never", use_cpu=True, report_to="none")
+
+
+def test_length_generalisation_is_the_authors_metric():
+    from training.fprm.evaluate import length_generalisation
+
+    correct = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    lg = length_generalisation(correct, valid)
+    assert lg["ks"] == [1, 2, 3, 4]
+    # accuracy over positions 1..k, averaged over sequences; sequence accuracy: all of 1..k right
+    assert lg["accuracy"] == pytest.approx([1.0, 1.0, (2 / 3 + 1) / 2, (3 / 4 + 1) / 2])
+    assert lg["sequence_accuracy"] == pytest.approx([1.0, 1.0, 0.5, 0.5])
+
+
+def _parse_preset(name):
+    """The preset's arguments as parsed on this (CPU) machine: a GPU preset's bf16 is checked in its file."""
+    import yaml
+
+    from training.fprm.train import PRESETS_DIR, parse_args
+
+    if name.endswith("-gpu"):
+        with open(f"{PRESETS_DIR}/{name}.yaml") as f:
+            values = yaml.safe_load(f)
+        assert values["bf16"] is True and values["time_budget_minutes"] <= 10
+        return parse_args(["--preset", name, "--bf16", "false"])
+    return parse_args(["--preset", name])
+
+
+@pytest.mark.parametrize("name", ["s5", "a5", "s5-cpu", "a5-cpu", "s5-gpu", "a5-gpu"])
+def test_state_tracking_presets_read_like_the_authors_configs(name):
+    model_args, data_args, eval_args, train_args = _parse_preset(name)
+    assert data_args.task == name[:2]
+    # train on length exactly 32, test 1000 sequences of length 128
+    assert (data_args.train_length, data_args.min_train_length, data_args.curriculum_start_length) == (32, None, None)
+    assert (data_args.num_test, data_args.test_length) == (1000, 128)
+    assert (model_args.init_std, model_args.alpha1, model_args.alpha2, model_args.conv_kernel_size) == (6.0, 0.5, 0.5, 4)
+    assert (model_args.conv_placement, model_args.fixed_init, model_args.final_norm) == ("state", False, False)
+    assert (train_args.n_backward, train_args.loss_type, train_args.segment_halting) == (4, "stablemax", "after_segment")
+    assert (model_args.patience, model_args.gamma_train) == ((10, 0.95) if name.startswith("s5") else (5, 0.9))
+    assert eval_args.eval_max_loops == 160
+    if name.endswith("-cpu"):
+        assert eval_args.time_budget_minutes <= 12
+
+
+@pytest.mark.parametrize("name", ["sudoku", "sudoku-cpu", "sudoku-gpu", "maze", "maze-cpu", "maze-gpu"])
+def test_grid_presets_read_like_the_authors_configs(name):
+    model_args, data_args, eval_args, train_args = _parse_preset(name)
+    assert (model_args.alpha1, model_args.alpha2, model_args.init_std) == (0.75, 0.25, 6.0)
+    assert (train_args.n_backward, train_args.loss_type) == (6, "stablemax")
+    assert train_args.max_segments == (12 if name.startswith("sudoku") else 24)
+    assert model_args.norm_placement == ("none" if name.startswith("sudoku") else "output")

@@ -14,7 +14,7 @@ adapter acts at every loop step):
 | model | attention | MLP |
 |---|---|---|
 | LoopFormer | q_proj, k_proj, v_proj, o_proj | up_proj, down_proj (+ gate_proj when hidden_act="swiglu") |
-| FPRM | q_proj, k_proj, v_proj, o_proj | gate_proj, up_proj, down_proj (SwiGLU) |
+| FPRM | qkv_proj (fused q|k|v, as the authors), o_proj | gate_up_proj (fused), down_proj (SwiGLU) |
 
 Loop-conditioning parameters (`--loop_conditioning`): LoopFormer's `model.loop_conditioning.*` (the t and Δ
 embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling` (the α/β of the loop update).
@@ -35,7 +35,7 @@ import torch
 
 
 LOOPFORMER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
-FPRM_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FPRM_TARGET_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LOOP_CONDITIONING_MODULES = {"loopformer": ["loop_conditioning", "adaLN_modulation"], "fprm": ["residual_scaling"]}
 
 

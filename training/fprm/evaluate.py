@@ -61,6 +61,19 @@ def by_difficulty(values, iterations, correct_rows, bins=6):
     return rows
 
 
+def length_generalisation(correct, valid):
+    """The authors' state-tracking metric (length_gen_eval.py) from one causal forward over the test sequences: for
+    each k, accuracy = mean correctness over positions 1..k and sequence accuracy = all of positions 1..k correct,
+    averaged over the sequences that have a label among them."""
+    cum_correct = (correct & valid).float().cumsum(1)
+    cum_valid = valid.float().cumsum(1)
+    has = cum_valid > 0
+    count = has.float().sum(0).clamp(min=1)
+    acc = torch.where(has, cum_correct / cum_valid.clamp(min=1), torch.zeros_like(cum_correct)).sum(0) / count
+    seq = (has & (cum_correct == cum_valid)).float().sum(0) / count
+    return {"ks": list(range(1, correct.shape[1] + 1)), "accuracy": acc.tolist(), "sequence_accuracy": seq.tolist()}
+
+
 def evaluate(model, ds, data_args, eval_args, difficulty_columns):
     test = ds["test"]
     knobs = dict(max_loops=eval_args.eval_max_loops)
@@ -82,6 +95,7 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
         results["per_prefix_accuracy"] = per_position  # index k-1: accuracy of the running product of k elements
         results["accuracy_at_length"] = {str(k): per_position[k - 1] for k in (2, 8, 16, 32, 64, 128)
                                          if k <= len(per_position)}
+        results["length_generalisation"] = length_generalisation(correct, valid)
         results["iterations_vs_length"] = []
         for length in (8, 16, 32, 64, 128):
             if length > data_args.test_length:
@@ -128,6 +142,11 @@ def print_report(results, train_seconds):
                 label = row["length"] if "length" in row else f"[{row['low']:g}, {row['high']:g})"
                 extra = f"  exact {row['exact_accuracy']:.3f}  n={row['count']}" if "count" in row else ""
                 print(f"  {label!s:>14}  mean iterations {row['mean_iterations']:.1f}{extra}")
+    if "length_generalisation" in results:
+        lg = results["length_generalisation"]
+        shown = [k for k in (2, 8, 16, 32, 64, 96, 128) if k <= len(lg["ks"])]
+        print("length generalisation (accuracy over positions 1..k / sequence accuracy at k): "
+              + "  ".join(f"k={k}: {lg['accuracy'][k - 1]:.3f}/{lg['sequence_accuracy'][k - 1]:.3f}" for k in shown))
     if "accuracy_at_length" in results:
         print(f"per-prefix accuracy (trained on lengths <= {results.get('max_train_length')}): "
               + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items()))
@@ -161,6 +180,15 @@ def write_plots(results, log_history, output_dir):
             ax.set(xlabel=key.replace("iterations_vs_", ""), ylabel="mean iterations to halt",
                    title=f"Iterations to halt vs {key.replace('iterations_vs_', '')}")
             paths.append(_save(fig, output_dir, f"{key}.png"))
+    if "length_generalisation" in results:
+        lg = results["length_generalisation"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(lg["ks"], lg["accuracy"], label="accuracy over positions 1..k")
+        ax.plot(lg["ks"], lg["sequence_accuracy"], label="sequence accuracy at k")
+        ax.axvline(results["max_train_length"], color="grey", linestyle="--", label="longest training length")
+        ax.set(xlabel="k", ylabel="accuracy", ylim=(0, 1.02), title="Length generalisation (authors' metric)")
+        ax.legend()
+        paths.append(_save(fig, output_dir, "length_generalisation.png"))
     if "per_prefix_accuracy" in results:
         acc = results["per_prefix_accuracy"]
         fig, ax = plt.subplots(figsize=(5, 3.5))

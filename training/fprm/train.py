@@ -1,7 +1,9 @@
 """Train and evaluate FPRM on Sudoku, mazes, A5/S5 state tracking or ARC-AGI-1, on one CPU, one GPU or several
 processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep supervision).
 
-    python -m training.fprm.train --preset s5-quick            # ~15 min on a 2-core CPU
+    python -m training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
+    python -m training.fprm.train --preset s5-gpu              # the same on one accelerator (<= 10 min, bf16)
+    python -m training.fprm.train --preset s5-quick            # the recipe of earlier versions, ~15 min on 2 cores
     python -m training.fprm.train --preset sudoku4-quick       # ~10 min on a 2-core CPU
     python -m training.fprm.train --preset sudoku6-quick --max_steps 500 --output_dir outputs/s6
     python -m training.fprm.train configs/fprm/maze15-quick.yaml --torch_threads 2
@@ -47,8 +49,15 @@ class ModelArguments:
     num_attention_heads: int = field(default=4)
     intermediate_size: int = field(default=256)
     num_hidden_layers: int = field(default=2)
-    residual_scaling: str = field(default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|outer_only|none"})
-    norm_position: str = field(default="pre", metadata={"help": "pre (FPRM) or post (TRM style)"})
+    residual_scaling: str = field(default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|none"})
+    outer_only: bool = field(default=False, metadata={"help": "β2 = 1 − α2, α1 = β1 = 1"})
+    norm_type: str = field(default="pre", metadata={"help": "pre (FPRM), post (TRM style) or peri"})
+    norm_placement: str = field(default="none", metadata={"help": "none, input or output (the authors' maze)"})
+    alpha1: float = field(default=0.5, metadata={"help": "initial α1 (0.75 in the authors' Sudoku/maze configs)"})
+    alpha2: float = field(default=0.5, metadata={"help": "initial α2 (0.25 in the authors' Sudoku/maze configs)"})
+    conv_placement: str = field(default="state", metadata={"help": "state (the authors') or injection (earlier versions)"})
+    fixed_init: bool = field(default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"})
+    final_norm: bool = field(default=False, metadata={"help": "an RMSNorm with weight before the head (earlier versions)"})
     num_prefix_tokens: int = field(default=0)
     init_std: float = field(default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"})
     conv_kernel_size: int | None = field(
@@ -149,7 +158,9 @@ def main(argv=None):
     config = FPRMConfig(
         hidden_size=model_args.hidden_size, num_attention_heads=model_args.num_attention_heads,
         intermediate_size=model_args.intermediate_size, num_hidden_layers=model_args.num_hidden_layers,
-        residual_scaling=model_args.residual_scaling, norm_position=model_args.norm_position,
+        residual_scaling=model_args.residual_scaling, outer_only=model_args.outer_only, norm_type=model_args.norm_type,
+        norm_placement=model_args.norm_placement, alpha1=model_args.alpha1, alpha2=model_args.alpha2,
+        conv_placement=model_args.conv_placement, fixed_init=model_args.fixed_init, final_norm=model_args.final_norm,
         num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
         init_std=model_args.init_std, halt_eps=model_args.halt_eps, patience=model_args.patience,
         conv_kernel_size=model_args.conv_kernel_size,

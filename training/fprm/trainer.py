@@ -2,14 +2,14 @@
 
 Every Trainer step is one *segment*: `n_backward` solver iterations with gradient, starting from the state the
 previous segment left (detached), then one loss and one optimizer step. A sample stays in the batch ("carry") for
-up to `max_segments` segments or until the solver halts it; its slot is then refilled from the next batch of the
-data loader. So the number of loops a sample sees grows with `max_segments` while the autograd graph, hence peak
+up to `max_segments` segments or until it halts (the authors': after a segment, residual < τ or η < min_eta;
+`segment_halting`); its slot is then refilled from the next batch of the data loader. So the number of loops a sample sees grows with `max_segments` while the autograd graph, hence peak
 memory, only ever spans `n_backward` iterations (the truncated Neumann series of (I − J)⁻¹ of the paper).
 
 `n_backward = max_segments × n_backward` loops in one segment (`max_segments=1`) is full BPTT, for contrast.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from transformers import Trainer, TrainingArguments
 
 
 LOSS_TYPES = ("softmax", "stablemax")
+SEGMENT_HALTINGS = ("after_segment", "per_iteration")
 
 
 @dataclass
@@ -34,6 +35,12 @@ class FPRMTrainingArguments(TrainingArguments):
     loss_type: str = field(
         default="softmax", metadata={"help": f"Cross-entropy over {LOSS_TYPES}; the reference uses stablemax."}
     )
+    segment_halting: str = field(
+        default="after_segment",
+        metadata={"help": "after_segment (the authors'): every segment runs its n_backward iterations, then a sample "
+                          "halts when its residual < train_halt_eps or η < min_eta; per_iteration (earlier versions): "
+                          "the solver freezes a sample inside the segment as soon as it halts."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -41,6 +48,8 @@ class FPRMTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+        if self.segment_halting not in SEGMENT_HALTINGS:
+            raise ValueError(f"`segment_halting` must be one of {SEGMENT_HALTINGS}, got {self.segment_halting!r}.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.train_halt_eps is not None and not self.train_halt_eps > 0:
@@ -123,15 +132,24 @@ class FPRMTrainer(Trainer):
         carry = self.carry
         labels = carry.inputs["labels"]
         model_inputs = {k: v for k, v in carry.inputs.items() if k != "labels"}
+        after_segment = self.args.segment_halting == "after_segment"
         outputs = model(
             **model_inputs,
             max_loops=self.args.n_backward,
             halt_eps=self.args.train_halt_eps,
+            halting=not after_segment,
             solver_state=carry.state,
         )
         loss = token_loss(outputs.logits, labels, self.args.loss_type)
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
-        carry.state = outputs.solver_state.detach()
+        state = outputs.solver_state.detach()
+        if after_segment:  # the authors' training halting: per sample, on the segment's last iteration
+            config = self._core(model).config
+            tau = config.halt_eps if self.args.train_halt_eps is None else self.args.train_halt_eps
+            converged = state.residuals < tau
+            state = replace(state, converged=converged,
+                            halted=state.halted | converged | (state.eta < config.min_eta))
+        carry.state = state
         carry.segments = carry.segments + 1
         stats = self._segment_stats
         stats["iterations"].append(float(outputs.iterations.float().mean()))
@@ -147,4 +165,4 @@ class FPRMTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "token_loss"]
+__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "token_loss", "SEGMENT_HALTINGS"]
