@@ -14,7 +14,7 @@ adapter acts at every loop step):
 | model | attention | MLP |
 |---|---|---|
 | LoopFormer | q_proj, k_proj, v_proj, o_proj | up_proj, down_proj (+ gate_proj when hidden_act="swiglu") |
-| FPRM | qkv_proj (fused q|k|v, as the authors), o_proj | gate_up_proj (fused), down_proj (SwiGLU) |
+| FPRM | qkv_proj (fused q, k, v, as the authors), o_proj | gate_up_proj (fused), down_proj (SwiGLU) |
 
 Loop-conditioning parameters (`--loop_conditioning`): LoopFormer's `model.loop_conditioning.*` (the t and Δ
 embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling` (the α/β of the loop update).
