@@ -1,11 +1,11 @@
 """Regenerates the measured FPRM state-tracking evidence of docs/fprm.md in one command (CPU, ~15 min at the
 defaults; `--scale` multiplies every time budget):
 
-    python benchmarks/fprm_evidence.py --output_dir outputs/fprm-evidence [--group S3] [--scale 1.0]
+    python -m benchmarks.fprm_evidence --output_dir outputs/fprm-evidence [--group S3] [--scale 1.0]
 
 1. the authors' state-tracking recipe on the faithful model (`--preset s5-cpu` with `--task <group>`), trained on
    length exactly 32: their metric (accuracy over positions 1..k, sequence accuracy at k) for k = 1..128;
-2. conv kernel 4 against kernel 2 under the faithful placement, two seeds each, with benchmarks/s5_recipe_probe.py
+2. conv kernel 4 against kernel 2 under the faithful placement, two seeds each, with benchmarks.s5_recipe_probe
    (fresh sequences, init_std 6, α 0.5/0.5): accuracy at k = 2..128.
 
 Writes `evidence.json` and prints the markdown tables that docs/fprm.md quotes.
@@ -18,7 +18,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None):
@@ -42,7 +41,7 @@ def main(argv=None):
     evidence["preset"] = {"train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
                           "wall_seconds": time.perf_counter() - t0, "length_generalisation": lg}
 
-    from s5_recipe_probe import main as probe
+    from benchmarks.s5_recipe_probe import main as probe
 
     evidence["kernel"] = []
     for kernel in (4, 2):
