@@ -2,7 +2,7 @@
 processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep supervision).
 
     python -m training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
-    python -m training.fprm.train --preset s5-gpu              # the same on one accelerator (<= 10 min, bf16)
+    python -m training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
     python -m training.fprm.train --preset s5-quick            # the recipe of earlier versions, ~15 min on 2 cores
     python -m training.fprm.train --preset sudoku4-quick       # ~10 min on a 2-core CPU
     python -m training.fprm.train --preset sudoku6-quick --max_steps 500 --output_dir outputs/s6
