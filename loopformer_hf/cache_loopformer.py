@@ -46,17 +46,11 @@ def _mismatch_message(was, now):
     )
 
 
-class LoopFormerCache(DynamicCache):
-    """A `DynamicCache` with one slot per (loop step, block), bound to the trajectory that fills it.
+class LoopFormerCacheMixin:
+    """What every LoopFormer cache adds to a transformers `Cache`: the spec it was filled under and the slot of each
+    (loop step, block). A preallocated variant (a `StaticCache` sized by `spec.num_slots`) mixes in the same."""
 
-    Create it empty (`LoopFormerCache()`), pass it as `cache=` and it is filled in place; the first call binds it to
-    its trajectory (`spec`), and a later call under another budget, schedule or `halt_eps` raises `ValueError`.
-    Slots are added as they are first written, so one class serves every budget.
-    """
-
-    def __init__(self, spec=None, **kwargs):
-        super().__init__(**kwargs)
-        self.spec = spec
+    spec = None
 
     def slot(self, step, block):
         """Index of the slot of loop step `step` (0-based) and block `block`."""
@@ -70,6 +64,19 @@ class LoopFormerCache(DynamicCache):
             raise ValueError(_mismatch_message(self.spec, spec))
         return self
 
+
+class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
+    """A `DynamicCache` with one slot per (loop step, block), bound to the trajectory that fills it.
+
+    Create it empty (`LoopFormerCache()`), pass it as `cache=` and it is filled in place; the first call binds it to
+    its trajectory (`spec`), and a later call under another budget, schedule or `halt_eps` raises `ValueError`.
+    Slots are added as they are first written, so one class serves every budget.
+    """
+
+    def __init__(self, spec=None, **kwargs):
+        super().__init__(**kwargs)
+        self.spec = spec
+
     @classmethod
     def for_call(cls, cache, spec):
         """The cache a forward call under `spec` uses: `cache` itself if it is a `LoopFormerCache` (checked against
@@ -77,7 +84,7 @@ class LoopFormerCache(DynamicCache):
         whose `num_hidden_layers` slots never grow). Anything else raises `ValueError`."""
         if cache is None:
             return cls(spec)
-        if isinstance(cache, cls):
+        if isinstance(cache, LoopFormerCacheMixin):
             return cache.bind(spec)
         if not isinstance(cache, Cache):
             raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
@@ -106,4 +113,4 @@ class LoopFormerCache(DynamicCache):
                 model_kwargs[name] = cls()
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheSpec"]
+__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec"]

@@ -5,16 +5,15 @@ import threading
 import pytest
 import torch
 
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from conftest import cache_of
 import loopformer_hf
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 
 
 @pytest.fixture
-def model():
-    torch.manual_seed(0)
-    return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).eval()
+def model(tiny_model):  # conftest's tiny model
+    return tiny_model
 
 
 def decode_token_by_token(model, ids, prefix, **kw):

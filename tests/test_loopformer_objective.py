@@ -4,16 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import loopformer_hf
-from conftest import randomize_modulation, tiny_loopformer_config
-
 SHORT = [0.5, 0.25, 0.25]
 
 
 @pytest.fixture
-def model():
-    torch.manual_seed(0)
-    return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
+def model(tiny_model):  # conftest's tiny model, in training mode
+    return tiny_model.train()
 
 
 def _batch(batch=3, seq=12, seed=0):
