@@ -85,8 +85,8 @@ class ShortcutCollator:
 
 
 class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
-    """Owns the shortcut-consistency objective (λ1, λ2, their warm-up, the seeded trajectory sampler, the
-    consistency distance) and logs its three terms.
+    """Decides the per-batch inputs of the shortcut-consistency objective that the model computes (λ1, λ2 and their
+    warm-up, the seeded trajectory sampler, the consistency distance) and logs its three terms.
 
     Args:
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
@@ -155,7 +155,8 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         which the Trainer keeps equal to training order)."""
         index = self._next_index
         self._next_index += 1
-        # a micro-batch belongs to optimizer step index // gradient_accumulation_steps
+        # a micro-batch belongs to optimizer step index // gradient_accumulation_steps (exact unless an epoch ends
+        # with a shorter accumulation step)
         lambda_short, lambda_consistency = self.lambdas(index // self._accumulation)
         return {"short_step_schedule": list(self.sample_trajectory(index, self._num_loops, self._kind)),
                 "lambda_short": lambda_short, "lambda_consistency": lambda_consistency,
