@@ -58,10 +58,10 @@ def main(argv=None):
         model.config.halt_kv_fill = kw.pop("fill", "recompute")
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                           pad_token_id=0, **kw)
+            out = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
         seconds = time.perf_counter() - start
-        counts = model.last_loop_counts
+        counts = out.get("loop_counts")
         # positions prompt-1 .. end-1 produced the generated tokens
         loops = counts[0, args.prompt_len - 1:].float().mean().item() if counts is not None else kw["loop_budget"]
         return seconds / args.new_tokens, loops

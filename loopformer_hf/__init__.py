@@ -2,8 +2,10 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache_loopformer import LoopFormerCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
-from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
+from .modeling_loopformer import (LoopFormerForCausalLM, LoopFormerGenerateDecoderOnlyOutput, LoopFormerModel,
+                                  LoopFormerPreTrainedModel)
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)
@@ -21,5 +23,7 @@ __all__ = [
     "LoopFormerModel",
     "LoopFormerForCausalLM",
     "LoopFormerPreTrainedModel",
+    "LoopFormerCache",
+    "LoopFormerGenerateDecoderOnlyOutput",
     "STEP_SCHEDULE_PRESETS",
 ]

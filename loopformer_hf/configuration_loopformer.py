@@ -36,6 +36,17 @@ def _is_real_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_halt_eps(value, name="halt_eps"):
+    """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if not _is_real_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be None or a positive finite float, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
 def _ramp_on_grid(budget, num_loops, descending):
     """M positive multiples of 1/L summing to 1, as close as possible to a linear ramp M, M-1, ..., 1."""
     weights = [budget - i for i in range(budget)]
@@ -281,18 +292,7 @@ class LoopFormerConfig(PreTrainedConfig):
         self._warn_if_extrapolating(steps)
         return tuple(float(s) for s in steps)
 
-    @staticmethod
-    def check_halt_eps(halt_eps):
-        """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
-        if halt_eps is None:
-            return None
-        if hasattr(halt_eps, "item") and getattr(halt_eps, "ndim", 0) == 0:
-            halt_eps = halt_eps.item()
-        if not _is_real_number(halt_eps) or not math.isfinite(halt_eps) or halt_eps <= 0:
-            raise ValueError(
-                f"`halt_eps` must be None or a positive finite float, got {halt_eps!r} ({type(halt_eps).__name__})."
-            )
-        return float(halt_eps)
+    check_halt_eps = staticmethod(check_halt_eps)  # the module-level function, also reachable from the config
 
     @staticmethod
     def _check_schedule(schedule):
@@ -336,4 +336,4 @@ class LoopFormerConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES"]
+__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]

@@ -240,25 +240,30 @@ def map_reference_state_dict(reference, config, model_type="loopformer"):
             problems.append(f"{source}: dtype {tensor.dtype} is not a floating-point type")
 
     if unknown or missing or problems:
-        parts = []
-        if unknown:
-            parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model of "
-                         f"model_type={model_type!r}): {sorted(set(unknown))}")
-            if any(other_layout.match(key) for key in unknown):
-                hint = ("model_type='base' keeps its blocks under transformer.h.{j}" if plain_list else
-                        "keys transformer.h.{j}.… (no .blocks) are the layout of models/base.py: model_type='base'")
-                parts.append(f"block keys of the other layout: {hint}")
-        if missing:
-            parts.append(f"missing keys (model parameters the checkpoint does not fill): {missing}")
-        if problems:
-            parts.append("shape/value mismatches: " + "; ".join(problems))
-        raise ValueError(
-            "The checkpoint does not match the given shape hyper-parameters "
-            f"(n_layer={config.num_hidden_layers}, n_embd={config.hidden_size}, n_head={config.num_attention_heads}, "
-            f"vocab_size={config.vocab_size}, block_size={config.max_position_embeddings}, "
-            f"mlp_hidden={config.intermediate_size}):\n  - " + "\n  - ".join(parts)
-        )
+        raise _mismatch_error(config, model_type, plain_list, other_layout, unknown, missing, problems)
     return {new_key: tensor for new_key, (tensor, _) in mapped.items()}
+
+
+def _mismatch_error(config, model_type, plain_list, other_layout, unknown, missing, problems):
+    """One `ValueError` listing every problem `map_reference_state_dict` found."""
+    parts = []
+    if unknown:
+        parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model of "
+                     f"model_type={model_type!r}): {sorted(set(unknown))}")
+        if any(other_layout.match(key) for key in unknown):
+            hint = ("model_type='base' keeps its blocks under transformer.h.{j}" if plain_list else
+                    "keys transformer.h.{j}.… (no .blocks) are the layout of models/base.py: model_type='base'")
+            parts.append(f"block keys of the other layout: {hint}")
+    if missing:
+        parts.append(f"missing keys (model parameters the checkpoint does not fill): {missing}")
+    if problems:
+        parts.append("shape/value mismatches: " + "; ".join(problems))
+    return ValueError(
+        "The checkpoint does not match the given shape hyper-parameters "
+        f"(n_layer={config.num_hidden_layers}, n_embd={config.hidden_size}, n_head={config.num_attention_heads}, "
+        f"vocab_size={config.vocab_size}, block_size={config.max_position_embeddings}, "
+        f"mlp_hidden={config.intermediate_size}):\n  - " + "\n  - ".join(parts)
+    )
 
 
 def _expected_shapes(config):

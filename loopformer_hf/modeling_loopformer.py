@@ -2,28 +2,28 @@
 normalised time t and step size Δ (Jeddi et al., ICLR 2026). Reads top to bottom in the order a token travels:
 norm → positions → attention → MLP → loop conditioning (t, Δ) → modulated block → the loop → head.
 
-KV cache: every (loop step i, block j) pair attends to its own keys and values, so the cache holds one slot per
-pair, at index ``i * k + j``. A cache records the trajectory it was built under; reusing it with another one is
-an error instead of silently wrong logits.
+KV cache: every (loop step i, block j) pair attends to its own keys and values; [`LoopFormerCache`]
+(cache_loopformer.py) holds one slot per pair and refuses a trajectory other than the one that filled it.
 """
 
 import math
+import numbers
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
-from .configuration_loopformer import LoopFormerConfig
+from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+from .configuration_loopformer import LoopFormerConfig, check_halt_eps
 
 
 logger = logging.get_logger(__name__)
@@ -278,6 +278,19 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             hidden_states = torch.where(halted[..., None], residual, hidden_states)
         return hidden_states, attn_weights, kv
 
+    def frozen_kv(self, frozen, position_embeddings, conditioning, num_steps):
+        """The (keys, values) a frozen (halted) state gives this block's attention at each of `num_steps` loop steps
+        whose conditioning vectors are `conditioning` ((num_steps, d); None without conditioning, where every step
+        sees the same pair). All steps are projected in one batched call."""
+        normed = self.input_layernorm(frozen)
+        if conditioning is None:
+            return [self.self_attn.project_kv(normed, position_embeddings)] * num_steps
+        scale_attn = self.adaLN_modulation(conditioning).to(frozen.dtype).chunk(4, dim=-1)[2]
+        x = (normed[:, None] * (1 + scale_attn[None, :, None, :])).flatten(1, 2)  # (batch, steps * seq, d)
+        pos = None if position_embeddings is None else tuple(p.repeat(1, num_steps, 1) for p in position_embeddings)
+        k, v = self.self_attn.project_kv(x, pos)
+        return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
+
 
 class LoopFormerPreTrainedModel(PreTrainedModel):
     config_class = LoopFormerConfig
@@ -311,13 +324,58 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
 
 
 @dataclass
-class LoopFormerCacheSpec:
-    """What a cache was filled under; a cache answers only for the trajectory (and halting rule) that filled it."""
+class LoopFormerHaltingState:
+    """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
 
-    trajectory: tuple
-    num_blocks: int
-    halt_eps: float | None = None
-    halt_kv_fill: str | None = None
+    `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
+    (`halt_kv_fill`) so that later tokens can still attend to every slot.
+    """
+
+    halt_eps: float
+    reuse_kv: bool  # halt_kv_fill == "reuse": skipped slots repeat the token's last computed keys/values
+    active: torch.BoolTensor  # (batch, seq)
+    loop_counts: torch.LongTensor  # (batch, seq) loop steps each token ran
+    last_kv: list  # per block: the (keys, values) of the last step each token computed
+
+    @classmethod
+    def start(cls, halt_eps, config, hidden_states):
+        batch_seq, device = hidden_states.shape[:2], hidden_states.device
+        return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
+                   torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers)
+
+    def halted(self):
+        """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
+        return None if bool(self.active.all()) else ~self.active
+
+    def all_halted(self):
+        return not bool(self.active.any())
+
+    def block_kwargs(self, block, halted):
+        """What block `block` needs to keep halted tokens frozen at this step."""
+        reuse = (halted, *self.last_kv[block]) if self.reuse_kv and halted is not None else None
+        return {"halted": halted, "reuse_kv": reuse}
+
+    def update(self, previous, hidden_states):
+        """The state after a loop step: the step counts for the tokens that ran it, and a token halts once
+        ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps."""
+        delta = (hidden_states - previous).float().abs().amax(-1)
+        residual = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
+        still = self.active & ~(residual < self.halt_eps)
+        return replace(self, loop_counts=self.loop_counts + self.active, active=still)
+
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, conditioning, first_step):
+        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
+        if cache is None:
+            return
+        steps = range(first_step, len(cache.spec.trajectory))
+        for j, block in enumerate(blocks):
+            if self.reuse_kv:
+                per_step = [self.last_kv[j]] * len(steps)
+            else:
+                c = None if conditioning is None else conditioning[first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, c, len(steps))
+            for step, (k, v) in zip(steps, per_step):
+                cache.update(k, v, cache.slot(step, j))
 
 
 @dataclass
@@ -329,7 +387,23 @@ class LoopFormerModelOutput(BaseModelOutputWithPast):
 
 @dataclass
 class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
-    """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`)."""
+    """
+    loop_counts (batch, seq): loop steps each token ran (only with `halt_eps`).
+    ce_full, ce_short, consistency: with `labels` and `short_step_schedule`, the three terms of the shortcut-consistency
+        objective: per-token CE of the full and of the short trajectory, and the consistency distance D (detached;
+        `loss` combines them).
+    """
+
+    loop_counts: torch.LongTensor | None = None
+    ce_full: torch.FloatTensor | None = None
+    ce_short: torch.FloatTensor | None = None
+    consistency: torch.FloatTensor | None = None
+
+
+@dataclass
+class LoopFormerGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """`generate(..., return_dict_in_generate=True)` output; `loop_counts` (batch, length - 1): with `halt_eps`, the
+    loop steps spent on each input position (position i produced token i + 1)."""
 
     loop_counts: torch.LongTensor | None = None
 
@@ -353,45 +427,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
-
-    # ---- cache ----------------------------------------------------------------------------------------------------
-
-    def _prepare_cache(self, cache, trajectory, halt_eps=None):
-        """One slot per (loop step, block). Returns the cache to use, checking it matches `trajectory`."""
-        spec = LoopFormerCacheSpec(
-            tuple(trajectory), len(self.layers), halt_eps, self.config.halt_kv_fill if halt_eps is not None else None
-        )
-        needed = len(trajectory) * len(self.layers)
-        if cache is None:
-            cache = DynamicCache()
-        elif not isinstance(cache, Cache):
-            raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
-        if cache.get_seq_length() == 0:
-            # generate() builds DynamicCache(config) with exactly num_hidden_layers slots that never grow;
-            # an empty cache that is too small is replaced by one that adds slots as they are written.
-            if 0 < len(getattr(cache, "layers", ())) < needed:
-                if not isinstance(cache, DynamicCache) or type(cache) is not DynamicCache:
-                    raise ValueError(
-                        f"LoopFormer needs {needed} cache slots (loop budget {len(trajectory)} x "
-                        f"{len(self.layers)} blocks); the given {type(cache).__name__} has {len(cache.layers)}."
-                    )
-                cache = DynamicCache()
-            cache.loopformer_spec = spec
-            return cache
-        previous = getattr(cache, "loopformer_spec", None)
-        if previous != spec:
-            was = "an unknown trajectory" if previous is None else f"trajectory {list(previous.trajectory)}"
-            if previous is not None and previous.trajectory == spec.trajectory:
-                was = f"halt_eps={previous.halt_eps} (kv fill {previous.halt_kv_fill})"
-                now = f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill})"
-            else:
-                now = f"trajectory {list(trajectory)} (loop budget {len(trajectory)})"
-            raise ValueError(
-                f"This cache was filled under {was}, but this call runs {now}. Every (loop step, block) has its own "
-                f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps that built it: start a "
-                f"new cache (or call without one)."
-            )
-        return cache
 
     # ---- masks and positions -------------------------------------------------------------------------------------
 
@@ -425,30 +460,58 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             return positions.clamp(min=0)[:, -q_len:]
         return torch.arange(past_len, past_len + q_len, device=device)[None].expand(batch, q_len)
 
-    def _fill_halted_slots(self, frozen, conditioning, position_embeddings, cache, remaining, last_kv):
-        """Every token has halted: write the cache slots of the `remaining` loop steps (a range) at once.
+    def _embed(self, input_ids, inputs_embeds):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        if input_ids is None:
+            return inputs_embeds
+        # checks read values (a graph break), so compiled graphs skip them
+        if not torch.compiler.is_compiling() and input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
+        ):
+            raise ValueError(
+                f"`input_ids` must lie in [0, {self.config.vocab_size - 1}], got values in "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]."
+            )
+        return self.embed_tokens(input_ids)
 
-        "reuse" repeats each block's last computed keys/values; "recompute" projects them from the frozen state
-        under each remaining step's modulation (all steps in one batched call per block).
-        """
-        num_blocks = len(self.layers)
+    def _add_positions(self, inputs_embeds, position_ids):
+        """(hidden states, rotary (cos, sin) or None): learned positions are added, RoPE is applied in attention."""
+        if self.config.position_embedding_type != "learned":
+            return inputs_embeds, self.rotary_emb(inputs_embeds, position_ids)
+        if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"Position {int(position_ids.max())} is beyond max_position_embeddings="
+                f"{self.config.max_position_embeddings} (learned positions cannot extrapolate)."
+            )
+        return inputs_embeds + self.embed_positions(position_ids), None
+
+    def _cache_spec(self, trajectory, halt_eps):
+        fill = self.config.halt_kv_fill if halt_eps is not None else None
+        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps, fill)
+
+    def _loop_step(self, step, hidden_states, conditioning, mask, position_embeddings, cache, halting,
+                   output_attentions):
+        """Loop step `step` through the k blocks: (new state, the step's attention maps, halting state after it)."""
+        c = None if conditioning is None else conditioning[step][None, None]
+        halted = None if halting is None else halting.halted()
+        previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
-            if self.config.halt_kv_fill == "reuse":
-                per_step = [last_kv[j]] * len(remaining)
-            else:
-                normed = block.input_layernorm(frozen)
-                if conditioning is None:
-                    per_step = [block.self_attn.project_kv(normed, position_embeddings)] * len(remaining)
-                else:
-                    scale_attn = block.adaLN_modulation(conditioning[remaining.start:]).to(frozen.dtype).chunk(4, -1)[2]
-                    steps = len(remaining)
-                    x = (normed[:, None] * (1 + scale_attn[None, :, None, :])).flatten(1, 2)  # (B, S*T, d)
-                    pos = None if position_embeddings is None else tuple(p.repeat(1, steps, 1)
-                                                                          for p in position_embeddings)
-                    k, v = block.self_attn.project_kv(x, pos)
-                    per_step = list(zip(k.chunk(steps, dim=2), v.chunk(steps, dim=2)))
-            for step, (k, v) in zip(remaining, per_step):
-                cache.update(k, v, step * num_blocks + j)
+            hidden_states, weights, kv = block(
+                hidden_states, c,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                cache_slot=cache.slot(step, j) if cache is not None else 0,
+                output_attentions=output_attentions,
+                **(halting.block_kwargs(j, halted) if halting is not None else {}),
+            )
+            if halting is not None:
+                halting.last_kv[j] = kv
+            attentions += (weights,)
+        if halting is not None:
+            halting = halting.update(previous, hidden_states)
+        return hidden_states, attentions, halting
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
@@ -479,102 +542,83 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         `hidden_states` (with `output_hidden_states=True`) holds the embeddings followed by the residual stream after
         each loop step: M + 1 tensors. `attentions` holds one tensor per (loop step, block).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else (
+            self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        cache = _cache_argument(cache, past_key_values, type(self).__name__)
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
+        use_cache = use_cache and not (self.gradient_checkpointing and self.training)
         trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
-        halt_eps = self.config.check_halt_eps(halt_eps)
+        halt_eps = check_halt_eps(halt_eps)
 
-        if input_ids is not None:
-            # checks read values (a graph break), so compiled graphs skip them
-            checking = not torch.compiler.is_compiling()
-            if checking and input_ids.numel() and (
-                int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size
-            ):
-                raise ValueError(
-                    f"`input_ids` must lie in [0, {self.config.vocab_size - 1}], got values in "
-                    f"[{int(input_ids.min())}, {int(input_ids.max())}]."
-                )
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch, q_len = inputs_embeds.shape[:2]
-        device = inputs_embeds.device
-
-        cache = self._prepare_cache(cache, trajectory, halt_eps) if use_cache else None
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
+        cache = _cache_argument(cache, past_key_values, type(self).__name__)
+        cache = LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps)) if use_cache else None
         past_len = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
         mask = self._attention_mask(attention_mask, batch, q_len, past_len, device)
-
-        hidden_states = inputs_embeds
-        position_embeddings = None
-        if self.config.position_embedding_type == "learned":
-            if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"Position {int(position_ids.max())} is beyond max_position_embeddings="
-                    f"{self.config.max_position_embeddings} (learned positions cannot extrapolate)."
-                )
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        else:
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
         conditioning = self.loop_conditioning(trajectory, device)
+        halting = None if halt_eps is None else LoopFormerHaltingState.start(halt_eps, self.config, hidden_states)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        num_blocks = len(self.layers)
-        # Per-token halting (halt_eps): `active` tokens keep looping; a halted token's state is frozen, and the
-        # cache slots it skips are filled (halt_kv_fill) so that later tokens can still attend to every slot.
-        active = torch.ones(batch, q_len, dtype=torch.bool, device=device) if halt_eps is not None else None
-        loop_counts = torch.zeros(batch, q_len, dtype=torch.long, device=device) if halt_eps is not None else None
-        reuse = self.config.halt_kv_fill == "reuse"
-        last_kv = [None] * num_blocks  # per block: the keys/values of the last step each token computed
         for step in range(len(trajectory)):
-            c = None if conditioning is None else conditioning[step][None, None]
-            halted = None if active is None or bool(active.all()) else ~active
-            if active is not None and not bool(active.any()):  # every token has halted: no block runs any more
-                if cache is not None:
-                    self._fill_halted_slots(hidden_states, conditioning, position_embeddings, cache,
-                                            range(step, len(trajectory)), last_kv)
+            if halting is not None and halting.all_halted():  # no block runs any more
+                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, conditioning, step)
                 if output_hidden_states:
                     all_hidden_states += (hidden_states,) * (len(trajectory) - step)
                 break
-            previous = hidden_states
-            for j, block in enumerate(self.layers):
-                hidden_states, weights, kv = block(
-                    hidden_states, c,
-                    attention_mask=mask,
-                    position_embeddings=position_embeddings,
-                    cache=cache,
-                    cache_slot=step * num_blocks + j,
-                    output_attentions=output_attentions,
-                    halted=halted,
-                    reuse_kv=(halted, *last_kv[j]) if reuse and halted is not None else None,
-                )
-                if active is not None:
-                    last_kv[j] = kv
-                if output_attentions:
-                    all_attentions += (weights,)
-            if active is not None:
-                loop_counts += active
-                delta = (hidden_states - previous).float().abs().amax(-1)
-                residual = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
-                active = active & ~(residual < halt_eps)
+            hidden_states, attentions, halting = self._loop_step(
+                step, hidden_states, conditioning, mask, position_embeddings, cache, halting, output_attentions
+            )
+            if output_attentions:
+                all_attentions += attentions
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
 
-        hidden_states = self.norm(hidden_states)
         output = LoopFormerModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions,
-            loop_counts=loop_counts, **{CACHE_FIELD: cache},
+            last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
+            loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
+
+
+CONSISTENCY_LOSSES = ("mse", "kl")
+
+
+def _token_ce_sum(logits, labels):
+    """Sum of next-token cross-entropies over labelled positions, and their number."""
+    logits = logits[:, :-1].float()
+    labels = labels[:, 1:].to(logits.device)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return ce, int((labels != -100).sum())
+
+
+def _check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
+    for name, value in (("lambda_short", lambda_short), ("lambda_consistency", lambda_consistency)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    if consistency_loss not in CONSISTENCY_LOSSES:
+        raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
+
+
+def _loop_counts_unsupported(kwargs, generation_config):
+    """The decoding mode under which per-position loop counts cannot be gathered, or None."""
+    config = kwargs.get("generation_config") or generation_config
+
+    def get(name):
+        return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+    if (get("num_beams") or 1) > 1:
+        return "beam search (num_beams > 1)"
+    if kwargs.get("assistant_model") is not None or get("prompt_lookup_num_tokens") is not None:
+        return "assisted or prompt-lookup decoding"
+    if get("prefill_chunk_size") is not None:
+        return "chunked prefill (prefill_chunk_size)"
+    return None
 
 
 class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
@@ -615,6 +659,10 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         loop_budget=None,
         step_schedule=None,
         halt_eps=None,
+        short_step_schedule=None,
+        lambda_short=0.1,
+        lambda_consistency=0.1,
+        consistency_loss="mse",
         past_key_values=None,
         **kwargs,
     ):
@@ -625,32 +673,37 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             `generate` kwarg.
         halt_eps (`float`, *optional*): per-token adaptive depth (see [`LoopFormerModel.forward`]); also a
             `generate` kwarg. The output's `loop_counts` holds the loop steps each token ran.
+        short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
+            objective: the same inputs also run this short trajectory (steps summing to 1) and
+            `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
+            `consistency`. A data collator can put it in the batch (training/callbacks.py does).
+        lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
+        lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
+        consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` between the final normed hidden states (reference,
+            mean over every element) or `"kl"`: KL(p_full || p_short) of the next-token distributions on labelled
+            positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                        "inputs_embeds": inputs_embeds}
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=_cache_argument(cache, past_key_values, type(self).__name__),
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            loop_budget=loop_budget,
-            step_schedule=step_schedule,
-            halt_eps=halt_eps,
+            **model_inputs, cache=_cache_argument(cache, past_key_values, type(self).__name__), use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
+            loop_budget=loop_budget, step_schedule=step_schedule, halt_eps=halt_eps,
         )
-        if outputs.loop_counts is not None and self._generation_loop_counts is not None:
-            self._generation_loop_counts.append(outputs.loop_counts)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss_kwargs = {
-                k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")
-            }
+        loss, terms = None, {}
+        if labels is not None and short_step_schedule is not None:
+            _check_consistency_args(lambda_short, lambda_consistency, consistency_loss)
+            short = self.model(**model_inputs, step_schedule=short_step_schedule, use_cache=False, return_dict=True)
+            loss, terms = self._shortcut_consistency_loss(
+                logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
+                lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"),
+            )
+        elif labels is not None:
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,
@@ -658,32 +711,93 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             loop_counts=outputs.loop_counts,
+            **terms,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
         return output if return_dict else output.to_tuple()
 
-    _generation_loop_counts = None
+    @staticmethod
+    def _shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
+                                   consistency_loss, num_items_in_batch=None):
+        """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
+        are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
+        share of those tokens. Returns (loss, the three detached terms as per-token means)."""
+        ce_full_sum, n_local = _token_ce_sum(logits, labels)
+        ce_short_sum, _ = _token_ce_sum(short_logits, labels)
+        denom = n_local if num_items_in_batch is None else num_items_in_batch
+        denom = torch.as_tensor(denom, device=ce_full_sum.device, dtype=torch.float32).clamp(min=1)
+        if consistency_loss == "mse":
+            consistency = F.mse_loss(h_short.float(), h_full.detach().float())
+        else:
+            mask = labels[:, 1:].to(logits.device) != -100
+            log_p_short = F.log_softmax(short_logits[:, :-1][mask].float(), dim=-1)
+            log_p_full = F.log_softmax(logits[:, :-1][mask].detach().float(), dim=-1)
+            consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="batchmean")
+        loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom
+        loss = loss + lambda_consistency * consistency * (n_local / denom)
+        tokens = max(n_local, 1)
+        terms = {"ce_full": ce_full_sum.detach() / tokens, "ce_short": ce_short_sum.detach() / tokens,
+                 "consistency": consistency.detach()}
+        return loss, terms
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` with `num_hidden_layers`
+        slots; a looped model needs one per (loop step, block), so it gets an empty `LoopFormerCache` instead."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        LoopFormerCache.replace_generate_default(model_kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
+        """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
+        input (see `_update_model_kwargs_for_generation`)."""
+        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        log = model_kwargs.get("loop_counts_log")
+        if log is not None and getattr(outputs, "loop_counts", None) is not None:
+            log.append(outputs.loop_counts)
+        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs.
 
-        With `halt_eps`, `model.last_loop_counts` holds afterwards a (batch, length - 1) tensor: the loop steps
-        spent on each input position (position i produced token i + 1); a dict output also carries it as
-        `loop_counts`.
+        With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`])
+        carries `loop_counts`, a (batch, length - 1) tensor: the loop steps spent on each input position (position i
+        produced token i + 1). Greedy decoding and sampling only; other modes raise `ValueError` with `halt_eps`.
         """
-        self._generation_loop_counts = []
-        try:
-            out = super().generate(*args, **kwargs)
-            per_call = self._generation_loop_counts
-        finally:
-            self._generation_loop_counts = None
-        # The first call sees the prompt; every later one adds one position (the last column, cached or not).
-        self.last_loop_counts = (
-            torch.cat([per_call[0]] + [c[:, -1:] for c in per_call[1:]], dim=1) if per_call else None
+        log = None
+        if kwargs.get("halt_eps") is not None:
+            unsupported = _loop_counts_unsupported(kwargs, self.generation_config)
+            if unsupported is not None:
+                raise ValueError(
+                    f"`halt_eps` with {unsupported} is not supported: the loop counts of each position are gathered "
+                    f"for greedy decoding and sampling only. Use num_beams=1 without an assistant, or drop `halt_eps`."
+                )
+            log = []  # local to this call: concurrent generate calls on one model each keep their own counts
+        out = super().generate(*args, loop_counts_log=log, **kwargs)
+        # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
+        counts = torch.cat([log[0]] + [c[:, -1:] for c in log[1:]], dim=1) if log else None
+        self._last_loop_counts = counts
+        if counts is None or isinstance(out, torch.Tensor):
+            return out
+        return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
+
+    @property
+    def last_loop_counts(self):
+        """Deprecated: the loop counts of this model's latest `generate` call (shared by every caller of the model).
+        Use `generate(..., return_dict_in_generate=True).loop_counts`."""
+        warnings.warn(
+            "`last_loop_counts` is deprecated: use `generate(..., halt_eps=..., return_dict_in_generate=True)` and "
+            "read `.loop_counts` from its output.", FutureWarning, stacklevel=2,
         )
-        if self.last_loop_counts is not None and not isinstance(out, torch.Tensor):
-            out["loop_counts"] = self.last_loop_counts
-        return out
+        return getattr(self, "_last_loop_counts", None)
 
 
-__all__ = ["LoopFormerPreTrainedModel", "LoopFormerModel", "LoopFormerForCausalLM"]
+__all__ = [
+    "LoopFormerPreTrainedModel",
+    "LoopFormerModel",
+    "LoopFormerForCausalLM",
+    "LoopFormerGenerateDecoderOnlyOutput",
+    "LoopFormerHaltingState",
+]

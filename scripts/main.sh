@@ -42,8 +42,10 @@ print(f"AutoModelForCausalLM.from_pretrained({sys.argv[1]!r}) -> {type(model).__
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 enc = tok(["3*7+1*3=", "1+3="], return_tensors="pt", padding=True)
-out = model.generate(**enc, max_new_tokens=2, do_sample=False, halt_eps=0.3, pad_token_id=tok.pad_token_id)
-print("generate(halt_eps=0.3):", [tok.decode(o[enc.input_ids.shape[1]:], skip_special_tokens=True).strip() for o in out],
-      "loop steps per position:", model.last_loop_counts.tolist())
+out = model.generate(**enc, max_new_tokens=2, do_sample=False, halt_eps=0.3, pad_token_id=tok.pad_token_id,
+                     return_dict_in_generate=True)
+print("generate(halt_eps=0.3):",
+      [tok.decode(o[enc.input_ids.shape[1]:], skip_special_tokens=True).strip() for o in out.sequences],
+      "loop steps per position:", out.loop_counts.tolist())
 PYEOF
 echo "== done in $(( $(date +%s) - START )) s"

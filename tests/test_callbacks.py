@@ -10,7 +10,7 @@ from transformers import Trainer, TrainerControl, TrainerState, TrainingArgument
 
 import loopformer_hf
 from conftest import randomize_modulation, tiny_loopformer_config
-from training.loopformer.objective import (ShortcutConsistencyCallback, sample_early_exit_trajectory,
+from training.loopformer.objective import (ShortcutCollator, ShortcutConsistencyCallback, sample_early_exit_trajectory,
                                 sample_shortcut_trajectory)
 
 
@@ -84,15 +84,22 @@ def _batch(vocab=97, batch=3, seq=12, seed=0):
     return ids, labels
 
 
-def test_loss_is_ce_full_plus_weighted_short_ce_and_mse():
+def _collated(cb, ids, labels):
+    """What the Trainer's forward gets: the wrapped collator's batch."""
+    features = [{"input_ids": i, "labels": lab} for i, lab in zip(ids.tolist(), labels.tolist())]
+    return ShortcutCollator(cb)(features)
+
+
+def test_collated_batch_makes_the_forward_compute_ce_full_plus_weighted_short_ce_and_mse():
     torch.manual_seed(0)
     model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
     cb = _attached(model, lambda_short=0.3, lambda_consistency=0.7, seed=5)
     ids, labels = _batch()
-    outputs = model(input_ids=ids)
-    loss = cb.compute_loss(outputs, labels)
-    trajectory = cb.sampled[-1][1]
-    assert trajectory == cb.sample_trajectory(0, 4, "shortcut")
+    batch = _collated(cb, ids, labels)
+    trajectory = cb.sample_trajectory(0, 4, "shortcut")
+    assert batch["short_step_schedule"] == list(trajectory) and batch["consistency_loss"] == "mse"
+    assert (batch["lambda_short"], batch["lambda_consistency"]) == (0.3, 0.7)
+    loss = model(**batch).loss
 
     with torch.no_grad():
         full = model.model(input_ids=ids).last_hidden_state
@@ -103,34 +110,18 @@ def test_loss_is_ce_full_plus_weighted_short_ce_and_mse():
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_consistency_gradient_stops_at_the_full_trajectory():
-    # Only consistency (λ1 = 0): the gradient of λ2·MSE(stopgrad(h_full), h_short) wrt h_full must be zero,
-    # so the loss minus CE_full has the same gradient as MSE through the short branch alone.
-    torch.manual_seed(0)
-    model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
-    cb = _attached(model, lambda_short=0.0, lambda_consistency=1.0, seed=0)
-    ids, labels = _batch()
-    outputs = model(input_ids=ids)
-    h_full = cb._captured_hidden
-    h_full.retain_grad()
-    loss = cb.compute_loss(outputs, labels)
-    ce_full = model.loss_function(logits=outputs.logits, labels=labels, vocab_size=97)
-    (loss - ce_full).backward()
-    assert h_full.grad is None or torch.count_nonzero(h_full.grad) == 0
-
-
 def test_kl_option_matches_manual_kl_on_labelled_positions():
     torch.manual_seed(0)
     model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
     cb = _attached(model, lambda_short=0.0, lambda_consistency=1.0, consistency="kl", seed=2)
     ids, labels = _batch()
-    outputs = model(input_ids=ids)
-    loss = cb.compute_loss(outputs, labels)
-    trajectory = list(cb.sampled[-1][1])
+    batch = _collated(cb, ids, labels)
+    loss = model(**batch).loss
+    trajectory = batch["short_step_schedule"]
     with torch.no_grad():
         ce_full = model(input_ids=ids, labels=labels).loss
         short = model(input_ids=ids, step_schedule=trajectory).logits[:, :-1]
-        full = outputs.logits[:, :-1]
+        full = model(input_ids=ids).logits[:, :-1]
         mask = labels[:, 1:] != -100
         kl = F.kl_div(F.log_softmax(short[mask], -1), F.log_softmax(full[mask], -1), log_target=True,
                       reduction="batchmean")
@@ -141,19 +132,28 @@ def test_kl_option_matches_manual_kl_on_labelled_positions():
 def test_early_exit_models_get_uniform_prefixes_and_shortcut_is_refused():
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).train()
     cb = _attached(model)  # auto -> early_exit
-    ids, labels = _batch()
-    cb.compute_loss(model(input_ids=ids), labels)
-    traj = cb.sampled[-1][1]
+    traj = cb.next_batch_fields()["short_step_schedule"]
     assert len(set(traj)) == 1
     with pytest.raises(ValueError, match="loop_conditioning='shortcut'"):
         _attached(model, trajectory="shortcut")
 
 
-def test_compute_loss_without_the_callback_registered_is_a_clear_error():
+def test_lambda_warmup_follows_the_optimizer_step_of_each_micro_batch():
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())
-    ids, labels = _batch()
+    cb = ShortcutConsistencyCallback(lambda_short=0.2, lambda_consistency=0.4, warmup_steps=2)
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none", gradient_accumulation_steps=2)
+    cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    fields = [cb.next_batch_fields() for _ in range(6)]  # micro-batches of optimizer steps 0, 0, 1, 1, 2, 2
+    assert [f["lambda_short"] for f in fields] == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
+    assert [f["lambda_consistency"] for f in fields] == pytest.approx([0.0, 0.0, 0.2, 0.2, 0.4, 0.4])
+
+
+def test_callback_without_its_collator_is_a_clear_error(tmp_path):
+    cb = ShortcutConsistencyCallback()
+    trainer, _ = _trainer(tmp_path, None, steps=1)
+    trainer.add_callback(cb)
     with pytest.raises(ValueError, match="trainer_kwargs"):
-        ShortcutConsistencyCallback().compute_loss(model(input_ids=ids), labels)
+        trainer.train()
 
 
 def test_non_looped_model_is_refused():
@@ -162,23 +162,30 @@ def test_non_looped_model_is_refused():
         _attached(model)
 
 
-def _trainer(tmp_path, callback=None, steps=3, **args):
+def _trainer(tmp_path, callback=None, steps=3, evaluate=False, **args):
     torch.manual_seed(0)
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())
     ids, labels = _batch(batch=16, seed=1)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    if evaluate:
+        args.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+        extra_datasets = {"eval_dataset": ds}
+    else:
+        extra_datasets = {}
     targs = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=steps,
                               per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
                               disable_tqdm=True, learning_rate=1e-3, **args)
     extra = callback.trainer_kwargs() if callback else {}
-    return Trainer(model=model, args=targs, train_dataset=ds, **extra), model
+    return Trainer(model=model, args=targs, train_dataset=ds, **extra_datasets, **extra), model
 
 
-def test_trainer_logs_the_three_terms_and_runs_two_trajectories(tmp_path):
+def test_trainer_logs_the_three_terms_and_runs_two_trajectories_in_one_forward(tmp_path):
     cb = ShortcutConsistencyCallback(warmup_steps=2, seed=0)
-    trainer, model = _trainer(tmp_path, cb, gradient_accumulation_steps=2)
-    calls = []
-    model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("step_schedule")), with_kwargs=True)
+    trainer, model = _trainer(tmp_path, cb, evaluate=True, gradient_accumulation_steps=2)
+    calls, inner = [], []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("short_step_schedule"))),
+                                    with_kwargs=True)
+    model.model.register_forward_pre_hook(lambda m, a, kw: inner.append(kw.get("step_schedule")), with_kwargs=True)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3
@@ -186,16 +193,20 @@ def test_trainer_logs_the_three_terms_and_runs_two_trajectories(tmp_path):
         assert {"ce_full", "ce_short", "consistency", "lambda_short", "lambda_consistency"} <= set(h)
     # warm-up over 2 steps: λ = λ_max · step / 2 at optimizer steps 0, 1, 2
     assert [h["lambda_short"] for h in logs] == pytest.approx([0.0, 0.05, 0.1])
-    # 3 steps x 2 micro-batches, each: the Trainer's full forward (no schedule) then one shortcut forward
-    assert len(calls) == 12 and calls[0::2] == [None] * 6
-    assert [tuple(c) for c in calls[1::2]] == [t for _, t in cb.sampled]
+    # 3 steps x 2 micro-batches: one forward each (the Trainer's), which runs the full and the short trajectory;
+    # the evaluations (after steps 2 and 3, 2 batches each) get no trajectory and draw none from the sampler
+    training = [schedule for is_training, schedule in calls if is_training]
+    assert len(training) == 6 and [tuple(c) for c in training] == [t for _, t in cb.sampled]
+    assert [schedule for is_training, schedule in calls if not is_training] == [None] * 4
+    assert inner[:2] == [None, training[0]]
     assert [i for i, _ in cb.sampled] == list(range(6)) and cb.micro_batches_seen == 6
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 3]
 
 
 def test_without_the_callback_training_is_plain_looped_lm(tmp_path):
     trainer, model = _trainer(tmp_path, steps=2)
     calls = []
-    model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("step_schedule")), with_kwargs=True)
+    model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("step_schedule")), with_kwargs=True)
     trainer.train()
     assert calls == [None, None]  # one full-trajectory forward per step, nothing else
     assert "ce_short" not in trainer.state.log_history[0]

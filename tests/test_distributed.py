@@ -1,5 +1,7 @@
 """2-process DDP on CPU (gloo) through `accelerate launch` with the shipped configs/accelerate/ddp.yaml: each rank
-trains on different data at changing loop budgets, and the parameters stay identical across ranks (and moved).
+trains on different data at changing loop budgets with the shortcut-consistency objective (both trajectories in the
+one forward DDP wraps); every step's gradients equal a single-process run's average over the two ranks' batches, and
+the parameters stay identical across ranks (and moved).
 
 Run as a script, this file is the training worker that `accelerate launch` starts."""
 
@@ -17,6 +19,19 @@ from _hub_helpers import REPO_ROOT, make_model
 
 CONFIGS = REPO_ROOT / "configs" / "accelerate"
 BUDGETS = [1, 4, 2]
+SHORT = [0.5, 0.25, 0.25]  # the short trajectory of the consistency objective
+
+
+def _batch(generator, vocab_size):
+    return torch.randint(0, vocab_size, (2, 16), generator=generator)
+
+
+def _loss(model, ids, budget):
+    return model(input_ids=ids, labels=ids, loop_budget=budget, short_step_schedule=SHORT).loss
+
+
+def _flat_grads(model):
+    return torch.cat([p.grad.detach().flatten() for p in model.parameters()])
 
 
 def _free_port():
@@ -35,16 +50,17 @@ def worker(out_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     data = torch.Generator().manual_seed(1000 + accelerator.process_index)  # different batches per rank
-    losses = []
+    losses, grads = [], []
     for budget in BUDGETS:
-        ids = torch.randint(0, accelerator.unwrap_model(model).config.vocab_size, (2, 16), generator=data)
-        loss = model(input_ids=ids, labels=ids, loop_budget=budget).loss
+        ids = _batch(data, accelerator.unwrap_model(model).config.vocab_size)
+        loss = _loss(model, ids, budget)
         accelerator.backward(loss)
+        grads.append(_flat_grads(accelerator.unwrap_model(model)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     flat = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
-    torch.save({"params": flat, "losses": losses, "world": accelerator.num_processes,
+    torch.save({"params": flat, "grads": grads, "losses": losses, "world": accelerator.num_processes,
                 "backend": dist.get_backend(), "type": str(accelerator.distributed_type)},
                Path(out_dir) / f"rank{accelerator.process_index}.pt")
 
@@ -77,7 +93,9 @@ def test_two_process_ddp_on_cpu_keeps_parameters_identical(tmp_path):
            "--num_processes", "2", "--main_process_port", str(_free_port()), __file__, str(tmp_path)]
     # The config's MULTI_GPU makes `accelerate launch` start one process per rank through torchrun;
     # ACCELERATE_USE_CPU makes each rank join a gloo group on CPU (accelerate's `--cpu` flag would run one process).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(Path(__file__).parent)}
+    # the ranks import this checkout's packages (not an installed copy) and this file's helpers
+    path = os.pathsep.join([str(Path(__file__).parent), str(REPO_ROOT)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": path}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
@@ -86,6 +104,28 @@ def test_two_process_ddp_on_cpu_keeps_parameters_identical(tmp_path):
     assert torch.equal(r0["params"], r1["params"])  # ... yet identical parameters: gradients were all-reduced
     start = torch.cat([p.detach().flatten() for p in make_model(seed=0).parameters()])
     assert not torch.allclose(r0["params"], start)  # and training moved them
+
+    # One process replays the run: each step's gradient is the mean of the two ranks' batch gradients (DDP's
+    # all-reduce), and the whole objective, short trajectory included, must have been inside the synced forward.
+    model = make_model(seed=0).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = [torch.Generator().manual_seed(1000 + rank) for rank in (0, 1)]
+    for step, budget in enumerate(BUDGETS):
+        per_rank = []
+        for rank in (0, 1):
+            model.zero_grad()
+            _loss(model, _batch(data[rank], model.config.vocab_size), budget).backward()
+            per_rank.append(_flat_grads(model))
+        expected = (per_rank[0] + per_rank[1]) / 2
+        for r in (r0, r1):
+            torch.testing.assert_close(r["grads"][step], expected, rtol=1e-4, atol=1e-6)
+        offset = 0
+        for p in model.parameters():
+            p.grad = expected[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+    final = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(r0["params"], final, rtol=1e-4, atol=1e-5)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
+from loopformer_hf.cache_loopformer import LoopFormerCache
 
 SCHEDULES = [(M, None) for M in range(1, 5)] + [(None, [0.5, 0.25, 0.125, 0.125]), (None, "coarse_to_fine")]
 
@@ -58,7 +59,8 @@ def test_generate_grows_the_cache_generate_built(tiny_model):
     finally:
         hook.remove()
     assert len(seen) == 3
-    assert seen[1] is seen[2]  # decode steps reuse the cache the prefill returned
+    assert isinstance(seen[0], LoopFormerCache)  # built through generate's cache hook, not swapped in forward
+    assert seen[0] is seen[1] is seen[2]  # decode steps reuse the cache the prefill filled
     assert len(seen[2].layers) == 4 * 2
 
 
@@ -104,6 +106,26 @@ def test_foreign_cache_without_trajectory_record_raises(tiny_model):
 
 
 def test_user_supplied_empty_cache_is_filled_in_place(tiny_model):
-    cache = DynamicCache()
+    cache = LoopFormerCache()
     out = tiny_model(torch.randint(3, 97, (1, 5)), cache=cache, use_cache=True, loop_budget=2)
     assert cache_of(out) is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4
+    assert cache.spec.trajectory == (0.5, 0.5) and [cache.slot(1, j) for j in range(2)] == [2, 3]
+
+
+def test_an_empty_dynamic_cache_is_replaced_by_a_loopformer_cache(tiny_model):
+    """A plain DynamicCache (e.g. `DynamicCache(config)`, num_hidden_layers slots that never grow) is swapped for a
+    LoopFormerCache; the returned one is the cache to continue with."""
+    ids = torch.randint(3, 97, (1, 6))
+    full = tiny_model(ids, use_cache=False).logits
+    out = tiny_model(ids[:, :5], cache=DynamicCache(config=tiny_model.config), use_cache=True)
+    assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 4 * 2
+    step = tiny_model(ids[:, 5:], cache=cache_of(out), use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_an_empty_cache_of_another_kind_is_refused(tiny_model):
+    cache = StaticCache(config=tiny_model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="needs 8 cache slots .* LoopFormerCache; got an empty StaticCache"):
+        tiny_model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="must be a transformers Cache instance, got tuple"):
+        tiny_model(torch.randint(3, 97, (1, 4)), cache=(), use_cache=True)

@@ -1,18 +1,19 @@
 """Issue 6: per-token adaptive depth (`halt_eps`) with a KV cache that stays right for tokens that halted early."""
 
+import threading
+
 import pytest
 import torch
 
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from conftest import cache_of
 import loopformer_hf
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 
 
 @pytest.fixture
-def model():
-    torch.manual_seed(0)
-    return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).eval()
+def model(tiny_model):  # conftest's tiny model
+    return tiny_model
 
 
 def decode_token_by_token(model, ids, prefix, **kw):
@@ -83,27 +84,87 @@ def test_batched_equals_one_by_one_with_left_padding(model):
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = p
         mask[row, width - len(p):] = 1
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, halt_eps=EPS, pad_token_id=0)
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, halt_eps=EPS, pad_token_id=0,
+              return_dict_in_generate=True)
     batched = model.generate(ids, attention_mask=mask, **kw)
-    batched_counts = model.last_loop_counts
-    assert batched_counts.shape == (3, width + 9)
+    assert batched.loop_counts.shape == (3, width + 9)
     for row, p in enumerate(prompts):
         alone = model.generate(p[None], **kw)
-        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"prompt {row}: tokens depend on the batch"
-        assert torch.equal(batched_counts[row, width - len(p):], model.last_loop_counts[0]), f"prompt {row}: counts"
+        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, len(p):]), f"prompt {row}: tokens"
+        assert torch.equal(batched.loop_counts[row, width - len(p):], alone.loop_counts[0]), f"prompt {row}: counts"
 
 
 def test_generate_returns_loop_counts(model):
     ids = torch.randint(3, 97, (2, 5))
-    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=EPS,
-                         return_dict_in_generate=True)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
+    out = model.generate(ids, **kw)
+    assert isinstance(out, loopformer_hf.LoopFormerGenerateDecoderOnlyOutput)
     assert out.sequences.shape == (2, 11) and out.loop_counts.shape == (2, 10)
-    assert torch.equal(out.loop_counts, model.last_loop_counts)
-    uncached = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=EPS,
-                              use_cache=False)
-    assert torch.equal(uncached, out.sequences) and torch.equal(model.last_loop_counts, out.loop_counts)
-    model.generate(ids, max_new_tokens=2, do_sample=False)
-    assert model.last_loop_counts is None
+    uncached = model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(uncached.sequences, out.sequences) and torch.equal(uncached.loop_counts, out.loop_counts)
+    # the counts are those of a forward over the generated sequence (position i produced token i + 1)
+    torch.testing.assert_close(out.loop_counts, model(out.sequences[:, :-1], halt_eps=EPS).loop_counts)
+    assert model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True).get("loop_counts") \
+        is None  # without halt_eps every position runs the full budget
+    assert not any(isinstance(v, torch.Tensor) for v in vars(model).values())  # nothing kept on the model
+
+
+def test_sampling_reports_the_counts_of_the_sampled_tokens(model):
+    ids = torch.randint(3, 97, (2, 5))
+    torch.manual_seed(3)
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0, halt_eps=EPS,
+                         num_return_sequences=2, return_dict_in_generate=True)
+    assert out.sequences.shape == (4, 11) and out.loop_counts.shape == (4, 10)
+    torch.testing.assert_close(out.loop_counts, model(out.sequences[:, :-1], halt_eps=EPS).loop_counts)
+
+
+def test_last_loop_counts_is_a_deprecated_alias(model):
+    ids = torch.randint(3, 97, (1, 5))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
+    with pytest.warns(FutureWarning, match="return_dict_in_generate"):
+        assert torch.equal(model.last_loop_counts, out.loop_counts)
+
+
+def test_two_threads_generating_on_one_model_keep_their_own_counts(model):
+    """Each generate call keeps its counts to itself: two threads decoding in lock step (a barrier in a logits
+    processor interleaves their steps) with different budgets get what each gets alone."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class LockStep(LogitsProcessor):
+        def __init__(self, barrier):
+            self.barrier = barrier
+
+        def __call__(self, input_ids, scores):
+            self.barrier.wait(timeout=60)
+            return scores
+
+    ids = torch.randint(3, 97, (2, 6))
+    jobs = {"a": dict(loop_budget=2, halt_eps=EPS), "b": dict(loop_budget=4, halt_eps=0.3)}
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    alone = {name: model.generate(ids, **job, **kw) for name, job in jobs.items()}
+    barrier, together = threading.Barrier(2), {}
+
+    def run(name):
+        together[name] = model.generate(ids, logits_processor=LogitsProcessorList([LockStep(barrier)]),
+                                        **jobs[name], **kw)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not torch.equal(alone["a"].loop_counts, alone["b"].loop_counts)  # the two jobs are distinguishable
+    for name in jobs:
+        assert torch.equal(together[name].sequences, alone[name].sequences), name
+        assert torch.equal(together[name].loop_counts, alone[name].loop_counts), name
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"num_beams": 2}, "beam search"),
+                                            ({"prompt_lookup_num_tokens": 2}, "prompt-lookup")])
+def test_decoding_modes_without_loop_counts_are_refused_with_halting(model, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, halt_eps=EPS, **kwargs)
+    model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, do_sample=False, **kwargs)  # fine without halting
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.1, float("nan"), float("inf"), True, "0.1", [0.1]])

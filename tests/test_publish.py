@@ -107,12 +107,13 @@ def test_push_uploads_weights_config_code_tokenizer_generation_config_card(hub, 
     files = hub.files(REPO)
     assert set(files) == {
         "model.safetensors", "config.json", "configuration_loopformer.py", "modeling_loopformer.py",
-        "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
+        "cache_loopformer.py", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
     }
     config = json.loads(files["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_loopformer.LoopFormerForCausalLM"
     assert config["auto_map"]["AutoConfig"] == "configuration_loopformer.LoopFormerConfig"
-    assert files["modeling_loopformer.py"] == (REPO_ROOT / "loopformer_hf" / "modeling_loopformer.py").read_bytes()
+    for code in ("modeling_loopformer.py", "cache_loopformer.py"):  # the modeling file imports the cache relatively
+        assert files[code] == (REPO_ROOT / "loopformer_hf" / code).read_bytes()
 
 
 def test_model_card_metadata_and_model_index_from_eval_json(hub, pushed):

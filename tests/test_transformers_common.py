@@ -197,6 +197,25 @@ class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
         with _attentions_per_call(self.model_tester):
             super().test_attention_outputs()
 
+    def test_bc_cache_name_forward(self):
+        """The common test with LoopFormer's cache class (the common one skips any output cache but DynamicCache's
+        exact type): the old name `past_key_values` still works, with a deprecation warning."""
+        from loopformer_hf import LoopFormerCache
+        from loopformer_hf.modeling_loopformer import CACHE_FIELD
+
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            model = model_class(config).to(torch_device).eval()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                old = getattr(model(**inputs, use_cache=True, past_key_values=LoopFormerCache()), CACHE_FIELD)
+            if CACHE_FIELD == "cache":  # the old name is deprecated from transformers 5.24 on
+                self.assertTrue(any("`past_key_values` is deprecated" in str(w.message) for w in caught))
+            new = getattr(model(**inputs, use_cache=True, cache=LoopFormerCache()), CACHE_FIELD)
+            self.assertIsInstance(new, LoopFormerCache)
+            self.assertEqual(old.get_seq_length(), new.get_seq_length())
+            self.assertGreater(new.get_seq_length(), 0)
+
     @unittest.skip("GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
                    "covered by tests/test_loopformer_cache.py")
     def test_generation_tester_mixin_inheritance(self):

@@ -1,35 +1,39 @@
-"""ShortcutConsistencyCallback: LoopFormer's shortcut-consistency objective for the stock `Trainer`.
+"""ShortcutConsistencyCallback: the trajectory sampler, λ schedule and logs of LoopFormer's shortcut-consistency
+objective for the stock `Trainer`.
 
 Per micro-batch the model runs two trajectories through the same weights (spec, "Training: shortcut consistency"):
 
     loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)
 
-- full: the training trajectory [1/L] * L (the Trainer's own forward);
+The model computes this itself: `LoopFormerForCausalLM.forward(labels=..., short_step_schedule=..., lambda_short=...,
+lambda_consistency=..., consistency_loss=...)` returns the combined loss and its three terms, so both trajectories run
+inside the one forward the Trainer calls (under DDP, inside the wrapper). The callback decides what goes into that
+forward, through a data collator that adds those fields to each training batch:
+
+- full: the training trajectory [1/L] * L (the model's default);
 - short: S ~ U{1..L-1} steps, each a multiple of 1/L drawn uniformly among those that leave at least 1/L for
   every remaining step, the last one filling up to 1 (`trajectory="shortcut"`, LoopFormer); or the first S of the
   L uniform steps (`trajectory="early_exit"`, the -EE baselines, whose models only know a step count);
 - D: MSE on the final normed hidden states (the reference, mean-reduced) or, with `consistency="kl"`,
-  KL(p_full || p_short) of the next-token distributions on the labelled positions.
-
-How it changes the loss (a callback alone cannot): the callback's `compute_loss` is handed to the Trainer as
-`compute_loss_func`, and at `on_train_begin` the callback installs two hooks on the model it is given: a forward
-pre-hook that records the inputs of the Trainer's forward, and a forward hook on the final norm that records the
-final normed hidden state. `compute_loss` then runs the short trajectory on the same inputs and combines the terms.
-`ShortcutConsistencyCallback(...).trainer_kwargs()` returns both arguments:
+  KL(p_full || p_short) of the next-token distributions on the labelled positions;
+- λ1, λ2: grow linearly from 0 over `warmup_steps` optimizer steps.
 
     callback = ShortcutConsistencyCallback(lambda_short=0.1, lambda_consistency=0.1)
-    trainer = Trainer(model=model, args=args, train_dataset=ds, **callback.trainer_kwargs())
+    trainer = Trainer(model=model, args=args, train_dataset=ds, **callback.trainer_kwargs(default_data_collator))
 
 Without the callback the Trainer trains the model as a plain looped LM (the model's own CE on the full trajectory).
 
 The sampler is counter-based: the trajectory of the n-th training micro-batch is drawn from
-`random.Random(f"{seed}:{n}")`. Every process of a data-parallel run holds the same seed and counts the same
-micro-batches, so all processes run the same trajectory each step without communicating. The counter is the
-sampler's state; it is saved in every checkpoint (`trainer_state.json`, `stateful_callbacks`) and restored at
-`on_train_begin`, so a resumed run draws exactly the trajectories the uninterrupted one would have drawn.
+`random.Random(f"{seed}:{n}")`. Every process of a data-parallel run holds the same seed and collates the same
+micro-batches in the same order, so all processes run the same trajectory each step without communicating. The
+count of trained micro-batches is the sampler's state; it is saved in every checkpoint (`trainer_state.json`,
+`stateful_callbacks`) and restored at `on_train_begin`, so a resumed run draws exactly the trajectories the
+uninterrupted one would have drawn. Batches collated for an evaluation carry no trajectory and draw none.
+The collator runs in the main process: `dataloader_num_workers` must be 0.
 
 CE_full, CE_short and the consistency term (per-token means over the logging window, on the main process) and the
-current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output).
+current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output); the callback
+reads them from the model's output (a read-only forward hook: the Trainer hands callbacks no outputs).
 """
 
 import json
@@ -38,14 +42,11 @@ import numbers
 import os
 import random
 
-import torch
-import torch.nn.functional as F
-from transformers import TrainerCallback
+from transformers import TrainerCallback, default_data_collator
 from transformers.trainer_callback import ExportableState
 
 CONSISTENCY_LOSSES = ("mse", "kl")
 TRAJECTORY_KINDS = ("auto", "shortcut", "early_exit")
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
 
 def sample_shortcut_trajectory(rng, num_loops):
@@ -67,17 +68,25 @@ def sample_early_exit_trajectory(rng, num_loops):
     return tuple([1.0 / length] * length)
 
 
-def _token_ce_sum(logits, labels):
-    """Sum of next-token cross-entropies over labelled positions, and their number."""
-    logits = logits[:, :-1].float()
-    labels = labels[:, 1:].to(logits.device)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return ce, int((labels != -100).sum())
+class ShortcutCollator:
+    """A data collator that adds the shortcut-consistency fields of `LoopFormerForCausalLM.forward`
+    (`short_step_schedule`, `lambda_short`, `lambda_consistency`, `consistency_loss`) to each training batch that
+    `collator` builds; the callback decides them."""
+
+    def __init__(self, callback, collator=None):
+        self.callback = callback
+        self.collator = default_data_collator if collator is None else collator
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        if self.callback.collating_training_batches:
+            batch.update(self.callback.next_batch_fields())
+        return batch
 
 
 class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
-    """Owns the shortcut-consistency objective (λ1, λ2, their warm-up, the seeded trajectory sampler, the
-    consistency distance) and logs its three terms.
+    """Decides the per-batch inputs of the shortcut-consistency objective that the model computes (λ1, λ2 and their
+    warm-up, the seeded trajectory sampler, the consistency distance) and logs its three terms.
 
     Args:
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
@@ -112,20 +121,19 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self.trajectory = trajectory
         self.seed = seed
         self.log_trajectories_dir = log_trajectories_dir
-        self.micro_batches_seen = 0  # the sampler's state
+        self.micro_batches_seen = 0  # the sampler's state: micro-batches trained so far
         self.sampled = []  # trajectories this process ran, in order (this session only)
-        self._model = None
-        self._hooks = []
-        self._captured_inputs = None
-        self._captured_hidden = None
-        self._in_short_forward = False
+        self.collating_training_batches = False  # set while the Trainer collates training (not evaluation) batches
+        self._next_index = 0  # the micro-batch the collator's next batch will be
+        self._hook = None
         self._global_step = 0
         self._kind = None
         self._reset_window()
 
-    def trainer_kwargs(self):
-        """`Trainer(..., **callback.trainer_kwargs())`: registers the callback and its loss."""
-        return {"callbacks": [self], "compute_loss_func": self.compute_loss}
+    def trainer_kwargs(self, data_collator=None):
+        """`Trainer(..., **callback.trainer_kwargs(data_collator))`: registers the callback and wraps `data_collator`
+        (default: transformers' `default_data_collator`) so that each training batch carries the short trajectory."""
+        return {"callbacks": [self], "data_collator": ShortcutCollator(self, data_collator)}
 
     # ---- sampler -------------------------------------------------------------------------------------------------
 
@@ -136,10 +144,23 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
             return sample_shortcut_trajectory(rng, num_loops)
         return sample_early_exit_trajectory(rng, num_loops)
 
-    def lambdas(self):
-        """(λ1, λ2) at the current optimizer step, after warm-up."""
-        ramp = 1.0 if self.warmup_steps == 0 else min(1.0, self._global_step / self.warmup_steps)
+    def lambdas(self, step=None):
+        """(λ1, λ2) at optimizer step `step` (default: the current one), after warm-up."""
+        step = self._global_step if step is None else step
+        ramp = 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
         return self.lambda_short * ramp, self.lambda_consistency * ramp
+
+    def next_batch_fields(self):
+        """The forward arguments of the next training micro-batch (called by `ShortcutCollator`, in collation order,
+        which the Trainer keeps equal to training order)."""
+        index = self._next_index
+        self._next_index += 1
+        # a micro-batch belongs to optimizer step index // gradient_accumulation_steps (exact unless an epoch ends
+        # with a shorter accumulation step)
+        lambda_short, lambda_consistency = self.lambdas(index // self._accumulation)
+        return {"short_step_schedule": list(self.sample_trajectory(index, self._num_loops, self._kind)),
+                "lambda_short": lambda_short, "lambda_consistency": lambda_consistency,
+                "consistency_loss": self.consistency}
 
     # ---- Trainer events ------------------------------------------------------------------------------------------
 
@@ -187,19 +208,37 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
                     f"{self.seed!r}: resuming would not reproduce the run. Use the checkpoint's seed."
                 )
             self.micro_batches_seen = int(saved.get("attributes", {}).get("micro_batches_seen", 0))
+        if args.dataloader_num_workers:
+            raise ValueError(
+                f"ShortcutConsistencyCallback draws each micro-batch's trajectory in the data collator, counting "
+                f"batches in the main process; got dataloader_num_workers={args.dataloader_num_workers}: use 0."
+            )
+        collate = getattr(kwargs.get("train_dataloader"), "collate_fn", None)
+        if collate is not None and not isinstance(getattr(collate, "data_collator", collate), ShortcutCollator):
+            raise ValueError(
+                "ShortcutConsistencyCallback passes each micro-batch's trajectory through its data collator: build "
+                "the Trainer with `Trainer(..., **callback.trainer_kwargs(data_collator))`."
+            )
         self._global_step = state.global_step
-        self._remove_hooks()
-        self._model = model
-        norm = getattr(getattr(model, "base_model", model), "norm", None)
-        if norm is None:
-            raise ValueError(f"{type(model).__name__} has no final norm at `model.base_model.norm` to read h from.")
-        self._hooks = [
-            model.register_forward_pre_hook(self._record_inputs, with_kwargs=True),
-            norm.register_forward_hook(self._record_hidden),
-        ]
+        self._accumulation = args.gradient_accumulation_steps
+        self._next_index = self.micro_batches_seen
+        self.collating_training_batches = not args.eval_on_start
+        self._remove_hook()
+        self._hook = model.register_forward_hook(self._record_terms, with_kwargs=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._trained_one()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._trained_one()
+        # an evaluation follows (DefaultFlowCallback decided it before this callback ran): its batches draw nothing
+        self.collating_training_batches = not control.should_evaluate
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.collating_training_batches = self._hook is not None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs or self._window["micro_batches"] == 0:
@@ -218,7 +257,8 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self._reset_window()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._remove_hooks()
+        self._remove_hook()
+        self.collating_training_batches = False
         if self.log_trajectories_dir:
             rank = int(os.environ.get("RANK", args.process_index))
             os.makedirs(self.log_trajectories_dir, exist_ok=True)
@@ -227,76 +267,36 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
                 for index, trajectory in self.sampled:
                     f.write(json.dumps({"micro_batch": index, "trajectory": list(trajectory)}) + "\n")
 
-    # ---- the loss ------------------------------------------------------------------------------------------------
-
-    def compute_loss(self, outputs, labels, num_items_in_batch=None):
-        """`compute_loss_func` for the Trainer: CE_full (+ λ1·CE_short + λ2·consistency while training)."""
-        if self._model is None:
-            raise ValueError(
-                "ShortcutConsistencyCallback.compute_loss was called before on_train_begin: pass the callback in "
-                "`callbacks` too (use `Trainer(..., **callback.trainer_kwargs())`), and keep "
-                "`restore_callback_states_from_checkpoint=False` (the callback restores its sampler itself)."
-            )
-        if labels is None:
-            raise ValueError("ShortcutConsistencyCallback needs `labels` in every batch (causal LM targets).")
-        ce_full_sum, n_local = _token_ce_sum(outputs.logits, labels)  # (tensor, int)
-        # The Trainer treats a compute_loss_func loss as already normalised over the whole accumulated (and, with
-        # average_tokens_across_devices, all-process) batch: divide sums by num_items_in_batch, and weigh per-batch
-        # means by this micro-batch's share of the tokens.
-        denom = n_local if num_items_in_batch is None else num_items_in_batch
-        denom = torch.as_tensor(denom, device=ce_full_sum.device, dtype=torch.float32).clamp(min=1)
-        share = n_local / denom
-        loss = ce_full_sum / denom
-        model = self._model
-        if not model.training:
-            return loss
-
-        lambda_short, lambda_consistency = self.lambdas()
-        h_full = self._captured_hidden
-        index = self.micro_batches_seen
-        trajectory = self.sample_trajectory(index, self._num_loops, self._kind)
-        self.micro_batches_seen += 1
-        self.sampled.append((index, trajectory))
-        short_inputs = {k: v for k, v in (self._captured_inputs or {}).items() if k in MODEL_INPUT_KEYS}
-        self._in_short_forward = True
-        try:
-            out_short = model(**short_inputs, step_schedule=list(trajectory), use_cache=False)
-        finally:
-            self._in_short_forward = False
-        h_short = self._captured_hidden
-        ce_short_sum, _ = _token_ce_sum(out_short.logits, labels)
-        if self.consistency == "mse":
-            consistency = F.mse_loss(h_short.float(), h_full.detach().float())
-        else:
-            mask = labels[:, 1:] != -100
-            log_p_short = F.log_softmax(out_short.logits[:, :-1][mask].float(), dim=-1)
-            log_p_full = F.log_softmax(outputs.logits[:, :-1][mask].detach().float(), dim=-1)
-            consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="batchmean")
-        loss = loss + lambda_short * ce_short_sum / denom + lambda_consistency * consistency * share
-
-        w = self._window
-        w["ce_full"] += ce_full_sum.detach().item()
-        w["ce_short"] += ce_short_sum.detach().item()
-        w["tokens"] += n_local
-        w["consistency"] += consistency.detach().item()
-        w["micro_batches"] += 1
-        return loss
-
     # ---- internals -----------------------------------------------------------------------------------------------
 
-    def _record_inputs(self, module, args, kwargs):
-        if not self._in_short_forward:
-            self._captured_inputs = dict(kwargs)
-            if args:
-                self._captured_inputs["input_ids"] = args[0]
+    def _trained_one(self):
+        """A training micro-batch went through forward and backward: the sampler's state moves on."""
+        index = self.micro_batches_seen
+        if index >= self._next_index:
+            raise RuntimeError(
+                f"Micro-batch {index} was trained but the collator drew only {self._next_index} trajectories: pass "
+                f"the collator from `trainer_kwargs()` to the Trainer."
+            )
+        self.sampled.append((index, self.sample_trajectory(index, self._num_loops, self._kind)))
+        self.micro_batches_seen += 1
 
-    def _record_hidden(self, module, args, output):
-        self._captured_hidden = output
+    def _record_terms(self, module, args, kwargs, output):
+        """Add the model's objective terms of a training forward to the logging window (reads, never changes)."""
+        labels = kwargs.get("labels")
+        if not module.training or labels is None or getattr(output, "ce_full", None) is None:
+            return
+        tokens = int((labels[:, 1:] != -100).sum())
+        w = self._window
+        w["ce_full"] += output.ce_full.item() * tokens
+        w["ce_short"] += output.ce_short.item() * tokens
+        w["tokens"] += tokens
+        w["consistency"] += output.consistency.item()
+        w["micro_batches"] += 1
 
-    def _remove_hooks(self):
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+    def _remove_hook(self):
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = None
 
     def _reset_window(self):
         self._window = {"ce_full": 0.0, "ce_short": 0.0, "consistency": 0.0, "tokens": 0, "micro_batches": 0}

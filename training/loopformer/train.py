@@ -176,14 +176,15 @@ def main(argv=None):
                 len(train_dataset), block_size)
 
     callback = build_callback(model_args, shortcut_args, training_args)
-    extra = callback.trainer_kwargs() if callback is not None else {}
+    # the callback wraps the collator: each training batch then carries its short trajectory
+    extra = callback.trainer_kwargs(default_data_collator) if callback is not None else {
+        "data_collator": default_data_collator}
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
         processing_class=tokenizer,
-        data_collator=default_data_collator,
         **extra,
     )
     result = trainer.train(resume_from_checkpoint=resume)
