@@ -128,11 +128,65 @@ def test_variants_are_configurations_of_one_model(variant, conditioning, layers,
     config = train_loopformer.build_config(model_args, vocab_size=300, block_size=32)
     assert (config.loop_conditioning, config.num_hidden_layers, config.num_loops) == (conditioning, layers, loops)
     assert config.num_hidden_layers * config.num_loops == 6  # iso-FLOP: same block applications at M = L
+    # as the authors' models/*.py: learnable block-norm weights in base_loop.py (Base-Loop, Naive-Loop-EE), base.py
+    assert config.block_norm_weight == (variant in ("base_loop", "naive_loop_ee", "base"))
+    assert config.initializer_scheme == "reference"
     cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
                                          train_loopformer.TrainingArguments(output_dir="unused"))
     assert (cb.trajectory if cb else None) == callback
-    if cb is not None:
-        assert cb.lambda_consistency == (0.1 if variant == "loopformer" else 0.0)
+    if cb is not None:  # their train.py: CE_full + 0.1·CE_short + 0.1·MSE for LoopFormer and the -EE baselines
+        assert (cb.lambda_short, cb.lambda_consistency, cb.consistency) == (0.1, 0.1, "mse")
+
+
+def test_early_exit_variants_draw_an_integer_loop_count_in_1_to_L_minus_1():
+    model_args = train_loopformer.ModelArguments(variant="tmlt_ee", hidden_size=32, num_loops=5)
+    cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
+                                         train_loopformer.TrainingArguments(output_dir="unused"))
+    lengths = set()
+    for index in range(200):
+        steps = cb.sample_trajectory(index, 5, cb.trajectory)
+        assert steps == tuple([1 / len(steps)] * len(steps))  # uniform: the model sees only the count
+        lengths.add(len(steps))
+    assert lengths == {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("variant", ["tmlt_ee", "naive_loop_ee"])
+def test_early_exit_objective_is_the_reference_train_py(variant):
+    """The -EE loss the callback asks for equals their train.py: CE(M=L) + 0.1·CE(M=S) + 0.1·MSE(stopgrad(x_L), x_S),
+    S an integer loop count and x the final-norm output, computed here from plain forwards."""
+    import torch.nn.functional as F
+
+    model_args = train_loopformer.ModelArguments(variant=variant, hidden_size=32, num_blocks=2, num_loops=4)
+    config = train_loopformer.build_config(model_args, vocab_size=97, block_size=32)
+    cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
+                                         train_loopformer.TrainingArguments(output_dir="unused"))
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(config).train()
+    with torch.no_grad():  # large weights, so that 2 and 4 loops end far apart and the MSE term weighs
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3)
+    ids = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(1))
+    index = next(i for i in range(100) if len(cb.sample_trajectory(i, 4, cb.trajectory)) == 2)
+    short = list(cb.sample_trajectory(index, 4, cb.trajectory))
+    lambda_short, lambda_consistency = cb.lambdas(0)
+    out = model(input_ids=ids, labels=ids, short_step_schedule=short, lambda_short=lambda_short,
+                lambda_consistency=lambda_consistency, consistency_loss=cb.consistency)
+    with torch.no_grad():
+        def ce_and_x(loops):
+            h = model.model(input_ids=ids, loop_budget=loops).last_hidden_state
+            logits = model.lm_head(h)
+            return F.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1)), h
+
+        (ce_full, x_full), (ce_short, x_short) = ce_and_x(4), ce_and_x(2)
+        theirs = ce_full + 0.1 * ce_short + 0.1 * F.mse_loss(x_full, x_short)
+    assert 0.1 * F.mse_loss(x_full, x_short) > 1e-2  # guards the test: the MSE term matters at this tolerance
+    torch.testing.assert_close(out.loss.detach(), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_initializer_scheme_reaches_the_config():
+    model_args = train_loopformer.ModelArguments(variant="loopformer", hidden_size=32, initializer_scheme="zero_adaln")
+    assert train_loopformer.build_config(model_args, vocab_size=300, block_size=32).initializer_scheme == "zero_adaln"
 
 
 def test_unknown_variant_and_task_raise_value_error(tmp_path):

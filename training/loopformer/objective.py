@@ -90,7 +90,7 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
 
     Args:
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
-        lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term (0 for the -EE baselines).
+        lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term.
         warmup_steps (`int`, defaults to 0): λ1 and λ2 grow linearly from 0 over this many optimizer steps.
         consistency (`str`, defaults to `"mse"`): `"mse"` on final normed hidden states (reference) or `"kl"`
             on next-token distributions.

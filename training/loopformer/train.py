@@ -14,9 +14,13 @@ Variants (all the same model class, different configurations; see `VARIANTS`):
 | loopformer     | shortcut (t, Δ)   | k x L          | CE_full + λ1·CE_short + λ2·MSE (ShortcutConsistencyCallback) |
 | base_loop      | none              | k x L          | CE_full                                              |
 | tmlt           | timestep          | k x L          | CE_full                                              |
-| naive_loop_ee  | none              | k x L          | CE_full + λ1·CE_early-exit (callback, λ2 = 0)        |
-| tmlt_ee        | timestep          | k x L          | CE_full + λ1·CE_early-exit (callback, λ2 = 0)        |
+| naive_loop_ee  | none              | k x L          | CE_full + λ1·CE_short + λ2·MSE, short = S ~ U{1..L-1} loops |
+| tmlt_ee        | timestep          | k x L          | CE_full + λ1·CE_short + λ2·MSE, short = S ~ U{1..L-1} loops |
 | base           | none              | (k·L) x 1      | CE (iso-FLOP, not looped)                            |
+
+As the authors' train.py: λ1 = λ2 = 0.1 for LoopFormer and the -EE baselines (the -EE short run is an integer loop
+count, the callback's `trajectory="early_exit"`), and the Base-Loop, Naive-Loop-EE and Base blocks have RMSNorms
+with a learnable weight (`block_norm_weight`, their models/base_loop.py and base.py).
 
 Data (`--task`): `synthetic` (the embedded multi-hop variable-binding corpus, no network or files) or `text`
 (`--dataset_name` of Hugging Face datasets, or `--train_files` files/folders such as ../shared/data/shakespeare).
@@ -52,14 +56,14 @@ from training.loopformer.objective import ShortcutConsistencyCallback
 
 logger = logging.getLogger(__name__)
 
-# variant -> (loop_conditioning, looped, callback trajectory or None, default λ2)
+# variant -> (loop_conditioning, looped, callback trajectory or None, default λ2, weighted block norms)
 VARIANTS = {
-    "loopformer": ("shortcut", True, "shortcut", 0.1),
-    "base_loop": ("none", True, None, 0.0),
-    "tmlt": ("timestep", True, None, 0.0),
-    "naive_loop_ee": ("none", True, "early_exit", 0.0),
-    "tmlt_ee": ("timestep", True, "early_exit", 0.0),
-    "base": ("none", False, None, 0.0),
+    "loopformer": ("shortcut", True, "shortcut", 0.1, False),
+    "base_loop": ("none", True, None, 0.0, True),
+    "tmlt": ("timestep", True, None, 0.0, False),
+    "naive_loop_ee": ("none", True, "early_exit", 0.1, True),
+    "tmlt_ee": ("timestep", True, "early_exit", 0.1, False),
+    "base": ("none", False, None, 0.0, True),
 }
 
 
@@ -72,12 +76,14 @@ class ModelArguments:
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
     intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
     position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
+    initializer_scheme: str = field(default="reference", metadata={
+        "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."})
 
 
 @dataclass
 class ShortcutArguments:
     lambda_short: float = field(default=0.1, metadata={"help": "λ1: weight of CE on the short trajectory."})
-    lambda_consistency: float = field(default=None, metadata={"help": "λ2 (default 0.1 loopformer, 0 for -EE)."})
+    lambda_consistency: float = field(default=None, metadata={"help": "λ2 (default 0.1 for loopformer and -EE)."})
     consistency_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up of λ1, λ2 (steps)."})
     consistency: str = field(default="mse", metadata={"help": "'mse' on final hidden states or 'kl' on logits."})
     shortcut_seed: int = field(default=0, metadata={"help": "Seed of the trajectory sampler (same on all ranks)."})
@@ -87,7 +93,7 @@ class ShortcutArguments:
 def build_config(model_args, vocab_size, block_size):
     if model_args.variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
-    conditioning, looped, _, _ = VARIANTS[model_args.variant]
+    conditioning, looped, _, _, block_norm_weight = VARIANTS[model_args.variant]
     k, L = model_args.num_blocks, model_args.num_loops
     return LoopFormerConfig(
         vocab_size=vocab_size,
@@ -97,13 +103,15 @@ def build_config(model_args, vocab_size, block_size):
         num_hidden_layers=k if looped else k * L,
         num_loops=L if looped else 1,
         loop_conditioning=conditioning,
+        block_norm_weight=block_norm_weight,
+        initializer_scheme=model_args.initializer_scheme,
         position_embedding_type=model_args.position_embedding_type,
         max_position_embeddings=block_size,
     )
 
 
 def build_callback(model_args, shortcut_args, training_args):
-    _, _, trajectory, default_lambda2 = VARIANTS[model_args.variant]
+    _, _, trajectory, default_lambda2, _ = VARIANTS[model_args.variant]
     if trajectory is None:
         return None
     lambda2 = shortcut_args.lambda_consistency
