@@ -587,6 +587,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
 
 CONSISTENCY_LOSSES = ("mse", "kl")
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
 
 
 def _token_ce_sum(logits, labels):
@@ -703,7 +704,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
                 lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"),
             )
         elif labels is not None:
-            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")}
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,
