@@ -49,7 +49,8 @@ def swiglu_width(hidden_size, expansion):
     return -(width // -256) * 256
 
 
-def _is_real(value):
+# Copied from loopformer_hf.configuration_loopformer._is_real_number
+def _is_real_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -59,7 +60,7 @@ def _is_int(value):
 
 def check_halt_eps(value, name="halt_eps"):
     """τ must be a positive finite number: the solver halts a sample when its relative residual drops below it."""
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+    if not _is_real_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number (e.g. 0.1 or 1e-3), got {value!r}.")
     return float(value)
 
@@ -72,7 +73,7 @@ def check_max_loops(value, name="max_loops"):
 
 def check_unit_interval(value, name, closed_low=False):
     """A number in (0, 1] (or [0, 1] with closed_low): the damping step η or the decay γ."""
-    ok = _is_real(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
+    ok = _is_real_number(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
     if not ok:
         low = "[0" if closed_low else "(0"
         raise ValueError(f"`{name}` must be a number in {low}, 1], got {value!r}.")
@@ -213,7 +214,7 @@ class FPRMConfig(PreTrainedConfig):
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
         self.expansion = expansion
-        if intermediate_size is None and _is_real(expansion) and _is_int(hidden_size):
+        if intermediate_size is None and _is_real_number(expansion) and _is_int(hidden_size):
             intermediate_size = swiglu_width(hidden_size, expansion)
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
@@ -312,15 +313,15 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
         for name in ("alpha1", "alpha2"):
             value = getattr(self, name)
-            if not (_is_real(value) and 0 < value < 1):
+            if not (_is_real_number(value) and 0 < value < 1):
                 raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
         for name in ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature"):
             value = getattr(self, name)
-            if not (_is_real(value) and math.isfinite(value) and value > 0):
+            if not (_is_real_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-        if self.initializer_range is not None and not (_is_real(self.initializer_range) and self.initializer_range > 0):
+        if self.initializer_range is not None and not (_is_real_number(self.initializer_range) and self.initializer_range > 0):
             raise ValueError(f"`initializer_range` must be None or a positive number, got {self.initializer_range!r}.")
-        if not (_is_real(self.attention_dropout) and 0 <= self.attention_dropout < 1):
+        if not (_is_real_number(self.attention_dropout) and 0 <= self.attention_dropout < 1):
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}.")
         check_halt_eps(self.halt_eps)
         check_max_loops(self.max_loops)

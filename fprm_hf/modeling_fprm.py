@@ -42,7 +42,11 @@ BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
-def rms_norm(x, eps, weight=None):
+# Copied from loopformer_hf.modeling_loopformer.rms_norm
+def rms_norm(x, weight=None, eps=None):
+    """RMSNorm in float32; `eps=None` is torch's default (machine epsilon of the input dtype), as the reference."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
 
 
@@ -73,7 +77,7 @@ class FPRMRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.eps, self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class FPRMRotaryEmbedding(nn.Module):
@@ -251,11 +255,11 @@ class FPRMBlock(nn.Module):
         self.mlp = FPRMMLP(config)
 
     def _sublayer(self, h, sublayer, alpha1, beta1, *args):
-        out = sublayer(h if self.norm_type == "post" else rms_norm(h, self.eps), *args)
+        out = sublayer(h if self.norm_type == "post" else rms_norm(h, eps=self.eps), *args)
         if self.norm_type == "peri":
-            out = rms_norm(out, self.eps)
+            out = rms_norm(out, eps=self.eps)
         h = alpha1 * h + beta1 * out
-        return rms_norm(h, self.eps) if self.norm_type == "post" else h
+        return rms_norm(h, eps=self.eps) if self.norm_type == "post" else h
 
     def forward(self, h, alpha1, beta1, position_embeddings=None):
         h = self._sublayer(h, self.self_attn, alpha1, beta1, position_embeddings)
@@ -523,22 +527,22 @@ class FPRMModel(FPRMPreTrainedModel):
         config = self.config
         eps = config.rms_norm_eps
         if config.normalize_input_injection:
-            x = rms_norm(x, eps)
+            x = rms_norm(x, eps=eps)
         u = x
         if self.conv is not None:
             p = config.num_prefix_tokens
             if config.conv_placement == "state":  # the conv replaces the grid rows of the raw state
                 y = torch.cat([y[:, :p], self.conv(y)], dim=1)
             else:  # "injection": u = x + DWConv(RMSNorm(y)) on the grid rows; y keeps its identity path
-                u = x + F.pad(self.conv(rms_norm(y, eps)), (0, 0, p, 0))
+                u = x + F.pad(self.conv(rms_norm(y, eps=eps)), (0, 0, p, 0))
         alpha1, beta1, alpha2, beta2 = self.residual_scaling(y)
         if config.norm_placement == "input":
-            y = rms_norm(y, eps)
+            y = rms_norm(y, eps=eps)
         h = alpha2 * y + beta2 * u
         for block in self.layers:
             h = block(h, alpha1, beta1, position_embeddings)
         if config.norm_placement == "output":
-            h = rms_norm(h, eps)
+            h = rms_norm(h, eps=eps)
         return h
 
     # ---- the solver (Algorithm 1) ---------------------------------------------------------------------------------

@@ -15,39 +15,10 @@ from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel, FPRMSolverState
 from fprm_hf.configuration_fprm import RESIDUAL_SCALINGS
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine run several times faster on one thread than on two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_config(**overrides):
-    kwargs = dict(
-        vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
-        grid_size=4, conv_type="2d", num_prefix_tokens=2, max_loops=30,
-    )
-    kwargs.update(overrides)
-    return FPRMConfig(**kwargs)
-
-
-def sequence_config(**overrides):
-    return tiny_config(
-        grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0,
-        **overrides,
-    )
-
-
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return FPRMForReasoning(tiny_config(**overrides)).eval()
-
-
-def grid_inputs(batch=3, seed=1, vocab=7):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, 16), generator=g)
+from fprm_fixtures import grid_inputs, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from fprm_fixtures import sequence_fprm_config as sequence_config
+from fprm_fixtures import tiny_fprm as tiny_model
+from fprm_fixtures import tiny_fprm_config as tiny_config
 
 
 # ---- 1. config, Auto classes, safetensors, trust_remote_code ------------------------------------------------------

@@ -245,16 +245,33 @@ def format_table(records, metric, schedule="uniform", digits=3):
     return "\n".join(lines)
 
 
-def plot(records, output_dir):
-    """quality_vs_budget.png (one line per model and schedule) and representations.png (each metric per step)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def _finish(fig, ax_rows, title, path):
+    """Legend on the first axes, title, save, close."""
+    ax_rows[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
-    os.makedirs(output_dir, exist_ok=True)
-    task = records[0]["task"]
-    metrics = [("em", "exact match"), ("ppl", "answer perplexity")] if task == "synthetic" else [("ppl", "perplexity")]
+    plt.close(fig)
+    return path
+
+
+def _style_axes(ax, xlabel, ylabel, metric):
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # budgets and loop steps are integers
+    if metric == "ppl":
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+
+
+def _plot_quality(records, metrics, task, path):
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4), squeeze=False)
     styles = {"uniform": "-", "coarse_to_fine": "--", "fine_to_coarse": ":"}
     for ax, (metric, label) in zip(axes[0], metrics):
@@ -272,17 +289,12 @@ def plot(records, output_dir):
                 label_s = rec["name"] if schedule == "uniform" else f"{rec['name']} {schedule}"
                 ax.plot(list(values), list(values.values()), style, marker="o", color=color, label=label_s,
                         alpha=1.0 if schedule == "uniform" else 0.6)
-        ax.set_xlabel("loop budget M")
-        ax.set_ylabel(label)
-        if metric == "ppl":
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Quality against loop budget ({task})")
-    fig.tight_layout()
-    quality_path = os.path.join(output_dir, "quality_vs_budget.png")
-    fig.savefig(quality_path, dpi=110)
-    plt.close(fig)
+        _style_axes(ax, "loop budget M", label, metric)
+    return _finish(fig, axes[0], f"Quality against loop budget ({task})", path)
+
+
+def _plot_representations(records, task, path):
+    import matplotlib.pyplot as plt
 
     names = [("cka_to_previous", "CKA(step i, step i-1)"), ("anisotropy", "anisotropy"),
              ("curvature", "curvature (rad)"), ("prompt_entropy", "prompt entropy (normalised)")]
@@ -291,41 +303,42 @@ def plot(records, output_dir):
         for i, rec in enumerate(records):
             values = rec["representations"][key]
             ax.plot(range(len(values)), values, marker="o", color=f"C{i}", label=rec["name"])
-        ax.set_xlabel("loop step (0 = embeddings)")
+        _style_axes(ax, "loop step (0 = embeddings)", None, None)
         ax.set_title(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"Representations per loop step at M = L ({task})")
-    fig.tight_layout()
-    repr_path = os.path.join(output_dir, "representations.png")
-    fig.savefig(repr_path, dpi=110)
-    plt.close(fig)
-    paths = [quality_path, repr_path]
+    return _finish(fig, axes, f"Representations per loop step at M = L ({task})", path)
 
-    halting = [rec for rec in records if rec.get("halting")]
-    if halting:  # adaptive depth (halt_eps) against fixed budgets, at equal mean loops per token
-        fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4), squeeze=False)
-        for ax, (metric, label) in zip(axes[0], metrics):
-            for i, rec in enumerate(records):
-                if not rec.get("halting"):
-                    continue
-                fixed = quality_by_budget(rec, "uniform", metric)
-                ax.plot(list(fixed), list(fixed.values()), "-", marker="o", color=f"C{i}",
-                        label=f"{rec['name']} fixed M")
-                pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"])
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker="x", color=f"C{i}",
-                        label=f"{rec['name']} halt_eps")
-            ax.set_xlabel("mean loop steps per token")
-            ax.set_ylabel(label)
-            if metric == "ppl":
-                ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"Adaptive depth (halt_eps) against fixed budgets ({task})")
-        fig.tight_layout()
-        paths.append(os.path.join(output_dir, "quality_vs_compute.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+
+def _plot_halting(records, metrics, task, path):
+    """Adaptive depth (halt_eps) against fixed budgets, at equal mean loops per token."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics):
+        for i, rec in enumerate(records):
+            if not rec.get("halting"):
+                continue
+            fixed = quality_by_budget(rec, "uniform", metric)
+            ax.plot(list(fixed), list(fixed.values()), "-", marker="o", color=f"C{i}", label=f"{rec['name']} fixed M")
+            pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker="x", color=f"C{i}",
+                    label=f"{rec['name']} halt_eps")
+        _style_axes(ax, "mean loop steps per token", label, metric)
+    return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path)
+
+
+def plot(records, output_dir):
+    """quality_vs_budget.png (one line per model and schedule), representations.png (each metric per step) and,
+    with a halt_eps sweep, quality_vs_compute.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    os.makedirs(output_dir, exist_ok=True)
+    task = records[0]["task"]
+    metrics = [("em", "exact match"), ("ppl", "answer perplexity")] if task == "synthetic" else [("ppl", "perplexity")]
+    paths = [_plot_quality(records, metrics, task, os.path.join(output_dir, "quality_vs_budget.png")),
+             _plot_representations(records, task, os.path.join(output_dir, "representations.png"))]
+    if any(rec.get("halting") for rec in records):
+        paths.append(_plot_halting(records, metrics, task, os.path.join(output_dir, "quality_vs_compute.png")))
     return paths
 
 
