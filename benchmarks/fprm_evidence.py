@@ -8,12 +8,21 @@ defaults; `--scale` multiplies every time budget):
 2. conv kernel 4 against kernel 2 under the faithful placement, two seeds each, with benchmarks.s5_recipe_probe
    (fresh sequences, init_std 6, α 0.5/0.5): accuracy at k = 2..128.
 
+3. (`--part sudoku_stability`) the paper's stability claim on trained models: 6x6 Sudoku (`--preset sudoku-cpu`,
+   same recipe and time budget) with pre-norm + residual scaling (the faithful default), post-norm (TRM style) and
+   pre-norm without scaling; accuracy and fraction converged with halting off at 8..256 iterations, iterations
+   against blanks on the puzzles solved (halting on), halting against always running the cap. The three runs go in
+   parallel (`--jobs`), one thread each; writes `benchmarks/results/fprm_sudoku_stability.json`.
+
+    python -m benchmarks.fprm_evidence --part sudoku_stability [--sudoku_minutes 6] [--jobs 3]
+
 Writes `evidence.json` and prints the markdown tables that docs/fprm.md quotes.
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -27,10 +36,107 @@ def main(argv=None):
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every time budget")
     p.add_argument("--preset_minutes", type=float, default=6.0)
     p.add_argument("--probe_minutes", type=float, default=1.5)
+    p.add_argument("--part", default="all", choices=["all", "state_tracking", "sudoku_stability"])
+    p.add_argument("--sudoku_minutes", type=float, default=6.0, help="training time budget of each Sudoku variant")
+    p.add_argument("--sudoku_num_test", type=int, default=100, help="test puzzles per Sudoku variant")
+    p.add_argument("--jobs", type=int, default=3, help="Sudoku variants trained at once (one thread each)")
+    p.add_argument("--sudoku_json", default=os.path.join(RESULTS_DIR, "fprm_sudoku_stability.json"))
     a = p.parse_args(argv)
     os.makedirs(a.output_dir, exist_ok=True)
-    evidence = {"group": a.group, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = {}
+    if a.part in ("all", "sudoku_stability"):
+        out["sudoku_stability"] = sudoku_stability(a)
+    if a.part in ("all", "state_tracking"):
+        out["state_tracking"] = state_tracking(a)
+    return out
 
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# The paper's stability comparison: name -> flags over the sudoku-cpu preset.
+SUDOKU_VARIANTS = {
+    "pre-norm + scaling (faithful default)": [],
+    "post-norm (TRM style)": ["--norm_type", "post"],
+    "pre-norm, no scaling": ["--residual_scaling", "none"],
+}
+CURVE = (8, 16, 32, 64, 128, 256)
+
+
+def sudoku_stability(a):
+    if a.jobs < 1:
+        raise ValueError(f"`--jobs` must be a positive int, got {a.jobs}.")
+    t0 = time.perf_counter()
+    runs, pending = {}, list(SUDOKU_VARIANTS.items())
+    running = []
+    while pending or running:
+        while pending and len(running) < a.jobs:
+            name, flags = pending.pop(0)
+            out_dir = os.path.join(a.output_dir, "sudoku-" + name.split(" (")[0].replace(" + ", "-").replace(", ", "-")
+                                   .replace(" ", "-"))
+            cmd = [sys.executable, "-m", "training.fprm.train", "--preset", "sudoku-cpu", "--torch_threads", "1",
+                   "--time_budget_minutes", str(a.sudoku_minutes * a.scale), "--num_test", str(a.sudoku_num_test),
+                   # the curve's last point is "always run the cap" (256), so no second run of a 200 cap
+                   "--compare_cap", "false", "--eval_iterations_curve",
+                   ",".join(map(str, CURVE)), "--output_dir", out_dir, *flags]
+            os.makedirs(out_dir, exist_ok=True)
+            log = open(out_dir + ".log", "w")
+            print("running:", " ".join(cmd[1:]))
+            running.append((name, flags, out_dir, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(2)
+        for item in list(running):
+            name, flags, out_dir, proc, log = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log.close()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{name}: training exited with {proc.returncode}; see {out_dir}.log")
+                with open(os.path.join(out_dir, "results.json")) as f:
+                    r = json.load(f)
+                r.pop("log_history", None)
+                runs[name] = {"flags": flags, **r}
+    evidence = {"command": "python -m benchmarks.fprm_evidence --part sudoku_stability "
+                           f"--sudoku_minutes {a.sudoku_minutes} --sudoku_num_test {a.sudoku_num_test} --jobs {a.jobs} "
+                           f"--scale {a.scale}",
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_seconds": time.perf_counter() - t0,
+                "jobs": a.jobs, "torch_threads_per_run": 1,
+                "runs": {name: runs[name] for name in SUDOKU_VARIANTS}}
+    os.makedirs(os.path.dirname(os.path.abspath(a.sudoku_json)), exist_ok=True)
+    with open(a.sudoku_json, "w") as f:
+        json.dump(evidence, f, indent=1)
+    print_sudoku_tables(evidence)
+    print(f"wrote {a.sudoku_json}")
+    return evidence
+
+
+def print_sudoku_tables(evidence):
+    runs = evidence["runs"]
+    print(f"\nwall-clock {evidence['wall_seconds'] / 60:.1f} min, {evidence['jobs']} runs at once, one thread each")
+    print("\n| variant | train min | steps | " + " | ".join(f"{n} it." for n in CURVE) + " |")
+    print("|---|---|---|" + "---|" * len(CURVE))
+    for name, r in runs.items():
+        c = r["accuracy_vs_iterations"]
+        cells = [f"{c['exact_accuracy'][j]:.3f} / {c['cell_accuracy'][j]:.3f} / {c['converged_fraction'][j]:.2f}"
+                 for j in range(len(CURVE))]
+        print(f"| {name} | {r['train_seconds'] / 60:.1f} | {r['train_steps']} | " + " | ".join(cells) + " |")
+    print("\n(exact / cell accuracy / fraction converged, halting off; median relative residual:)")
+    for name, r in runs.items():
+        print(f"| {name} | " + " | ".join(f"{v:.3g}" for v in r["accuracy_vs_iterations"]["median_residual"]) + " |")
+    print(f"\n| variant | halting (τ, cap {runs[next(iter(runs))]['solver']['max_loops']}): exact / cell / mean "
+          f"iterations / converged | always {CURVE[-1]}: exact / cell | iteration ratio |")
+    print("|---|---|---|---|")
+    for name, r in runs.items():
+        h, c = r["halting"], r["accuracy_vs_iterations"]
+        print(f"| {name} | {h['exact_accuracy']:.3f} / {h['cell_accuracy']:.3f} / {h['mean_iterations']:.1f} / "
+              f"{h['converged_fraction']:.2f} | {c['exact_accuracy'][-1]:.3f} / {c['cell_accuracy'][-1]:.3f} | "
+              f"{h['mean_iterations'] / CURVE[-1]:.3f} |")
+    print("\niterations to halt against blanks, puzzles solved (halting on): bin: mean iterations (n)")
+    for name, r in runs.items():
+        rows = r.get("iterations_vs_num_blanks_solved", [])
+        print(f"| {name} | " + " | ".join(f"[{row['low']:g}, {row['high']:g}): {row['mean_iterations']:.1f} "
+                                          f"({row['count']})" for row in rows) + " |")
+
+
+def state_tracking(a):
+    evidence = {"group": a.group, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     from training.fprm.train import main as train
 
     t0 = time.perf_counter()

@@ -61,6 +61,69 @@ def by_difficulty(values, iterations, correct_rows, bins=6):
     return rows
 
 
+def check_iteration_counts(counts):
+    """Iteration counts for `accuracy_vs_iterations`: a non-empty, strictly increasing sequence of positive ints."""
+    counts = list(counts) if isinstance(counts, (list, tuple)) else counts
+    if (not isinstance(counts, list) or not counts
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+            or any(b <= a for a, b in zip(counts, counts[1:]))):
+        raise ValueError(f"iteration counts must be a non-empty, strictly increasing list of positive ints, got "
+                         f"{counts!r}.")
+    return counts
+
+
+def parse_iteration_counts(text):
+    """'8,16,32' -> [8, 16, 32] (the `--eval_iterations_curve` flag)."""
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"`--eval_iterations_curve` must be comma-separated positive ints such as '8,16,32', got "
+                         f"{text!r}.") from None
+    return check_iteration_counts(counts)
+
+
+@torch.no_grad()
+def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None):
+    """Accuracy with halting off after each of `counts` iterations (the paper's stability test): every sample runs
+    exactly that many solver iterations; one solver run per batch is continued from count to count
+    (`solver_state`), so the total cost is max(counts) iterations. Returns, per count: cell/exact accuracy, the
+    fraction converged (relative residual of the last iteration < τ), the fraction diverged (non-finite) and the
+    median relative residual."""
+    counts = check_iteration_counts(counts)
+    if "labels" not in dataset.column_names or len(dataset) == 0:
+        raise ValueError(f"`dataset` must be a non-empty dataset with a `labels` column, got columns "
+                         f"{dataset.column_names} and {len(dataset)} rows.")
+    model.eval()
+    device = next(model.parameters()).device
+    tau = model.config.halt_eps if halt_eps is None else halt_eps
+    preds = [[] for _ in counts]
+    residuals = [[] for _ in counts]
+    diverged = [[] for _ in counts]
+    for i in range(0, len(dataset), batch_size):
+        batch = dataset[i : i + batch_size]
+        kwargs = {"input_ids": torch.tensor(batch["input_ids"], device=device)}
+        if "puzzle_identifiers" in batch:
+            kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
+        state, done = None, 0
+        for j, count in enumerate(counts):
+            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, solver_state=state)
+            state, done = out.solver_state, count
+            preds[j].append(out.logits.argmax(-1).cpu())
+            residuals[j].append(out.residuals.cpu())
+            diverged[j].append(out.diverged.cpu())
+    result = {"iterations": counts, "halt_eps": tau, "cell_accuracy": [], "exact_accuracy": [],
+              "converged_fraction": [], "diverged_fraction": [], "median_residual": []}
+    for j in range(len(counts)):
+        cell, exact, _, _ = accuracy(torch.cat(preds[j]), dataset["labels"])
+        r = torch.cat(residuals[j])
+        result["cell_accuracy"].append(cell)
+        result["exact_accuracy"].append(exact)
+        result["converged_fraction"].append(float((r < tau).float().mean()))
+        result["diverged_fraction"].append(float(torch.cat(diverged[j]).float().mean()))
+        result["median_residual"].append(float(r.median()))
+    return result
+
+
 def length_generalisation(correct, valid):
     """The authors' state-tracking metric (length_gen_eval.py) from one causal forward over the test sequences: for
     each k, accuracy = mean correctness over positions 1..k and sequence accuracy = all of positions 1..k correct,
@@ -90,6 +153,10 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
     for column in difficulty_columns:
         if column != "length":
             results[f"iterations_vs_{column}"] = by_difficulty(test[column], iters, exact_rows)
+            solved = exact_rows.bool()
+            if solved.any():  # the paper's plot: iterations against difficulty on the puzzles solved
+                results[f"iterations_vs_{column}_solved"] = by_difficulty(
+                    np.asarray(test[column])[solved.numpy()], iters[solved], exact_rows[solved])
     if data_args.task in STATE_TRACKING_TASKS:
         per_position = (correct.float().sum(0) / valid.float().sum(0).clamp(min=1)).tolist()
         results["per_prefix_accuracy"] = per_position  # index k-1: accuracy of the running product of k elements
@@ -105,6 +172,10 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
             _, it, cv, _ = run_solver(model, prefix, eval_args.eval_batch_size, f"eval length {length}", **knobs)
             results["iterations_vs_length"].append({"length": length, "mean_iterations": float(it.float().mean()),
                                                     "converged_fraction": float(cv.float().mean())})
+    if eval_args.eval_iterations_curve:
+        results["accuracy_vs_iterations"] = accuracy_vs_iterations(
+            model, test, parse_iteration_counts(eval_args.eval_iterations_curve), eval_args.eval_batch_size,
+            knobs.get("halt_eps"))
     if data_args.task == "arc":
         from training.fprm.tasks.arc import pass_at_2
 
@@ -142,6 +213,12 @@ def print_report(results, train_seconds):
                 label = row["length"] if "length" in row else f"[{row['low']:g}, {row['high']:g})"
                 extra = f"  exact {row['exact_accuracy']:.3f}  n={row['count']}" if "count" in row else ""
                 print(f"  {label!s:>14}  mean iterations {row['mean_iterations']:.1f}{extra}")
+    if "accuracy_vs_iterations" in results:
+        c = results["accuracy_vs_iterations"]
+        print(f"halting off (τ = {c['halt_eps']:g}):")
+        for j, n in enumerate(c["iterations"]):
+            print(f"  {n:>5} iterations  cell acc {c['cell_accuracy'][j]:.4f}  exact acc {c['exact_accuracy'][j]:.4f}  "
+                  f"converged {c['converged_fraction'][j]:.2%}  median residual {c['median_residual'][j]:.3g}")
     if "length_generalisation" in results:
         lg = results["length_generalisation"]
         shown = [k for k in (2, 8, 16, 32, 64, 96, 128) if k <= len(lg["ks"])]

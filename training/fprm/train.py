@@ -29,7 +29,7 @@ from transformers import HfArgumentParser, set_seed
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from training.arguments import parse_args_with_config, split_config_file
 from training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
-from training.fprm.evaluate import evaluate, print_report, write_plots
+from training.fprm.evaluate import evaluate, parse_iteration_counts, print_report, write_plots
 from training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
@@ -102,6 +102,9 @@ class EvalArguments:
     eval_gamma: float | None = field(default=None)
     eval_batch_size: int = field(default=100)
     compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
+    eval_iterations_curve: str | None = field(
+        default=None, metadata={"help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
+                                        "fraction converged with halting off after each (the stability test)"})
     time_budget_minutes: float | None = field(default=None, metadata={"help": "stop training after this long"})
     time_budget_decay_fraction: float = field(
         default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
@@ -143,6 +146,8 @@ def parse_args(argv=None):
             raise ValueError(f"`--curriculum_threshold` must lie in (0, 1], got {data_args.curriculum_threshold}.")
         if train_args.max_steps <= 0:
             raise ValueError("A curriculum streams fresh data without end: set `--max_steps`.")
+    if eval_args.eval_iterations_curve is not None:
+        parse_iteration_counts(eval_args.eval_iterations_curve)
     return model_args, data_args, eval_args, train_args
 
 
