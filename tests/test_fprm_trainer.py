@@ -113,8 +113,9 @@ def test_training_arguments_are_validated(tmp_path):
 @pytest.mark.parametrize(
     "task_flags, expected_keys, plots",
     [
-        (["--task", "sudoku", "--sudoku_size", "4", "--num_prefix_tokens", "2"],
-         ["iterations_vs_num_blanks", "iterations_vs_rating"], ["iterations_vs_num_blanks.png"]),
+        (["--task", "sudoku", "--sudoku_size", "4", "--num_prefix_tokens", "2", "--eval_iterations_curve", "2,4"],
+         ["iterations_vs_num_blanks", "iterations_vs_rating", "accuracy_vs_iterations"],
+         ["iterations_vs_num_blanks.png"]),
         (["--task", "s5", "--train_length", "8", "--test_length", "16"],
          ["per_prefix_accuracy", "iterations_vs_length", "accuracy_at_length"], ["per_prefix_accuracy.png"]),
     ],
@@ -136,6 +137,8 @@ def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
     assert results["halting"] == saved["halting"]
     if "per_prefix_accuracy" in expected_keys:
         assert saved["max_train_length"] == 8
+    if "accuracy_vs_iterations" in expected_keys:
+        assert saved["accuracy_vs_iterations"]["iterations"] == [2, 4]
     for name in plots + ["training_loss.png"]:
         assert (tmp_path / name).stat().st_size > 1000
     assert (tmp_path / "model" / "model.safetensors").exists()
