@@ -463,6 +463,13 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(
+                f"`{name}` must hold at least one sequence of at least one token, shape (batch >= 1, seq_len >= 1), "
+                f"got shape {tuple(given.shape)}."
+            )
         if input_ids is None:
             return inputs_embeds
         # checks read values (a graph break), so compiled graphs skip them
