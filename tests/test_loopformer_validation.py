@@ -130,3 +130,82 @@ def test_empty_inputs_are_a_clear_error(tiny_model, shape):
         tiny_model(ids)
     with pytest.raises(ValueError, match=r"inputs_embeds.*got shape"):
         tiny_model(inputs_embeds=torch.zeros(*shape, 64))
+
+
+# ---- 4. loop knobs read from generation_config ------------------------------------------------------------------
+
+def _loop_steps_of_generate(model, ids, **kwargs):
+    """Number of loop steps each forward of a greedy generate ran (from output_hidden_states of the spied forward)."""
+    seen = []
+
+    def hook(module, args, kw, output):
+        seen.append(len(output.hidden_states) - 1)
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, output_hidden_states=True,
+                             return_dict_in_generate=True, **kwargs)
+    finally:
+        handle.remove()
+    return set(seen), out
+
+
+@pytest.fixture
+def generating_model():
+    torch.manual_seed(0)
+    model = randomize_modulation(LoopFormerForCausalLM(tiny_loopformer_config(num_loops=4))).eval()
+    return model
+
+
+def test_generation_config_loop_budget_reaches_forward(generating_model):
+    ids = torch.tensor([[3, 4, 5]])
+    steps, _ = _loop_steps_of_generate(generating_model, ids, generation_config=GenerationConfig(loop_budget=1))
+    assert steps == {1}
+    steps, _ = _loop_steps_of_generate(generating_model, ids)
+    assert steps == {4}
+
+
+def test_call_kwarg_overrides_generation_config(generating_model):
+    ids = torch.tensor([[3, 4, 5]])
+    generating_model.generation_config.loop_budget = 1
+    steps, _ = _loop_steps_of_generate(generating_model, ids, loop_budget=2)
+    assert steps == {2}
+    steps, _ = _loop_steps_of_generate(generating_model, ids, generation_config=GenerationConfig(loop_budget=3))
+    assert steps == {3}
+    steps, _ = _loop_steps_of_generate(generating_model, ids)
+    assert steps == {1}
+
+
+def test_generation_config_step_schedule_and_halt_eps(generating_model):
+    ids = torch.tensor([[3, 4, 5]])
+    schedule = [0.5, 0.25, 0.25]
+    by_kwarg = generating_model.generate(ids, max_new_tokens=4, do_sample=False, step_schedule=schedule,
+                                         output_scores=True, return_dict_in_generate=True)
+    by_config = generating_model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
+                                          return_dict_in_generate=True,
+                                          generation_config=GenerationConfig(step_schedule=schedule))
+    default = generating_model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
+                                        return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(by_config.scores), torch.stack(by_kwarg.scores))
+    assert not torch.allclose(torch.stack(default.scores), torch.stack(by_kwarg.scores))
+    out = generating_model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                                    generation_config=GenerationConfig(halt_eps=1e9))
+    assert out.loop_counts is not None and bool((out.loop_counts == 1).all())  # every token halts after one step
+
+
+def test_generation_config_halt_eps_with_beams_is_refused(generating_model):
+    with pytest.raises(ValueError, match="halt_eps.*beam search"):
+        generating_model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2,
+                                  generation_config=GenerationConfig(halt_eps=0.1, num_beams=2))
+
+
+def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):
+    generating_model.generation_config.loop_budget = 1
+    generating_model.generation_config.step_schedule = "coarse_to_fine"
+    generating_model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["loop_budget"] == 1 and saved["step_schedule"] == "coarse_to_fine"
+    loaded = LoopFormerForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.generation_config.loop_budget == 1
+    steps, _ = _loop_steps_of_generate(loaded, torch.tensor([[3, 4, 5]]))
+    assert steps == {1}
