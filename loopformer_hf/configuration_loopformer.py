@@ -28,6 +28,20 @@ HALT_KV_FILLS = ("recompute", "reuse")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                       "num_hidden_layers", "num_loops", "max_position_embeddings", "frequency_embedding_size",
+                       "max_loop_budget_factor")
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "block_norm_weight", "use_cache")
+CHOICE_FIELDS = {
+    "loop_conditioning": LOOP_CONDITIONING_MODES,
+    "position_embedding_type": POSITION_EMBEDDING_TYPES,
+    "default_step_schedule": STEP_SCHEDULE_PRESETS,
+    "halt_kv_fill": HALT_KV_FILLS,
+    "initializer_scheme": INITIALIZER_SCHEMES,
+}
+# Fields whose bound depends on another field; re-checked together whenever one of them is set.
+LOOP_BUDGET_FIELDS = ("num_loops", "default_loop_budget", "max_loop_budget_factor")
+
 # Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
 _warned_trajectories = set()
 
@@ -115,6 +129,12 @@ class LoopFormerConfig(PreTrainedConfig):
             (torch `nn.RMSNorm` defaults: initialised to 1). The reference's Base-Loop and Base blocks have it; its
             LoopFormer and TMLT blocks (adaLN scales instead) do not.
         use_cache (`bool`, defaults to `True`): return a KV cache (one slot per loop step and block).
+        max_loop_budget_factor (`int`, defaults to 8): the largest loop budget a call may ask for is
+            `max_loop_budget_factor * num_loops` (`max_loop_budget`); a larger one raises `ValueError` before anything
+            is allocated.
+
+    Every field is validated however it arrives (constructor, `config.json`, `from_pretrained` kwargs, attribute
+    set): bad values raise `ValueError`, booleans must be `True` or `False`.
     """
 
     model_type = "loopformer"
@@ -148,6 +168,7 @@ class LoopFormerConfig(PreTrainedConfig):
         initializer_scheme="reference",
         block_norm_weight=False,
         use_cache=True,
+        max_loop_budget_factor=8,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -178,6 +199,7 @@ class LoopFormerConfig(PreTrainedConfig):
         self.initializer_scheme = initializer_scheme
         self.block_norm_weight = block_norm_weight
         self.use_cache = use_cache
+        self.max_loop_budget_factor = max_loop_budget_factor
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -188,16 +210,66 @@ class LoopFormerConfig(PreTrainedConfig):
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
 
-    def _validate_fields(self):
-        def positive_int(name):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    @property
+    def max_loop_budget(self):
+        """The largest loop budget M a call may ask for."""
+        return self.max_loop_budget_factor * self.num_loops
 
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "num_hidden_layers", "num_loops", "max_position_embeddings",
-                     "frequency_embedding_size"):
-            positive_int(name)
+    def __setattr__(self, name, value):
+        # transformers sets `from_pretrained` kwargs (and users set fields) after `__init__`: check them here too.
+        value = self._check_field(name, value)
+        if name not in LOOP_BUDGET_FIELDS or not all(f in self.__dict__ for f in LOOP_BUDGET_FIELDS):
+            return super().__setattr__(name, value)
+        old = self.__dict__[name]
+        super().__setattr__(name, value)
+        try:
+            self._check_loop_budget_fields()
+        except ValueError:
+            super().__setattr__(name, old)
+            raise
+
+    @staticmethod
+    def _check_field(name, value):
+        """The checks of one field on its own (cross-field ones are in `_validate_fields`)."""
+        if name in POSITIVE_INT_FIELDS and (
+            not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__}).")
+        if name in BOOL_FIELDS and not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+        if name in CHOICE_FIELDS and value not in CHOICE_FIELDS[name]:
+            raise ValueError(f"`{name}` must be one of {CHOICE_FIELDS[name]}, got {value!r}.")
+        if name == "hidden_act" and value != "swiglu":
+            from transformers.activations import ACT2FN
+
+            if not isinstance(value, str) or value not in ACT2FN:
+                raise ValueError(
+                    f"`hidden_act` must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}."
+                )
+        if name == "rms_norm_eps" and value is not None and not (_is_real_number(value) and value > 0):
+            raise ValueError(f"`rms_norm_eps` must be None or a positive float, got {value!r}.")
+        if name in ("rope_theta", "max_period") and not (_is_real_number(value) and value > 0):
+            raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        if name == "attention_dropout" and not (_is_real_number(value) and 0 <= value <= 1):
+            raise ValueError(f"`attention_dropout` must be a number in [0, 1], got {value!r}.")
+        if name == "initializer_range" and not (_is_real_number(value) and 0 <= value < math.inf):
+            raise ValueError(f"`initializer_range` must be a non-negative number, got {value!r}.")
+        if name == "default_loop_budget" and value is not None and (
+            not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(
+                f"`default_loop_budget` must be None or an integer >= 1, got {value!r} ({type(value).__name__})."
+            )
+        return value
+
+    def _check_loop_budget_fields(self):
+        if self.default_loop_budget is not None:
+            self._check_budget(self.default_loop_budget, "default_loop_budget")
+
+    def _validate_fields(self):
+        for name in (*POSITIVE_INT_FIELDS, *BOOL_FIELDS, *CHOICE_FIELDS, "hidden_act", "rms_norm_eps", "rope_theta",
+                     "max_period", "attention_dropout", "initializer_range", "default_loop_budget"):
+            self._check_field(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -210,45 +282,20 @@ class LoopFormerConfig(PreTrainedConfig):
             )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
-        choices = {
-            "loop_conditioning": LOOP_CONDITIONING_MODES,
-            "position_embedding_type": POSITION_EMBEDDING_TYPES,
-            "default_step_schedule": STEP_SCHEDULE_PRESETS,
-            "halt_kv_fill": HALT_KV_FILLS,
-            "initializer_scheme": INITIALIZER_SCHEMES,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        if not isinstance(self.block_norm_weight, bool):
-            raise ValueError(f"`block_norm_weight` must be True or False, got {self.block_norm_weight!r}.")
-        if self.hidden_act != "swiglu":
-            from transformers.activations import ACT2FN
-
-            if self.hidden_act not in ACT2FN:
-                raise ValueError(
-                    f"`hidden_act` must be 'swiglu' or an activation of transformers.activations.ACT2FN, "
-                    f"got {self.hidden_act!r}."
-                )
-        if self.rms_norm_eps is not None and not (_is_real_number(self.rms_norm_eps) and self.rms_norm_eps > 0):
-            raise ValueError(f"`rms_norm_eps` must be None or a positive float, got {self.rms_norm_eps!r}.")
-        for name in ("rope_theta", "max_period"):
-            value = getattr(self, name)
-            if not (_is_real_number(value) and value > 0):
-                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
-        for name in ("attention_dropout", "initializer_range"):
-            value = getattr(self, name)
-            if not (_is_real_number(value) and 0 <= value <= (1 if name == "attention_dropout" else math.inf)):
-                raise ValueError(f"`{name}` must be a non-negative number, got {value!r}.")
-        if self.default_loop_budget is not None:
-            self._check_budget(self.default_loop_budget, "default_loop_budget")
+        self._check_loop_budget_fields()
 
     # ---- trajectories ------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_budget(budget, name="loop_budget"):
+    def _check_budget(self, budget, name="loop_budget"):
+        """An integer 1 <= M <= `max_loop_budget`, checked before anything is allocated for it."""
         if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
             raise ValueError(f"`{name}` must be an integer >= 1, got {budget!r} ({type(budget).__name__}).")
+        if budget > self.max_loop_budget:
+            raise ValueError(
+                f"`{name}`={budget} exceeds the largest loop budget this model allows, max_loop_budget="
+                f"{self.max_loop_budget} (max_loop_budget_factor={self.max_loop_budget_factor} x num_loops="
+                f"{self.num_loops}); raise `config.max_loop_budget_factor` to allow more loop steps."
+            )
         return int(budget)
 
     def step_schedule_preset(self, name, budget):
@@ -275,6 +322,8 @@ class LoopFormerConfig(PreTrainedConfig):
             steps = self.step_schedule_preset(step_schedule, budget)
             named = step_schedule
         else:
+            if hasattr(step_schedule, "__len__") and len(step_schedule) > self.max_loop_budget:
+                self._check_budget(len(step_schedule), "len(step_schedule)")
             steps = self._check_schedule(step_schedule)
             if loop_budget is not None and loop_budget != len(steps):
                 raise ValueError(

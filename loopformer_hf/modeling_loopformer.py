@@ -463,6 +463,13 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        given = input_ids if input_ids is not None else inputs_embeds
+        if given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:
+            name = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(
+                f"`{name}` must hold at least one sequence of at least one token, shape (batch >= 1, seq_len >= 1), "
+                f"got shape {tuple(given.shape)}."
+            )
         if input_ids is None:
             return inputs_embeds
         # checks read values (a graph break), so compiled graphs skip them
@@ -587,6 +594,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
 
 CONSISTENCY_LOSSES = ("mse", "kl")
+# Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
+GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
 
 
@@ -749,6 +758,28 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         LoopFormerCache.replace_generate_default(model_kwargs)
 
+    def save_pretrained(self, *args, **kwargs):
+        """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
+        generation_config.json and come back on load."""
+        generation_config = getattr(self, "generation_config", None)
+        if generation_config is not None and any(
+            getattr(generation_config, name, None) is not None for name in GENERATION_LOOP_KNOBS
+        ):
+            # A generation config marked as derived from the model config loses its custom fields when loaded.
+            generation_config._from_model_config = False
+        return super().save_pretrained(*args, **kwargs)
+
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        """transformers' hook that merges `generation_config` (the call's, then `self.generation_config`) with the call
+        kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
+        `forward`; a call kwarg of the same name is absorbed into the config. Hand the merged value on to `forward`."""
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for name in GENERATION_LOOP_KNOBS:
+            value = getattr(generation_config, name, None)
+            if name not in model_kwargs and value is not None:
+                model_kwargs[name] = value
+        return generation_config, model_kwargs
+
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
         """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
         input (see `_update_model_kwargs_for_generation`)."""
@@ -761,14 +792,20 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs.
+        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs. The same three fields
+        set on `generation_config` (or on `model.generation_config`, which `save_pretrained` writes to
+        generation_config.json) are used when the call does not give them.
 
         With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`])
         carries `loop_counts`, a (batch, length - 1) tensor: the loop steps spent on each input position (position i
         produced token i + 1). Greedy decoding and sampling only; other modes raise `ValueError` with `halt_eps`.
         """
         log = None
-        if kwargs.get("halt_eps") is not None:
+        given = kwargs.get("generation_config") or self.generation_config
+        halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
+        if halt_eps is None and kwargs.get("generation_config") is not None:
+            halt_eps = getattr(self.generation_config, "halt_eps", None)
+        if halt_eps is not None:
             unsupported = _loop_counts_unsupported(kwargs, self.generation_config)
             if unsupported is not None:
                 raise ValueError(
