@@ -277,6 +277,10 @@ def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=503
             dtype="float32", allow_pickle=False, safe_serialization=True):
     """Convert `checkpoint` (a model of the reference's `model_type`) and save it with `save_pretrained` into
     `output`. Returns the converted model (eval)."""
+    output = os.fspath(output)
+    # checked before any work: save_pretrained only logs an error for a file path and writes nothing
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"--output {output!r} exists and is not a folder.")
     if dtype not in DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}.")
     config = build_config(n_layer, n_loops, n_embd, n_head, vocab_size=vocab_size, block_size=block_size,
