@@ -4,6 +4,21 @@ import pytest
 import torch
 
 from loopformer_hf.convert_reference import main as convert_main
+from training.loopformer import evaluate as evaluate_elastic
+from training.loopformer import train as train_loopformer
+
+TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
+        "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",
+        "--per_device_train_batch_size", "8", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+        "--max_steps", "2", "--save_strategy", "no", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    for variant in ("loopformer", "base"):
+        train_loopformer.main(["--output_dir", str(root / variant), "--variant", variant, *TINY])
+    return root
 
 
 def test_convert_reference_refuses_an_existing_file_as_output(tmp_path, capsys):
@@ -18,3 +33,16 @@ def test_convert_reference_refuses_an_existing_file_as_output(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(target) in err and "not a folder" in err and "saved" not in err
     assert target.read_bytes() == b"keep me"
+
+
+def test_evaluate_without_uniform_schedule_still_scores_and_summarises(checkpoints, tmp_path, capsys):
+    # the tables and the Base comparison are at the uniform schedule; without it the summary ended in IndexError
+    paths = [str(checkpoints / "loopformer"), str(checkpoints / "base")]
+    records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--max_rows", "8", "--repr_rows", "4",
+                                     "--schedules", "coarse_to_fine"])
+    loop = {(r["schedule"], r["budget"]) for r in records[0]["results"]}
+    assert {("coarse_to_fine", m) for m in range(1, 5)} <= loop
+    assert {("uniform", m) for m in range(1, 5)} <= loop  # added as the reference the tables are read against
+    assert "fine_to_coarse" not in {s for s, _ in loop}
+    captured = capsys.readouterr()
+    assert "uniform" in captured.err and "Exact match" in captured.out

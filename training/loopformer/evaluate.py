@@ -375,7 +375,8 @@ def main(argv=None):
     parser.add_argument("--names", nargs="*", help="Display names, one per checkpoint (default: folder names).")
     parser.add_argument("--max_rows", type=int, default=400, help="Held-out problems / text blocks to score.")
     parser.add_argument("--repr_rows", type=int, default=32, help="Held-out rows for the representation metrics.")
-    parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES), help=f"Subset of {SCHEDULES}.")
+    parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES),
+                        help=f"Subset of {SCHEDULES}; uniform is always added (the tables are read against it).")
     parser.add_argument("--generate_budgets", nargs="*", type=int, default=[],
                         help="Show generate(loop_budget=M) text for these M.")
     parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
@@ -388,6 +389,11 @@ def main(argv=None):
     bad = [s for s in args.schedules if s not in SCHEDULES]
     if bad:
         raise ValueError(f"--schedules {bad} unknown; allowed: {SCHEDULES}.")
+    if "uniform" not in args.schedules:
+        # the tables, the plots' Base point and the models without Δ conditioning all read the uniform schedule
+        print(f"--schedules {args.schedules}: adding 'uniform', the reference every table and plot is read against.",
+              file=sys.stderr)
+        args.schedules = ["uniform", *args.schedules]
     for name in ("max_rows", "repr_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
