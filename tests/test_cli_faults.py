@@ -46,3 +46,13 @@ def test_evaluate_without_uniform_schedule_still_scores_and_summarises(checkpoin
     assert "fine_to_coarse" not in {s for s, _ in loop}
     captured = capsys.readouterr()
     assert "uniform" in captured.err and "Exact match" in captured.out
+
+
+@pytest.mark.parametrize("budget", ["0", "-2"])
+def test_evaluate_rejects_a_generate_budget_below_one_before_any_work(tmp_path, budget):
+    # it failed only after the whole evaluation; a checkpoint that does not exist shows the check comes first
+    with pytest.raises(ValueError, match=rf"--generate_budgets.*{budget}.*>= 1"):
+        evaluate_elastic.main([str(tmp_path / "no-such-checkpoint"), "--output_dir", str(tmp_path / "out"),
+                               "--generate_budgets", "2", budget])
+    assert not (tmp_path / "out").exists()
+

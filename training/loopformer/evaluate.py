@@ -394,6 +394,9 @@ def main(argv=None):
         print(f"--schedules {args.schedules}: adding 'uniform', the reference every table and plot is read against.",
               file=sys.stderr)
         args.schedules = ["uniform", *args.schedules]
+    low = [b for b in args.generate_budgets if b < 1]
+    if low:  # checked here, not after the whole evaluation when generate would refuse it
+        raise ValueError(f"--generate_budgets {low}: each loop budget must be an integer >= 1.")
     for name in ("max_rows", "repr_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
