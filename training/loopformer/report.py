@@ -262,6 +262,14 @@ def main(argv=None):
     tasks = [t for t in args.tasks if t != "shakespeare" or os.path.isdir(SHAKESPEARE)]
     if len(tasks) < len(args.tasks):
         print(f"skipping shakespeare: {os.path.normpath(SHAKESPEARE)} does not exist", flush=True)
+    if not args.train:  # refuse before anything is written: a report of stubs would replace the real one
+        empty = {t: [os.path.join(args.runs_dir, t, v) for v, _ in VARIANTS] for t in tasks
+                 if not any(os.path.exists(os.path.join(args.runs_dir, t, v, TRAINING_META_FILE)) for v, _ in VARIANTS)}
+        if empty:
+            raise ValueError(f"--no_train: no finished run for {sorted(empty)}; expected one of "
+                             + "; ".join(f"{t}: {', '.join(dirs)}" for t, dirs in empty.items())
+                             + f". Train them (drop --no_train) or pass the right --runs_dir; "
+                             f"{os.path.join(args.docs_dir, 'results.md')} was left as it was.")
     if args.train:
         train_missing(args.runs_dir, tasks, args.parallel)
     for task in tasks:
