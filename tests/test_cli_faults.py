@@ -7,10 +7,7 @@ from loopformer_hf.convert_reference import main as convert_main
 from training.loopformer import evaluate as evaluate_elastic
 from training.loopformer import train as train_loopformer
 
-TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
-        "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",
-        "--per_device_train_batch_size", "8", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--max_steps", "2", "--save_strategy", "no", "--seed", "0"]
+from test_evaluate_elastic import TINY  # the tiny training run both files train checkpoints with
 
 
 @pytest.fixture(scope="module")

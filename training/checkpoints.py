@@ -32,32 +32,30 @@ def _check_safetensors(path):
         )
 
 
+def _check_json(file, missing_message):
+    """Raise `CheckpointError` if `file` is missing (with `missing_message`) or not valid JSON (naming it)."""
+    try:
+        with open(file) as f:
+            json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(missing_message) from None
+    except ValueError as e:
+        raise CheckpointError(f"{file} is corrupt: {e}.") from None
+
+
 def check_checkpoint(path, for_resume=False):
     """Raise `CheckpointError` naming the file if `path` is not a complete model (and, `for_resume`, trainer) save."""
     if not os.path.isdir(path):
         raise CheckpointError(f"Checkpoint {path!r} is not a folder.")
-    config_path = os.path.join(path, "config.json")
-    try:
-        with open(config_path) as f:
-            json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"Checkpoint {path!r} has no config.json.") from None
-    except ValueError as e:
-        raise CheckpointError(f"{config_path} is corrupt: {e}.") from None
+    _check_json(os.path.join(path, "config.json"), f"Checkpoint {path!r} has no config.json.")
     weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
     if not weights and not os.path.exists(os.path.join(path, "pytorch_model.bin")):
         raise CheckpointError(f"Checkpoint {path!r} holds no weights (model.safetensors).")
     for name in weights:
         _check_safetensors(os.path.join(path, name))
     if for_resume:
-        state_path = os.path.join(path, "trainer_state.json")
-        try:
-            with open(state_path) as f:
-                json.load(f)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.") from None
-        except ValueError as e:
-            raise CheckpointError(f"{state_path} is corrupt: {e}.") from None
+        _check_json(os.path.join(path, "trainer_state.json"),
+                    f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.")
         for name in ("optimizer.pt", "scheduler.pt"):
             file = os.path.join(path, name)
             if not os.path.exists(file):
