@@ -7,7 +7,7 @@
    `torch.cuda.max_memory_allocated` when a GPU is present.
 2. Halting vs always running the cap: mean iterations, wall-clock and accuracy of a trained model, with
    `halt_eps` against `halting=False` at the same `max_loops` (`--halting_model`, a folder written by
-   training/fprm/train.py).
+   looped_training/fprm/train.py).
 
     python -m benchmarks.bench_fprm_memory                       # memory table, JSON to benchmarks/results/
     python -m benchmarks.bench_fprm_memory --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,16 +120,16 @@ def _in_fresh_process(loops, mode, hidden, batch):
 
 
 def halting_vs_cap(model_dir, task, num_test, max_loops, halt_eps, batch_size=100, seed=1):
-    from training.fprm.evaluate import accuracy, run_solver
-    from training.fprm.tasks import STATE_TRACKING_TASKS
+    from looped_training.fprm.evaluate import accuracy, run_solver
+    from looped_training.fprm.tasks import STATE_TRACKING_TASKS
 
     model = FPRMForReasoning.from_pretrained(model_dir).eval()
     if task.startswith("sudoku"):
-        from training.fprm.tasks.sudoku import build_sudoku_dataset
+        from looped_training.fprm.tasks.sudoku import build_sudoku_dataset
 
         test = build_sudoku_dataset(int(task[len("sudoku"):]), 0, num_test, seed=seed + 1000)["test"]
     elif task in STATE_TRACKING_TASKS:
-        from training.fprm.tasks.state_tracking import build_state_tracking_dataset
+        from looped_training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
         test = build_state_tracking_dataset(task.upper(), 0, num_test, seed=seed + 1000)["test"]
     else:

@@ -72,7 +72,7 @@ def sudoku_stability(a):
             name, flags = pending.pop(0)
             out_dir = os.path.join(a.output_dir, "sudoku-" + name.split(" (")[0].replace(" + ", "-").replace(", ", "-")
                                    .replace(" ", "-"))
-            cmd = [sys.executable, "-m", "training.fprm.train", "--preset", "sudoku-cpu", "--torch_threads", "1",
+            cmd = [sys.executable, "-m", "looped_training.fprm.train", "--preset", "sudoku-cpu", "--torch_threads", "1",
                    "--time_budget_minutes", str(a.sudoku_minutes * a.scale), "--num_test", str(a.sudoku_num_test),
                    # the curve's last point is "always run the cap" (256), so no second run of a 200 cap
                    "--compare_cap", "false", "--eval_iterations_curve",
@@ -137,7 +137,7 @@ def print_sudoku_tables(evidence):
 
 def state_tracking(a):
     evidence = {"group": a.group, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    from training.fprm.train import main as train
+    from looped_training.fprm.train import main as train
 
     t0 = time.perf_counter()
     results = train(["--preset", "s5-cpu", "--task", a.group.lower(), "--num_test", "300", "--compare_cap", "false",

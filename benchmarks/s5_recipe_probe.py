@@ -22,7 +22,7 @@ import time
 import torch
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from training.fprm.tasks.state_tracking import GROUPS, multiplication_table
+from looped_training.fprm.tasks.state_tracking import GROUPS, multiplication_table
 
 
 def parse_args(argv=None):

@@ -686,7 +686,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
             objective: the same inputs also run this short trajectory (steps summing to 1) and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency`. A data collator can put it in the batch (training/callbacks.py does).
+            `consistency`. A data collator can put it in the batch (looped_training/callbacks.py does).
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
         lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
         consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` between the final normed hidden states (reference,

@@ -15,22 +15,22 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # One thread per run: the two runs share the machine's cores instead of fighting over them.
 export OMP_NUM_THREADS=1
 # Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
-# configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
-COMMON=(--config configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --save_steps 1000 --save_total_limit 1)
+# looped_training/configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
+COMMON=(--config looped_training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --save_steps 1000 --save_total_limit 1)
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"
-$PY -m training.loopformer.train --output_dir "$OUT/base_loop" --variant base_loop "${COMMON[@]}" \
+$PY -m looped_training.loopformer.train --output_dir "$OUT/base_loop" --variant base_loop "${COMMON[@]}" \
     --disable_tqdm true > "$OUT/base_loop.log" 2>&1 &
 BASE_PID=$!
-$PY -m training.loopformer.train --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}"
+$PY -m looped_training.loopformer.train --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}"
 echo "== waiting for Base-Loop"
 wait "$BASE_PID" || { tail -n 30 "$OUT/base_loop.log"; exit 1; }
 grep -E "train_runtime|train_loss" "$OUT/base_loop.log" | tail -n 2
 echo "== training took $(( $(date +%s) - START )) s"
 
 echo "== elastic evaluation"
-$PY -m training.loopformer.evaluate "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
+$PY -m looped_training.loopformer.evaluate "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
     --output_dir "$OUT/eval" --generate_budgets 1 2 4 --halt_eps 0.1 0.3 0.5 0.8
 $PY - "$OUT/loopformer" <<'PYEOF'
 import sys

@@ -10,7 +10,7 @@ from transformers import Trainer, TrainerControl, TrainerState, TrainingArgument
 
 import loopformer_hf
 from conftest import randomize_modulation, tiny_loopformer_config
-from training.loopformer.objective import (ShortcutCollator, ShortcutConsistencyCallback, sample_early_exit_trajectory,
+from looped_training.loopformer.objective import (ShortcutCollator, ShortcutConsistencyCallback, sample_early_exit_trajectory,
                                 sample_shortcut_trajectory)
 
 

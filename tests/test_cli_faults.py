@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from loopformer_hf.convert_reference import main as convert_main
-from training.loopformer import evaluate as evaluate_elastic
-from training.loopformer import train as train_loopformer
+from looped_training.loopformer import evaluate as evaluate_elastic
+from looped_training.loopformer import train as train_loopformer
 
 from test_evaluate_elastic import TINY  # the tiny training run both files train checkpoints with
 
@@ -57,7 +57,7 @@ def test_evaluate_rejects_a_generate_budget_below_one_before_any_work(tmp_path, 
 @pytest.mark.parametrize("task_folder", [False, True])
 def test_report_no_train_without_runs_refuses_and_keeps_the_docs(tmp_path, task_folder):
     # it overwrote docs/results.md with "not run" stubs (or, with an empty task folder, died in argparse)
-    from training.loopformer import report
+    from looped_training.loopformer import report
 
     docs = tmp_path / "docs"
     docs.mkdir()

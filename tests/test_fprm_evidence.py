@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset
 
 from fprm_fixtures import one_thread, tiny_fprm  # noqa: F401  (one_thread is autouse)
-from training.fprm.evaluate import accuracy_vs_iterations, parse_iteration_counts
+from looped_training.fprm.evaluate import accuracy_vs_iterations, parse_iteration_counts
 
 
 def grid_dataset(rows=6, labels=True):

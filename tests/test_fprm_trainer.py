@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from benchmarks.bench_fprm_memory import train_memory
 from fprm_fixtures import one_thread, sequence_fprm_config, tiny_fprm  # noqa: F401  (one_thread is autouse)
-from training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
 
 
 def tiny_model(seed=0):
@@ -121,7 +121,7 @@ def test_training_arguments_are_validated(tmp_path):
     ],
 )
 def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
-    from training.fprm.train import main
+    from looped_training.fprm.train import main
 
     results = main(task_flags + [
         "--output_dir", str(tmp_path), "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
@@ -145,7 +145,7 @@ def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
 
 
 def test_train_script_rejects_unknown_preset_and_task(tmp_path):
-    from training.fprm.train import parse_args
+    from looped_training.fprm.train import parse_args
 
     with pytest.raises(ValueError, match=r"`--preset` must be one of \[.*'s5-quick'.*\], got 'nope'"):
         parse_args(["--preset", "nope"])
@@ -154,7 +154,7 @@ def test_train_script_rejects_unknown_preset_and_task(tmp_path):
 
 
 def test_presets_are_defaults_that_flags_override():
-    from training.fprm.train import parse_args
+    from looped_training.fprm.train import parse_args
 
     model_args, data_args, eval_args, train_args = parse_args(["--preset", "s5-quick", "--max_steps", "7"])
     assert data_args.task == "s5" and train_args.n_backward == 2 and train_args.max_steps == 7
@@ -162,8 +162,8 @@ def test_presets_are_defaults_that_flags_override():
 
 
 def test_train_script_passes_min_train_length_to_state_tracking():
-    from training.fprm.tasks import build_task
-    from training.fprm.train import parse_args
+    from looped_training.fprm.tasks import build_task
+    from looped_training.fprm.train import parse_args
 
     _, data_args, _, _ = parse_args(["--task", "s5", "--train_length", "8", "--min_train_length", "2",
                                      "--num_train", "200", "--num_test", "2", "--test_length", "16"])
@@ -178,8 +178,8 @@ def test_train_script_passes_min_train_length_to_state_tracking():
 def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp_path):
     from types import SimpleNamespace
 
-    from training.fprm.tasks.state_tracking import StateTrackingStream
-    from training.fprm.callbacks import LengthCurriculumCallback
+    from looped_training.fprm.tasks.state_tracking import StateTrackingStream
+    from looped_training.fprm.callbacks import LengthCurriculumCallback
 
     stream = StateTrackingStream("S3", min_length=2, max_length=4)
     args = FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2,
@@ -201,7 +201,7 @@ def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp
 def test_train_script_length_curriculum_end_to_end(tmp_path):
     """The real probe on a model that trains for a few steps: the curriculum runs inside Trainer, raises the
     Trainer's own max_segments and is recorded in results.json."""
-    from training.fprm.train import main
+    from looped_training.fprm.train import main
 
     results = main([
         "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
@@ -232,7 +232,7 @@ def test_train_script_length_curriculum_end_to_end(tmp_path):
     ],
 )
 def test_curriculum_flags_are_validated(tmp_path, flags, message):
-    from training.fprm.train import parse_args
+    from looped_training.fprm.train import parse_args
 
     with pytest.raises(ValueError, match=message):
         parse_args(flags + ["--output_dir", str(tmp_path)])
@@ -240,7 +240,7 @@ def test_curriculum_flags_are_validated(tmp_path, flags, message):
 
 def _s3_rows(count, min_length, max_length, pad_to, seed):
     """S3 running products in the state-tracking format (token = element + 1, pad 0, padded labels -100)."""
-    from training.fprm.tasks.state_tracking import build_state_tracking_dataset
+    from looped_training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
     ds = build_state_tracking_dataset("S3", num_train=count, num_test=0, train_length=max_length,
                                       min_train_length=min_length, pad_train_to=pad_to, seed=seed)["train"]
@@ -288,7 +288,7 @@ def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops()
 
     from transformers import get_constant_schedule_with_warmup
 
-    from training.fprm.callbacks import TimeBudgetCallback
+    from looped_training.fprm.callbacks import TimeBudgetCallback
 
     now = [0.0]
     model = torch.nn.Linear(2, 2)
@@ -344,7 +344,7 @@ def test_after_segment_halting_runs_every_iteration_then_halts_per_sample(tmp_pa
 
 
 def test_length_generalisation_is_the_authors_metric():
-    from training.fprm.evaluate import length_generalisation
+    from looped_training.fprm.evaluate import length_generalisation
 
     correct = torch.tensor([[True, True, False, True], [True, True, True, True]])
     valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
@@ -358,7 +358,7 @@ def test_length_generalisation_is_the_authors_metric():
 def _parse_preset(name, tmp_path):
     """The preset's arguments; a GPU preset is run with `--bf16 true` (its file says so: TrainingArguments refuses
     bf16 on a machine without an accelerator, so the flag cannot live in the file) and fits 10 minutes."""
-    from training.fprm.train import PRESETS_DIR, parse_args
+    from looped_training.fprm.train import PRESETS_DIR, parse_args
 
     args = parse_args(["--preset", name])
     if name.endswith("-gpu"):

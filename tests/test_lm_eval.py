@@ -102,7 +102,7 @@ def test_lm_eval_scores_follow_the_budget_from_the_command_line(setup):
     # code and the budget through the config default, and the package's registered model class with loop_budget
     hf = start_lm_eval(root, lm_eval_command(), "hf",
                        f"pretrained={root / 'model'},trust_remote_code=True,default_loop_budget=1", "hf1")
-    lf = start_lm_eval(root, [sys.executable, "-m", "training.loopformer.lm_eval"], "loopformer",
+    lf = start_lm_eval(root, [sys.executable, "-m", "looped_training.loopformer.lm_eval"], "loopformer",
                        f"pretrained={root / 'model'},loop_budget=4", "lf4")
     hf_m1, lf_m4 = finish_lm_eval(hf), finish_lm_eval(lf)
     assert hf_m1 == pytest.approx(want[1], rel=1e-4)
@@ -118,7 +118,7 @@ def test_lm_eval_both_routes_at_every_setting(setup):
     want_s = expected_perplexity(model, tokenizer, docs, step_schedule=schedule)
     hf = start_lm_eval(root, lm_eval_command(), "hf",
                        f"pretrained={root / 'model'},trust_remote_code=True,default_loop_budget=4", "hf4")
-    lf = start_lm_eval(root, [sys.executable, "-m", "training.loopformer.lm_eval"], "loopformer",
+    lf = start_lm_eval(root, [sys.executable, "-m", "looped_training.loopformer.lm_eval"], "loopformer",
                        f"pretrained={root / 'model'},step_schedule=0.5:0.25:0.25", "lfs")
     hf_m4, lf_s = finish_lm_eval(hf), finish_lm_eval(lf)
     assert hf_m4 == pytest.approx(want4, rel=1e-4)
@@ -126,7 +126,7 @@ def test_lm_eval_both_routes_at_every_setting(setup):
 
 
 def test_step_schedule_model_arg_parsing():
-    from training.loopformer.lm_eval import parse_step_schedule
+    from looped_training.loopformer.lm_eval import parse_step_schedule
 
     assert parse_step_schedule("0.5:0.25:0.25") == [0.5, 0.25, 0.25]
     assert parse_step_schedule("coarse_to_fine") == "coarse_to_fine"

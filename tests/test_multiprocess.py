@@ -26,7 +26,7 @@ def test_two_processes_sample_the_same_trajectory_each_step(tmp_path):
     # script's --use_cpu --ddp_backend gloo makes it a CPU (gloo) data-parallel run.
     cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           "-m", "training.loopformer.train", "--output_dir", str(out), "--variant", "loopformer",
+           "-m", "looped_training.loopformer.train", "--output_dir", str(out), "--variant", "loopformer",
            "--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_train_problems", "128",
            "--num_eval_problems", "8", "--max_depth", "3", "--per_device_train_batch_size", "4",
            "--gradient_accumulation_steps", "2", "--max_steps", "3", "--use_cpu", "--ddp_backend", "gloo",

@@ -1,5 +1,5 @@
 """PEFT / LoRA on LoopFormer and FPRM: adapters save and load, merge_and_unload keeps the outputs (atol 1e-5),
-generate(loop_budget=M) on the PEFT model, the loop-conditioning flag, and training/finetune_lora.py end to end."""
+generate(loop_budget=M) on the PEFT model, the loop-conditioning flag, and looped_training/finetune_lora.py end to end."""
 
 import json
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from _hub_helpers import CORPUS, fprm_task_rows, make_fprm, make_model, make_tokenizer, save_checkpoint
 
-from training.finetune_lora import (
+from looped_training.finetune_lora import (
     LOOPFORMER_TARGET_MODULES,
     add_lora,
     default_target_modules,

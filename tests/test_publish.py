@@ -1,4 +1,4 @@
-"""`python -m training.publish` against a Hub-compatible server on 127.0.0.1: push, load by repo id in a fresh process
+"""`python -m looped_training.publish` against a Hub-compatible server on 127.0.0.1: push, load by repo id in a fresh process
 where the packages cannot be imported, model card metadata and snippets, repeated pushes, bad token, unreachable
 endpoint, FPRM through its Auto class."""
 
@@ -17,7 +17,7 @@ from _hub_helpers import PYTHON, REPO_ROOT, hf_env, last_json_line, make_fprm, m
 from hub_server import HubServer
 
 import loopformer_hf  # noqa: F401  (registers the classes for the in-process side)
-from training.publish import load_eval_results, main as publish_main
+from looped_training.publish import load_eval_results, main as publish_main
 
 
 TOKEN = "hf_test_write_token"
@@ -72,7 +72,7 @@ def pushed(hub, checkpoint):
     path, model = checkpoint
     before = _digest(path)
     proc = subprocess.run(
-        [PYTHON, "-m", "training.publish", "--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN,
+        [PYTHON, "-m", "looped_training.publish", "--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN,
          "--dataset", "org/tiny-corpus", "--tag", "tiny"],
         cwd=REPO_ROOT, env={**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True,
         timeout=180,

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import transformers
 
-from training.checkpoints import CheckpointError, check_checkpoint
-from training.loopformer import train as train_loopformer
+from looped_training.checkpoints import CheckpointError, check_checkpoint
+from looped_training.loopformer import train as train_loopformer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
         "--num_train_problems", "256", "--num_eval_problems", "16", "--max_depth", "3",

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from training.loopformer import evaluate as evaluate_elastic
-from training.loopformer import train as train_loopformer
-from training.loopformer.data import text
+from looped_training.loopformer import evaluate as evaluate_elastic
+from looped_training.loopformer import train as train_loopformer
+from looped_training.loopformer.data import text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "shakespeare")

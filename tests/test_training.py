@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import loopformer_hf  # noqa: F401
-from training.loopformer import train as train_loopformer
-from training.loopformer.data import synthetic, text
-from training.loopformer.data.tokenizer import train_bpe_tokenizer
+from looped_training.loopformer import train as train_loopformer
+from looped_training.loopformer.data import synthetic, text
+from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
         "--num_train_problems", "256", "--num_eval_problems", "32", "--max_depth", "3",

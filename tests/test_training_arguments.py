@@ -1,5 +1,5 @@
-"""Config files of the training entry points (`training.arguments`): read through HfArgumentParser, flags override
-them, and every file under configs/ parses into its entry point's arguments."""
+"""Config files of the training entry points (`looped_training.arguments`): read through HfArgumentParser, flags override
+them, and every file under looped_training/configs/ parses into its entry point's arguments."""
 
 import glob
 import json
@@ -8,9 +8,9 @@ import os
 import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
-from training.arguments import parse_args_with_config, split_config_file
-from training.loopformer.data import DataArguments
-from training.loopformer.train import ModelArguments, ShortcutArguments
+from looped_training.arguments import parse_args_with_config, split_config_file
+from looped_training.loopformer.data import DataArguments
+from looped_training.loopformer.train import ModelArguments, ShortcutArguments
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,14 +48,14 @@ def test_config_file_errors_name_the_file_and_the_problem(tmp_path):
         parse_args_with_config(loopformer_parser(), [str(listing)])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "configs", "loopformer", "*.yaml"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "looped_training", "configs", "loopformer", "*.yaml"))))
 def test_every_loopformer_config_parses(path):
     (model, data, _, train), _ = parse_args_with_config(loopformer_parser(), [path, "--output_dir", "unused"])
     assert model.num_loops == 4 and data.task in ("synthetic", "text") and train.max_steps > 0
 
 
 def test_every_fprm_preset_parses_with_its_name_as_output_dir():
-    from training.fprm.train import parse_args, preset_names
+    from looped_training.fprm.train import parse_args, preset_names
 
     names = preset_names()
     assert {"s5-quick", "sudoku4-quick", "sudoku6-quick", "maze15-quick", "arc-tiny"} <= set(names)

@@ -1,0 +1,72 @@
+"""Command lines of the training entry points, as transformers' examples: `HfArgumentParser` dataclasses with
+underscore flags, and a JSON or YAML file of the same keys (`looped_training/configs/`), given as `--config FILE` or as the first
+argument. The file is read with `HfArgumentParser.parse_json_file` / `parse_yaml_file`, which reject a key no
+dataclass has; a flag on the command line overrides the file's value.
+
+    python -m looped_training.fprm.train looped_training/configs/fprm/s5-quick.yaml --max_steps 500
+    python -m looped_training.loopformer.train --config looped_training/configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
+"""
+
+import json
+import os
+import sys
+
+import yaml
+
+CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def split_config_file(argv):
+    """(config file or None, the remaining arguments) of `argv`: `--config FILE`, `--config=FILE`, or a first
+    argument ending in .json, .yaml or .yml."""
+    rest = list(argv)
+    found = []
+    if rest and not rest[0].startswith("-") and rest[0].endswith(CONFIG_SUFFIXES):
+        found.append(rest.pop(0))
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--config":
+            if i + 1 == len(rest):
+                raise ValueError(f"`--config` needs a file ending in one of {CONFIG_SUFFIXES}, got nothing.")
+            found.append(rest[i + 1])
+            del rest[i : i + 2]
+        elif rest[i].startswith("--config="):
+            found.append(rest.pop(i).split("=", 1)[1])
+        else:
+            i += 1
+    if len(found) > 1:
+        raise ValueError(f"Give one config file, got {found}.")
+    return (found[0] if found else None), rest
+
+
+def read_config_file(parser, path):
+    """The file's values as a dict, once `parser` has read the file as its dataclasses (which raises on a key no
+    dataclass has and on a value a dataclass rejects)."""
+    if not str(path).endswith(CONFIG_SUFFIXES):
+        raise ValueError(f"A config file must end in one of {CONFIG_SUFFIXES}, got {path!r}.")
+    if not os.path.isfile(path):
+        raise ValueError(f"Config file {path!r} does not exist.")
+    is_json = str(path).endswith(".json")
+    with open(path, encoding="utf-8") as f:
+        values = json.load(f) if is_json else yaml.safe_load(f)
+    if not isinstance(values, dict):
+        raise ValueError(f"Config file {path!r} must map argument names to values, got a {type(values).__name__}.")
+    try:
+        (parser.parse_json_file if is_json else parser.parse_yaml_file)(path)
+    except ValueError as e:
+        raise ValueError(f"Config file {path!r}: {e}") from None
+    return values
+
+
+def parse_args_with_config(parser, argv=None, defaults=None):
+    """`parser`'s dataclasses from, in rising precedence: `defaults` (the entry point's own), the config file, the
+    flags. Returns (dataclasses, config file or None)."""
+    path, rest = split_config_file(sys.argv[1:] if argv is None else argv)
+    values = dict(defaults or {})
+    if path is not None:
+        values.update(read_config_file(parser, path))
+    # As argparse defaults, a flag given on the command line replaces them. Numbers go in as text so that argparse
+    # gives them the field's type, as it would a flag (an int 50 for a float field becomes 50.0).
+    numbers = {k: str(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    parser.set_defaults(**{**values, **numbers})
+    return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False), path

@@ -1,0 +1,257 @@
+"""LoRA fine-tuning of LoopFormer (on text) and FPRM (on a task) with PEFT and `transformers.Trainer`.
+
+    # LoopFormer on local text files (or --dataset NAME --text_column text), budgets sampled per batch
+    python -m looped_training.finetune_lora --model runs/loopformer-tiny --train_files notes/ --output runs/lora \
+        --loop_budgets 2,4,8 --max_steps 200 [--loop_conditioning train|freeze] [--merge]
+
+    # FPRM on a task: a `datasets` folder (save_to_disk) or a JSON-lines file with `input_ids` and `labels`
+    python -m looped_training.finetune_lora --model runs/fprm-s5 --task_data s5_train.jsonl --output runs/fprm-lora \
+        --max_loops 16 --max_steps 200
+
+Target modules (LoRA on every `nn.Linear` of these names, in every shared block; the blocks are looped, so one
+adapter acts at every loop step):
+
+| model | attention | MLP |
+|---|---|---|
+| LoopFormer | q_proj, k_proj, v_proj, o_proj | up_proj, down_proj (+ gate_proj when hidden_act="swiglu") |
+| FPRM | qkv_proj (fused q, k, v, as the authors), o_proj | gate_up_proj (fused), down_proj (SwiGLU) |
+
+Loop-conditioning parameters (`--loop_conditioning`): LoopFormer's `model.loop_conditioning.*` (the t and Δ
+embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling` (the α/β of the loop update).
+`freeze` (default) keeps them as in the base model (PEFT freezes every base parameter); `train` makes them trainable
+through PEFT's `modules_to_save`: a trained copy is stored in the adapter and `merge_and_unload()` puts it in place.
+
+Outputs: `<output>/adapter` (adapter_model.safetensors + adapter_config.json + tokenizer) and, with `--merge`,
+`<output>/merged`, a plain checkpoint (with auto_map and modeling code) that `looped_training.publish` can push.
+"""
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+
+LOOPFORMER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+FPRM_TARGET_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+LOOP_CONDITIONING_MODULES = {"loopformer": ["loop_conditioning", "adaLN_modulation"], "fprm": ["residual_scaling"]}
+
+
+def _import_packages():
+    import loopformer_hf  # noqa: F401  (Auto registrations)
+
+    try:
+        import fprm_hf  # noqa: F401
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def default_target_modules(config):
+    """The documented LoRA targets for a LoopFormer or FPRM config."""
+    if config.model_type == "loopformer":
+        return LOOPFORMER_TARGET_MODULES + (["gate_proj"] if config.hidden_act == "swiglu" else [])
+    if config.model_type == "fprm":
+        return list(FPRM_TARGET_MODULES)
+    raise ValueError(f"LoRA targets are defined for model_type 'loopformer' and 'fprm', got {config.model_type!r}.")
+
+
+def loop_conditioning_modules(model):
+    """Names (suffixes, as PEFT's modules_to_save wants them) of the loop-conditioning modules present in `model`."""
+    wanted = LOOP_CONDITIONING_MODULES.get(model.config.model_type, [])
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+               if next(module.parameters(), None) is not None}
+    return [name for name in wanted if name in present]
+
+
+def add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=None, train_loop_conditioning=False,
+             init_lora_weights=True):
+    """Wrap `model` with LoRA adapters. `train_loop_conditioning` makes the loop-conditioning modules trainable
+    (modules_to_save); otherwise they stay frozen with the rest of the base model."""
+    from peft import LoraConfig, get_peft_model
+
+    if target_modules is None:
+        target_modules = default_target_modules(model.config)
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    unknown = [t for t in target_modules if t not in linear_names]
+    if not target_modules or unknown:
+        raise ValueError(
+            f"`target_modules` {list(target_modules)} has names that are not nn.Linear modules of this "
+            f"{model.config.model_type} model: {unknown or 'empty list'}; allowed: {linear_names}."
+        )
+    if not (isinstance(r, int) and r >= 1):
+        raise ValueError(f"LoRA rank `r` must be an integer >= 1, got {r!r}.")
+    modules_to_save = None
+    if train_loop_conditioning:
+        modules_to_save = loop_conditioning_modules(model)
+        if not modules_to_save:
+            raise ValueError(
+                f"--loop_conditioning train: this model has no loop-conditioning parameters "
+                f"(model_type={model.config.model_type!r}, loop_conditioning="
+                f"{getattr(model.config, 'loop_conditioning', None)!r}); use --loop_conditioning freeze."
+            )
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+        modules_to_save=modules_to_save, init_lora_weights=init_lora_weights,
+        task_type="CAUSAL_LM" if model.config.model_type == "loopformer" else None,
+    )
+    return get_peft_model(model, config)
+
+
+def loop_conditioning_parameters(peft_model):
+    """{name: parameter} of the loop-conditioning parameters the model actually uses (the trained copies when
+    they are in modules_to_save, else the base ones)."""
+    wanted = LOOP_CONDITIONING_MODULES.get(peft_model.get_base_model().config.model_type, [])
+    out = {}
+    for name, param in peft_model.named_parameters():
+        if not any(f".{w}." in f".{name}" for w in wanted):
+            continue
+        if "original_module" in name:  # the frozen original kept beside a modules_to_save copy
+            continue
+        out[name] = param
+    return out
+
+
+class ExtraKwargsCollator:
+    """Pads nothing (rows have equal length), stacks columns, and adds forward kwargs: fixed ones (e.g. max_loops)
+    and one value per batch drawn from `choices` (e.g. loop_budget), so elastic depth keeps being trained."""
+
+    def __init__(self, fixed=None, choices=None, seed=0):
+        self.fixed = dict(fixed or {})
+        self.choices = {k: list(v) for k, v in (choices or {}).items() if v}
+        self.rng = random.Random(seed)
+
+    def __call__(self, rows):
+        batch = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+        batch.update(self.fixed)
+        for key, values in self.choices.items():
+            batch[key] = self.rng.choice(values)
+        return batch
+
+
+def _parse_int_list(text, name):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name} must be a comma-separated list of positive integers, got {text!r}.")
+    return values
+
+
+def _text_dataset(args, tokenizer):
+    import datasets
+
+    from looped_training.loopformer.data.text import chunk_text, read_text_documents
+
+    docs = read_text_documents(args.dataset, args.dataset_config, args.train_files, args.text_column)
+    return datasets.Dataset.from_dict(chunk_text("\n".join(docs), tokenizer, args.block_size))
+
+
+def _task_dataset(path):
+    import datasets
+
+    path = Path(path)
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+    elif path.is_file():
+        ds = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    else:
+        raise ValueError(f"--task_data {path} is neither a saved datasets folder nor a JSON-lines file.")
+    missing = {"input_ids", "labels"} - set(ds.column_names)
+    if missing:
+        raise ValueError(f"--task_data needs columns input_ids and labels; {path} has {ds.column_names}.")
+    keep = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds.column_names]
+    return ds.select_columns(keep)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m looped_training.finetune_lora", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="base checkpoint folder or Hub repo id")
+    p.add_argument("--output", required=True)
+    data = p.add_argument_group("data (one of)")
+    data.add_argument("--train_files", nargs="+", default=None, help="LoopFormer: .txt files or folders")
+    data.add_argument("--dataset", default=None, help="LoopFormer: a datasets name or path (train split)")
+    data.add_argument("--dataset_config", default=None)
+    data.add_argument("--text_column", default="text")
+    data.add_argument("--task_data", default=None, help="FPRM: datasets folder or JSON-lines with input_ids, labels")
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--lora_r", type=int, default=8)
+    p.add_argument("--lora_alpha", type=int, default=16)
+    p.add_argument("--lora_dropout", type=float, default=0.0)
+    p.add_argument("--target_modules", default=None, help="comma-separated; default: the documented ones")
+    p.add_argument("--loop_conditioning", choices=["freeze", "train"], default="freeze",
+                   help="freeze (default) or train the loop-conditioning parameters")
+    p.add_argument("--loop_budgets", default=None, help="LoopFormer: budgets sampled per batch, e.g. 2,4,8 "
+                                                         "(default: the config's default budget)")
+    p.add_argument("--max_loops", type=int, default=None, help="FPRM: solver cap during fine-tuning")
+    p.add_argument("--max_steps", type=int, default=100)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", action="store_true", help="also save merge_and_unload() as <output>/merged")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    _import_packages()
+    set_seed(args.seed)
+    config = AutoConfig.from_pretrained(args.model)
+    tokenizer = None
+    if config.model_type == "loopformer":
+        if args.task_data:
+            raise ValueError("--task_data is for FPRM; give LoopFormer text with --train_files or --dataset.")
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        train = _text_dataset(args, tokenizer)
+        budgets = _parse_int_list(args.loop_budgets, "--loop_budgets") if args.loop_budgets else []
+        collator = ExtraKwargsCollator(choices={"loop_budget": budgets}, seed=args.seed)
+    elif config.model_type == "fprm":
+        import fprm_hf
+
+        if not args.task_data:
+            raise ValueError("FPRM fine-tuning needs --task_data (a datasets folder or JSON-lines file).")
+        model = fprm_hf.FPRMForReasoning.from_pretrained(args.model)
+        train = _task_dataset(args.task_data)
+        collator = ExtraKwargsCollator(fixed={"max_loops": args.max_loops} if args.max_loops else None)
+    else:
+        raise ValueError(f"--model must be a LoopFormer or FPRM checkpoint, got model_type {config.model_type!r}.")
+
+    targets = args.target_modules.split(",") if args.target_modules else None
+    peft_model = add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                          target_modules=targets, train_loop_conditioning=args.loop_conditioning == "train")
+    peft_model.print_trainable_parameters()
+    training_args = TrainingArguments(
+        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate, logging_steps=max(1, args.max_steps // 10), save_strategy="no",
+        report_to="none", remove_unused_columns=False, seed=args.seed,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=peft_model, args=training_args, train_dataset=train, data_collator=collator)
+    result = trainer.train()
+
+    out = Path(args.output)
+    peft_model.save_pretrained(out / "adapter")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out / "adapter")
+    if args.merge:
+        merged = peft_model.merge_and_unload()
+        merged.save_pretrained(out / "merged")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out / "merged")
+    summary = {"train_loss": result.training_loss, "steps": result.global_step, "adapter": str(out / "adapter"),
+               "merged": str(out / "merged") if args.merge else None}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,287 @@
+"""FPRM evaluation: the solver over a test set (cell/exact accuracy, iterations against difficulty, the per-prefix
+curve of state tracking, halting against always running the cap), the printed report and the PNG plots."""
+
+import os
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from looped_training.fprm.tasks import STATE_TRACKING_TASKS
+
+
+@torch.no_grad()
+def run_solver(model, dataset, batch_size, desc, **solver_kwargs):
+    """Predictions, per-sample iterations/convergence and wall-clock of the solver over a dataset."""
+    model.eval()
+    device = next(model.parameters()).device
+    preds, iterations, converged = [], [], []
+    model(torch.tensor(dataset[:2]["input_ids"], device=device), max_loops=2)  # warm-up, outside the timing
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(dataset), batch_size), desc=desc, leave=False):
+        batch = dataset[i : i + batch_size]
+        kwargs = {"input_ids": torch.tensor(batch["input_ids"], device=device)}
+        if "puzzle_identifiers" in batch:
+            kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
+        out = model(**kwargs, **solver_kwargs)
+        preds.append(out.logits.argmax(-1).cpu())
+        iterations.append(out.iterations.cpu())
+        converged.append(out.converged.cpu())
+    seconds = time.perf_counter() - start
+    return torch.cat(preds), torch.cat(iterations), torch.cat(converged), seconds
+
+
+def accuracy(preds, labels):
+    labels = torch.as_tensor(labels)
+    valid = labels != -100
+    correct = (preds == labels) & valid
+    cell = float(correct.sum() / valid.sum())
+    exact = float(((correct | ~valid).all(-1)).float().mean())
+    return cell, exact, correct, valid
+
+
+def by_difficulty(values, iterations, correct_rows, bins=6):
+    """Mean iterations and exact accuracy grouped by a difficulty value (quantile bins when there are many)."""
+    values = np.asarray(values, dtype=float)
+    distinct = np.unique(values)
+    if len(distinct) <= bins:
+        edges = list(distinct) + [distinct[-1] + 1]
+    else:
+        edges = list(np.unique(np.quantile(values, np.linspace(0, 1, bins + 1))))
+        edges[-1] += 1e-9
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        mask = (values >= lo) & (values < hi)
+        if mask.any():
+            rows.append({"low": float(lo), "high": float(hi), "count": int(mask.sum()),
+                         "mean_value": float(values[mask].mean()),
+                         "mean_iterations": float(iterations.numpy()[mask].mean()),
+                         "exact_accuracy": float(correct_rows.numpy()[mask].mean())})
+    return rows
+
+
+def check_iteration_counts(counts):
+    """Iteration counts for `accuracy_vs_iterations`: a non-empty, strictly increasing sequence of positive ints."""
+    counts = list(counts) if isinstance(counts, (list, tuple)) else counts
+    if (not isinstance(counts, list) or not counts
+            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+            or any(b <= a for a, b in zip(counts, counts[1:]))):
+        raise ValueError(f"iteration counts must be a non-empty, strictly increasing list of positive ints, got "
+                         f"{counts!r}.")
+    return counts
+
+
+def parse_iteration_counts(text):
+    """'8,16,32' -> [8, 16, 32] (the `--eval_iterations_curve` flag)."""
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"`--eval_iterations_curve` must be comma-separated positive ints such as '8,16,32', got "
+                         f"{text!r}.") from None
+    return check_iteration_counts(counts)
+
+
+@torch.no_grad()
+def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None):
+    """Accuracy with halting off after each of `counts` iterations (the paper's stability test): every sample runs
+    exactly that many solver iterations; one solver run per batch is continued from count to count
+    (`solver_state`), so the total cost is max(counts) iterations. Returns, per count: cell/exact accuracy, the
+    fraction converged (relative residual of the last iteration < τ), the fraction diverged (non-finite) and the
+    median relative residual."""
+    counts = check_iteration_counts(counts)
+    if "labels" not in dataset.column_names or len(dataset) == 0:
+        raise ValueError(f"`dataset` must be a non-empty dataset with a `labels` column, got columns "
+                         f"{dataset.column_names} and {len(dataset)} rows.")
+    model.eval()
+    device = next(model.parameters()).device
+    tau = model.config.halt_eps if halt_eps is None else halt_eps
+    preds = [[] for _ in counts]
+    residuals = [[] for _ in counts]
+    diverged = [[] for _ in counts]
+    for i in range(0, len(dataset), batch_size):
+        batch = dataset[i : i + batch_size]
+        kwargs = {"input_ids": torch.tensor(batch["input_ids"], device=device)}
+        if "puzzle_identifiers" in batch:
+            kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
+        state, done = None, 0
+        for j, count in enumerate(counts):
+            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, solver_state=state)
+            state, done = out.solver_state, count
+            preds[j].append(out.logits.argmax(-1).cpu())
+            residuals[j].append(out.residuals.cpu())
+            diverged[j].append(out.diverged.cpu())
+    result = {"iterations": counts, "halt_eps": tau, "cell_accuracy": [], "exact_accuracy": [],
+              "converged_fraction": [], "diverged_fraction": [], "median_residual": []}
+    for j in range(len(counts)):
+        cell, exact, _, _ = accuracy(torch.cat(preds[j]), dataset["labels"])
+        r = torch.cat(residuals[j])
+        result["cell_accuracy"].append(cell)
+        result["exact_accuracy"].append(exact)
+        result["converged_fraction"].append(float((r < tau).float().mean()))
+        result["diverged_fraction"].append(float(torch.cat(diverged[j]).float().mean()))
+        result["median_residual"].append(float(r.median()))
+    return result
+
+
+def length_generalisation(correct, valid):
+    """The authors' state-tracking metric (length_gen_eval.py) from one causal forward over the test sequences: for
+    each k, accuracy = mean correctness over positions 1..k and sequence accuracy = all of positions 1..k correct,
+    averaged over the sequences that have a label among them."""
+    cum_correct = (correct & valid).float().cumsum(1)
+    cum_valid = valid.float().cumsum(1)
+    has = cum_valid > 0
+    count = has.float().sum(0).clamp(min=1)
+    acc = torch.where(has, cum_correct / cum_valid.clamp(min=1), torch.zeros_like(cum_correct)).sum(0) / count
+    seq = (has & (cum_correct == cum_valid)).float().sum(0) / count
+    return {"ks": list(range(1, correct.shape[1] + 1)), "accuracy": acc.tolist(), "sequence_accuracy": seq.tolist()}
+
+
+def evaluate(model, ds, data_args, eval_args, difficulty_columns):
+    test = ds["test"]
+    knobs = dict(max_loops=eval_args.eval_max_loops)
+    if eval_args.eval_halt_eps is not None:
+        knobs["halt_eps"] = eval_args.eval_halt_eps
+    if eval_args.eval_gamma is not None:
+        knobs["gamma"] = eval_args.eval_gamma
+    results = {"solver": knobs}
+    preds, iters, conv, seconds = run_solver(model, test, eval_args.eval_batch_size, "eval (halting)", **knobs)
+    cell, exact, correct, valid = accuracy(preds, test["labels"])
+    exact_rows = (correct | ~valid).all(-1).float()
+    results["halting"] = {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iters.float().mean()),
+                          "converged_fraction": float(conv.float().mean()), "seconds": seconds}
+    for column in difficulty_columns:
+        if column != "length":
+            results[f"iterations_vs_{column}"] = by_difficulty(test[column], iters, exact_rows)
+            solved = exact_rows.bool()
+            if solved.any():  # the paper's plot: iterations against difficulty on the puzzles solved
+                results[f"iterations_vs_{column}_solved"] = by_difficulty(
+                    np.asarray(test[column])[solved.numpy()], iters[solved], exact_rows[solved])
+    if data_args.task in STATE_TRACKING_TASKS:
+        per_position = (correct.float().sum(0) / valid.float().sum(0).clamp(min=1)).tolist()
+        results["per_prefix_accuracy"] = per_position  # index k-1: accuracy of the running product of k elements
+        results["accuracy_at_length"] = {str(k): per_position[k - 1] for k in (2, 8, 16, 32, 64, 128)
+                                         if k <= len(per_position)}
+        results["length_generalisation"] = length_generalisation(correct, valid)
+        results["iterations_vs_length"] = []
+        for length in (8, 16, 32, 64, 128):
+            if length > data_args.test_length:
+                continue
+            subset = test.select(range(min(len(test), 50))).select_columns(["input_ids"])
+            prefix = subset.map(lambda r: {"input_ids": r["input_ids"][:length]})
+            _, it, cv, _ = run_solver(model, prefix, eval_args.eval_batch_size, f"eval length {length}", **knobs)
+            results["iterations_vs_length"].append({"length": length, "mean_iterations": float(it.float().mean()),
+                                                    "converged_fraction": float(cv.float().mean())})
+    if eval_args.eval_iterations_curve:
+        results["accuracy_vs_iterations"] = accuracy_vs_iterations(
+            model, test, parse_iteration_counts(eval_args.eval_iterations_curve), eval_args.eval_batch_size,
+            knobs.get("halt_eps"))
+    if data_args.task == "arc":
+        from looped_training.fprm.tasks.arc import pass_at_2
+
+        score, count = pass_at_2(preds.tolist(), test, data_args.arc_max_grid)
+        results["arc_pass_at_2"] = {"score": score, "test_inputs": count}
+    if eval_args.compare_cap:
+        cap_preds, cap_iters, _, cap_seconds = run_solver(
+            model, test, eval_args.eval_batch_size, "eval (always cap)", halting=False, **knobs
+        )
+        cap_cell, cap_exact, _, _ = accuracy(cap_preds, test["labels"])
+        results["always_cap"] = {"cell_accuracy": cap_cell, "exact_accuracy": cap_exact,
+                                 "mean_iterations": float(cap_iters.float().mean()), "seconds": cap_seconds}
+        results["halting_vs_cap"] = {
+            "iteration_ratio": results["halting"]["mean_iterations"] / results["always_cap"]["mean_iterations"],
+            "wall_clock_ratio": seconds / cap_seconds,
+            "cell_accuracy_difference": cell - cap_cell,
+        }
+    return results
+
+
+def print_report(results, train_seconds):
+    h = results["halting"]
+    print(f"\n== FPRM evaluation (trained {train_seconds / 60:.1f} min) ==")
+    print(f"halting  (halt_eps):  cell acc {h['cell_accuracy']:.4f}  exact acc {h['exact_accuracy']:.4f}  "
+          f"mean iterations {h['mean_iterations']:.1f}  converged {h['converged_fraction']:.2%}  {h['seconds']:.1f}s")
+    if "always_cap" in results:
+        c, r = results["always_cap"], results["halting_vs_cap"]
+        print(f"always the cap:       cell acc {c['cell_accuracy']:.4f}  exact acc {c['exact_accuracy']:.4f}  "
+              f"mean iterations {c['mean_iterations']:.1f}  {c['seconds']:.1f}s")
+        print(f"halting / cap: iterations {r['iteration_ratio']:.3f}  wall-clock {r['wall_clock_ratio']:.3f}")
+    for key, rows in results.items():
+        if key.startswith("iterations_vs_") and rows:
+            print(f"{key}:")
+            for row in rows:
+                label = row["length"] if "length" in row else f"[{row['low']:g}, {row['high']:g})"
+                extra = f"  exact {row['exact_accuracy']:.3f}  n={row['count']}" if "count" in row else ""
+                print(f"  {label!s:>14}  mean iterations {row['mean_iterations']:.1f}{extra}")
+    if "accuracy_vs_iterations" in results:
+        c = results["accuracy_vs_iterations"]
+        print(f"halting off (τ = {c['halt_eps']:g}):")
+        for j, n in enumerate(c["iterations"]):
+            print(f"  {n:>5} iterations  cell acc {c['cell_accuracy'][j]:.4f}  exact acc {c['exact_accuracy'][j]:.4f}  "
+                  f"converged {c['converged_fraction'][j]:.2%}  median residual {c['median_residual'][j]:.3g}")
+    if "length_generalisation" in results:
+        lg = results["length_generalisation"]
+        shown = [k for k in (2, 8, 16, 32, 64, 96, 128) if k <= len(lg["ks"])]
+        print("length generalisation (accuracy over positions 1..k / sequence accuracy at k): "
+              + "  ".join(f"k={k}: {lg['accuracy'][k - 1]:.3f}/{lg['sequence_accuracy'][k - 1]:.3f}" for k in shown))
+    if "accuracy_at_length" in results:
+        print(f"per-prefix accuracy (trained on lengths <= {results.get('max_train_length')}): "
+              + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items()))
+    if "arc_pass_at_2" in results:
+        a = results["arc_pass_at_2"]
+        print(f"ARC pass@2 (vote over augmentations): {a['score']:.3f} on {a['test_inputs']} test inputs")
+
+
+def write_plots(results, log_history, output_dir):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib, or the `train` extra)")
+        return []
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    losses = [(e["step"], e["loss"]) for e in log_history if "loss" in e and "step" in e]
+    if losses:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(*zip(*losses))
+        ax.set(xlabel="segment (optimizer step)", ylabel="training loss", title="FPRM training")
+        paths.append(_save(fig, output_dir, "training_loss.png"))
+    for key, rows in results.items():
+        if key.startswith("iterations_vs_") and rows:
+            x = [r.get("length", r.get("mean_value")) for r in rows]
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.plot(x, [r["mean_iterations"] for r in rows], marker="o")
+            ax.set(xlabel=key.replace("iterations_vs_", ""), ylabel="mean iterations to halt",
+                   title=f"Iterations to halt vs {key.replace('iterations_vs_', '')}")
+            paths.append(_save(fig, output_dir, f"{key}.png"))
+    if "length_generalisation" in results:
+        lg = results["length_generalisation"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(lg["ks"], lg["accuracy"], label="accuracy over positions 1..k")
+        ax.plot(lg["ks"], lg["sequence_accuracy"], label="sequence accuracy at k")
+        ax.axvline(results["max_train_length"], color="grey", linestyle="--", label="longest training length")
+        ax.set(xlabel="k", ylabel="accuracy", ylim=(0, 1.02), title="Length generalisation (authors' metric)")
+        ax.legend()
+        paths.append(_save(fig, output_dir, "length_generalisation.png"))
+    if "per_prefix_accuracy" in results:
+        acc = results["per_prefix_accuracy"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(range(1, len(acc) + 1), acc)
+        ax.axvline(results["max_train_length"], color="grey", linestyle="--", label="longest training length")
+        ax.set(xlabel="prefix length k", ylabel="accuracy", ylim=(0, 1.02), title="Length generalisation")
+        ax.legend()
+        paths.append(_save(fig, output_dir, "per_prefix_accuracy.png"))
+    return paths
+
+
+def _save(fig, output_dir, name):
+    path = os.path.join(output_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

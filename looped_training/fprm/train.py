@@ -1,0 +1,217 @@
+"""Train and evaluate FPRM on Sudoku, mazes, A5/S5 state tracking or ARC-AGI-1, on one CPU, one GPU or several
+processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep supervision).
+
+    python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
+    python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
+    python -m looped_training.fprm.train --preset s5-quick            # the recipe of earlier versions, ~15 min on 2 cores
+    python -m looped_training.fprm.train --preset sudoku4-quick       # ~10 min on a 2-core CPU
+    python -m looped_training.fprm.train --preset sudoku6-quick --max_steps 500 --output_dir outputs/s6
+    python -m looped_training.fprm.train looped_training/configs/fprm/maze15-quick.yaml --torch_threads 2
+
+A preset is a YAML file of looped_training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
+the first argument). It only sets defaults: any flag given on the command line wins.
+
+The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
+path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
+running the cap (accuracy, iterations and wall-clock), and writes PNG plots and `results.json` to `--output_dir`.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import HfArgumentParser, set_seed
+
+from fprm_hf import FPRMConfig, FPRMForReasoning
+from looped_training.arguments import parse_args_with_config, split_config_file
+from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
+from looped_training.fprm.evaluate import evaluate, parse_iteration_counts, print_report, write_plots
+from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
+from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+
+
+# Presets: YAML files of flags of the four argument groups; `--preset NAME` reads looped_training/configs/fprm/NAME.yaml.
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "fprm")
+
+
+def preset_names():
+    return sorted(name[: -len(".yaml")] for name in os.listdir(PRESETS_DIR) if name.endswith(".yaml"))
+
+
+@dataclass
+class ModelArguments:
+    hidden_size: int = field(default=128)
+    num_attention_heads: int = field(default=4)
+    intermediate_size: int = field(default=256)
+    num_hidden_layers: int = field(default=2)
+    residual_scaling: str = field(default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|none"})
+    outer_only: bool = field(default=False, metadata={"help": "β2 = 1 − α2, α1 = β1 = 1"})
+    norm_type: str = field(default="pre", metadata={"help": "pre (FPRM), post (TRM style) or peri"})
+    norm_placement: str = field(default="none", metadata={"help": "none, input or output (the authors' maze)"})
+    alpha1: float = field(default=0.5, metadata={"help": "initial α1 (0.75 in the authors' Sudoku/maze configs)"})
+    alpha2: float = field(default=0.5, metadata={"help": "initial α2 (0.25 in the authors' Sudoku/maze configs)"})
+    conv_placement: str = field(default="state", metadata={"help": "state (the authors') or injection (earlier versions)"})
+    fixed_init: bool = field(default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"})
+    final_norm: bool = field(default=False, metadata={"help": "an RMSNorm with weight before the head (earlier versions)"})
+    num_prefix_tokens: int = field(default=0)
+    init_std: float = field(default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"})
+    conv_kernel_size: int | None = field(
+        default=None, metadata={"help": "depthwise conv kernel (default: 3 for grids, 4 for sequences, as the paper)"})
+    halt_eps: float = field(default=0.1)
+    patience: int = field(default=5)
+    gamma_train: float = field(default=0.9)
+    gamma_eval: float = field(default=0.99)
+
+
+@dataclass
+class DataArguments:
+    preset: str | None = field(
+        default=None, metadata={"help": "a file of looped_training/configs/fprm/ by name: `--preset s5-quick` reads "
+                                        "looped_training/configs/fprm/s5-quick.yaml (the same as `--config` with that file)"})
+    task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
+    num_train: int = field(default=2000)
+    num_test: int = field(default=200)
+    sudoku_size: int = field(default=4)
+    maze_size: int = field(default=15)
+    train_length: int = field(default=32)
+    min_train_length: int | None = field(
+        default=None, metadata={"help": "state tracking: train lengths uniform in [min_train_length, train_length] "
+                                        "(default: all exactly train_length)"})
+    test_length: int = field(default=128)
+    curriculum_start_length: int | None = field(
+        default=None, metadata={"help": "state tracking: train on fresh sequences of length <= this first, then "
+                                        "raise the maximum by half (up to --train_length) each time accuracy at the "
+                                        "current maximum reaches --curriculum_threshold"})
+    curriculum_threshold: float = field(default=0.9)
+    curriculum_check_steps: int = field(default=50, metadata={"help": "optimizer steps between curriculum checks"})
+    arc_max_grid: int = field(default=10)
+    arc_max_tasks: int = field(default=40)
+    arc_augmentations: int = field(default=8)
+    data_seed_offset: int = field(default=0)
+
+
+@dataclass
+class EvalArguments:
+    eval_max_loops: int = field(default=200, metadata={"help": "solver cap at evaluation"})
+    eval_halt_eps: float | None = field(default=None, metadata={"help": "halt_eps at evaluation (default: config)"})
+    eval_gamma: float | None = field(default=None)
+    eval_batch_size: int = field(default=100)
+    compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
+    eval_iterations_curve: str | None = field(
+        default=None, metadata={"help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
+                                        "fraction converged with halting off after each (the stability test)"})
+    time_budget_minutes: float | None = field(default=None, metadata={"help": "stop training after this long"})
+    time_budget_decay_fraction: float = field(
+        default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
+                                       "budget (0: no decay)"})
+    torch_threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU)"})
+
+
+def parse_args(argv=None):
+    """The four argument groups: defaults here, then a preset or config file, then the flags given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, EvalArguments, FPRMTrainingArguments))
+    preset = None
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif arg.startswith("--preset="):
+            preset = arg.split("=", 1)[1]
+    if preset is not None:
+        if preset not in preset_names():
+            raise ValueError(f"`--preset` must be one of {preset_names()}, got {preset!r}.")
+        argv = ["--config", os.path.join(PRESETS_DIR, f"{preset}.yaml"), *argv]
+    config_file, _ = split_config_file(argv)
+    name = os.path.splitext(os.path.basename(config_file))[0] if config_file else None
+    defaults = {"report_to": "none", "save_strategy": "no", "dataloader_drop_last": True, "logging_steps": 50,
+                "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm"}
+    (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
+    if data_args.task not in TASKS:
+        raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
+    start = data_args.curriculum_start_length
+    if start is not None:
+        if data_args.task not in STATE_TRACKING_TASKS:
+            raise ValueError(f"`--curriculum_start_length` is for state tracking {STATE_TRACKING_TASKS}, got task "
+                             f"{data_args.task!r}.")
+        low = data_args.min_train_length or 1
+        if not low <= start <= data_args.train_length:
+            raise ValueError(f"`--curriculum_start_length` must lie in [min_train_length={low}, train_length="
+                             f"{data_args.train_length}], got {start}.")
+        if not 0 < data_args.curriculum_threshold <= 1:
+            raise ValueError(f"`--curriculum_threshold` must lie in (0, 1], got {data_args.curriculum_threshold}.")
+        if train_args.max_steps <= 0:
+            raise ValueError("A curriculum streams fresh data without end: set `--max_steps`.")
+    if eval_args.eval_iterations_curve is not None:
+        parse_iteration_counts(eval_args.eval_iterations_curve)
+    return model_args, data_args, eval_args, train_args
+
+
+def main(argv=None):
+    model_args, data_args, eval_args, train_args = parse_args(argv)
+    set_seed(train_args.seed)
+    if eval_args.torch_threads:
+        torch.set_num_threads(eval_args.torch_threads)
+    os.makedirs(train_args.output_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    ds, task_config, difficulty_columns = build_task(data_args, train_args.seed)
+    print(f"data: {data_args.task} train {len(ds['train'])} test {len(ds['test'])} ({time.perf_counter() - t0:.1f}s)")
+    config = FPRMConfig(
+        hidden_size=model_args.hidden_size, num_attention_heads=model_args.num_attention_heads,
+        intermediate_size=model_args.intermediate_size, num_hidden_layers=model_args.num_hidden_layers,
+        residual_scaling=model_args.residual_scaling, outer_only=model_args.outer_only, norm_type=model_args.norm_type,
+        norm_placement=model_args.norm_placement, alpha1=model_args.alpha1, alpha2=model_args.alpha2,
+        conv_placement=model_args.conv_placement, fixed_init=model_args.fixed_init, final_norm=model_args.final_norm,
+        num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
+        init_std=model_args.init_std, halt_eps=model_args.halt_eps, patience=model_args.patience,
+        conv_kernel_size=model_args.conv_kernel_size,
+        gamma_train=model_args.gamma_train, gamma_eval=model_args.gamma_eval, max_loops=eval_args.eval_max_loops,
+        **task_config,
+    )
+    model = FPRMForReasoning(config)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
+    train_dataset = ds["train"].select_columns(train_columns)
+    callbacks = []
+    if eval_args.time_budget_minutes:
+        callbacks.append(TimeBudgetCallback(eval_args.time_budget_minutes, eval_args.time_budget_decay_fraction))
+    curriculum = None
+    if data_args.curriculum_start_length is not None:
+        from looped_training.fprm.tasks.state_tracking import StateTrackingStream
+
+        train_dataset = StateTrackingStream(data_args.task.upper(), data_args.min_train_length or 1,
+                                            data_args.curriculum_start_length, seed=train_args.seed)
+        curriculum = LengthCurriculumCallback(train_dataset, data_args.train_length, data_args.curriculum_threshold,
+                                              data_args.curriculum_check_steps, train_args)
+        callbacks.append(curriculum)
+    trainer = FPRMTrainer(model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks)
+    t1 = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - t1
+    results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
+    results.update({
+        "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
+        "train_steps": trainer.state.global_step, "parameters": sum(p.numel() for p in model.parameters()),
+        "args": {"model": asdict(model_args), "data": asdict(data_args), "eval": asdict(eval_args),
+                 "n_backward": train_args.n_backward, "max_segments": train_args.max_segments,
+                 "batch_size": train_args.per_device_train_batch_size, "learning_rate": train_args.learning_rate},
+        "log_history": trainer.state.log_history,
+    })
+    if curriculum is not None:
+        results["curriculum"] = curriculum.history
+    if data_args.task in STATE_TRACKING_TASKS:
+        results["max_train_length"] = train_dataset.max_length if curriculum is not None else data_args.train_length
+    print_report(results, train_seconds)
+    plots = write_plots(results, trainer.state.log_history, train_args.output_dir)
+    with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    model.save_pretrained(os.path.join(train_args.output_dir, "model"))
+    print(f"wrote {train_args.output_dir}/results.json, model/ and plots: {', '.join(os.path.basename(p) for p in plots)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

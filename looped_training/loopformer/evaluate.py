@@ -1,0 +1,427 @@
+"""Elastic-depth evaluation of one or more checkpoints: quality at every budget M = 1..L and schedule, and
+representation metrics per loop step. Writes `elastic_eval.json` (every number) and PNG plots.
+
+    python -m looped_training.loopformer.evaluate runs/loopformer runs/base_loop --output_dir runs/eval
+
+Quality, on the held-out data the checkpoint's `loopformer_training.json` describes:
+- synthetic task: exact match of the answer (all answer tokens and the closing newline are the greedy choices,
+  i.e. greedy decoding after the marker reproduces the answer exactly), overall and by depth (hops), and the
+  perplexity of the answer tokens;
+- text: perplexity of the held-out blocks.
+Schedules: uniform, coarse_to_fine, fine_to_coarse (models without Δ conditioning run only uniform; the others are
+recorded as null). The iso-FLOP Base (num_loops = 1) has a single budget; it is the reference at M = L.
+Representations (spec): at the full trajectory (M = L, uniform), per loop step (step 0 = embeddings): linear CKA
+between steps, anisotropy, curvature, prompt entropy (normalised). For Base, step i is the output of its i-th
+group of k blocks (k = num_blocks of the run), so it lines up with the looped models' steps.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+import loopformer_hf  # noqa: F401
+from looped_training.checkpoints import check_checkpoint
+from looped_training.loopformer import representations
+from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
+from looped_training.loopformer.data.text import chunk_text
+
+SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
+EVAL_FILE = "elastic_eval.json"
+
+
+def load_checkpoint(path):
+    """(model, tokenizer, meta) of a training output folder (or a checkpoint-N folder inside one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_checkpoint(path)
+    meta_path = next((p for p in (os.path.join(path, TRAINING_META_FILE),
+                                  os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE))
+                      if os.path.exists(p)), None)
+    if meta_path is None:
+        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by looped_training/loopformer/train.py), so the "
+                         f"held-out data it was trained for is unknown.")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer, meta
+
+
+def build_eval_data(meta, tokenizer, max_rows):
+    data_args = DataArguments(**meta["data"])
+    block_size = meta["block_size"]
+    if data_args.task == "synthetic":
+        problems = held_out_problems(data_args)[:max_rows]
+        rows = synthetic.tokenize_problems(problems, tokenizer, block_size, answer_only_loss=True)
+        rows["prompts"] = [p.prompt for p in problems]
+        rows["answers"] = [p.answer for p in problems]
+    else:
+        rows = chunk_text(held_out_text(data_args), tokenizer, block_size)
+        rows = {k: v[:max_rows] for k, v in rows.items()}
+    tensors = {k: torch.tensor(rows[k]) for k in ("input_ids", "attention_mask", "labels")}
+    if "depth" in rows:
+        tensors["depth"] = torch.tensor(rows["depth"])
+    return data_args.task, tensors, rows
+
+
+@torch.no_grad()
+def quality(model, data, trajectory, batch_size=128, halt_eps=None):
+    """Perplexity over labelled tokens; exact match per row (all labelled tokens are the argmax); with `halt_eps`,
+    also the loop steps spent on each row's scored positions (the positions whose logits are scored)."""
+    ce_sum, count, correct, loops = 0.0, 0, [], []
+    n = data["input_ids"].shape[0]
+    for start in range(0, n, batch_size):
+        ids = data["input_ids"][start:start + batch_size]
+        mask = data["attention_mask"][start:start + batch_size]
+        labels = data["labels"][start:start + batch_size][:, 1:]
+        out = model(input_ids=ids, attention_mask=mask, step_schedule=list(trajectory), use_cache=False,
+                    **({} if halt_eps is None else {"halt_eps": halt_eps}))
+        logits = out.logits[:, :-1].float()
+        valid = labels != -100
+        ce_sum += float(F.cross_entropy(logits[valid], labels[valid], reduction="sum"))
+        count += int(valid.sum())
+        hit = (logits.argmax(-1) == labels) | ~valid
+        correct += hit.all(-1).tolist()
+        if halt_eps is not None:
+            counts = out.loop_counts[:, :-1].float()
+            loops += ((counts * valid).sum(-1) / valid.sum(-1).clamp(min=1)).tolist()
+    return math.exp(ce_sum / max(count, 1)), correct, loops
+
+
+def evaluate_halting(model, task, data, eps_values):
+    """Adaptive depth per token: quality against mean loop steps per scored token, at the full uniform budget."""
+    results = []
+    trajectory = model.config.resolve_trajectory(model.config.num_loops, "uniform")
+    for eps in eps_values:
+        ppl, correct, loops = quality(model, data, trajectory, halt_eps=eps)
+        record = {"halt_eps": eps, "mean_loops": sum(loops) / len(loops), "ppl": ppl, "em": None,
+                  "em_by_depth": None, "mean_loops_by_depth": None}
+        if task == "synthetic":
+            record["em"] = sum(correct) / len(correct)
+            per_depth = defaultdict(list)
+            for d, c, l in zip(data["depth"].tolist(), correct, loops):
+                per_depth[d].append((c, l))
+            record["em_by_depth"] = {str(d): sum(c for c, _ in v) / len(v) for d, v in sorted(per_depth.items())}
+            record["mean_loops_by_depth"] = {str(d): sum(l for _, l in v) / len(v)
+                                             for d, v in sorted(per_depth.items())}
+        results.append(record)
+    return results
+
+
+def evaluate_quality(model, task, data, budgets, schedules):
+    config = model.config
+    results, by_trajectory = [], {}
+    for budget in budgets:
+        for schedule in schedules:
+            record = {"budget": budget, "schedule": schedule, "trajectory": None, "ppl": None, "em": None,
+                      "em_by_depth": None}
+            try:
+                trajectory = config.resolve_trajectory(budget, schedule)
+            except ValueError:  # this model only knows uniform steps
+                results.append(record)
+                continue
+            if trajectory not in by_trajectory:
+                by_trajectory[trajectory] = quality(model, data, trajectory)
+            ppl, correct, _ = by_trajectory[trajectory]
+            record.update(trajectory=list(trajectory), ppl=ppl)
+            if task == "synthetic":
+                record["em"] = sum(correct) / len(correct)
+                per_depth = defaultdict(list)
+                for d, c in zip(data["depth"].tolist(), correct):
+                    per_depth[d].append(c)
+                record["em_by_depth"] = {str(d): sum(v) / len(v) for d, v in sorted(per_depth.items())}
+            results.append(record)
+    return results
+
+
+@torch.no_grad()
+def step_states(model, data, meta, max_rows):
+    """Hidden states per loop step (embeddings first) at the full trajectory, on `max_rows` held-out rows."""
+    ids = data["input_ids"][:max_rows]
+    mask = data["attention_mask"][:max_rows]
+    config = model.config
+    if config.num_loops > 1:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
+                    loop_budget=config.num_loops, step_schedule="uniform")
+        return list(out.hidden_states), mask
+    k = meta["model"]["num_blocks"]
+    captured = []
+    hooks = [layer.register_forward_hook(lambda m, a, o: captured.append(o[0] if isinstance(o, tuple) else o))
+             for layer in model.model.layers]
+    try:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [out.hidden_states[0]] + [captured[i] for i in range(k - 1, len(captured), k)], mask
+
+
+@torch.no_grad()
+def generations(model, tokenizer, task, rows, budgets, num_prompts=3):
+    """Greedy `generate(loop_budget=M)` continuations of a few held-out prompts for each budget M."""
+    samples = []
+    if task == "synthetic":
+        prompts = rows["prompts"][:num_prompts]
+        answers = rows["answers"][:num_prompts]
+        max_new = 3
+    else:
+        prompts = [tokenizer.decode(r[:24]) for r in rows["input_ids"][:num_prompts]]
+        answers = [None] * len(prompts)
+        max_new = 32
+    for budget in budgets:
+        for prompt, answer in zip(prompts, answers):
+            enc = tokenizer(prompt, return_tensors="pt")
+            kwargs = {"loop_budget": budget} if model.config.num_loops > 1 else {}
+            out = model.generate(**enc, max_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, **kwargs)
+            text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            if task == "synthetic":
+                text = text.split(synthetic.END_OF_ANSWER)[0]
+            samples.append({"budget": budget, "prompt": prompt, "generated": text, "answer": answer})
+    return samples
+
+
+def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
+                        halt_eps=()):
+    model, tokenizer, meta = load_checkpoint(path)
+    task, data, rows = build_eval_data(meta, tokenizer, max_rows)
+    L = meta["model"]["num_loops"]
+    budgets = list(range(1, model.config.num_loops + 1))
+    record = {
+        "name": name or os.path.basename(os.path.normpath(path)),
+        "path": path,
+        "variant": meta["variant"],
+        "task": task,
+        "num_loops": L,
+        "num_blocks": meta["model"]["num_blocks"],
+        "parameters": model.num_parameters(),
+        "train_runtime_s": meta.get("train_runtime_s"),
+        "results": evaluate_quality(model, task, data, budgets, schedules),
+    }
+    if halt_eps and model.config.num_loops > 1:
+        record["halting"] = evaluate_halting(model, task, data, halt_eps)
+    states, mask = step_states(model, data, meta, repr_rows)
+    record["representations"] = representations.per_step_metrics(states, mask)
+    if generate_budgets:
+        gen_budgets = [b for b in generate_budgets if b <= model.config.num_loops] or [model.config.num_loops]
+        record["generations"] = generations(model, tokenizer, task, rows, gen_budgets)
+    return record
+
+
+# ---- tables and plots -------------------------------------------------------------------------------------------
+
+def _value(record, budget, schedule, metric):
+    for r in record["results"]:
+        if r["budget"] == budget and r["schedule"] == schedule:
+            return r[metric]
+    return None
+
+
+def quality_by_budget(record, schedule="uniform", metric="em"):
+    """{budget M: value} on the model's own budgets; the iso-FLOP Base (one step) is placed at M = L."""
+    if record["variant"] == "base":
+        return {record["num_loops"]: _value(record, 1, "uniform", metric)}
+    return {r["budget"]: r[metric] for r in record["results"] if r["schedule"] == schedule}
+
+
+def format_table(records, metric, schedule="uniform", digits=3):
+    """A markdown table: one row per model, one column per budget M = 1..L."""
+    L = max(r["num_loops"] for r in records)
+    header = "| model | " + " | ".join(f"M={m}" for m in range(1, L + 1)) + " |"
+    lines = [header, "|" + "---|" * (L + 1)]
+    for rec in records:
+        values = quality_by_budget(rec, schedule, metric)
+        cells = []
+        for m in range(1, L + 1):
+            v = values.get(m)
+            cells.append("–" if v is None else f"{v:.{digits}f}")
+        lines.append(f"| {rec['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _finish(fig, ax_rows, title, path):
+    """Legend on the first axes, title, save, close."""
+    ax_rows[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _style_axes(ax, xlabel, ylabel, metric):
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # budgets and loop steps are integers
+    if metric == "ppl":
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+
+
+def _plot_quality(records, metrics, task, path):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4), squeeze=False)
+    styles = {"uniform": "-", "coarse_to_fine": "--", "fine_to_coarse": ":"}
+    for ax, (metric, label) in zip(axes[0], metrics):
+        for i, rec in enumerate(records):
+            color = f"C{i}"
+            if rec["variant"] == "base":
+                v = quality_by_budget(rec, metric=metric)[rec["num_loops"]]
+                ax.axhline(v, color=color, linestyle="-.", label=f"{rec['name']} (iso-FLOP, M=L)")
+                continue
+            for schedule, style in styles.items():
+                values = {m: v for m, v in quality_by_budget(rec, schedule, metric).items() if v is not None}
+                if not values or (schedule != "uniform" and rec["variant"] != "loopformer"
+                                  and not rec["results"][0].get("trajectory")):
+                    continue
+                label_s = rec["name"] if schedule == "uniform" else f"{rec['name']} {schedule}"
+                ax.plot(list(values), list(values.values()), style, marker="o", color=color, label=label_s,
+                        alpha=1.0 if schedule == "uniform" else 0.6)
+        _style_axes(ax, "loop budget M", label, metric)
+    return _finish(fig, axes[0], f"Quality against loop budget ({task})", path)
+
+
+def _plot_representations(records, task, path):
+    import matplotlib.pyplot as plt
+
+    names = [("cka_to_previous", "CKA(step i, step i-1)"), ("anisotropy", "anisotropy"),
+             ("curvature", "curvature (rad)"), ("prompt_entropy", "prompt entropy (normalised)")]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    for ax, (key, label) in zip(axes, names):
+        for i, rec in enumerate(records):
+            values = rec["representations"][key]
+            ax.plot(range(len(values)), values, marker="o", color=f"C{i}", label=rec["name"])
+        _style_axes(ax, "loop step (0 = embeddings)", None, None)
+        ax.set_title(label)
+    return _finish(fig, axes, f"Representations per loop step at M = L ({task})", path)
+
+
+def _plot_halting(records, metrics, task, path):
+    """Adaptive depth (halt_eps) against fixed budgets, at equal mean loops per token."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics):
+        for i, rec in enumerate(records):
+            if not rec.get("halting"):
+                continue
+            fixed = quality_by_budget(rec, "uniform", metric)
+            ax.plot(list(fixed), list(fixed.values()), "-", marker="o", color=f"C{i}", label=f"{rec['name']} fixed M")
+            pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker="x", color=f"C{i}",
+                    label=f"{rec['name']} halt_eps")
+        _style_axes(ax, "mean loop steps per token", label, metric)
+    return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path)
+
+
+def plot(records, output_dir):
+    """quality_vs_budget.png (one line per model and schedule), representations.png (each metric per step) and,
+    with a halt_eps sweep, quality_vs_compute.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    os.makedirs(output_dir, exist_ok=True)
+    task = records[0]["task"]
+    metrics = [("em", "exact match"), ("ppl", "answer perplexity")] if task == "synthetic" else [("ppl", "perplexity")]
+    paths = [_plot_quality(records, metrics, task, os.path.join(output_dir, "quality_vs_budget.png")),
+             _plot_representations(records, task, os.path.join(output_dir, "representations.png"))]
+    if any(rec.get("halting") for rec in records):
+        paths.append(_plot_halting(records, metrics, task, os.path.join(output_dir, "quality_vs_compute.png")))
+    return paths
+
+
+def summary_text(records):
+    task = records[0]["task"]
+    out = []
+    if task == "synthetic":
+        out += ["Exact match (held-out problems, uniform schedule):", format_table(records, "em"), ""]
+        depths = sorted({d for rec in records for r in rec["results"] if r["em_by_depth"] for d in r["em_by_depth"]},
+                        key=int)
+        for rec in records:
+            full = [r for r in rec["results"] if r["schedule"] == "uniform" and r["budget"] == max(
+                x["budget"] for x in rec["results"])][0]
+            out.append(f"  {rec['name']} at full budget, EM by depth: "
+                       + ", ".join(f"d{d}={full['em_by_depth'].get(d, float('nan')):.2f}" for d in depths))
+        out.append("")
+        out += ["Answer perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
+    else:
+        out += ["Held-out perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
+    for rec in records:
+        if rec.get("halting"):
+            out += ["", f"Adaptive depth, {rec['name']} (full budget M={rec['num_loops']}, uniform):",
+                    "| halt_eps | mean loops/token | perplexity | exact match |", "|---|---|---|---|"]
+            for h in rec["halting"]:
+                em = "–" if h["em"] is None else f"{h['em']:.3f}"
+                out.append(f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h['ppl']:.2f} | {em} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoints", nargs="+", help="Training output folders (or checkpoint-N folders).")
+    parser.add_argument("--output_dir", required=True, help="Where elastic_eval.json and the plots go.")
+    parser.add_argument("--names", nargs="*", help="Display names, one per checkpoint (default: folder names).")
+    parser.add_argument("--max_rows", type=int, default=400, help="Held-out problems / text blocks to score.")
+    parser.add_argument("--repr_rows", type=int, default=32, help="Held-out rows for the representation metrics.")
+    parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES),
+                        help=f"Subset of {SCHEDULES}; uniform is always added (the tables are read against it).")
+    parser.add_argument("--generate_budgets", nargs="*", type=int, default=[],
+                        help="Show generate(loop_budget=M) text for these M.")
+    parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
+                        help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
+    args = parser.parse_args(argv)
+    for eps in args.halt_eps:
+        loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
+    if args.names and len(args.names) != len(args.checkpoints):
+        raise ValueError(f"--names gives {len(args.names)} names for {len(args.checkpoints)} checkpoints.")
+    bad = [s for s in args.schedules if s not in SCHEDULES]
+    if bad:
+        raise ValueError(f"--schedules {bad} unknown; allowed: {SCHEDULES}.")
+    if "uniform" not in args.schedules:
+        # the tables, the plots' Base point and the models without Δ conditioning all read the uniform schedule
+        print(f"--schedules {args.schedules}: adding 'uniform', the reference every table and plot is read against.",
+              file=sys.stderr)
+        args.schedules = ["uniform", *args.schedules]
+    low = [b for b in args.generate_budgets if b < 1]
+    if low:  # checked here, not after the whole evaluation when generate would refuse it
+        raise ValueError(f"--generate_budgets {low}: each loop budget must be an integer >= 1.")
+    for name in ("max_rows", "repr_rows"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    torch.manual_seed(0)
+    records = []
+    for i, path in enumerate(args.checkpoints):
+        name = args.names[i] if args.names else None
+        print(f"evaluating {path} ...", file=sys.stderr, flush=True)
+        records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
+                                           args.generate_budgets, args.halt_eps))
+    tasks = {r["task"] for r in records}
+    if len(tasks) > 1:
+        raise ValueError(f"The checkpoints were trained on different tasks {sorted(tasks)}; evaluate them apart.")
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, EVAL_FILE), "w") as f:
+        json.dump({"models": records}, f, indent=1)
+    plots = plot(records, args.output_dir)
+    print(summary_text(records))
+    for rec in records:
+        for g in rec.get("generations", []):
+            expected = "" if g["answer"] is None else f"   (answer {g['answer']})"
+            print(f"[{rec['name']}] generate(loop_budget={g['budget']}): {g['prompt']!r} -> {g['generated']!r}{expected}")
+    print("wrote", os.path.join(args.output_dir, EVAL_FILE), *plots)
+    return records
+
+
+if __name__ == "__main__":
+    main()

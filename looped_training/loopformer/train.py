@@ -1,0 +1,213 @@
+"""Train LoopFormer or one of its baselines as a causal LM with the stock `Trainer` (in the style of run_clm.py).
+
+    python -m looped_training.loopformer.train --output_dir runs/loopformer --variant loopformer \
+        --task synthetic --max_steps 600 --use_cpu
+    python -m looped_training.loopformer.train --config looped_training/configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
+
+A JSON or YAML file of flags (`--config FILE`, or FILE as the first argument; see looped_training/configs/loopformer/) sets
+defaults that the flags given override.
+
+Variants (all the same model class, different configurations; see `VARIANTS`):
+
+| variant        | loop_conditioning | blocks x loops | objective                                            |
+|----------------|-------------------|----------------|------------------------------------------------------|
+| loopformer     | shortcut (t, Δ)   | k x L          | CE_full + λ1·CE_short + λ2·MSE (ShortcutConsistencyCallback) |
+| base_loop      | none              | k x L          | CE_full                                              |
+| tmlt           | timestep          | k x L          | CE_full                                              |
+| naive_loop_ee  | none              | k x L          | CE_full + λ1·CE_short + λ2·MSE, short = S ~ U{1..L-1} loops |
+| tmlt_ee        | timestep          | k x L          | CE_full + λ1·CE_short + λ2·MSE, short = S ~ U{1..L-1} loops |
+| base           | none              | (k·L) x 1      | CE (iso-FLOP, not looped)                            |
+
+As the authors' train.py: λ1 = λ2 = 0.1 for LoopFormer and the -EE baselines (the -EE short run is an integer loop
+count, the callback's `trajectory="early_exit"`), and the Base-Loop, Naive-Loop-EE and Base blocks have RMSNorms
+with a learnable weight (`block_norm_weight`, their models/base_loop.py and base.py).
+
+Data (`--task`): `synthetic` (the embedded multi-hop variable-binding corpus, no network or files) or `text`
+(`--dataset_name` of Hugging Face datasets, or `--train_files` files/folders such as ../shared/data/shakespeare).
+A byte-level BPE is trained on the training data and saved with the model. The output folder holds a model that
+`AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, and
+`loopformer_training.json` (variant and data arguments, which the elastic evaluation reads back).
+
+Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI):
+
+    accelerate launch --multi_gpu --num_processes 2 -m looped_training.loopformer.train --use_cpu --ddp_backend gloo ...
+
+Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
+"""
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+import datasets
+import transformers
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
+from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
+from looped_training.arguments import parse_args_with_config
+from looped_training.checkpoints import check_checkpoint
+from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
+                                      synthetic, text)
+from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
+from looped_training.loopformer.objective import ShortcutConsistencyCallback
+
+logger = logging.getLogger(__name__)
+
+# variant -> (loop_conditioning, looped, callback trajectory or None, default λ2, weighted block norms)
+VARIANTS = {
+    "loopformer": ("shortcut", True, "shortcut", 0.1, False),
+    "base_loop": ("none", True, None, 0.0, True),
+    "tmlt": ("timestep", True, None, 0.0, False),
+    "naive_loop_ee": ("none", True, "early_exit", 0.1, True),
+    "tmlt_ee": ("timestep", True, "early_exit", 0.1, False),
+    "base": ("none", False, None, 0.0, True),
+}
+
+
+@dataclass
+class ModelArguments:
+    variant: str = field(default="loopformer", metadata={"help": f"One of {tuple(VARIANTS)}."})
+    hidden_size: int = field(default=128, metadata={"help": "Width d of the residual stream."})
+    num_blocks: int = field(default=1, metadata={"help": "k, shared blocks per loop step (base: k·L blocks, 1 step)."})
+    num_loops: int = field(default=8, metadata={"help": "L, loop steps of the training trajectory."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
+    intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
+    position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
+    initializer_scheme: str = field(default="reference", metadata={
+        "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."})
+
+
+@dataclass
+class ShortcutArguments:
+    lambda_short: float = field(default=0.1, metadata={"help": "λ1: weight of CE on the short trajectory."})
+    lambda_consistency: float = field(default=None, metadata={"help": "λ2 (default 0.1 for loopformer and -EE)."})
+    consistency_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up of λ1, λ2 (steps)."})
+    consistency: str = field(default="mse", metadata={"help": "'mse' on final hidden states or 'kl' on logits."})
+    shortcut_seed: int = field(default=0, metadata={"help": "Seed of the trajectory sampler (same on all ranks)."})
+    log_trajectories: bool = field(default=False, metadata={"help": "Write each rank's sampled trajectories."})
+
+
+def build_config(model_args, vocab_size, block_size):
+    if model_args.variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
+    conditioning, looped, _, _, block_norm_weight = VARIANTS[model_args.variant]
+    k, L = model_args.num_blocks, model_args.num_loops
+    return LoopFormerConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_args.hidden_size,
+        num_attention_heads=model_args.num_attention_heads,
+        intermediate_size=model_args.intermediate_size or 4 * model_args.hidden_size,
+        num_hidden_layers=k if looped else k * L,
+        num_loops=L if looped else 1,
+        loop_conditioning=conditioning,
+        block_norm_weight=block_norm_weight,
+        initializer_scheme=model_args.initializer_scheme,
+        position_embedding_type=model_args.position_embedding_type,
+        max_position_embeddings=block_size,
+    )
+
+
+def build_callback(model_args, shortcut_args, training_args):
+    _, _, trajectory, default_lambda2, _ = VARIANTS[model_args.variant]
+    if trajectory is None:
+        return None
+    lambda2 = shortcut_args.lambda_consistency
+    return ShortcutConsistencyCallback(
+        lambda_short=shortcut_args.lambda_short,
+        lambda_consistency=default_lambda2 if lambda2 is None else lambda2,
+        warmup_steps=shortcut_args.consistency_warmup_steps,
+        consistency=shortcut_args.consistency,
+        trajectory=trajectory,
+        seed=shortcut_args.shortcut_seed,
+        log_trajectories_dir=training_args.output_dir if shortcut_args.log_trajectories else None,
+    )
+
+
+def build_data(data_args):
+    """(tokenizer, train Dataset, eval Dataset, block_size)."""
+    if data_args.task not in TASKS:
+        raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
+    if data_args.task == "synthetic":
+        train_problems = synthetic.make_problems(
+            data_args.num_train_problems, data_args.min_depth, data_args.max_depth, data_args.num_chains,
+            seed=data_args.corpus_seed, kind=data_args.synthetic_kind)
+        eval_problems = held_out_problems(data_args)
+        tokenizer = train_bpe_tokenizer([p.text for p in train_problems], data_args.tokenizer_vocab_size or 300)
+        longest = max(len(tokenizer(p.text)["input_ids"]) for p in train_problems + eval_problems)
+        block_size = data_args.block_size or longest
+        train = synthetic.tokenize_problems(train_problems, tokenizer, block_size, data_args.answer_only_loss)
+        evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)
+        train.pop("depth"), evaluation.pop("depth")
+    else:
+        train_text, valid_text = held_out_text(data_args, with_train=True)
+        tokenizer = train_bpe_tokenizer([train_text[i:i + 10_000] for i in range(0, len(train_text), 10_000)],
+                                        data_args.tokenizer_vocab_size or 1024)
+        block_size = data_args.block_size or 128
+        train = text.chunk_text(train_text, tokenizer, block_size)
+        evaluation = text.chunk_text(valid_text, tokenizer, block_size)
+    return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+
+
+def resolve_resume(training_args):
+    resume = training_args.resume_from_checkpoint
+    if resume == "last":
+        resume = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+        if resume is None:
+            logger.info("No checkpoint in %s: training from scratch.", training_args.output_dir)
+    if resume is not None:
+        check_checkpoint(resume, for_resume=True)
+    return resume
+
+
+def main(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
+    (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity_warning()
+    if model_args.variant not in VARIANTS:
+        raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
+    if shortcut_args.consistency not in ("mse", "kl"):
+        raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
+    resume = resolve_resume(training_args)
+
+    set_seed(training_args.seed)
+    tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)
+    config = build_config(model_args, len(tokenizer), block_size)
+    config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    model = LoopFormerForCausalLM(config)
+    logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
+                model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
+                len(train_dataset), block_size)
+
+    callback = build_callback(model_args, shortcut_args, training_args)
+    # the callback wraps the collator: each training batch then carries its short trajectory
+    extra = callback.trainer_kwargs(default_data_collator) if callback is not None else {
+        "data_collator": default_data_collator}
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        **extra,
+    )
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
+                "shortcut": asdict(shortcut_args) if callback is not None else None, "block_size": block_size,
+                "train_runtime_s": result.metrics.get("train_runtime")}
+        with open(os.path.join(training_args.output_dir, TRAINING_META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

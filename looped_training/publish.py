@@ -1,0 +1,414 @@
+"""Publish a trained checkpoint to the Hugging Face Hub (or any Hub-compatible endpoint).
+
+    python -m looped_training.publish --checkpoint runs/loopformer-tiny --repo_id org/loopformer-tiny \
+        [--token hf_...] [--private] [--eval_json runs/eval.json] [--dataset org/data] [--license apache-2.0]
+
+What lands in the repo (one commit; a repeated push is a new commit on top that replaces these files):
+
+- `model.safetensors` (re-saved from the checkpoint, whatever format it was in),
+- `config.json` with `auto_map` and the modeling code (`modeling_*.py`, `configuration_*.py`), so
+  `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works where the package is not installed,
+- the tokenizer files (from the checkpoint, or `--tokenizer`), `generation_config.json` (LoopFormer),
+- `README.md`: the model card rendered from `looped_training/model_cards/<model_type>.md` with YAML metadata (library_name,
+  pipeline_tag, license, tags, datasets, base_model, and a `model-index` built from the evaluation JSON) and usage
+  snippets written for this repo id.
+
+The checkpoint folder is only read. Everything is staged in a temporary folder (or `--stage_dir`, which is kept),
+and `--dry_run` stages without contacting the Hub. The endpoint is `--endpoint`, else `HF_ENDPOINT`, else
+huggingface.co; the token is `--token`, else `HF_TOKEN` or the one stored by `hf auth login`.
+
+Evaluation JSON (`--eval_json`, else `eval_results.json` / `evaluation.json` in the checkpoint) may be
+- this package's format: {"task": {"type": "text-generation", "name": "Language modeling"},
+  "dataset": {"name": "...", "type": "...", "split": "test"},
+  "results": [{"metric": "perplexity", "value": 12.3, "loop_budget": 4, "step_schedule": "uniform"}, ...]}
+  (each result may override "task"/"dataset"; "metric_name" is optional), or
+- an lm-eval-harness results file ({"results": {"<task>": {"acc,none": 0.61, ...}}, ...}).
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "model_cards"
+EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json")
+# Weight files a previous push may have left that this push replaces (another shard count, a .bin checkpoint).
+STALE_WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class PublishError(RuntimeError):
+    """The Hub refused or could not be reached; the message says why and what to do. Nothing local was changed."""
+
+
+# ---- model kinds -------------------------------------------------------------------------------------------------
+
+
+def _model_kinds():
+    """model_type -> how to load and describe it. Import the packages so their Auto registrations exist."""
+    kinds = {}
+    try:
+        import loopformer_hf  # noqa: F401
+        from transformers import AutoModelForCausalLM
+
+        kinds["loopformer"] = {
+            "auto_class": AutoModelForCausalLM, "pipeline_tag": "text-generation", "template": "loopformer.md",
+            "needs_tokenizer": True, "tags": ["loopformer", "looped-transformer", "elastic-depth", "custom_code"],
+        }
+    except ImportError:  # pragma: no cover - the package is part of this repo
+        pass
+    try:
+        import fprm_hf
+
+        model_class = getattr(fprm_hf, "FPRMForReasoning", None)
+        auto_class_name = getattr(model_class, "_auto_class", None)  # set by register_for_auto_class
+        if model_class is not None:
+            import transformers
+
+            auto_class = getattr(transformers, auto_class_name, None) if isinstance(auto_class_name, str) else None
+            kinds["fprm"] = {
+                "auto_class": auto_class, "auto_class_name": auto_class_name, "model_class": model_class,
+                # the head predicts one answer token per input token, the task of its Auto class
+                "pipeline_tag": "token-classification", "template": "fprm.md", "needs_tokenizer": False,
+                "tags": ["fprm", "looped-transformer", "fixed-point", "reasoning", "custom_code"],
+            }
+    except ImportError:  # pragma: no cover
+        pass
+    return kinds
+
+
+# ---- evaluation results --------------------------------------------------------------------------------------------
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def load_eval_results(path, default_task_type="text-generation"):
+    """Read an evaluation JSON into a list of flat result dicts (task_type, task_name, dataset_type, dataset_name,
+    dataset_split, metric_type, metric_name, metric_value, metric_config). Raises ValueError on an unknown layout."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"Could not read the evaluation JSON {path}: {err}") from err
+    if not isinstance(data, dict) or "results" not in data:
+        raise ValueError(
+            f"{path} is not an evaluation JSON this command knows: expected an object with a 'results' list "
+            f"(this package's format) or a 'results' object of tasks (lm-eval-harness); got "
+            f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}."
+        )
+    results = data["results"]
+    flat = []
+    if isinstance(results, list):
+        task = data.get("task") or {}
+        dataset = data.get("dataset") or {}
+        for i, item in enumerate(results):
+            if not isinstance(item, dict) or "metric" not in item or not _is_number(item.get("value")):
+                raise ValueError(
+                    f"{path}: results[{i}] must be an object with 'metric' (str) and a finite numeric 'value', "
+                    f"got {item!r}."
+                )
+            t = {**task, **(item.get("task") or {})}
+            d = {**dataset, **(item.get("dataset") or {})}
+            if "name" not in d:
+                raise ValueError(f"{path}: results[{i}] has no dataset name (give 'dataset': {{'name': ...}}).")
+            config_parts = []
+            if item.get("loop_budget") is not None:
+                config_parts.append(f"loop_budget={item['loop_budget']}")
+            if item.get("step_schedule") is not None:
+                config_parts.append(f"step_schedule={item['step_schedule']}")
+            config = ",".join(config_parts) or None
+            metric = str(item["metric"])
+            flat.append({
+                "task_type": t.get("type", default_task_type), "task_name": t.get("name"),
+                "dataset_type": d.get("type", d["name"]), "dataset_name": d["name"], "dataset_split": d.get("split"),
+                "metric_type": metric, "metric_value": float(item["value"]), "metric_config": config,
+                "metric_name": item.get("metric_name") or (f"{metric} ({config})" if config else metric),
+            })
+    elif isinstance(results, dict):  # lm-eval-harness
+        model_args = str((data.get("config") or {}).get("model_args") or "") or None
+        for task_name, metrics in sorted(results.items()):
+            if not isinstance(metrics, dict):
+                continue
+            for key, value in sorted(metrics.items()):
+                metric, _, filt = key.partition(",")
+                if metric.endswith("_stderr") or metric == "alias" or not _is_number(value):
+                    continue
+                flat.append({
+                    "task_type": default_task_type, "task_name": task_name, "dataset_type": task_name,
+                    "dataset_name": task_name, "dataset_split": None, "metric_type": metric,
+                    "metric_value": float(value), "metric_config": model_args,
+                    "metric_name": metric if filt in ("", "none") else f"{metric} ({filt})",
+                })
+    else:
+        raise ValueError(f"{path}: 'results' must be a list or an object, got {type(results).__name__}.")
+    if not flat:
+        raise ValueError(f"{path} holds no numeric results.")
+    return flat
+
+
+def _results_table(results):
+    lines = ["| task | dataset | metric | setting | value |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['task_name'] or r['task_type']} | {r['dataset_name']}"
+            f"{' (' + r['dataset_split'] + ')' if r['dataset_split'] else ''} | {r['metric_type']} | "
+            f"{r['metric_config'] or '-'} | {r['metric_value']:.4g} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- staging -------------------------------------------------------------------------------------------------------
+
+
+def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, license="apache-2.0", datasets=None,
+                      tags=None, base_model=None, language=None, training_text=None, prompt="The"):
+    """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    config = model.config
+    model_name = repo_id.split("/")[-1]
+    eval_results = [EvalResult(**r) for r in results] if results else None
+    card_data = ModelCardData(
+        language=language, license=license, library_name="transformers", pipeline_tag=kind["pipeline_tag"],
+        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=list(datasets) if datasets else None,
+        base_model=base_model, model_name=model_name if eval_results else None, eval_results=eval_results,
+    )
+    num_params = sum(p.numel() for p in model.parameters())
+    template_vars = dict(
+        repo_id=repo_id, model_name=model_name, prompt=prompt.replace('"', '\\"'),
+        num_parameters=f"{num_params:,}", results_table=_results_table(results) if results else "",
+        eval_source=eval_source, training_text=training_text or "See the repository this checkpoint came from.",
+        **{k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool)) or v is None},
+    )
+    if kind["template"] == "loopformer.md":
+        variant = {"shortcut": "shortcut-conditioned", "timestep": "TMLT, timestep-conditioned",
+                   "none": "Base-Loop, unconditioned"}[config.loop_conditioning]
+        L = config.num_loops
+        budget = max(1, L // 2)
+        schedule = config.step_schedule_preset("uniform", budget)
+        if config.loop_conditioning == "shortcut":
+            schedule = config.step_schedule_preset("coarse_to_fine", budget)
+        template_vars.update(
+            variant=variant, effective_depth=config.num_hidden_layers * L,
+            default_loop_budget=config.default_loop_budget or L, example_budget=budget,
+            example_schedule="[" + ", ".join(repr(round(s, 6)) for s in schedule) + "]",
+        )
+    elif kind["template"] == "fprm.md":
+        grid = getattr(config, "grid_size", None)
+        if grid:
+            template_vars.update(example_length=grid[0] * grid[1],
+                                 input_description=f"{grid[0]}x{grid[1]} grid ({grid[0] * grid[1]} tokens)")
+        else:
+            template_vars.update(example_length=16, input_description="a token sequence")
+    template = TEMPLATES_DIR / kind["template"]
+    card = ModelCard.from_template(card_data, template_path=str(template), **template_vars)
+    return str(card)
+
+
+def _has_tokenizer(folder):
+    return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
+
+
+def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, license="apache-2.0", datasets=None,
+          tags=None, base_model=None, language=None, training_text=None, prompt="The"):
+    """Write everything the repo should hold into `out_dir` (which must be empty or absent). Returns a summary."""
+    from huggingface_hub.utils import validate_repo_id
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    validate_repo_id(repo_id)  # HFValidationError is a ValueError
+    if "/" not in repo_id:
+        raise ValueError(f"--repo_id must be 'owner/name', got {repo_id!r}.")
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise ValueError(f"--checkpoint {checkpoint} is not a saved model folder (no config.json there).")
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == checkpoint.resolve():
+        raise ValueError("--stage_dir must differ from --checkpoint (the checkpoint is never written to).")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"--stage_dir {out_dir} is not empty; give an empty or new folder.")
+
+    kinds = _model_kinds()
+    config = AutoConfig.from_pretrained(checkpoint)
+    kind = kinds.get(config.model_type)
+    if kind is None:
+        raise ValueError(
+            f"The checkpoint's model_type is {config.model_type!r}; this command publishes {sorted(kinds)}."
+        )
+    loader = kind.get("model_class") or kind["auto_class"]
+    model = loader.from_pretrained(checkpoint)
+    model.save_pretrained(out_dir)  # safetensors + config with auto_map + modeling code (+ generation config)
+
+    saved_config = json.loads((out_dir / "config.json").read_text())
+    code_files = sorted(p.name for p in out_dir.glob("*.py"))
+    if not saved_config.get("auto_map") or not code_files:
+        raise RuntimeError(
+            f"save_pretrained wrote no auto_map/modeling code for {type(model).__name__}: is "
+            f"register_for_auto_class() called in the package's __init__?"
+        )
+
+    tokenizer_source = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None)
+    if tokenizer_source is not None:
+        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(out_dir)
+    elif kind["needs_tokenizer"]:
+        raise ValueError(
+            f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); pass --tokenizer PATH."
+        )
+
+    if getattr(model, "can_generate", lambda: False)() and not (out_dir / "generation_config.json").exists():
+        GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
+
+    if eval_json is None:
+        eval_json = next((checkpoint / n for n in EVAL_JSON_NAMES if (checkpoint / n).is_file()), None)
+    results = load_eval_results(eval_json, kind["pipeline_tag"] or "other") if eval_json else None
+    card = render_model_card(
+        model, repo_id, kind, results=results, eval_source=Path(eval_json).name if eval_json else None,
+        license=license, datasets=datasets, tags=tags, base_model=base_model, language=language,
+        training_text=training_text, prompt=prompt,
+    )
+    (out_dir / "README.md").write_text(card)
+    return {
+        "model_type": config.model_type, "files": sorted(p.name for p in out_dir.iterdir()),
+        "num_results": len(results or []), "code_files": code_files,
+    }
+
+
+# ---- pushing -------------------------------------------------------------------------------------------------------
+
+
+def _explain(err, endpoint, checkpoint):
+    """Turn a huggingface_hub / network exception into a PublishError with what happened and what to do."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    untouched = f"Nothing local was changed: the checkpoint at {checkpoint} is as it was."
+    if isinstance(err, LocalTokenNotFoundError):
+        return PublishError(f"No Hub token: pass --token, set HF_TOKEN or run `hf auth login`. {untouched}")
+    if isinstance(err, OfflineModeIsEnabled):
+        return PublishError(f"HF_HUB_OFFLINE is set, so nothing can be pushed to {endpoint}. {untouched}")
+    if isinstance(err, HfHubHTTPError):
+        status = getattr(err.response, "status_code", None)
+        server = (getattr(err, "server_message", None) or str(err).splitlines()[0]).strip()
+        if status in (401, 403):
+            return PublishError(
+                f"The Hub at {endpoint} rejected the token (HTTP {status}{': ' + server if server else ''}). "
+                f"Pass a valid token with write access via --token, HF_TOKEN or `hf auth login`. {untouched}"
+            )
+        return PublishError(f"The Hub at {endpoint} answered HTTP {status}: {err}. {untouched}")
+    return PublishError(
+        f"Could not reach the Hub endpoint {endpoint} ({type(err).__name__}: {err}). Check --endpoint / HF_ENDPOINT "
+        f"and the network. {untouched}"
+    )
+
+
+def _network_errors():
+    """Base exception classes of the HTTP clients huggingface_hub may use (httpx2 in 2.x, httpx in 1.x, requests)."""
+    import importlib
+
+    errors = []
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit_message=None, revision=None,
+         checkpoint=None):
+    """create_repo (exist_ok) + upload_folder of the staged files. Returns the commit URL."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, HfUriError, OfflineModeIsEnabled
+
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        api.whoami()  # a bad token fails here, before anything is created
+        try:
+            api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
+        except HfUriError:
+            # huggingface_hub 2.x, repo exists but the token may not create repos: it confirms the repo with
+            # repo_info, then fails to parse the repo URL of a non-default endpoint. The repo is there; go on.
+            pass
+        commit = api.upload_folder(
+            folder_path=str(stage_dir), repo_id=repo_id, repo_type="model", revision=revision,
+            commit_message=commit_message or "Upload model with looped_training.publish",
+            delete_patterns=STALE_WEIGHT_PATTERNS,
+        )
+    except (HfHubHTTPError, OfflineModeIsEnabled, OSError, *_network_errors()) as err:
+        raise _explain(err, endpoint, checkpoint or stage_dir) from err
+    return commit
+
+
+def publish(checkpoint, repo_id, *, endpoint=None, token=None, private=False, stage_dir=None, dry_run=False,
+            commit_message=None, revision=None, **stage_kwargs):
+    """Stage `checkpoint` for `repo_id` and push it (unless dry_run). Returns (summary, commit or None)."""
+    tmp = None
+    if stage_dir is None:
+        if dry_run:
+            raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
+        tmp = tempfile.mkdtemp(prefix="publish-")
+        stage_dir = Path(tmp) / "repo"
+    try:
+        summary = stage(checkpoint, repo_id, stage_dir, **stage_kwargs)
+        commit = None if dry_run else push(
+            stage_dir, repo_id, endpoint=endpoint, token=token, private=private, commit_message=commit_message,
+            revision=revision, checkpoint=checkpoint,
+        )
+        return summary, commit
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m looped_training.publish", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a folder written by save_pretrained / Trainer")
+    p.add_argument("--repo_id", required=True, help="owner/name on the Hub")
+    p.add_argument("--token", default=None, help="write token (default: HF_TOKEN or the stored login)")
+    p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
+    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    p.add_argument("--commit_message", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder if the checkpoint has none")
+    p.add_argument("--eval_json", default=None, help="evaluation results for the card's model-index")
+    p.add_argument("--license", default="apache-2.0")
+    p.add_argument("--dataset", action="append", default=None, help="training dataset id (repeatable)")
+    p.add_argument("--tag", action="append", default=None, help="extra tag (repeatable)")
+    p.add_argument("--base_model", default=None, help="the model this one was fine-tuned from")
+    p.add_argument("--language", action="append", default=None, help="language code (repeatable)")
+    p.add_argument("--training_text", default=None, help="a paragraph for the card's Training section")
+    p.add_argument("--prompt", default="The", help="prompt used in the card's usage snippets")
+    p.add_argument("--stage_dir", default=None, help="stage the repo here and keep it (default: a temp folder)")
+    p.add_argument("--dry_run", action="store_true", help="stage only (needs --stage_dir); push nothing")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        summary, commit = publish(
+            args.checkpoint, args.repo_id, endpoint=args.endpoint or os.environ.get("HF_ENDPOINT"), token=args.token,
+            private=args.private, stage_dir=args.stage_dir, dry_run=args.dry_run, commit_message=args.commit_message,
+            revision=args.revision, tokenizer=args.tokenizer, eval_json=args.eval_json, license=args.license,
+            datasets=args.dataset, tags=args.tag, base_model=args.base_model, language=args.language,
+            training_text=args.training_text, prompt=args.prompt,
+        )
+    except (PublishError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"staged {summary['model_type']} files: {', '.join(summary['files'])}")
+    if commit is not None:
+        print(f"pushed to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
+    else:
+        print(f"dry run: nothing pushed; files are in {args.stage_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
