@@ -67,6 +67,12 @@ VARIANTS = {
 }
 
 
+# the training arguments the elastic report compares with the authors' run (written to loopformer_training.json)
+OPTIMIZER_FIELDS = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay",
+                    "adam_beta1", "adam_beta2", "max_grad_norm", "max_steps", "per_device_train_batch_size",
+                    "gradient_accumulation_steps", "seed")
+
+
 @dataclass
 class ModelArguments:
     variant: str = field(default="loopformer", metadata={"help": f"One of {tuple(VARIANTS)}."})
@@ -203,7 +209,8 @@ def main(argv=None):
     if trainer.is_world_process_zero():
         meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
                 "shortcut": asdict(shortcut_args) if callback is not None else None, "block_size": block_size,
-                "train_runtime_s": result.metrics.get("train_runtime")}
+                "train_runtime_s": result.metrics.get("train_runtime"),
+                "optimizer": {k: getattr(training_args, k) for k in OPTIMIZER_FIELDS}}
         with open(os.path.join(training_args.output_dir, TRAINING_META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
     return trainer
