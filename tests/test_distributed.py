@@ -88,7 +88,8 @@ def worker(out_dir):
     accelerator = Accelerator()
     model = make_model(seed=0).train()  # same seed: identical start on every rank (DDP also broadcasts it)
     fsdp_units = 0
-    if os.environ.get("ACCELERATE_USE_FSDP", "false") == "true" and accelerator.distributed_type != DistributedType.FSDP:
+    fsdp_launch = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
+    if fsdp_launch and accelerator.distributed_type != DistributedType.FSDP:
         fsdp_units = _fully_shard_as_configured(model)  # before the optimizer: it must hold the sharded parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if not fsdp_units:

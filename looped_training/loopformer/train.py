@@ -28,7 +28,7 @@ A byte-level BPE is trained on the training data and saved with the model. The o
 `AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, and
 `loopformer_training.json` (variant and data arguments, which the elastic evaluation reads back).
 
-Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI; FSDP and DeepSpeed need
+Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI; accelerate's FSDP needs
 GPUs, see docs/distributed.md):
 
     ACCELERATE_USE_CPU=true accelerate launch --config_file looped_training/configs/accelerate/ddp.yaml \
@@ -165,20 +165,20 @@ def resolve_resume(training_args):
 
 
 def check_sharding(trainer):
-    """Refuse a run whose launcher asked for FSDP or DeepSpeed that accelerate did not set up. accelerate 1.15 enables
-    them only for GPU-like processes: with `ACCELERATE_USE_CPU` (or without a GPU) every rank would silently hold and
-    train a full replica under plain DDP."""
+    """Refuse a run whose launcher asked for FSDP or DeepSpeed that accelerate did not set up (accelerate 1.15): every
+    rank would silently hold and train a full replica under plain DDP."""
     wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp),
               "DeepSpeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
               or bool(trainer.args.deepspeed)}
     enabled = {"FSDP": trainer.is_fsdp_enabled, "DeepSpeed": trainer.is_deepspeed_enabled}
+    needs = {"FSDP": "processes on GPUs (or other accelerators), not on CPU",
+             "DeepSpeed": "processes not forced onto the CPU by --use_cpu or ACCELERATE_USE_CPU"}
     for name in wanted:
         if wanted[name] and not enabled[name]:
             raise ValueError(
                 f"{name} was requested (accelerate config or training arguments) but accelerate set up "
-                f"{trainer.accelerator.distributed_type} without it: accelerate enables {name} only for processes on GPUs "
-                f"(or other accelerators), not on CPU (--use_cpu, ACCELERATE_USE_CPU, no GPU). On CPU, launch with "
-                f"looped_training/configs/accelerate/ddp.yaml instead."
+                f"{trainer.accelerator.distributed_type} without it: accelerate enables {name} only for {needs[name]}. "
+                f"On CPU, launch with looped_training/configs/accelerate/ddp.yaml instead."
             )
 
 
