@@ -28,9 +28,11 @@ A byte-level BPE is trained on the training data and saved with the model. The o
 `AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, and
 `loopformer_training.json` (variant and data arguments, which the elastic evaluation reads back).
 
-Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI):
+Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI; accelerate's FSDP needs
+GPUs, see docs/distributed.md):
 
-    accelerate launch --multi_gpu --num_processes 2 -m looped_training.loopformer.train --use_cpu --ddp_backend gloo ...
+    ACCELERATE_USE_CPU=true accelerate launch --config_file looped_training/configs/accelerate/ddp.yaml \
+        --num_processes 2 -m looped_training.loopformer.train ...
 
 Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
 """
@@ -168,6 +170,24 @@ def resolve_resume(training_args):
     return resume
 
 
+def check_sharding(trainer):
+    """Refuse a run whose launcher asked for FSDP or DeepSpeed that accelerate did not set up (accelerate 1.15): every
+    rank would silently hold and train a full replica under plain DDP."""
+    wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp),
+              "DeepSpeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+              or bool(trainer.args.deepspeed)}
+    enabled = {"FSDP": trainer.is_fsdp_enabled, "DeepSpeed": trainer.is_deepspeed_enabled}
+    needs = {"FSDP": "processes on GPUs (or other accelerators), not on CPU",
+             "DeepSpeed": "processes not forced onto the CPU by --use_cpu or ACCELERATE_USE_CPU"}
+    for name in wanted:
+        if wanted[name] and not enabled[name]:
+            raise ValueError(
+                f"{name} was requested (accelerate config or training arguments) but accelerate set up "
+                f"{trainer.accelerator.distributed_type} without it: accelerate enables {name} only for {needs[name]}. "
+                f"On CPU, launch with looped_training/configs/accelerate/ddp.yaml instead."
+            )
+
+
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
     (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
@@ -178,6 +198,10 @@ def main(argv=None):
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
+    if training_args.ddp_find_unused_parameters is None:
+        # Every variant's training forward uses every parameter (tests/test_distributed.py checks it), so DDP's extra
+        # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
+        training_args.ddp_find_unused_parameters = False
     resume = resolve_resume(training_args)
 
     set_seed(training_args.seed)
@@ -201,6 +225,7 @@ def main(argv=None):
         processing_class=tokenizer,
         **extra,
     )
+    check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     trainer.log_metrics("train", result.metrics)
