@@ -349,7 +349,7 @@ def optimiser_lines(run_dir):
         "| setting | this run | the authors |", "|---|---|---|",
         f"| optimiser | AdamW ({c['adam_beta1']}, {c['adam_beta2']}) | AdamW (0.9, 0.95) |",
         f"| peak lr, schedule | {c['learning_rate']:g}, {c['lr_scheduler_type']}"
-        + (f" to {min_lr:g}×peak" if min_lr else "") + f", {c['warmup_steps']} warm-up steps of {c['max_steps']} "
+        + (f" to {min_lr:g}×peak" if min_lr else "") + f", {c['warmup_steps']:g} warm-up steps of {c['max_steps']} "
         "| 6e-4, cosine to 0.1×peak, 2000 warm-up steps of 50000 |",
         f"| weight decay | {c['weight_decay']:g}, on {len(ours)} tensors | 0.2, on {len(theirs)} tensors (>= 2-D) |",
         f"| decay split | {'the same tensors' if ours == theirs else 'differs: ' + ', '.join(sorted(ours ^ theirs))} | |",
