@@ -171,9 +171,30 @@ def _results_table(results):
 # ---- staging -------------------------------------------------------------------------------------------------------
 
 
+# The card's snippets generate this many tokens, fewer where the model's context leaves less room.
+CARD_MAX_NEW_TOKENS = 16
+CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a model without a grid
+
+
+def _card_max_new_tokens(config, prompt, tokenizer):
+    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None:
+        return CARD_MAX_NEW_TOKENS
+    # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
+    prompt_length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
+    if prompt_length >= context:
+        raise ValueError(
+            f"--prompt {prompt!r} is {prompt_length} tokens, which leaves no room in the model's context of {context} "
+            f"tokens (max_position_embeddings) for the card's snippets to generate: give a shorter --prompt."
+        )
+    return min(CARD_MAX_NEW_TOKENS, context - prompt_length)
+
+
 def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, license="apache-2.0", datasets=None,
-                      tags=None, base_model=None, language=None, training_text=None, prompt="The"):
-    """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`."""
+                      tags=None, base_model=None, language=None, training_text=None, prompt="The", tokenizer=None):
+    """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`. The snippets' lengths fit
+    the model's context (`tokenizer` measures the prompt)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     config = model.config
@@ -203,6 +224,7 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
             variant=variant, effective_depth=config.num_hidden_layers * L,
             default_loop_budget=config.default_loop_budget or L, example_budget=budget,
             example_schedule="[" + ", ".join(repr(round(s, 6)) for s in schedule) + "]",
+            max_new_tokens=_card_max_new_tokens(config, prompt, tokenizer),
         )
     elif kind["template"] == "fprm.md":
         grid = getattr(config, "grid_size", None)
@@ -210,7 +232,10 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
             template_vars.update(example_length=grid[0] * grid[1],
                                  input_description=f"{grid[0]}x{grid[1]} grid ({grid[0] * grid[1]} tokens)")
         else:
-            template_vars.update(example_length=16, input_description="a token sequence")
+            length = CARD_INPUT_LENGTH
+            if config.position_embedding_type == "learned":  # the table holds the prefix rows too
+                length = min(length, config.max_position_embeddings - config.num_prefix_tokens)
+            template_vars.update(example_length=length, input_description="a token sequence")
     template = TEMPLATES_DIR / kind["template"]
     card = ModelCard.from_template(card_data, template_path=str(template), **template_vars)
     return str(card)
@@ -341,7 +366,7 @@ def _stage_files(checkpoint, repo_id, out_dir, *, tokenizer, eval_json, license,
     card = render_model_card(
         model, repo_id, kind, results=results, eval_source=Path(eval_json).name if eval_json else None,
         license=license, datasets=datasets, tags=tags, base_model=base_model, language=language,
-        training_text=training_text, prompt=prompt,
+        training_text=training_text, prompt=prompt, tokenizer=loaded_tokenizer,
     )
     (out_dir / "README.md").write_text(card)
     return {

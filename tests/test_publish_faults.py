@@ -118,3 +118,45 @@ def test_an_empty_stage_dir_stays_usable_after_a_failure(good, tmp_path, capsys)
     shutil.copy(good / "tokenizer.json", checkpoint / "tokenizer.json")
     assert publish_main(argv) == 0
     assert (stage / "README.md").is_file()
+
+
+def _run_card_snippets(stage, repo_id):
+    """Execute every python snippet of the staged card, loading from the staged folder instead of the Hub."""
+    import re
+
+    card = (stage / "README.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", card, re.S)
+    assert snippets
+    for snippet in snippets:
+        exec(snippet.replace(f'"{repo_id}"', f'r"{stage}"'), {})
+    return card
+
+
+def test_card_snippets_run_on_a_12_token_context(tmp_path, capsys):
+    # the card hard-coded max_new_tokens=16: past position 12 a learned position table has no row
+    checkpoint = tmp_path / "ctx12"
+    _, tokenizer = save_checkpoint(checkpoint, max_position_embeddings=12)
+    room = 12 - len(tokenizer("the cat sat")["input_ids"])
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/ctx12", "--dry_run",
+                         "--stage_dir", str(stage), "--prompt", "the cat sat"]) == 0
+    card = _run_card_snippets(stage, "org/ctx12")
+    assert f"max_new_tokens={room}," in card and "max_new_tokens=16" not in card
+    capsys.readouterr()
+    long_prompt = " ".join(["the cat sat on the mat"] * 3)
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/ctx12", "--dry_run",
+                         "--stage_dir", str(tmp_path / "stage2"), "--prompt", long_prompt]) == 2
+    assert "leaves no room in the model's context of 12 tokens" in capsys.readouterr().err
+
+
+def test_fprm_card_snippet_fits_a_short_learned_position_table(tmp_path):
+    from _hub_helpers import make_fprm
+
+    checkpoint = tmp_path / "fprm"
+    make_fprm(position_embedding_type="learned", max_position_embeddings=12, num_prefix_tokens=2).save_pretrained(
+        checkpoint)
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/fprm12", "--dry_run",
+                         "--stage_dir", str(stage)]) == 0
+    card = _run_card_snippets(stage, "org/fprm12")
+    assert "(2, 10))" in card  # 12 rows - 2 prefix rows
