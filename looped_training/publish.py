@@ -342,6 +342,7 @@ def _stage_files(checkpoint, repo_id, out_dir, *, tokenizer, eval_json, license,
             f"save_pretrained wrote no auto_map/modeling code for {type(model).__name__}: is "
             f"register_for_auto_class() called in the package's __init__?"
         )
+
     tokenizer_source = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None)
     loaded_tokenizer = None
     if tokenizer_source is not None:
