@@ -75,7 +75,7 @@ def pushed(hub, checkpoint):
         [PYTHON, "-m", "looped_training.publish", "--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN,
          "--dataset", "org/tiny-corpus", "--tag", "tiny"],
         cwd=REPO_ROOT, env={**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True,
-        timeout=180,
+        timeout=600,  # a fresh interpreter imports torch and transformers: minutes on a loaded 2-core machine
     )
     assert proc.returncode == 0, proc.stderr
     assert _digest(path) == before  # the checkpoint is only read
