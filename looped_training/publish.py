@@ -14,8 +14,10 @@ What lands in the repo (one commit; a repeated push is a new commit on top that 
   snippets written for this repo id.
 
 The checkpoint folder is only read. Everything is staged in a temporary folder (or `--stage_dir`, which is kept),
-and `--dry_run` stages without contacting the Hub. The endpoint is `--endpoint`, else `HF_ENDPOINT`, else
-huggingface.co; the token is `--token`, else `HF_TOKEN` or the one stored by `hf auth login`.
+and `--dry_run` stages without contacting the Hub. `--stage_dir` is filled only once every file is staged, so a
+failure leaves it as it was for the rerun. Exit status 2: bad input (a flag, or a corrupt checkpoint: one line naming
+the file and what is wrong); 1: the Hub refused or could not be reached. The endpoint is `--endpoint`, else
+`HF_ENDPOINT`, else huggingface.co; the token is `--token`, else `HF_TOKEN` or the one stored by `hf auth login`.
 
 Evaluation JSON (`--eval_json`, else `eval_results.json` / `evaluation.json` in the checkpoint) may be
 - this package's format: {"task": {"type": "text-generation", "name": "Language modeling"},
@@ -33,6 +35,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from looped_training.checkpoints import CheckpointError, check_checkpoint
 
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "model_cards"
@@ -167,9 +171,30 @@ def _results_table(results):
 # ---- staging -------------------------------------------------------------------------------------------------------
 
 
+# The card's snippets generate this many tokens, fewer where the model's context leaves less room.
+CARD_MAX_NEW_TOKENS = 16
+CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a model without a grid
+
+
+def _card_max_new_tokens(config, prompt, tokenizer):
+    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None:
+        return CARD_MAX_NEW_TOKENS
+    # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
+    prompt_length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
+    if prompt_length >= context:
+        raise ValueError(
+            f"--prompt {prompt!r} is {prompt_length} tokens, which leaves no room in the model's context of {context} "
+            f"tokens (max_position_embeddings) for the card's snippets to generate: give a shorter --prompt."
+        )
+    return min(CARD_MAX_NEW_TOKENS, context - prompt_length)
+
+
 def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, license="apache-2.0", datasets=None,
-                      tags=None, base_model=None, language=None, training_text=None, prompt="The"):
-    """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`."""
+                      tags=None, base_model=None, language=None, training_text=None, prompt="The", tokenizer=None):
+    """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`. The snippets' lengths fit
+    the model's context (`tokenizer` measures the prompt)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     config = model.config
@@ -199,6 +224,7 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
             variant=variant, effective_depth=config.num_hidden_layers * L,
             default_loop_budget=config.default_loop_budget or L, example_budget=budget,
             example_schedule="[" + ", ".join(repr(round(s, 6)) for s in schedule) + "]",
+            max_new_tokens=_card_max_new_tokens(config, prompt, tokenizer),
         )
     elif kind["template"] == "fprm.md":
         grid = getattr(config, "grid_size", None)
@@ -206,7 +232,10 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
             template_vars.update(example_length=grid[0] * grid[1],
                                  input_description=f"{grid[0]}x{grid[1]} grid ({grid[0] * grid[1]} tokens)")
         else:
-            template_vars.update(example_length=16, input_description="a token sequence")
+            length = CARD_INPUT_LENGTH
+            if config.position_embedding_type == "learned":  # the table holds the prefix rows too
+                length = min(length, config.max_position_embeddings - config.num_prefix_tokens)
+            template_vars.update(example_length=length, input_description="a token sequence")
     template = TEMPLATES_DIR / kind["template"]
     card = ModelCard.from_template(card_data, template_path=str(template), **template_vars)
     return str(card)
@@ -216,11 +245,51 @@ def _has_tokenizer(folder):
     return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
 
 
+def _first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _load_model(checkpoint, kind):
+    """Load the model of a checkpoint that `check_checkpoint` passed; weights that do not fit the config are a
+    `CheckpointError` naming both files (a mis-shaped tensor was a deep traceback, a missing one was published
+    freshly initialised)."""
+    import transformers
+
+    config_file = checkpoint / "config.json"
+    weights = ", ".join(str(p) for p in sorted(checkpoint.glob("*.safetensors"))) or str(checkpoint)
+    loader = kind.get("model_class") or kind["auto_class"]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report would repeat, in a table, what the error says
+    try:
+        model, info = loader.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"{weights} could not be loaded with {config_file}: {_first_line(err)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, in_file, in_config = mismatched[0]
+        raise CheckpointError(
+            f"{weights} does not fit {config_file}: {len(mismatched)} tensor(s) differ in shape, e.g. {name} is "
+            f"{list(in_file)} in the weights and {list(in_config)} by the config."
+        )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise CheckpointError(
+            f"{weights} lacks {len(missing)} tensor(s) that {config_file} needs: {', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}."
+        )
+    return model
+
+
 def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, license="apache-2.0", datasets=None,
           tags=None, base_model=None, language=None, training_text=None, prompt="The"):
-    """Write everything the repo should hold into `out_dir` (which must be empty or absent). Returns a summary."""
+    """Write everything the repo should hold into `out_dir` (which must be empty or absent). Returns a summary.
+
+    The files are written to a temporary folder beside `out_dir`, which becomes `out_dir` only once all of them are
+    there: a failure leaves `out_dir` as it was, so the same command can be rerun."""
     from huggingface_hub.utils import validate_repo_id
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     validate_repo_id(repo_id)  # HFValidationError is a ValueError
     if "/" not in repo_id:
@@ -231,18 +300,39 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, licen
     out_dir = Path(out_dir)
     if out_dir.resolve() == checkpoint.resolve():
         raise ValueError("--stage_dir must differ from --checkpoint (the checkpoint is never written to).")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"--stage_dir {out_dir} is not empty; give an empty or new folder.")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"--stage_dir {out_dir} is not an empty folder; give an empty or new folder.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        summary = _stage_files(checkpoint, repo_id, partial, tokenizer=tokenizer, eval_json=eval_json,
+                               license=license, datasets=datasets, tags=tags, base_model=base_model,
+                               language=language, training_text=training_text, prompt=prompt)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        partial.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return summary
+
+
+def _stage_files(checkpoint, repo_id, out_dir, *, tokenizer, eval_json, license, datasets, tags, base_model,
+                 language, training_text, prompt):
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     kinds = _model_kinds()
-    config = AutoConfig.from_pretrained(checkpoint)
+    check_checkpoint(checkpoint)  # config.json parses, every safetensors file is complete
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError) as err:  # a value the config's validation refuses, an unknown model_type
+        raise CheckpointError(f"{checkpoint / 'config.json'}: {err}") from None
     kind = kinds.get(config.model_type)
     if kind is None:
         raise ValueError(
             f"The checkpoint's model_type is {config.model_type!r}; this command publishes {sorted(kinds)}."
         )
-    loader = kind.get("model_class") or kind["auto_class"]
-    model = loader.from_pretrained(checkpoint)
+    model = _load_model(checkpoint, kind)
     model.save_pretrained(out_dir)  # safetensors + config with auto_map + modeling code (+ generation config)
 
     saved_config = json.loads((out_dir / "config.json").read_text())
@@ -254,8 +344,15 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, licen
         )
 
     tokenizer_source = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None)
+    loaded_tokenizer = None
     if tokenizer_source is not None:
-        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(out_dir)
+        try:
+            loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        except Exception as err:  # tokenizers and transformers raise several types for a broken file
+            raise CheckpointError(
+                f"The tokenizer in {tokenizer_source} could not be loaded ({type(err).__name__}: {_first_line(err)})."
+            ) from None
+        loaded_tokenizer.save_pretrained(out_dir)
     elif kind["needs_tokenizer"]:
         raise ValueError(
             f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); pass --tokenizer PATH."
@@ -270,7 +367,7 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, licen
     card = render_model_card(
         model, repo_id, kind, results=results, eval_source=Path(eval_json).name if eval_json else None,
         license=license, datasets=datasets, tags=tags, base_model=base_model, language=language,
-        training_text=training_text, prompt=prompt,
+        training_text=training_text, prompt=prompt, tokenizer=loaded_tokenizer,
     )
     (out_dir / "README.md").write_text(card)
     return {
@@ -399,7 +496,10 @@ def main(argv=None):
             datasets=args.dataset, tags=args.tag, base_model=args.base_model, language=args.language,
             training_text=args.training_text, prompt=args.prompt,
         )
-    except (PublishError, ValueError) as err:
+    except ValueError as err:  # bad input: a flag, the checkpoint (CheckpointError), the evaluation JSON
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except PublishError as err:  # the Hub refused or could not be reached
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"staged {summary['model_type']} files: {', '.join(summary['files'])}")

@@ -75,7 +75,7 @@ def pushed(hub, checkpoint):
         [PYTHON, "-m", "looped_training.publish", "--checkpoint", str(path), "--repo_id", REPO, "--token", TOKEN,
          "--dataset", "org/tiny-corpus", "--tag", "tiny"],
         cwd=REPO_ROOT, env={**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}, capture_output=True, text=True,
-        timeout=180,
+        timeout=600,  # a fresh interpreter imports torch and transformers: minutes on a loaded 2-core machine
     )
     assert proc.returncode == 0, proc.stderr
     assert _digest(path) == before  # the checkpoint is only read
@@ -264,15 +264,15 @@ def test_private_flag_makes_a_private_repo(hub, checkpoint):
 def test_user_errors(checkpoint, tmp_path, capsys):
     path, _ = checkpoint
     assert publish_main(["--checkpoint", str(tmp_path / "nope"), "--repo_id", REPO, "--dry_run",
-                         "--stage_dir", str(tmp_path / "s")]) == 1
+                         "--stage_dir", str(tmp_path / "s")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert publish_main(["--checkpoint", str(path), "--repo_id", "bad//id", "--dry_run",
-                         "--stage_dir", str(tmp_path / "s")]) == 1
+                         "--stage_dir", str(tmp_path / "s")]) == 2
     assert "bad//id" in capsys.readouterr().err
     no_tok = tmp_path / "no_tok"
     make_model().save_pretrained(no_tok)
     assert publish_main(["--checkpoint", str(no_tok), "--repo_id", REPO, "--dry_run",
-                         "--stage_dir", str(tmp_path / "s2")]) == 1
+                         "--stage_dir", str(tmp_path / "s2")]) == 2
     assert "No tokenizer" in capsys.readouterr().err
     bad_eval = tmp_path / "bad.json"
     bad_eval.write_text(json.dumps({"perplexity": 3}))
