@@ -32,7 +32,8 @@ Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one
 
     accelerate launch --multi_gpu --num_processes 2 -m looped_training.loopformer.train --use_cpu --ddp_backend gloo ...
 
-Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
+Resume a killed run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`: one left
+incomplete by a kill during its save is skipped with a warning) or a path.
 """
 
 import json
@@ -43,12 +44,11 @@ from dataclasses import asdict, dataclass, field
 import datasets
 import transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import check_checkpoint
+from looped_training.checkpoints import resolve_resume
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -151,17 +151,6 @@ def build_data(data_args):
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
-def resolve_resume(training_args):
-    resume = training_args.resume_from_checkpoint
-    if resume == "last":
-        resume = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if resume is None:
-            logger.info("No checkpoint in %s: training from scratch.", training_args.output_dir)
-    if resume is not None:
-        check_checkpoint(resume, for_resume=True)
-    return resume
-
-
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
     (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
@@ -172,7 +161,7 @@ def main(argv=None):
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
-    resume = resolve_resume(training_args)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
 
     set_seed(training_args.seed)
     tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)
