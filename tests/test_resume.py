@@ -116,13 +116,15 @@ def test_corrupt_optimizer_state_and_missing_files_are_clear_errors(checkpoint_c
 
 
 # --- the FPRM trainer, and runs killed while a checkpoint is being written -------------------------------------------
+# FPRM keeps a sample for up to max_segments steps (the carry): with 2, a resumed run reproduces the killed run's
+# curve only if the checkpoint restored the samples in flight as well as the weights and optimizer.
 
 REPO = Path(__file__).resolve().parents[1]
 FPRM_TINY = ["--task", "s3", "--train_length", "4", "--num_train", "96", "--num_test", "4", "--test_length", "4",
              "--hidden_size", "16", "--num_attention_heads", "2", "--intermediate_size", "32", "--conv_kernel_size", "2",
-             "--n_backward", "2", "--max_segments", "1", "--per_device_train_batch_size", "8", "--eval_max_loops", "4",
-             "--eval_batch_size", "4", "--use_cpu", "true", "--disable_tqdm", "true", "--report_to", "none",
-             "--logging_steps", "1", "--learning_rate", "3e-3", "--seed", "0", "--max_steps", "6",
+             "--n_backward", "2", "--max_segments", "2", "--per_device_train_batch_size", "8", "--eval_max_loops", "4",
+             "--eval_batch_size", "4", "--compare_cap", "false", "--use_cpu", "true", "--disable_tqdm", "true",
+             "--report_to", "none", "--logging_steps", "1", "--learning_rate", "3e-3", "--seed", "0", "--max_steps", "6",
              "--save_strategy", "steps", "--save_steps", "3"]
 FPRM_TERMS = ("loss", "grad_norm", "learning_rate", "segment_iterations")
 MODULES = {"loopformer": ("looped_training.loopformer.train", TINY, TERMS),
@@ -151,7 +153,7 @@ def trained_steps(monkeypatch):
 def test_fprm_resume_last_goes_on_from_the_newest_checkpoint(tmp_path, trained_steps):
     # `--resume_from_checkpoint last` was ignored: the run restarted at step 0 and overwrote the checkpoints
     run_fprm(tmp_path, "--max_steps", "3")
-    assert (tmp_path / "checkpoint-3").is_dir()
+    assert (tmp_path / "checkpoint-3" / "fprm_carry.safetensors").is_file()  # the samples in flight, for the resume
     first = (tmp_path / "checkpoint-3" / "trainer_state.json").read_text()
     trained_steps.clear()
     results = run_fprm(tmp_path, "--resume_from_checkpoint", "last")
