@@ -13,6 +13,7 @@ import os
 import re
 import struct
 import zipfile
+
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
