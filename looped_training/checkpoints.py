@@ -1,11 +1,22 @@
 """Checks that a checkpoint folder is a complete save before it is loaded or resumed, shared by both models'
-training code: a truncated or corrupt file raises `CheckpointError` naming the file instead of a deep load error."""
+training code: a truncated or corrupt file raises `CheckpointError` naming the file instead of a deep load error.
+
+`Trainer` writes a checkpoint in place, file by file (weights, optimizer, scheduler, RNG states, `trainer_state.json`
+last), so a run killed during a save leaves a `checkpoint-N` folder that is incomplete. `resolve_resume` makes
+`--resume_from_checkpoint last` take the newest checkpoint that passes `check_checkpoint`, logging a warning for each
+newer one it skips, so a run killed at any point resumes from its last good checkpoint.
+"""
 
 import json
+import logging
 import os
+import re
 import struct
+import zipfile
 
-import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -57,10 +68,65 @@ def check_checkpoint(path, for_resume=False):
         _check_json(os.path.join(path, "trainer_state.json"),
                     f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.")
         for name in ("optimizer.pt", "scheduler.pt"):
-            file = os.path.join(path, name)
-            if not os.path.exists(file):
+            if not os.path.exists(os.path.join(path, name)):
                 raise CheckpointError(f"Trainer checkpoint {path!r} lacks {name}; it cannot be resumed exactly.")
-            try:
-                torch.load(file, map_location="cpu", weights_only=True)
-            except Exception as e:  # torch raises several types for a bad archive
-                raise CheckpointError(f"{file} is truncated or corrupt ({type(e).__name__}: {e}).") from None
+        # the RNG states (one per process) and the AMP scaler are optional for Trainer, but one that is there must load
+        optional = sorted(n for n in os.listdir(path) if re.fullmatch(r"rng_state(_\d+)?\.pth|scaler\.pt", n))
+        for name in ("optimizer.pt", "scheduler.pt", *optional):
+            _check_torch_file(os.path.join(path, name))
+
+
+def _check_torch_file(file):
+    """A `torch.save` file is a zip archive: check its directory and every member's CRC without unpickling it (the RNG
+    states hold numpy objects that `weights_only` loading refuses unless allow-listed)."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{file} is truncated or corrupt ({type(e).__name__}: {e}).") from None
+    if bad is not None:
+        raise CheckpointError(f"{file} is corrupt: its member {bad} fails its CRC check.")
+
+
+def _checkpoint_steps(output_dir):
+    """{step: folder} of the `checkpoint-N` folders in `output_dir`."""
+    pattern = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+    found = {}
+    for name in os.listdir(output_dir):
+        match = pattern.fullmatch(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            found[int(match.group(1))] = os.path.join(output_dir, name)
+    return found
+
+
+def last_complete_checkpoint(output_dir):
+    """The newest `checkpoint-N` folder of `output_dir` that `check_checkpoint(..., for_resume=True)` accepts, or None;
+    each newer, incomplete one is skipped with a warning that names it and what is wrong."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = _checkpoint_steps(output_dir)
+    for step in sorted(found, reverse=True):
+        try:
+            check_checkpoint(found[step], for_resume=True)
+        except CheckpointError as e:
+            logger.warning("Skipping incomplete checkpoint %s (a save that did not finish?): %s", found[step], e)
+            continue
+        return found[step]
+    return None
+
+
+def resolve_resume(resume_from_checkpoint, output_dir):
+    """The checkpoint a run resumes from, for `TrainingArguments.resume_from_checkpoint`: None (train from scratch),
+    "last" (the newest complete checkpoint in `output_dir`, or None if there is none) or a path, which must be a
+    complete checkpoint (else `CheckpointError` naming the bad file)."""
+    if resume_from_checkpoint is None:
+        return None
+    if resume_from_checkpoint == "last":
+        resume = last_complete_checkpoint(output_dir)
+        if resume is None:
+            logger.warning("No complete checkpoint in %s: training from scratch.", output_dir)
+        else:
+            logger.info("Resuming from %s.", resume)
+        return resume
+    check_checkpoint(resume_from_checkpoint, for_resume=True)
+    return resume_from_checkpoint

@@ -119,3 +119,15 @@ def test_anisotropy_curvature_and_entropy_on_known_geometry():
     assert representations.prompt_entropy(x, normalize=False) == pytest.approx(math.log(k), rel=1e-6)
     rank_one = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [2.0, 0.0]])
     assert representations.prompt_entropy(rank_one, normalize=False) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("flag, shown", [(None, False), ("false", True)])
+def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(checkpoints, tmp_path, capsys, flag,
+                                                                               shown):
+    # by default tqdm shows them only when stderr is a terminal (here it is captured), which keeps test output quiet
+    extra = [] if flag is None else ["--disable_tqdm", flag]
+    evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--max_rows", "4",
+                           "--repr_rows", "2", "--schedules", "uniform", *extra])
+    err = capsys.readouterr().err
+    assert ("models: 100%" in err and "1/1" in err and "budgets:" in err and "4/4" in err) == shown
+    assert "evaluating" in err

@@ -2,12 +2,18 @@
 shortcut trajectories; a truncated or corrupt checkpoint is a clear error."""
 
 import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
-from looped_training.checkpoints import CheckpointError, check_checkpoint
+from looped_training.checkpoints import CheckpointError, check_checkpoint, last_complete_checkpoint
 from looped_training.loopformer import train as train_loopformer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
@@ -107,3 +113,111 @@ def test_corrupt_optimizer_state_and_missing_files_are_clear_errors(checkpoint_c
     (checkpoint_copy / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="truncated"):
         check_checkpoint(str(checkpoint_copy))
+
+
+# --- the FPRM trainer, and runs killed while a checkpoint is being written -------------------------------------------
+# FPRM keeps a sample for up to max_segments steps (the carry): with 2, a resumed run reproduces the killed run's
+# curve only if the checkpoint restored the samples in flight as well as the weights and optimizer.
+
+REPO = Path(__file__).resolve().parents[1]
+FPRM_TINY = ["--task", "s3", "--train_length", "4", "--num_train", "96", "--num_test", "4", "--test_length", "4",
+             "--hidden_size", "16", "--num_attention_heads", "2", "--intermediate_size", "32", "--conv_kernel_size", "2",
+             "--n_backward", "2", "--max_segments", "2", "--per_device_train_batch_size", "8", "--eval_max_loops", "4",
+             "--eval_batch_size", "4", "--compare_cap", "false", "--use_cpu", "true", "--disable_tqdm", "true",
+             "--report_to", "none", "--logging_steps", "1", "--learning_rate", "3e-3", "--seed", "0", "--max_steps", "6",
+             "--save_strategy", "steps", "--save_steps", "3"]
+FPRM_TERMS = ("loss", "grad_norm", "learning_rate", "segment_iterations")
+MODULES = {"loopformer": ("looped_training.loopformer.train", TINY, TERMS),
+           "fprm": ("looped_training.fprm.train", FPRM_TINY, FPRM_TERMS)}
+
+
+def run_fprm(output_dir, *extra):
+    from looped_training.fprm.train import main
+
+    return main(["--output_dir", str(output_dir), *FPRM_TINY, *extra])
+
+
+@pytest.fixture
+def trained_steps(monkeypatch):
+    """The global step at which each training step of this process started."""
+    steps, original = [], transformers.Trainer.training_step
+
+    def counting(self, *args, **kwargs):
+        steps.append(self.state.global_step)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", counting)
+    return steps
+
+
+def test_fprm_resume_last_goes_on_from_the_newest_checkpoint(tmp_path, trained_steps):
+    # `--resume_from_checkpoint last` was ignored: the run restarted at step 0 and overwrote the checkpoints
+    run_fprm(tmp_path, "--max_steps", "3")
+    assert (tmp_path / "checkpoint-3" / "fprm_carry.safetensors").is_file()  # the samples in flight, for the resume
+    first = (tmp_path / "checkpoint-3" / "trainer_state.json").read_text()
+    trained_steps.clear()
+    results = run_fprm(tmp_path, "--resume_from_checkpoint", "last")
+    assert trained_steps == [3, 4, 5]
+    assert results["train_steps"] == 6 and [h["step"] for h in results["log_history"] if "loss" in h] == list(
+        range(1, 7))
+    assert (tmp_path / "checkpoint-3" / "trainer_state.json").read_text() == first
+
+
+def train_and_kill(name, killed_file, output_dir):
+    """Run `name`'s training in a subprocess that dies while writing `killed_file` (tests/kill_during_save.py); the
+    curve {step: log entry} it logged before dying."""
+    module, args, _ = MODULES[name]
+    log = output_dir.with_name(output_dir.name + "-log.jsonl")
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "kill_during_save.py"), killed_file, str(log), module,
+                           "--output_dir", str(output_dir), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    return {h["step"]: h for h in map(json.loads, log.read_text().splitlines()) if "loss" in h}
+
+
+@pytest.mark.parametrize("name, killed_file", [
+    ("loopformer", "checkpoint-6/rng_state.pth"),
+    pytest.param("loopformer", "checkpoint-6/model.safetensors", marks=pytest.mark.slow),
+    ("fprm", "checkpoint-6/trainer_state.json"),
+    pytest.param("fprm", "checkpoint-3/optimizer.pt", marks=pytest.mark.slow),  # the first save: nothing to resume
+])
+def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(name, killed_file, tmp_path,
+                                                                            trained_steps, caplog):
+    out = tmp_path / "run"
+    killed = train_and_kill(name, killed_file, out)
+    partial = out / killed_file.split("/")[0]
+    killed_at = int(partial.name.split("-")[1])
+    assert sorted(killed) == list(range(1, killed_at + 1))  # it had trained and logged up to the save, then died
+    with pytest.raises(CheckpointError, match="checkpoint-"):
+        check_checkpoint(str(partial), for_resume=True)
+
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        resumed = (run if name == "loopformer" else run_fprm)(out, "--resume_from_checkpoint", "last")
+    assert f"Skipping incomplete checkpoint {partial}" in caplog.text
+    start = 3 if partial.name == "checkpoint-6" else 0
+    if start == 0:
+        assert "No complete checkpoint" in caplog.text
+    # this process trained from the last good checkpoint on, and reproduced what the killed run had trained
+    assert trained_steps == list(range(start, 6))
+    history = resumed.state.log_history if name == "loopformer" else resumed["log_history"]
+    new = {h["step"]: h for h in history if "loss" in h}
+    assert sorted(new) == [1, 2, 3, 4, 5, 6]
+    for step in killed:
+        for term in MODULES[name][2]:
+            assert new[step][term] == pytest.approx(killed[step][term], rel=1e-4, abs=1e-6), (step, term)
+    check_checkpoint(str(out / "checkpoint-6"), for_resume=True)  # written whole this time
+    check_checkpoint(str(partial), for_resume=True)
+
+
+def test_a_truncated_rng_state_is_a_clear_error_or_skipped(checkpoint_copy, caplog):
+    # torch.load raised an OSError that named no file
+    rng = checkpoint_copy / "rng_state.pth"
+    rng.write_bytes(rng.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"checkpoint-3/rng_state.pth is truncated"):
+        run(checkpoint_copy.parent, "--resume_from_checkpoint", str(checkpoint_copy))
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        assert last_complete_checkpoint(str(checkpoint_copy.parent)) is None
+    assert "rng_state.pth is truncated" in caplog.text and f"Skipping incomplete checkpoint {checkpoint_copy}" in (
+        caplog.text)

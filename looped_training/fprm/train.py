@@ -11,6 +11,10 @@ processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep su
 A preset is a YAML file of looped_training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
 the first argument). It only sets defaults: any flag given on the command line wins.
 
+Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
+run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`; one left incomplete by a
+kill during its save is skipped with a warning) or a checkpoint's path.
+
 The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
 path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
 running the cap (accuracy, iterations and wall-clock), and writes PNG plots and `results.json` to `--output_dir`.
@@ -28,6 +32,7 @@ from transformers import HfArgumentParser, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from looped_training.arguments import parse_args_with_config, split_config_file
+from looped_training.checkpoints import resolve_resume
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import evaluate, parse_iteration_counts, print_report, write_plots
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
@@ -152,6 +157,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
+    resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
     set_seed(train_args.seed)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
@@ -189,7 +195,7 @@ def main(argv=None):
         callbacks.append(curriculum)
     trainer = FPRMTrainer(model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks)
     t1 = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
     results.update({

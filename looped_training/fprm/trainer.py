@@ -7,13 +7,24 @@ up to `max_segments` segments or until it halts (the authors': after a segment, 
 memory, only ever spans `n_backward` iterations (the truncated Neumann series of (I − J)⁻¹ of the paper).
 
 `n_backward = max_segments × n_backward` loops in one segment (`max_segments=1`) is full BPTT, for contrast.
+
+The carry is part of a checkpoint (`fprm_carry.safetensors`, one per process), so a resumed run goes on with the
+samples that were in flight and trains exactly as the uninterrupted one would.
 """
 
-from dataclasses import dataclass, field, replace
+import logging
+import os
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer, TrainingArguments
+from safetensors.torch import load_file, save_file
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from fprm_hf import FPRMSolverState
+
+logger = logging.getLogger(__name__)
 
 
 LOSS_TYPES = ("softmax", "stablemax")
@@ -83,6 +94,43 @@ class Carry:
     def done(self, max_segments):
         return self.state.halted | (self.segments >= max_segments)
 
+    def tensors(self):
+        """The carry as named tensors, for a checkpoint."""
+        named = {f"inputs.{k}": v for k, v in self.inputs.items()}
+        named.update({f"state.{f.name}": getattr(self.state, f.name) for f in fields(self.state)})
+        named["segments"] = self.segments
+        return {k: v.detach().contiguous() for k, v in named.items()}
+
+    @classmethod
+    def from_tensors(cls, named):
+        def part(prefix):
+            return {k[len(prefix):]: v for k, v in named.items() if k.startswith(prefix)}
+
+        return cls(part("inputs."), FPRMSolverState(**part("state.")), named["segments"])
+
+
+def carry_file(args):
+    """The carry's file name in a checkpoint: one per process, as Trainer's RNG states."""
+    return f"fprm_carry_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_carry.safetensors"
+
+
+class CarryCheckpointCallback(TrainerCallback):
+    """Adds the trainer's carry to each checkpoint when Trainer has written it (`on_save`), under a temporary name
+    renamed when complete, so that a kill while it is written leaves no truncated carry."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        carry = self.trainer.carry
+        if carry is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, carry_file(args))
+        save_file(carry.tensors(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
 
 class FPRMTrainer(Trainer):
     """`Trainer` whose training step is one deep-supervision segment of truncated BPTT (module docstring).
@@ -97,6 +145,21 @@ class FPRMTrainer(Trainer):
             raise ValueError(f"FPRMTrainer needs FPRMTrainingArguments, got {type(self.args).__name__}.")
         self.carry = None
         self._segment_stats = {"iterations": [], "halted": [], "segments": []}
+        self.add_callback(CarryCheckpointCallback(self))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, which also restores the carry of the checkpoint it resumes from."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if isinstance(checkpoint, (str, os.PathLike)):
+            path = os.path.join(checkpoint, carry_file(self.args))
+            if os.path.exists(path):
+                self.carry = Carry.from_tensors(load_file(path, device=str(self.args.device)))
+            else:
+                logger.warning("%s has no %s: the samples in flight at that step start afresh.", checkpoint,
+                               carry_file(self.args))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_decay_parameter_names(self, model):
         return [n for n in super().get_decay_parameter_names(model) if "alpha" not in n]

@@ -13,6 +13,8 @@ recorded as null). The iso-FLOP Base (num_loops = 1) has a single budget; it is 
 Representations (spec): at the full trajectory (M = L, uniform), per loop step (step 0 = embeddings): linear CKA
 between steps, anisotropy, curvature, prompt entropy (normalised). For Base, step i is the output of its i-th
 group of k blocks (k = num_blocks of the run), so it lines up with the looped models' steps.
+Progress bars over the models and their budgets go to stderr when it is a terminal (`--disable_tqdm true` hides them,
+`--disable_tqdm false` shows them anywhere).
 """
 
 import argparse
@@ -24,6 +26,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+import transformers
+from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
 from looped_training.checkpoints import check_checkpoint
@@ -114,10 +118,10 @@ def evaluate_halting(model, task, data, eps_values):
     return results
 
 
-def evaluate_quality(model, task, data, budgets, schedules):
+def evaluate_quality(model, task, data, budgets, schedules, disable_tqdm=None):
     config = model.config
     results, by_trajectory = [], {}
-    for budget in budgets:
+    for budget in tqdm(budgets, desc="budgets", unit="budget", leave=False, disable=disable_tqdm):
         for schedule in schedules:
             record = {"budget": budget, "schedule": schedule, "trajectory": None, "ppl": None, "em": None,
                       "em_by_depth": None}
@@ -188,7 +192,7 @@ def generations(model, tokenizer, task, rows, budgets, num_prompts=3):
 
 
 def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
-                        halt_eps=()):
+                        halt_eps=(), disable_tqdm=None):
     model, tokenizer, meta = load_checkpoint(path)
     task, data, rows = build_eval_data(meta, tokenizer, max_rows)
     L = meta["model"]["num_loops"]
@@ -202,7 +206,7 @@ def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=S
         "num_blocks": meta["model"]["num_blocks"],
         "parameters": model.num_parameters(),
         "train_runtime_s": meta.get("train_runtime_s"),
-        "results": evaluate_quality(model, task, data, budgets, schedules),
+        "results": evaluate_quality(model, task, data, budgets, schedules, disable_tqdm),
     }
     if halt_eps and model.config.num_loops > 1:
         record["halting"] = evaluate_halting(model, task, data, halt_eps)
@@ -368,6 +372,21 @@ def summary_text(records):
     return "\n".join(out)
 
 
+def _bool(text):
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def progress_bars_disabled(disable_tqdm=None):
+    """tqdm's `disable` for `--disable_tqdm`: as given if true or false; by default (None) the bars show on a terminal
+    only (tqdm's own check of stderr), and not at all once `transformers.utils.logging.disable_progress_bar()` ran."""
+    if disable_tqdm is None and not transformers.utils.logging.is_progress_bar_enabled():
+        return True
+    return disable_tqdm
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="Training output folders (or checkpoint-N folders).")
@@ -381,6 +400,8 @@ def main(argv=None):
                         help="Show generate(loop_budget=M) text for these M.")
     parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
                         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
+    parser.add_argument("--disable_tqdm", type=_bool, default=None,
+                        help="true: no progress bars; false: always show them (on stderr); default: only on a terminal.")
     args = parser.parse_args(argv)
     for eps in args.halt_eps:
         loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
@@ -402,11 +423,12 @@ def main(argv=None):
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
     torch.manual_seed(0)
     records = []
-    for i, path in enumerate(args.checkpoints):
+    disable = progress_bars_disabled(args.disable_tqdm)
+    for i, path in enumerate(tqdm(args.checkpoints, desc="models", unit="model", disable=disable)):
         name = args.names[i] if args.names else None
-        print(f"evaluating {path} ...", file=sys.stderr, flush=True)
+        tqdm.write(f"evaluating {path} ...", file=sys.stderr)
         records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
-                                           args.generate_budgets, args.halt_eps))
+                                           args.generate_budgets, args.halt_eps, disable))
     tasks = {r["task"] for r in records}
     if len(tasks) > 1:
         raise ValueError(f"The checkpoints were trained on different tasks {sorted(tasks)}; evaluate them apart.")

@@ -34,7 +34,8 @@ GPUs, see docs/distributed.md):
     ACCELERATE_USE_CPU=true accelerate launch --config_file looped_training/configs/accelerate/ddp.yaml \
         --num_processes 2 -m looped_training.loopformer.train ...
 
-Resume a killed run with `--resume_from_checkpoint last` (the newest checkpoint in `--output_dir`) or a path.
+Resume a killed run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`: one left
+incomplete by a kill during its save is skipped with a warning) or a path.
 """
 
 import json
@@ -45,12 +46,11 @@ from dataclasses import asdict, dataclass, field
 import datasets
 import transformers
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import check_checkpoint
+from looped_training.checkpoints import resolve_resume
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -159,17 +159,6 @@ def build_data(data_args):
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
-def resolve_resume(training_args):
-    resume = training_args.resume_from_checkpoint
-    if resume == "last":
-        resume = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-        if resume is None:
-            logger.info("No checkpoint in %s: training from scratch.", training_args.output_dir)
-    if resume is not None:
-        check_checkpoint(resume, for_resume=True)
-    return resume
-
-
 def check_sharding(trainer):
     """Refuse a run whose launcher asked for FSDP or DeepSpeed that accelerate did not set up (accelerate 1.15): every
     rank would silently hold and train a full replica under plain DDP."""
@@ -202,7 +191,7 @@ def main(argv=None):
         # Every variant's training forward uses every parameter (tests/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
-    resume = resolve_resume(training_args)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
 
     set_seed(training_args.seed)
     tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)

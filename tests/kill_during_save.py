@@ -1,0 +1,54 @@
+"""Run a training entry point and kill its process in the middle of writing one file of one checkpoint: the file is
+written, cut to half its size, and the process ends at once (`os._exit`, no clean-up, status 137 as after SIGKILL).
+Every log entry goes to LOG (one JSON line each) as it is made, so the test can read the curve the killed run had.
+
+    python tests/kill_during_save.py checkpoint-6/model.safetensors LOG looped_training.loopformer.train ARGS...
+
+The writers are the three a Trainer checkpoint goes through: `safetensors` for the weights, `torch.save` for the
+optimizer, scheduler and RNG states, `TrainerState.save_to_json` for trainer_state.json (the last file).
+"""
+
+import importlib
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import modeling_utils, trainer_callback
+
+KILLED = 137
+
+
+def main():
+    target, log_file, module, *argv = sys.argv[1:]
+    target_parts = target.split("/")
+
+    def killing(original):
+        def write(obj, path, *args, **kwargs):
+            result = original(obj, path, *args, **kwargs)
+            if os.path.normpath(str(path)).split(os.sep)[-len(target_parts):] == target_parts:
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
+                os._exit(KILLED)
+            return result
+
+        return write
+
+    torch.save = killing(torch.save)
+    modeling_utils.safe_save_file = killing(modeling_utils.safe_save_file)
+    trainer_callback.TrainerState.save_to_json = killing(trainer_callback.TrainerState.save_to_json)
+
+    original_log = transformers.Trainer.log
+
+    def log(self, logs, *args, **kwargs):
+        original_log(self, logs, *args, **kwargs)
+        with open(log_file, "a") as f:
+            f.write(json.dumps(self.state.log_history[-1]) + "\n")
+
+    transformers.Trainer.log = log
+    importlib.import_module(module).main(argv)
+
+
+if __name__ == "__main__":
+    main()
