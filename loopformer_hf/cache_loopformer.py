@@ -120,7 +120,7 @@ class LoopFormerCacheMixin:
         if type(cache) is not DynamicCache:
             raise ValueError(
                 f"LoopFormer needs {spec.num_slots} cache slots ({spec.num_steps} loop steps x {spec.num_blocks} "
-                f"blocks) in a LoopFormerCache (or a LoopFormerStaticCache); got an empty {type(cache).__name__}. "
+                f"blocks) in a LoopFormerCache; got an empty {type(cache).__name__}. "
                 f"Pass `cache=LoopFormerCache()`, `cache=LoopFormerStaticCache(model.config, max_cache_len)` or no "
                 f"cache."
             )
