@@ -2,7 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .cache_loopformer import LoopFormerCache
+from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
 from .modeling_loopformer import (LoopFormerForCausalLM, LoopFormerGenerateDecoderOnlyOutput, LoopFormerModel,
                                   LoopFormerPreTrainedModel)
@@ -24,6 +24,7 @@ __all__ = [
     "LoopFormerForCausalLM",
     "LoopFormerPreTrainedModel",
     "LoopFormerCache",
+    "LoopFormerStaticCache",
     "LoopFormerGenerateDecoderOnlyOutput",
     "STEP_SCHEDULE_PRESETS",
 ]

@@ -2,12 +2,19 @@
 holds one slot per pair, at `slot(i, j) = i * k + j`. A cache records the trajectory (and halting rule) that filled
 it; reusing it under another is an error instead of silently wrong logits.
 
+Two storages: [`LoopFormerCache`] (a `DynamicCache`, grows by concatenation) and [`LoopFormerStaticCache`] (a
+`StaticCache`: every slot preallocated for `max_cache_len` tokens, for `torch.compile`). With
+`config.cache_sharing="modulo"` both keep only n = `config.cache_share_n` loop-step slots per block (an
+approximation, see `LoopFormerCacheMixin.update`).
+
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
+import numbers
 from typing import NamedTuple
 
-from transformers.cache_utils import Cache, DynamicCache
+import torch
+from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 from transformers.utils import logging
 
 
@@ -22,47 +29,123 @@ class LoopFormerCacheSpec(NamedTuple):
     num_blocks: int  # k
     halt_eps: float | None = None
     halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
+    share_n: int | None = None  # cache_sharing="modulo": loop step i is stored in the slot of step i mod share_n
+
+    @property
+    def num_steps(self):
+        """Loop-step slots per block that the cache stores."""
+        steps = len(self.trajectory)
+        return steps if self.share_n is None else min(steps, self.share_n)
 
     @property
     def num_slots(self):
-        return len(self.trajectory) * self.num_blocks
+        return self.num_steps * self.num_blocks
 
     def describe(self):
-        return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)})"
+        sharing = "" if self.share_n is None else f", cache shared modulo {self.share_n}"
+        return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
 
 
 def _mismatch_message(was, now):
     if was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
-    elif was.trajectory == now.trajectory:
+    elif was.trajectory == now.trajectory and was.share_n == now.share_n:
         was_text = f"halt_eps={was.halt_eps} (kv fill {was.halt_kv_fill})"
         now_text = f"halt_eps={now.halt_eps} (kv fill {now.halt_kv_fill})"
     else:
-        was_text, now_text = f"trajectory {list(was.trajectory)}", now.describe()
+        was_text, now_text = was.describe(), now.describe()
     return (
         f"This cache was filled under {was_text}, but this call runs {now_text}. Every (loop step, block) has its own "
-        f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps that built it: start a new cache "
-        f"(or call without one)."
+        f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps/cache_sharing that built it: "
+        f"start a new cache (or call without one)."
     )
 
 
 class LoopFormerCacheMixin:
     """What every LoopFormer cache adds to a transformers `Cache`: the spec it was filled under and the slot of each
-    (loop step, block). A preallocated variant (a `StaticCache` sized by `spec.num_slots`) mixes in the same."""
+    (loop step, block)."""
 
     spec = None
 
     def slot(self, step, block):
-        """Index of the slot of loop step `step` (0-based) and block `block`."""
+        """The index `update` takes for loop step `step` (0-based) and block `block`."""
         return step * self.spec.num_blocks + block
 
     def bind(self, spec):
         """Record `spec` on an empty cache; a filled cache only accepts the spec it was filled under."""
-        if self.get_seq_length() == 0:
-            self.spec = spec
-        elif self.spec != spec:
+        # Compared first, as plain values: a compiled forward guards on them instead of reading a (static) length.
+        if self.spec == spec:
+            return self
+        if self.spec is not None and not self._is_empty():
             raise ValueError(_mismatch_message(self.spec, spec))
+        self.spec = spec
         return self
+
+    def _is_empty(self):
+        return self.get_seq_length() == 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Store the keys/values of `layer_idx = slot(step, block)`.
+
+        Cache sharing ("modulo", Huginn's "latest-m{n}"): step i is stored in the slot of step i mod n. Steps run in
+        order, so from step n on that slot already holds this call's tokens (of step i - n): they are replaced, and
+        what earlier tokens left there (their latest step of that residue) stays. Exact within one call; a later
+        token at step i reads earlier tokens' step max{s < M: s = i mod n} instead of their step i.
+        """
+        n = self.spec.share_n if self.spec is not None else None
+        if n is not None:
+            step, block = divmod(layer_idx, self.spec.num_blocks)
+            if step >= n:
+                layer_idx = self.slot(step % n, block)
+                self.layers[layer_idx].crop(-key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reset(self):
+        super().reset()
+        self.spec = None
+
+    @classmethod
+    def for_call(cls, cache, spec):
+        """The cache a forward call under `spec` uses: `cache` itself if it is a LoopFormer cache (checked against
+        `spec`), a new `LoopFormerCache` for `None` or for an empty `DynamicCache` (e.g. one built with a config,
+        whose `num_hidden_layers` slots never grow). Anything else raises `ValueError`."""
+        if cache is None:
+            return LoopFormerCache(spec)
+        if isinstance(cache, LoopFormerCacheMixin):
+            return cache.bind(spec)
+        if not isinstance(cache, Cache):
+            raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
+        if cache.get_seq_length() > 0:
+            raise ValueError(_mismatch_message(None, spec))
+        if type(cache) is not DynamicCache:
+            raise ValueError(
+                f"LoopFormer needs {spec.num_slots} cache slots ({spec.num_steps} loop steps x {spec.num_blocks} "
+                f"blocks) in a LoopFormerCache; got an empty {type(cache).__name__}. "
+                f"Pass `cache=LoopFormerCache()`, `cache=LoopFormerStaticCache(model.config, max_cache_len)` or no "
+                f"cache."
+            )
+        logger.warning_once(
+            "LoopFormer replaced the empty DynamicCache it was given by a LoopFormerCache (one slot per loop step "
+            "and block): read the cache from the output, or pass `cache=LoopFormerCache()` to have it filled in place."
+        )
+        return LoopFormerCache(spec)
+
+    @staticmethod
+    def replace_generate_default(model_kwargs, config, num_steps):
+        """`generate` puts a plain `DynamicCache` (or, with `cache_implementation="static"`, a `StaticCache`) in
+        `model_kwargs` (under `cache`, or `past_key_values` before transformers 5.24). Swap an empty one it built for
+        the LoopFormer cache of the same kind, sized for `num_steps` loop steps; the first forward binds it."""
+        for name in ("cache", "past_key_values"):
+            cache = model_kwargs.get(name)
+            if cache is None or getattr(cache, "_is_user_defined", False) or cache.get_seq_length() != 0:
+                continue
+            if type(cache) is DynamicCache:
+                model_kwargs[name] = LoopFormerCache()
+            elif type(cache) is StaticCache:
+                model_kwargs[name] = LoopFormerStaticCache(
+                    config, max_cache_len=cache.get_max_length(), max_loop_budget=num_steps,
+                    offloading=cache.offloading,
+                )
 
 
 class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
@@ -77,40 +160,67 @@ class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
         super().__init__(**kwargs)
         self.spec = spec
 
-    @classmethod
-    def for_call(cls, cache, spec):
-        """The cache a forward call under `spec` uses: `cache` itself if it is a `LoopFormerCache` (checked against
-        `spec`), a new one for `None` or for an empty `DynamicCache` (e.g. the one transformers' `generate` builds,
-        whose `num_hidden_layers` slots never grow). Anything else raises `ValueError`."""
-        if cache is None:
-            return cls(spec)
-        if isinstance(cache, LoopFormerCacheMixin):
-            return cache.bind(spec)
-        if not isinstance(cache, Cache):
-            raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
-        if cache.get_seq_length() > 0:
-            raise ValueError(_mismatch_message(None, spec))
-        if type(cache) is not DynamicCache:
+    def mask_lengths(self, query_length):
+        """(tokens already cached, key/value length attention sees) for a call adding `query_length` tokens."""
+        past = self.get_seq_length()
+        return past, past + query_length
+
+
+class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
+    """A `StaticCache` for a looped model: `max_loop_budget x k` slots (`min(max_loop_budget, n) x k` with
+    `config.cache_sharing="modulo"`), each holding `max_cache_len` tokens, allocated at its first write (or by
+    `early_initialization`) and then written in place, so that `torch.compile` sees fixed shapes and addresses.
+
+    `generate(..., cache_implementation="static")` builds one sized for the call's trajectory. Built by hand, it serves
+    any trajectory of at most `max_loop_budget` steps (default: the config's default budget); like
+    [`LoopFormerCache`], the first call binds it and a later call under another trajectory raises `ValueError`
+    (`reset()` empties it for a new one).
+
+    ```python
+    cache = LoopFormerStaticCache(model.config, max_cache_len=64, max_loop_budget=4)
+    out = model.generate(ids, cache=cache, loop_budget=4, max_new_tokens=32)
+    ```
+    """
+
+    def __init__(self, config, max_cache_len, max_loop_budget=None, offloading=False, offload_only_non_sliding=True,
+                 **kwargs):
+        steps = max_loop_budget if max_loop_budget is not None else (config.default_loop_budget or config.num_loops)
+        if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"`max_loop_budget` must be None or an integer >= 1, got {max_loop_budget!r}.")
+        if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) or max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be an integer >= 1, got {max_cache_len!r}.")
+        if config.cache_sharing == "modulo":
+            steps = min(steps, config.cache_share_n)
+        layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(steps * config.num_hidden_layers)]
+        # StaticCache's own __init__ makes one layer per block from the config; a looped model needs steps x blocks.
+        Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+        self.max_loop_budget = int(max_loop_budget) if max_loop_budget is not None else None
+
+    def bind(self, spec):
+        if spec.num_slots > len(self.layers):
             raise ValueError(
-                f"LoopFormer needs {spec.num_slots} cache slots (loop budget {len(spec.trajectory)} x "
-                f"{spec.num_blocks} blocks) in a LoopFormerCache; got an empty {type(cache).__name__}. Pass "
-                f"`cache=LoopFormerCache()` or no cache."
+                f"This LoopFormerStaticCache holds {len(self.layers)} slots, but {spec.describe()} needs "
+                f"{spec.num_slots} ({spec.num_steps} loop steps x {spec.num_blocks} blocks): build it with "
+                f"`max_loop_budget={len(spec.trajectory)}` or more."
             )
-        logger.warning_once(
-            "LoopFormer replaced the empty DynamicCache it was given by a LoopFormerCache (one slot per loop step "
-            "and block): read the cache from the output, or pass `cache=LoopFormerCache()` to have it filled in place."
-        )
-        return cls(spec)
+        return super().bind(spec)
 
-    @classmethod
-    def replace_generate_default(cls, model_kwargs):
-        """`generate` puts a plain `DynamicCache` in `model_kwargs` (under `cache`, or `past_key_values` before
-        transformers 5.24); swap an empty one for an empty `LoopFormerCache`, which the first forward binds."""
-        for name in ("cache", "past_key_values"):
-            cache = model_kwargs.get(name)
-            built_by_generate = not getattr(cache, "_is_user_defined", False)
-            if type(cache) is DynamicCache and built_by_generate and cache.get_seq_length() == 0:
-                model_kwargs[name] = cls()
+    def _is_empty(self):
+        return not self.layers[0].is_initialized or int(self.get_seq_length()) == 0
+
+    def mask_lengths(self, query_length):
+        """(tokens already cached, key/value length attention sees): every slot returns all `max_cache_len` rows,
+        the ones beyond the cached tokens still empty. The cached count is always a tensor (no recompile per token),
+        copied because the cache advances it in place."""
+        max_len = self.layers[0].max_cache_len
+        past = self.get_seq_length()  # 0 before the first write
+        past = past.clone() if isinstance(past, torch.Tensor) else torch.zeros((), dtype=torch.long)
+        if not torch.compiler.is_compiling() and int(past) + query_length > max_len:
+            raise ValueError(
+                f"This LoopFormerStaticCache holds max_cache_len={max_len} tokens; it has {int(past)} and this call "
+                f"adds {query_length}. Build it with a larger `max_cache_len`."
+            )
+        return past, max_len
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec"]
+__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerStaticCache"]

@@ -25,18 +25,20 @@ STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
+CACHE_SHARING_MODES = ("none", "modulo")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                        "num_hidden_layers", "num_loops", "max_position_embeddings", "frequency_embedding_size",
-                       "max_loop_budget_factor")
+                       "max_loop_budget_factor", "cache_share_n")
 BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "block_norm_weight", "use_cache")
 CHOICE_FIELDS = {
     "loop_conditioning": LOOP_CONDITIONING_MODES,
     "position_embedding_type": POSITION_EMBEDDING_TYPES,
     "default_step_schedule": STEP_SCHEDULE_PRESETS,
     "halt_kv_fill": HALT_KV_FILLS,
+    "cache_sharing": CACHE_SHARING_MODES,
     "initializer_scheme": INITIALIZER_SCHEMES,
 }
 # Fields whose bound depends on another field; re-checked together whenever one of them is set.
@@ -113,6 +115,13 @@ class LoopFormerConfig(PreTrainedConfig):
             halted token skips are filled: `"reuse"` repeats the keys/values of its last computed step;
             `"recompute"` projects them from its frozen state with each later step's modulation. Measured on the
             trained tiny checkpoints (docs/results.md), both give the same quality and "reuse" decodes faster.
+        cache_sharing (`str`, defaults to `"none"`): how the KV cache stores the loop steps. `"none"`: one slot per
+            (loop step, block), exact. `"modulo"`: an approximation in the spirit of Huginn's shared recurrent cache:
+            loop step i writes the slot of step i mod `cache_share_n`, so the cache holds min(M, n) x k slots
+            whatever the budget M; a new token at step i attends to earlier tokens' latest step of the same residue
+            (exact within one forward call, approximate across decode steps; see docs/compile.md).
+        cache_share_n (`int`, defaults to 4): n, the number of loop-step slots per block kept with
+            `cache_sharing="modulo"` (Huginn's default is 4). A budget M <= n is exact.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -161,6 +170,8 @@ class LoopFormerConfig(PreTrainedConfig):
         default_loop_budget=None,
         default_step_schedule="uniform",
         halt_kv_fill="reuse",
+        cache_sharing="none",
+        cache_share_n=4,
         attention_dropout=0.0,
         attention_bias=False,
         mlp_bias=False,
@@ -192,6 +203,8 @@ class LoopFormerConfig(PreTrainedConfig):
         self.default_loop_budget = default_loop_budget
         self.default_step_schedule = default_step_schedule
         self.halt_kv_fill = halt_kv_fill
+        self.cache_sharing = cache_sharing
+        self.cache_share_n = cache_share_n
         self.attention_dropout = attention_dropout
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
@@ -385,4 +398,4 @@ class LoopFormerConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]
+__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]

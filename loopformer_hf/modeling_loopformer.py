@@ -2,8 +2,9 @@
 normalised time t and step size Δ (Jeddi et al., ICLR 2026). Reads top to bottom in the order a token travels:
 norm → positions → attention → MLP → loop conditioning (t, Δ) → modulated block → the loop → head.
 
-KV cache: every (loop step i, block j) pair attends to its own keys and values; [`LoopFormerCache`]
-(cache_loopformer.py) holds one slot per pair and refuses a trajectory other than the one that filled it.
+KV cache: every (loop step i, block j) pair attends to its own keys and values; [`LoopFormerCache`] (or the
+preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per pair and refuses a trajectory other
+than the one that filled it.
 """
 
 import math
@@ -300,7 +301,8 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    # A fixed trajectory (no `halt_eps`, whose halting reads tensor values) traces as one graph per trajectory.
+    _can_compile_fullgraph = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -430,25 +432,32 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     # ---- masks and positions -------------------------------------------------------------------------------------
 
-    def _attention_mask(self, attention_mask, batch, q_len, past_len, device):
-        """Boolean (batch, 1, q_len, past_len + q_len) mask, True = may attend; None = plain causal."""
-        kv_len = past_len + q_len
+    def _attention_mask(self, attention_mask, batch, q_len, past_len, kv_len, device):
+        """Boolean (batch, 1, q_len, kv_len) mask, True = may attend; None = plain causal. `kv_len` is past_len +
+        q_len, or more with a static cache (its rows beyond are empty), whose `past_len` is a tensor."""
+        static = isinstance(past_len, torch.Tensor)
         if attention_mask is not None and attention_mask.dim() == 4:
             return attention_mask
         if attention_mask is not None:
-            if attention_mask.shape != (batch, kv_len):
+            if not torch.compiler.is_compiling() and attention_mask.shape != (batch, int(past_len) + q_len):
                 raise ValueError(
-                    f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, kv_len)}, "
+                    f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, int(past_len) + q_len)}, "
                     f"got {tuple(attention_mask.shape)}."
                 )
             if not torch.compiler.is_compiling() and bool(attention_mask.all()):
                 attention_mask = None
-        if attention_mask is None and (q_len == 1 or past_len == 0) and self.config._attn_implementation == "sdpa":
+        if attention_mask is None and not static and (q_len == 1 or past_len == 0) and (
+            self.config._attn_implementation == "sdpa"
+        ):
             return None
-        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(past_len)
+        # query i sits at position past_len + i and sees keys 0..past_len + i
+        causal = torch.arange(kv_len, device=device)[None] <= (torch.arange(q_len, device=device) + past_len)[:, None]
         mask = causal[None, None].expand(batch, 1, q_len, kv_len)
         if attention_mask is not None:
-            mask = mask & attention_mask.bool()[:, None, None, :]
+            padding = attention_mask.bool()
+            if static:
+                padding = torch.cat([padding, padding.new_zeros(batch, kv_len - padding.shape[1])], dim=1)
+            mask = mask & padding[:, None, None, :]
             # Rows of pure padding would attend to nothing (NaN in sdpa): let them see everything; no real token
             # ever reads their output, since their keys are masked for all real queries.
             mask = mask | ~mask.any(dim=-1, keepdim=True)
@@ -458,7 +467,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if attention_mask is not None and attention_mask.dim() == 2:
             positions = attention_mask.long().cumsum(-1) - 1
             return positions.clamp(min=0)[:, -q_len:]
-        return torch.arange(past_len, past_len + q_len, device=device)[None].expand(batch, q_len)
+        return (torch.arange(q_len, device=device) + past_len)[None].expand(batch, q_len)
 
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
@@ -495,7 +504,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     def _cache_spec(self, trajectory, halt_eps):
         fill = self.config.halt_kv_fill if halt_eps is not None else None
-        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps, fill)
+        share_n = self.config.cache_share_n if self.config.cache_sharing == "modulo" else None
+        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps, fill, share_n)
 
     def _loop_step(self, step, hidden_states, conditioning, mask, position_embeddings, cache, halting,
                    output_attentions):
@@ -562,10 +572,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
         cache = _cache_argument(cache, past_key_values, type(self).__name__)
         cache = LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps)) if use_cache else None
-        past_len = cache.get_seq_length() if cache is not None else 0
+        past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
-        mask = self._attention_mask(attention_mask, batch, q_len, past_len, device)
+        mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
         conditioning = self.loop_conditioning(trajectory, device)
@@ -753,10 +763,12 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
     # ---- generation ----------------------------------------------------------------------------------------------
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` with `num_hidden_layers`
-        slots; a looped model needs one per (loop step, block), so it gets an empty `LoopFormerCache` instead."""
+        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with
+        `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
+        (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        LoopFormerCache.replace_generate_default(model_kwargs)
+        steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
+        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps)
 
     def save_pretrained(self, *args, **kwargs):
         """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to

@@ -56,3 +56,26 @@ def test_same_budget_reuses_graphs_new_budget_recompiles():
         after_four = counter.frame_count
         compiled(IDS, loop_budget=4, use_cache=False)
         assert counter.frame_count == after_four  # ... which are then cached too
+
+
+def test_generate_across_budgets_compiled_with_static_cache():
+    """Issue 14: `model.forward = torch.compile(model.forward, fullgraph=True)` decodes with the static loop cache
+    at budget 4, then 1, 2, 3: no error, eager's tokens, and graphs bounded by one prefill and one decode graph per
+    trajectory (Dynamo guards on the trajectory as plain values; seen budgets reuse their graphs)."""
+    model = make_model()
+    ids = IDS[:, :5]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
+    budgets = (4, 1, 2, 3)
+    with torch.no_grad():
+        eager = {b: model.generate(ids, loop_budget=b, **kw) for b in budgets}
+        counter = CompileCounter()
+        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+        frames = []
+        for b in budgets:
+            assert torch.equal(model.generate(ids, loop_budget=b, **kw), eager[b]), f"budget {b}"
+            frames.append(counter.frame_count)
+        assert torch.equal(model.generate(ids, loop_budget=4, **kw), eager[4])
+    new_graphs = [frames[0]] + [b - a for a, b in zip(frames, frames[1:])]
+    print("graphs per new budget:", new_graphs, "then budget 4 again:", counter.frame_count - frames[-1])
+    assert new_graphs == [2] * len(budgets)  # one prefill and one decode graph, no recompile per token
+    assert counter.frame_count == frames[-1]  # budget 4 seen before: no recompile

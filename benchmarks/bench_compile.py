@@ -1,0 +1,111 @@
+"""Cached greedy decoding, eager against `torch.compile`d, at several loop budgets.
+
+    python -m benchmarks.bench_compile [--budgets 4 1] [--backend inductor] [--output benchmarks/results/compile.json]
+
+Three ways to decode the same prompt with the same weights, run interleaved (a round runs each once, in rotated
+order) after a warm-up that compiles, medians over `--repeats` rounds:
+
+- eager, dynamic cache (`generate`'s default, a `LoopFormerCache`);
+- eager, static cache (`cache_implementation="static"`, a `LoopFormerStaticCache`);
+- compiled, static cache: `model.forward = torch.compile(model.forward, fullgraph=True)` (prefill and decode steps
+  both compiled; one graph per distinct prompt length / decode step and trajectory).
+
+Tokens/s counts the new tokens over the whole `generate` call (prefill of the prompt included). The compiled tokens
+are checked against eager ones. Recompiles are counted with `torch._dynamo.utils.counters`.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch._dynamo
+
+import loopformer_hf
+
+
+def tiny_random_model(hidden_size=256):
+    torch.manual_seed(0)
+    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size, num_attention_heads=4,
+                                         intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=4,
+                                         max_position_embeddings=1024)
+    return loopformer_hf.LoopFormerForCausalLM(cfg).eval()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[4, 1])
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--prompt_len", type=int, default=16)
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default="benchmarks/results/compile.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    eager = tiny_random_model(args.hidden_size)
+    compiled = copy.deepcopy(eager)
+    compiled.forward = torch.compile(compiled.forward, backend=args.backend, fullgraph=True)
+    prompt = torch.randint(3, 512, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    sides = {
+        "eager dynamic": (eager, {}),
+        "eager static": (eager, {"cache_implementation": "static"}),
+        "compiled static": (compiled, {"cache_implementation": "static"}),
+    }
+
+    def run(name, budget):
+        model, kw = sides[name]
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, loop_budget=budget, max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, do_sample=False, **kw)
+        return args.new_tokens / (time.perf_counter() - start), out
+
+    torch._dynamo.utils.counters.clear()
+    results = {}
+    for budget in args.budgets:
+        start = time.perf_counter()
+        _, first = run("compiled static", budget)  # compiles
+        warmup = time.perf_counter() - start
+        tokens = {name: run(name, budget)[1] for name in sides}  # warm every side
+        same = all(torch.equal(t, first) for t in tokens.values())
+        speeds = {name: [] for name in sides}
+        names = list(sides)
+        for r in range(args.repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                speeds[name].append(run(name, budget)[0])
+        results[f"M={budget}"] = {
+            "tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
+            "tokens_per_s_spread": {name: [min(v), max(v)] for name, v in speeds.items()},
+            "compiled_over_eager_static": statistics.median(
+                c / e for c, e in zip(speeds["compiled static"], speeds["eager static"])),
+            "compiled_over_eager_dynamic": statistics.median(
+                c / e for c, e in zip(speeds["compiled static"], speeds["eager dynamic"])),
+            "same_tokens": same,
+            "first_call_s": warmup,
+        }
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    report = {"config": vars(args), "results": results, "dynamo_frames": frames,
+              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+
+    print(f"{'budget':>7} | {'eager dynamic':>13} | {'eager static':>12} | {'compiled static':>15} | "
+          f"{'compiled/eager':>14} | same tokens | first call")
+    for key, r in results.items():
+        t = r["tokens_per_s"]
+        print(f"{key:>7} | {t['eager dynamic']:13.1f} | {t['eager static']:12.1f} | {t['compiled static']:15.1f} | "
+              f"{r['compiled_over_eager_dynamic']:13.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s")
+    print(f"tokens/s ({args.backend}, medians of {args.repeats} interleaved rounds); dynamo frames: {frames}")
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
