@@ -4,8 +4,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_loopformer import LoopFormerCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
-from .modeling_loopformer import (LoopFormerForCausalLM, LoopFormerGenerateDecoderOnlyOutput, LoopFormerModel,
-                                  LoopFormerPreTrainedModel)
+from .modeling_loopformer import (LoopFormerForCausalLM, LoopFormerGenerateBeamDecoderOnlyOutput,
+                                  LoopFormerGenerateDecoderOnlyOutput, LoopFormerModel, LoopFormerPreTrainedModel)
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)
@@ -25,5 +25,6 @@ __all__ = [
     "LoopFormerPreTrainedModel",
     "LoopFormerCache",
     "LoopFormerGenerateDecoderOnlyOutput",
+    "LoopFormerGenerateBeamDecoderOnlyOutput",
     "STEP_SCHEDULE_PRESETS",
 ]
