@@ -42,6 +42,23 @@ CONV_PLACEMENTS = ("state", "injection")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
 DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
 
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+                       "max_position_embeddings", "num_puzzle_identifiers")
+BOOL_FIELDS = ("causal", "outer_only", "conv_bias", "normalize_input_injection", "final_norm", "fixed_init",
+               "attention_bias", "mlp_bias", "tie_word_embeddings")
+CHOICE_FIELDS = {
+    "residual_scaling": RESIDUAL_SCALINGS,
+    "norm_type": NORM_TYPES,
+    "norm_placement": NORM_PLACEMENTS,
+    "conv_type": CONV_TYPES,
+    "conv_placement": CONV_PLACEMENTS,
+    "position_embedding_type": POSITION_EMBEDDING_TYPES,
+}
+POSITIVE_FLOAT_FIELDS = ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature")
+# Fields whose validity depends on another field; re-checked together whenever one of them is set.
+CROSS_CHECKED_FIELDS = ("hidden_size", "num_attention_heads", "grid_size", "conv_type", "conv_kernel_size",
+                        "position_embedding_type")
+
 
 def swiglu_width(hidden_size, expansion):
     """The authors' SwiGLU width: expansion · d · 2/3, rounded to an integer, then up to a multiple of 256."""
@@ -84,6 +101,17 @@ def check_patience(value, name="patience"):
     if not _is_int(value) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
     return int(value)
+
+
+SOLVER_FIELDS = {
+    "halt_eps": check_halt_eps,
+    "max_loops": check_max_loops,
+    "eta": check_unit_interval,
+    "gamma_train": check_unit_interval,
+    "gamma_eval": check_unit_interval,
+    "min_eta": lambda value, name: check_unit_interval(value, name, closed_low=True),
+    "patience": check_patience,
+}
 
 
 class FPRMConfig(PreTrainedConfig):
@@ -152,6 +180,9 @@ class FPRMConfig(PreTrainedConfig):
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities in training.
         attention_bias (`bool`, defaults to `False`): a bias in the attention projections.
         mlp_bias (`bool`, defaults to `False`): a bias in the MLP projections.
+
+    Every field is validated however it arrives (constructor, `config.json`, `from_pretrained` kwargs, attribute
+    set): bad values raise `ValueError`, booleans must be `True` or `False`.
     """
 
     model_type = "fprm"
@@ -218,10 +249,6 @@ class FPRMConfig(PreTrainedConfig):
             intermediate_size = swiglu_width(hidden_size, expansion)
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
-        if isinstance(grid_size, (tuple, list)) and len(grid_size) == 2:
-            grid_size = list(grid_size)
-        elif _is_int(grid_size):
-            grid_size = [int(grid_size), int(grid_size)]
         self.grid_size = grid_size
         self.conv_type = conv_type
         self.conv_kernel_size = DEFAULT_CONV_KERNEL.get(conv_type) if conv_kernel_size is None else conv_kernel_size
@@ -269,67 +296,77 @@ class FPRMConfig(PreTrainedConfig):
         """Tokens an input must have (height × width), or None when any length is accepted."""
         return None if self.grid_size is None else self.grid_size[0] * self.grid_size[1]
 
-    def _validate_fields(self):
-        for name in ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
-                     "max_position_embeddings", "num_puzzle_identifiers"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if not _is_int(self.num_prefix_tokens) or self.num_prefix_tokens < 0:
-            raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {self.num_prefix_tokens!r}.")
-        if not _is_int(self.initial_state_seed):
-            raise ValueError(f"`initial_state_seed` must be an integer, got {self.initial_state_seed!r}.")
+    def __setattr__(self, name, value):
+        # transformers sets `from_pretrained` kwargs (and users set fields) after `__init__`: check them here too.
+        value = self._check_field(name, value)
+        if name not in CROSS_CHECKED_FIELDS or not all(f in self.__dict__ for f in CROSS_CHECKED_FIELDS):
+            return super().__setattr__(name, value)
+        old = self.__dict__[name]
+        super().__setattr__(name, value)
+        try:
+            self._check_cross_fields()
+        except ValueError:
+            super().__setattr__(name, old)
+            raise
+
+    @staticmethod
+    def _check_field(name, value):
+        """The checks of one field on its own (cross-field ones are in `_check_cross_fields`); returns the value,
+        `grid_size` normalised to [height, width]."""
+        if name in POSITIVE_INT_FIELDS and (not _is_int(value) or value < 1):
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if name in BOOL_FIELDS and not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+        if name in CHOICE_FIELDS and value not in CHOICE_FIELDS[name]:
+            raise ValueError(f"`{name}` must be one of {CHOICE_FIELDS[name]}, got {value!r}.")
+        if name == "num_prefix_tokens" and (not _is_int(value) or value < 0):
+            raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {value!r}.")
+        if name == "initial_state_seed" and not _is_int(value):
+            raise ValueError(f"`initial_state_seed` must be an integer, got {value!r}.")
+        if name == "grid_size":
+            if isinstance(value, (tuple, list)) and len(value) == 2:
+                value = list(value)
+            elif _is_int(value):
+                value = [int(value), int(value)]
+            if value is not None and not (
+                isinstance(value, list) and len(value) == 2 and all(_is_int(s) and s >= 1 for s in value)
+            ):
+                raise ValueError(f"`grid_size` must be None, a positive int or [height, width], got {value!r}.")
+        if name == "conv_kernel_size" and value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"`conv_kernel_size` must be a positive integer, got {value!r}.")
+        if name in ("alpha1", "alpha2") and not (_is_real_number(value) and 0 < value < 1):
+            raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
+        if name in POSITIVE_FLOAT_FIELDS and not (_is_real_number(value) and math.isfinite(value) and value > 0):
+            raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+        if name == "initializer_range" and value is not None and not (_is_real_number(value) and value > 0):
+            raise ValueError(f"`initializer_range` must be None or a positive number, got {value!r}.")
+        if name == "attention_dropout" and not (_is_real_number(value) and 0 <= value < 1):
+            raise ValueError(f"`attention_dropout` must be in [0, 1), got {value!r}.")
+        if name in SOLVER_FIELDS:
+            SOLVER_FIELDS[name](value, name)
+        return value
+
+    def _check_cross_fields(self):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        choices = {
-            "residual_scaling": RESIDUAL_SCALINGS,
-            "norm_type": NORM_TYPES,
-            "norm_placement": NORM_PLACEMENTS,
-            "conv_type": CONV_TYPES,
-            "conv_placement": CONV_PLACEMENTS,
-            "position_embedding_type": POSITION_EMBEDDING_TYPES,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        for name in ("causal", "outer_only", "conv_bias", "normalize_input_injection", "final_norm", "fixed_init"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
-        if self.grid_size is not None and not (
-            isinstance(self.grid_size, list) and len(self.grid_size) == 2
-            and all(_is_int(s) and s >= 1 for s in self.grid_size)
-        ):
-            raise ValueError(f"`grid_size` must be None, a positive int or [height, width], got {self.grid_size!r}.")
         if self.conv_type == "2d" and self.grid_size is None:
             raise ValueError("`conv_type='2d'` convolves over a grid and needs `grid_size`; got grid_size=None.")
-        if self.conv_type != "none" and (not _is_int(self.conv_kernel_size) or self.conv_kernel_size < 1):
-            raise ValueError(f"`conv_kernel_size` must be a positive integer, got {self.conv_kernel_size!r}.")
+        if self.conv_type != "none" and self.conv_kernel_size is None:
+            raise ValueError(f"`conv_type={self.conv_type!r}` needs a `conv_kernel_size`, got None.")
         if self.conv_type == "2d" and self.conv_kernel_size % 2 == 0:
             raise ValueError(f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}.")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
-        for name in ("alpha1", "alpha2"):
-            value = getattr(self, name)
-            if not (_is_real_number(value) and 0 < value < 1):
-                raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
-        for name in ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature"):
-            value = getattr(self, name)
-            if not (_is_real_number(value) and math.isfinite(value) and value > 0):
-                raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-        if self.initializer_range is not None and not (_is_real_number(self.initializer_range) and self.initializer_range > 0):
-            raise ValueError(f"`initializer_range` must be None or a positive number, got {self.initializer_range!r}.")
-        if not (_is_real_number(self.attention_dropout) and 0 <= self.attention_dropout < 1):
-            raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}.")
-        check_halt_eps(self.halt_eps)
-        check_max_loops(self.max_loops)
-        check_unit_interval(self.eta, "eta")
-        check_unit_interval(self.gamma_train, "gamma_train")
-        check_unit_interval(self.gamma_eval, "gamma_eval")
-        check_unit_interval(self.min_eta, "min_eta", closed_low=True)
-        check_patience(self.patience)
+
+    def _validate_fields(self):
+        for name in (*POSITIVE_INT_FIELDS, *BOOL_FIELDS, *CHOICE_FIELDS, *POSITIVE_FLOAT_FIELDS, *SOLVER_FIELDS,
+                     "num_prefix_tokens", "initial_state_seed", "grid_size", "conv_kernel_size", "alpha1", "alpha2",
+                     "initializer_range", "attention_dropout"):
+            self._check_field(name, getattr(self, name))
+        self._check_cross_fields()
 
 
 __all__ = [

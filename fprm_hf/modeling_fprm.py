@@ -361,6 +361,10 @@ class FPRMModelOutput(ModelOutput):
     residual_trace: (batch, iterations run) residual after each iteration (with `output_residual_trace=True`);
         a halted row repeats its final residual.
     solver_state: the `FPRMSolverState` to continue from (pass it back as `solver_state=`).
+    hidden_states: with `output_hidden_states=True`, the solver's iterates (y_0, y_1, ..., y_K) as a tuple of
+        (batch, prefix + tokens, hidden) tensors: y_0 the state the call starts from (z0, or the given
+        `solver_state`), y_k the state after iteration k, K the most iterations any sample ran in this call. A
+        sample that halted before K repeats its final state. The entries are the raw iterates (no final norm).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -370,6 +374,7 @@ class FPRMModelOutput(ModelOutput):
     diverged: torch.BoolTensor | None = None
     residual_trace: torch.FloatTensor | None = None
     solver_state: FPRMSolverState | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
@@ -388,6 +393,7 @@ class FPRMReasoningOutput(ModelOutput):
     diverged: torch.BoolTensor | None = None
     residual_trace: torch.FloatTensor | None = None
     solver_state: FPRMSolverState | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
 
 
 class FPRMModel(FPRMPreTrainedModel):
@@ -547,7 +553,8 @@ class FPRMModel(FPRMPreTrainedModel):
 
     # ---- the solver (Algorithm 1) ---------------------------------------------------------------------------------
 
-    def solve(self, x, state, max_loops, halt_eps, gamma, patience, min_eta, halting=True, output_residual_trace=False):
+    def solve(self, x, state, max_loops, halt_eps, gamma, patience, min_eta, halting=True, output_residual_trace=False,
+              output_hidden_states=False):
         """Damped fixed-point iteration y ← η·f(y) + (1 − η)·y with per-sample residuals, step decay and halting.
 
         Only rows still iterating are evaluated; a halted row is frozen. Gradients flow through every iteration run
@@ -560,6 +567,7 @@ class FPRMModel(FPRMPreTrainedModel):
         position_embeddings = self.position_embeddings(x)
         start_iterations = iterations.clone()
         trace = []
+        iterates = [y] if output_hidden_states else None
         for _ in range(max_loops):
             rows = (~halted).nonzero().squeeze(1)
             if rows.numel() == 0:
@@ -595,12 +603,14 @@ class FPRMModel(FPRMPreTrainedModel):
                 halted[rows] = stop
                 if output_residual_trace:
                     trace.append(residuals.clone())
+            if output_hidden_states:
+                iterates.append(y)
         new_state = FPRMSolverState(
             hidden=y, eta=eta, patience=pat, best=best, residuals=residuals, iterations=iterations, halted=halted,
             converged=converged, diverged=diverged,
         )
         trace = torch.stack(trace, dim=1) if output_residual_trace and trace else None
-        return new_state, iterations - start_iterations, trace
+        return new_state, iterations - start_iterations, trace, None if iterates is None else tuple(iterates)
 
     def _solver_settings(self, halt_eps, max_loops, eta, gamma, patience, min_eta):
         config = self.config
@@ -613,9 +623,31 @@ class FPRMModel(FPRMPreTrainedModel):
         min_eta = check_unit_interval(config.min_eta if min_eta is None else min_eta, "min_eta", closed_low=True)
         return halt_eps, max_loops, eta, gamma, patience, min_eta
 
+    @staticmethod
+    def check_attention_mask(attention_mask, input_ids):
+        """FPRM cannot honour padding: every token attends to every other (or, causal, to all before it), the conv
+        mixes neighbouring cells and the residual that halts a sample is a maximum over all its tokens, as in the
+        authors' model, which reads fixed-length grids. So a mask must be all ones; a padded one is refused."""
+        if attention_mask is None:
+            return
+        shape = tuple(getattr(input_ids, "shape", ()))
+        if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != shape:
+            raise ValueError(
+                f"`attention_mask` must be a tensor of the shape of `input_ids` {shape}, got "
+                f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}."
+            )
+        if not bool((attention_mask == 1).all()):
+            raise ValueError(
+                f"FPRM cannot honour a padded `attention_mask` (it has {int((attention_mask != 1).sum())} entries "
+                f"that are not 1): attention, the conv and the halting residual read every token, as in the authors' "
+                f"model. Pass inputs of equal length without padding (solve different lengths in separate batches), "
+                f"or an all-ones mask."
+            )
+
     def forward(
         self,
         input_ids=None,
+        attention_mask=None,
         puzzle_identifiers=None,
         halt_eps=None,
         max_loops=None,
@@ -627,11 +659,15 @@ class FPRMModel(FPRMPreTrainedModel):
         solver_state=None,
         output_residual_trace=False,
         generator=None,
+        output_hidden_states=None,
         return_dict=None,
     ):
         r"""
         input_ids (`torch.LongTensor` of shape `(batch, tokens)`): the puzzle; `tokens` must be height × width of
             `config.grid_size` when a grid is configured.
+        attention_mask (`torch.Tensor` of shape `(batch, tokens)`, *optional*): accepted as transformers models do,
+            but it must be all ones: FPRM reads every token (see `check_attention_mask`); a padded mask raises
+            `ValueError`.
         puzzle_identifiers (`torch.LongTensor` of shape `(batch,)`, *optional*): row of the prefix table per sample.
         halt_eps (`float`, *optional*): τ; a sample halts when its relative residual is below it (config default).
         max_loops (`int`, *optional*): iteration cap for this call (config default).
@@ -645,12 +681,21 @@ class FPRMModel(FPRMPreTrainedModel):
         generator (`torch.Generator`, *optional*): draw z0 from it, fresh per sample and token (see `initial_z`;
             without it, training mode uses the global RNG and evaluation mode a generator seeded with
             `config.initial_state_seed`).
+        output_hidden_states (`bool`, *optional*): also return the solver's iterates y_0..y_K as `hidden_states`
+            (see [`FPRMModelOutput`]); defaults to `config.output_hidden_states`.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        for name, value in (("halting", halting), ("output_residual_trace", output_residual_trace),
+                            ("output_hidden_states", output_hidden_states)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
         halt_eps, max_loops, eta, gamma, patience, min_eta = self._solver_settings(
             halt_eps, max_loops, eta, gamma, patience, min_eta
         )
         self.check_inputs(input_ids, puzzle_identifiers)
+        self.check_attention_mask(attention_mask, input_ids)
         x = self.embed(input_ids, puzzle_identifiers)
         if solver_state is None:
             solver_state = self.initial_solver_state(x, eta, generator)
@@ -660,8 +705,9 @@ class FPRMModel(FPRMPreTrainedModel):
                 f"(state {tuple(x.shape)}), got {type(solver_state).__name__} "
                 f"{tuple(getattr(getattr(solver_state, 'hidden', None), 'shape', ()))}."
             )
-        state, iterations, trace = self.solve(
-            x, solver_state, max_loops, halt_eps, gamma, patience, min_eta, halting, output_residual_trace
+        state, iterations, trace, iterates = self.solve(
+            x, solver_state, max_loops, halt_eps, gamma, patience, min_eta, halting, output_residual_trace,
+            output_hidden_states,
         )
         output = FPRMModelOutput(
             last_hidden_state=state.hidden if self.norm is None else self.norm(state.hidden),
@@ -671,6 +717,7 @@ class FPRMModel(FPRMPreTrainedModel):
             diverged=state.diverged,
             residual_trace=trace,
             solver_state=state,
+            hidden_states=iterates,
         )
         return output if return_dict else output.to_tuple()
 
@@ -701,6 +748,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     def forward(
         self,
         input_ids=None,
+        attention_mask=None,
         labels=None,
         puzzle_identifiers=None,
         halt_eps=None,
@@ -713,11 +761,12 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         solver_state=None,
         output_residual_trace=False,
         generator=None,
+        output_hidden_states=None,
         return_dict=None,
     ):
         r"""
         labels (`torch.LongTensor` of shape `(batch, tokens)`, *optional*): target token per input token, -100 ignored.
-        The solver knobs are those of [`FPRMModel.forward`].
+        The solver knobs, `attention_mask` and `output_hidden_states` are those of [`FPRMModel.forward`].
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None and torch.is_tensor(input_ids) and labels.shape != input_ids.shape:
@@ -726,6 +775,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             )
         outputs = self.model(
             input_ids=input_ids,
+            attention_mask=attention_mask,
             puzzle_identifiers=puzzle_identifiers,
             halt_eps=halt_eps,
             max_loops=max_loops,
@@ -737,6 +787,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             solver_state=solver_state,
             output_residual_trace=output_residual_trace,
             generator=generator,
+            output_hidden_states=output_hidden_states,
             return_dict=True,
         )
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
@@ -753,6 +804,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             diverged=outputs.diverged,
             residual_trace=outputs.residual_trace,
             solver_state=outputs.solver_state,
+            hidden_states=outputs.hidden_states,
         )
         return output if return_dict else output.to_tuple()
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers.activations import ACT2FN
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -410,6 +410,16 @@ class LoopFormerGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     loop_counts: torch.LongTensor | None = None
 
 
+@dataclass
+class LoopFormerGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
+    """Beam-search `generate(..., return_dict_in_generate=True)` output; `loop_counts` (returned sequences,
+    length - 1): with `halt_eps`, the loop steps spent on each position of each returned sequence, taken from the
+    beam that held the sequence when the position was processed (position i produced token i + 1); 0 after a
+    sequence that finished early."""
+
+    loop_counts: torch.LongTensor | None = None
+
+
 class LoopFormerModel(LoopFormerPreTrainedModel):
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -632,10 +642,6 @@ def _loop_counts_unsupported(kwargs, generation_config):
     def get(name):
         return kwargs[name] if name in kwargs else getattr(config, name, None)
 
-    if (get("num_beams") or 1) > 1:
-        return "beam search (num_beams > 1)"
-    if kwargs.get("assistant_model") is not None or get("prompt_lookup_num_tokens") is not None:
-        return "assisted or prompt-lookup decoding"
     if get("prefill_chunk_size") is not None:
         return "chunked prefill (prefill_chunk_size)"
     return None
@@ -794,24 +800,64 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
         """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
-        input (see `_update_model_kwargs_for_generation`)."""
+        input: each forward adds an entry with the length of the sequence it is asked about (drafted tokens included)
+        and, in `_update_model_kwargs_for_generation`, its loop counts and how many tokens were accepted."""
+        if loop_counts_log is not None:
+            loop_counts_log.append({"length": input_ids.shape[1]})
         return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
         log = model_kwargs.get("loop_counts_log")
-        if log is not None and getattr(outputs, "loop_counts", None) is not None:
-            log.append(outputs.loop_counts)
-        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if log and getattr(outputs, "loop_counts", None) is not None:
+            log[-1].update(counts=outputs.loop_counts, new_tokens=num_new_tokens)
+        return super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, *args, num_new_tokens=num_new_tokens, **kwargs
+        )
+
+    @staticmethod
+    def _gather_loop_counts(log, out, assisted):
+        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`."""
+        log = [entry for entry in log if "counts" in entry]
+        if not log:
+            return None
+        beam_indices = out.get("beam_indices") if not isinstance(out, torch.Tensor) else None
+        if beam_indices is not None:
+            # Beam search: the forward of step s ran on the beams as reordered after step s - 1; the token of step s
+            # of a returned sequence came from beam row beam_indices[:, s] (-1 after the sequence finished).
+            rows = beam_indices.long()
+            columns = [log[0]["counts"][rows[:, 0].clamp(min=0)]]
+            for step in range(1, rows.shape[1]):
+                counts = log[step]["counts"][rows[:, step].clamp(min=0), -1]
+                columns.append(torch.where(rows[:, step] >= 0, counts, torch.zeros_like(counts))[:, None])
+            return torch.cat(columns, dim=1)
+        if not assisted:
+            # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
+            return torch.cat([log[0]["counts"]] + [entry["counts"][:, -1:] for entry in log[1:]], dim=1)
+        # Assisted / prompt-lookup decoding: a forward scores the drafted tokens too; keep the columns of the
+        # positions whose next token was accepted (the cache is cropped to the same positions).
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        length = sequences.shape[1] - sum(entry["new_tokens"] for entry in log)  # the prompt
+        done, columns = 0, []
+        for entry in log:
+            first = entry["length"] - entry["counts"].shape[1]  # position of the forward's first column
+            last = length + entry["new_tokens"] - 2  # last position whose next token is now in the sequence
+            columns.append(entry["counts"][:, done - first : last - first + 1])
+            done, length = last + 1, length + entry["new_tokens"]
+        return torch.cat(columns, dim=1)
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs. The same three fields
         set on `generation_config` (or on `model.generation_config`, which `save_pretrained` writes to
         generation_config.json) are used when the call does not give them.
 
-        With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`])
-        carries `loop_counts`, a (batch, length - 1) tensor: the loop steps spent on each input position (position i
-        produced token i + 1). Greedy decoding and sampling only; other modes raise `ValueError` with `halt_eps`.
+        With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`], or
+        [`LoopFormerGenerateBeamDecoderOnlyOutput`] for beam search) carries `loop_counts`, a (returned sequences,
+        length - 1) tensor: the loop steps spent on each position of each returned sequence (position i produced
+        token i + 1). Greedy decoding, sampling, beam search (the counts follow the beams' reordering), assisted and
+        prompt-lookup decoding (the counts of accepted tokens only); chunked prefill raises `ValueError` with
+        `halt_eps`.
         """
+        kwargs.pop("loop_counts_log", None)  # an assistant LoopFormer is handed its main model's kwargs
         log = None
         given = kwargs.get("generation_config") or self.generation_config
         halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
@@ -822,15 +868,20 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             if unsupported is not None:
                 raise ValueError(
                     f"`halt_eps` with {unsupported} is not supported: the loop counts of each position are gathered "
-                    f"for greedy decoding and sampling only. Use num_beams=1 without an assistant, or drop `halt_eps`."
+                    f"for whole-prompt prefills only. Drop `prefill_chunk_size`, or drop `halt_eps`."
                 )
             log = []  # local to this call: concurrent generate calls on one model each keep their own counts
         out = super().generate(*args, loop_counts_log=log, **kwargs)
-        # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
-        counts = torch.cat([log[0]] + [c[:, -1:] for c in log[1:]], dim=1) if log else None
+        assisted = kwargs.get("assistant_model") is not None or (
+            kwargs["prompt_lookup_num_tokens"] if "prompt_lookup_num_tokens" in kwargs
+            else getattr(given, "prompt_lookup_num_tokens", None)
+        ) is not None
+        counts = self._gather_loop_counts(log, out, assisted) if log else None
         self._last_loop_counts = counts
         if counts is None or isinstance(out, torch.Tensor):
             return out
+        if isinstance(out, GenerateBeamDecoderOnlyOutput):
+            return LoopFormerGenerateBeamDecoderOnlyOutput(**out, loop_counts=counts)
         return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
 
     @property
@@ -849,5 +900,6 @@ __all__ = [
     "LoopFormerModel",
     "LoopFormerForCausalLM",
     "LoopFormerGenerateDecoderOnlyOutput",
+    "LoopFormerGenerateBeamDecoderOnlyOutput",
     "LoopFormerHaltingState",
 ]

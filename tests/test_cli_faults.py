@@ -54,6 +54,15 @@ def test_evaluate_rejects_a_generate_budget_below_one_before_any_work(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_evaluate_rejects_a_generate_budget_above_num_loops_before_any_work(checkpoints, tmp_path, capsys):
+    # a budget above L was silently dropped from the generations
+    paths = [str(checkpoints / "loopformer"), str(checkpoints / "base")]
+    with pytest.raises(ValueError, match=r"--generate_budgets \[9\]: .*loopformer.* num_loops L=4, so the allowed "
+                                         r"budgets are 1\.\.4"):
+        evaluate_elastic.main([*paths, "--output_dir", str(tmp_path / "out"), "--generate_budgets", "2", "9"])
+    assert not (tmp_path / "out").exists() and "evaluating" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("task_folder", [False, True])
 def test_report_no_train_without_runs_refuses_and_keeps_the_docs(tmp_path, task_folder):
     # it overwrote docs/results.md with "not run" stubs (or, with an empty task folder, died in argparse)

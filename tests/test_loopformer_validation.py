@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from _config_helpers import assert_refused_however_it_arrives
 from conftest import randomize_modulation, tiny_loopformer_config
-from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
+from loopformer_hf import LoopFormerForCausalLM
 
 
 @pytest.fixture(scope="module")
@@ -37,36 +38,9 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("field,value,message", BAD_VALUES)
-def test_config_constructor_rejects(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        tiny_loopformer_config(**{field: value})
-
-
-@pytest.mark.parametrize("field,value,message", BAD_VALUES)
-def test_config_attribute_set_rejects_and_keeps_old_value(field, value, message):
-    config = tiny_loopformer_config()
-    before = getattr(config, field)
-    with pytest.raises(ValueError, match=message):
-        setattr(config, field, value)
-    assert getattr(config, field) == before
-
-
-@pytest.mark.parametrize("field,value,message", BAD_VALUES)
-def test_from_pretrained_kwargs_rejected(checkpoint, field, value, message):
-    # transformers sets these kwargs on the config after __init__
-    with pytest.raises(ValueError, match=message):
-        LoopFormerForCausalLM.from_pretrained(checkpoint, **{field: value})
-    with pytest.raises(ValueError, match=message):
-        AutoModelForCausalLM.from_pretrained(checkpoint, **{field: value})
-
-
-@pytest.mark.parametrize("field,value,message", BAD_VALUES)
-def test_config_json_rejected(checkpoint, tmp_path, field, value, message):
-    data = json.loads((checkpoint / "config.json").read_text())
-    data[field] = value
-    (tmp_path / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=message):
-        LoopFormerConfig.from_pretrained(tmp_path)
+def test_bad_config_value_refused_however_it_arrives(checkpoint, tmp_path, field, value, message):
+    assert_refused_however_it_arrives(tiny_loopformer_config, LoopFormerForCausalLM, AutoModelForCausalLM, checkpoint,
+                                      tmp_path, field, value, message)
 
 
 def test_from_pretrained_good_kwarg_is_used(checkpoint):
@@ -193,10 +167,10 @@ def test_generation_config_step_schedule_and_halt_eps(generating_model):
     assert out.loop_counts is not None and bool((out.loop_counts == 1).all())  # every token halts after one step
 
 
-def test_generation_config_halt_eps_with_beams_is_refused(generating_model):
-    with pytest.raises(ValueError, match="halt_eps.*beam search"):
+def test_generation_config_halt_eps_with_chunked_prefill_is_refused(generating_model):
+    with pytest.raises(ValueError, match="halt_eps.*chunked prefill"):
         generating_model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2,
-                                  generation_config=GenerationConfig(halt_eps=0.1, num_beams=2))
+                                  generation_config=GenerationConfig(halt_eps=0.1, prefill_chunk_size=2))
 
 
 def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):

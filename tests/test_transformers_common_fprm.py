@@ -8,8 +8,8 @@ Fixed-point reasoner conventions the common tests meet:
   `attention_mask`; FPRMStateTrackingModelTest runs the causal, any-length configuration;
 - the solver runs at most `max_loops` iterations (4 here, so the module is fast) and halts per sample (`halt_eps`
   is set so that some samples halt early);
-- outputs carry no per-layer `hidden_states` / `attentions` (the depth is the solver's, not a stack of layers), no
-  KV cache and no generation: FPRM predicts every token at once;
+- outputs carry no per-layer `hidden_states` / `attentions` (the depth is the solver's, not a stack of layers;
+  `output_hidden_states=True` returns the solver's iterates, as many as it ran), no KV cache and no generation: FPRM predicts every token at once;
 - z0 is random (the authors' fresh draw per sample and token): in evaluation mode it comes from a generator seeded
   by `config.initial_state_seed` and is the same for every row, so eval forwards are deterministic and a row does
   not depend on its batch; FPRMFixedInitModelTest runs the stored-vector option (`fixed_init=True`).
@@ -202,7 +202,7 @@ class FPRMModelTest(ModelTesterMixin, unittest.TestCase):
     def test_attention_outputs(self):
         pass
 
-    @unittest.skip("FPRM returns the solved state only: no per-layer `hidden_states` (the depth is the solver's)")
+    @unittest.skip("FPRM's `hidden_states` are the solver's iterates (as many as it ran), not num_hidden_layers + 1")
     def test_hidden_states_output(self):
         pass
 
@@ -241,11 +241,11 @@ class FPRMFixedInitModelTest(FPRMModelTest):
         self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
 
 
-# The common eager/SDPA comparisons (25 cases) request `output_hidden_states`, which FPRM does not return (and pad
-# with an attention mask it has no use for: grids have no padding); test_eager_matches_sdpa compares the solved outputs.
+# The common eager/SDPA comparisons (25 cases) read per-layer `hidden_states` (FPRM's are solver iterates) and pad
+# with an attention mask (FPRM refuses padding: grids have none); test_eager_matches_sdpa compares the solved outputs.
 for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_matches_sdpa_inference_")]:
     for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
         setattr(_cls, _name, unittest.skip(
-            "needs per-layer `hidden_states`, which FPRM does not return; covered by test_eager_matches_sdpa"
+            "needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa"
         )(getattr(ModelTesterMixin, _name)))
 del _cls, _name  # a module-level TestCase name would be collected a third time

@@ -191,6 +191,22 @@ def generations(model, tokenizer, task, rows, budgets, num_prompts=3):
     return samples
 
 
+def check_generate_budgets(paths, budgets):
+    """Refuse, before any evaluation, a `--generate_budgets` value outside 1..L of a looped checkpoint (it was
+    silently dropped). Base (num_loops = 1, not looped) has one depth and generates once whatever is asked."""
+    from transformers import AutoConfig
+
+    for path in paths:
+        check_checkpoint(path)
+        num_loops = AutoConfig.from_pretrained(path).num_loops
+        high = sorted({b for b in budgets if b > num_loops})
+        if num_loops > 1 and high:
+            raise ValueError(
+                f"--generate_budgets {high}: {path!r} has num_loops L={num_loops}, so the allowed budgets are "
+                f"1..{num_loops}."
+            )
+
+
 def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
                         halt_eps=(), disable_tqdm=None):
     model, tokenizer, meta = load_checkpoint(path)
@@ -212,8 +228,8 @@ def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=S
         record["halting"] = evaluate_halting(model, task, data, halt_eps)
     states, mask = step_states(model, data, meta, repr_rows)
     record["representations"] = representations.per_step_metrics(states, mask)
-    if generate_budgets:
-        gen_budgets = [b for b in generate_budgets if b <= model.config.num_loops] or [model.config.num_loops]
+    if generate_budgets:  # checked against num_loops in `check_generate_budgets`; Base has a single depth
+        gen_budgets = sorted(set(generate_budgets)) if model.config.num_loops > 1 else [1]
         record["generations"] = generations(model, tokenizer, task, rows, gen_budgets)
     return record
 
@@ -397,7 +413,8 @@ def main(argv=None):
     parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES),
                         help=f"Subset of {SCHEDULES}; uniform is always added (the tables are read against it).")
     parser.add_argument("--generate_budgets", nargs="*", type=int, default=[],
-                        help="Show generate(loop_budget=M) text for these M.")
+                        help="Show generate(loop_budget=M) text for these M, each in 1..L of every looped checkpoint "
+                             "(Base, not looped, generates once).")
     parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
                         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
     parser.add_argument("--disable_tqdm", type=_bool, default=None,
@@ -418,6 +435,8 @@ def main(argv=None):
     low = [b for b in args.generate_budgets if b < 1]
     if low:  # checked here, not after the whole evaluation when generate would refuse it
         raise ValueError(f"--generate_budgets {low}: each loop budget must be an integer >= 1.")
+    if args.generate_budgets:
+        check_generate_budgets(args.checkpoints, args.generate_budgets)
     for name in ("max_rows", "repr_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")

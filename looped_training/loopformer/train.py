@@ -177,6 +177,25 @@ def check_sharding(trainer):
             )
 
 
+def read_chat_template(path):
+    """The text of a `--chat_template` file (None without one), read before any work."""
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"--chat_template {path!r} is not a file; give a Jinja chat template file.")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def set_chat_template(tokenizer, template, path):
+    """Set the template on the tokenizer (saved with it) after checking that it renders a conversation."""
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 raises its own TemplateError subclasses
+        raise ValueError(f"--chat_template {path!r} does not render a conversation ({type(e).__name__}: {e}).") from None
+
+
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
     (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
@@ -192,9 +211,12 @@ def main(argv=None):
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    chat_template = read_chat_template(data_args.chat_template)
 
     set_seed(training_args.seed)
     tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)
+    if chat_template is not None:
+        set_chat_template(tokenizer, chat_template, data_args.chat_template)
     config = build_config(model_args, len(tokenizer), block_size)
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
     model = LoopFormerForCausalLM(config)

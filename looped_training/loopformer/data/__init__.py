@@ -29,6 +29,9 @@ class DataArguments:
     answer_only_loss: bool = field(default=True, metadata={"help": "Synthetic: CE on the answer tokens only."})
     corpus_seed: int = field(default=0, metadata={"help": "Seed of the synthetic corpus and the text split."})
     tokenizer_vocab_size: int = field(default=None, metadata={"help": "BPE size (default 300 synthetic, 1024 text)."})
+    chat_template: str = field(default=None, metadata={
+        "help": "A Jinja chat template file; saved with the tokenizer (tokenizer.chat_template), so that "
+                "apply_chat_template and pipeline('text-generation') with chat messages work on the checkpoint."})
 
 
 def held_out_problems(data_args):

@@ -1,0 +1,20 @@
+"""Issue 13: every row of the bad-input registry (tests/bad_input_table.py) raises the error it names, and
+docs/bad_inputs.md is the table the registry renders."""
+
+import re
+
+import pytest
+
+from bad_input_table import CASES, DOC, raise_of, render
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.area}: {c.given}" for c in CASES])
+def test_bad_input_raises_the_error_it_names(case, tmp_path):
+    error, message = raise_of(case, tmp_path)
+    assert error is not None, f"{case.area} {case.given}: no error raised"
+    assert isinstance(error, case.error), f"{case.area} {case.given}: {type(error).__name__}: {message}"
+    assert re.search(case.message, message), f"{case.area} {case.given}: {message!r} !~ {case.message!r}"
+
+
+def test_docs_table_is_up_to_date():
+    assert DOC.read_text() == render(), "docs/bad_inputs.md is stale: run `python -m tests.bad_input_table`"
