@@ -25,6 +25,9 @@ STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
+# What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
+# successive steps' next-token distributions, or the entropy of the current one (both in nats).
+HALT_CRITERIA = ("state_change", "kl", "entropy")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
@@ -37,6 +40,7 @@ CHOICE_FIELDS = {
     "position_embedding_type": POSITION_EMBEDDING_TYPES,
     "default_step_schedule": STEP_SCHEDULE_PRESETS,
     "halt_kv_fill": HALT_KV_FILLS,
+    "halt_criterion": HALT_CRITERIA,
     "initializer_scheme": INITIALIZER_SCHEMES,
 }
 # Fields whose bound depends on another field; re-checked together whenever one of them is set.
@@ -113,6 +117,11 @@ class LoopFormerConfig(PreTrainedConfig):
             halted token skips are filled: `"reuse"` repeats the keys/values of its last computed step;
             `"recompute"` projects them from its frozen state with each later step's modulation. Measured on the
             trained tiny checkpoints (docs/results.md), both give the same quality and "reuse" decodes faster.
+        halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping (after loop
+            step i, never beyond the budget): `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
+            `"kl"` once KL(p_i ‖ p_{i−1}) < halt_eps (nats), p_i being the next-token distribution read out of h_i
+            through the final norm and `lm_head` (p_0 from the embeddings); `"entropy"` once H(p_i) < halt_eps
+            (nats). The two distribution criteria need the causal-LM head; a call can override the field.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -161,6 +170,7 @@ class LoopFormerConfig(PreTrainedConfig):
         default_loop_budget=None,
         default_step_schedule="uniform",
         halt_kv_fill="reuse",
+        halt_criterion="state_change",
         attention_dropout=0.0,
         attention_bias=False,
         mlp_bias=False,
@@ -192,6 +202,7 @@ class LoopFormerConfig(PreTrainedConfig):
         self.default_loop_budget = default_loop_budget
         self.default_step_schedule = default_step_schedule
         self.halt_kv_fill = halt_kv_fill
+        self.halt_criterion = halt_criterion
         self.attention_dropout = attention_dropout
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
@@ -385,4 +396,4 @@ class LoopFormerConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]
+__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "HALT_CRITERIA", "check_halt_eps"]
