@@ -48,7 +48,7 @@ def problem_tensors(problems, tokenizer, block_size):
     return {k: torch.tensor(rows[k]) for k in ("input_ids", "attention_mask", "labels")}
 
 
-def train_tiny(steps, batch_size=64, max_depth=6, seed=0, log=print):
+def train_tiny(steps, batch_size=64, eval_problems=512, max_depth=6, seed=0, log=print):
     """A LoopFormer 2⊗4 (hidden 64) trained for `steps` AdamW steps with shortcut consistency; (model, eval data)."""
     torch.manual_seed(seed)
     tokenizer = CharTokenizer()
@@ -59,7 +59,7 @@ def train_tiny(steps, batch_size=64, max_depth=6, seed=0, log=print):
     )
     model = loopformer_hf.LoopFormerForCausalLM(config)
     train = problem_tensors(make_problems(steps * batch_size, 1, max_depth, seed=seed), tokenizer, block_size)
-    held_out = problem_tensors(make_problems(512, 1, max_depth, seed=seed + 1), tokenizer, block_size)
+    held_out = problem_tensors(make_problems(eval_problems, 1, max_depth, seed=seed + 1), tokenizer, block_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     rng = random.Random(seed)
     model.train()
@@ -71,7 +71,7 @@ def train_tiny(steps, batch_size=64, max_depth=6, seed=0, log=print):
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % 50 == 0 or step + 1 == steps:
+        if (step + 1) % 25 == 0 or step + 1 == steps:
             log(f"  step {step + 1}/{steps}: loss {out.loss.item():.3f} (CE full {out.ce_full.item():.3f}, "
                 f"short {out.ce_short.item():.3f}), {time.time() - start:.0f} s")
     return model.eval(), held_out
@@ -122,20 +122,24 @@ def format_rows(fixed, rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps of the tiny model (default 300)")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--eval_problems", type=int, default=512, help="held-out problems (default 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default="benchmarks/results/halt_criteria.json")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for name in ("steps", "batch_size", "eval_problems"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     print(f"training a tiny LoopFormer on synthetic arithmetic for {args.steps} steps", flush=True)
-    model, data = train_tiny(args.steps, log=lambda s: print(s, flush=True))
+    model, data = train_tiny(args.steps, args.batch_size, args.eval_problems, log=lambda s: print(s, flush=True))
     with torch.no_grad():
         fixed, rows = evaluate_criteria(model, data)
     print(format_rows(fixed, rows))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump(dict(steps=args.steps, fixed=fixed, criteria=rows), f, indent=2)
+        json.dump(dict(steps=args.steps, batch_size=args.batch_size, eval_problems=args.eval_problems, fixed=fixed,
+                       criteria=rows), f, indent=2)
     print(f"wrote {args.output}")
     return fixed, rows
 
