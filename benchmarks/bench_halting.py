@@ -3,8 +3,9 @@
     python -m benchmarks.bench_halting [--checkpoint runs/main/loopformer] [--output benchmarks/results/halting.json]
 
 For fixed budgets M = 1..L and a sweep of halt_eps (both KV fill strategies), it runs greedy cached generation
-side by side (interleaved repeats, medians) and prints the time per generated token relative to the full budget L,
-next to the mean loop steps per generated token relative to L. Without a checkpoint a tiny random model is used
+side by side (interleaved repeats in alternating order, medians) and prints the time per generated token relative to
+the full budget L (median of per-round ratios), next to the mean loop steps per generated token relative to L and the
+target bound m/L + 0.15 at mean m loops. Without a checkpoint a tiny random model is used
 (its halting pattern is arbitrary; use a trained checkpoint for meaningful halting).
 """
 
@@ -32,10 +33,65 @@ def tiny_random_model():
     return model.eval()
 
 
+def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32, new_tokens=128, repeats=5):
+    """Fixed budgets M = 1..L and halting at each eps (and fill), timed side by side: one row per run with the mean
+    loops per generated token, the median ms per token, its ratio to M = L (median over interleaved rounds) and the
+    target bound m/L + 0.15 of that ratio at mean m loops."""
+    L = model.config.num_loops
+    prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    runs = {f"M={m}": dict(loop_budget=m) for m in range(1, L + 1)}
+    for fill in fills:
+        for eps in eps_values:
+            runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill)
+
+    def run(kw):
+        kw = dict(kw)
+        model.config.halt_kv_fill = kw.pop("fill", "recompute")
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
+        seconds = time.perf_counter() - start
+        counts = out.get("loop_counts")
+        # positions prompt-1 .. end-1 produced the generated tokens
+        loops = counts[0, prompt_len - 1:].float().mean().item() if counts is not None else kw["loop_budget"]
+        return seconds / new_tokens, loops
+
+    times = {name: [] for name in runs}
+    loops = {}
+    run(runs[f"M={L}"])  # warm-up
+    names = list(runs)
+    for r in range(repeats):  # interleaved, alternating order, so that machine noise hits every configuration alike
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t, l = run(runs[name])
+            times[name].append(t)
+            loops[name] = l
+    table = []
+    for name in runs:
+        ratios = [t / full for t, full in zip(times[name], times[f"M={L}"])]
+        table.append(dict(run=name, mean_loops=loops[name], loops_over_L=loops[name] / L,
+                          ms_per_token=1e3 * statistics.median(times[name]),
+                          ms_spread=1e3 * (max(times[name]) - min(times[name])),
+                          time_ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                          bound=loops[name] / L + 0.15))
+    return table
+
+
+def format_halting(table):
+    lines = [f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18} "
+             f"{'bound m/L+0.15':>15} {'met':>4}"]
+    for row in table:
+        lines.append(f"{row['run']:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} "
+                     f"{row['ms_per_token']:>14.2f} {row['time_ratio']:>18.2f} {row['bound']:>15.2f} "
+                     f"{'yes' if row['time_ratio'] <= row['bound'] else 'NO':>4}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="a LoopFormer folder; default: a tiny random model")
     parser.add_argument("--eps", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.2, 0.4])
+    parser.add_argument("--fill", nargs="+", default=["recompute", "reuse"], choices=["recompute", "reuse"])
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -45,48 +101,12 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval() if args.checkpoint else tiny_random_model()
-    L = model.config.num_loops
-    prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-
-    runs = {f"M={m}": dict(loop_budget=m) for m in range(1, L + 1)}
-    for fill in ("recompute", "reuse"):
-        for eps in args.eps:
-            runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill)
-
-    def run(kw):
-        kw = dict(kw)
-        model.config.halt_kv_fill = kw.pop("fill", "recompute")
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
-        seconds = time.perf_counter() - start
-        counts = out.get("loop_counts")
-        # positions prompt-1 .. end-1 produced the generated tokens
-        loops = counts[0, args.prompt_len - 1:].float().mean().item() if counts is not None else kw["loop_budget"]
-        return seconds / args.new_tokens, loops
-
-    times = {name: [] for name in runs}
-    loops = {}
-    run(runs[f"M={L}"])  # warm-up
-    for _ in range(args.repeats):  # interleaved so that machine noise hits every configuration alike
-        for name, kw in runs.items():
-            t, l = run(kw)
-            times[name].append(t)
-            loops[name] = l
-    ref = statistics.median(times[f"M={L}"])
-    table = []
-    print(f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18}")
-    for name in runs:
-        med = statistics.median(times[name])
-        row = dict(run=name, mean_loops=loops[name], loops_over_L=loops[name] / L, ms_per_token=1e3 * med,
-                   time_ratio=med / ref)
-        table.append(row)
-        print(f"{name:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} {row['ms_per_token']:>14.2f} "
-              f"{row['time_ratio']:>18.2f}")
+    table = halting_rows(model, args.eps, args.fill, args.prompt_len, args.new_tokens, args.repeats)
+    print(format_halting(table))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump(dict(checkpoint=args.checkpoint, num_loops=L, new_tokens=args.new_tokens, rows=table), f, indent=2)
+        json.dump(dict(checkpoint=args.checkpoint, num_loops=model.config.num_loops, new_tokens=args.new_tokens,
+                       rows=table), f, indent=2)
     print(f"wrote {args.output}")
     return table
 

@@ -26,6 +26,9 @@ LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
 CACHE_SHARING_MODES = ("none", "modulo")
+# What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
+# successive steps' next-token distributions, or the entropy of the current one (both in nats).
+HALT_CRITERIA = ("state_change", "kl", "entropy")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
@@ -39,6 +42,7 @@ CHOICE_FIELDS = {
     "default_step_schedule": STEP_SCHEDULE_PRESETS,
     "halt_kv_fill": HALT_KV_FILLS,
     "cache_sharing": CACHE_SHARING_MODES,
+    "halt_criterion": HALT_CRITERIA,
     "initializer_scheme": INITIALIZER_SCHEMES,
 }
 # Fields whose bound depends on another field; re-checked together whenever one of them is set.
@@ -122,6 +126,11 @@ class LoopFormerConfig(PreTrainedConfig):
             (exact within one forward call, approximate across decode steps; see docs/compile.md).
         cache_share_n (`int`, defaults to 4): n, the number of loop-step slots per block kept with
             `cache_sharing="modulo"` (Huginn's default is 4). A budget M <= n is exact.
+        halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping (after loop
+            step i, never beyond the budget): `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
+            `"kl"` once KL(p_i ‖ p_{i−1}) < halt_eps (nats), p_i being the next-token distribution read out of h_i
+            through the final norm and `lm_head` (p_0 from the embeddings); `"entropy"` once H(p_i) < halt_eps
+            (nats). The two distribution criteria need the causal-LM head; a call can override the field.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -172,6 +181,7 @@ class LoopFormerConfig(PreTrainedConfig):
         halt_kv_fill="reuse",
         cache_sharing="none",
         cache_share_n=4,
+        halt_criterion="state_change",
         attention_dropout=0.0,
         attention_bias=False,
         mlp_bias=False,
@@ -205,6 +215,7 @@ class LoopFormerConfig(PreTrainedConfig):
         self.halt_kv_fill = halt_kv_fill
         self.cache_sharing = cache_sharing
         self.cache_share_n = cache_share_n
+        self.halt_criterion = halt_criterion
         self.attention_dropout = attention_dropout
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
@@ -398,4 +409,5 @@ class LoopFormerConfig(PreTrainedConfig):
         )
 
 
-__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]
+__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "HALT_CRITERIA",
+           "check_halt_eps"]

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
-from .configuration_loopformer import LoopFormerConfig, check_halt_eps
+from .configuration_loopformer import HALT_CRITERIA, LoopFormerConfig, check_halt_eps
 
 
 logger = logging.get_logger(__name__)
@@ -122,8 +122,12 @@ class LoopFormerAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.o_proj.residual_projection = True  # scaled init (see `_init_weights`)
 
-    def project_kv(self, hidden_states, position_embeddings, reuse_kv=None):
-        """Keys and values of `hidden_states`; rows where `reuse_kv=(halted, k, v)` is halted take the given ones."""
+    def project_kv(self, hidden_states, position_embeddings, reuse_kv=None, active=None):
+        """Keys and values of `hidden_states`; rows where `reuse_kv=(halted, k, v)` is halted take the given ones
+        (with `active`, only the active tokens are projected and written into a copy of those)."""
+        if active is not None and reuse_kv is not None:
+            k, v = self.project_kv(active.gather(hidden_states), active.gather_positions(position_embeddings))
+            return active.scatter_heads(reuse_kv[1], k), active.scatter_heads(reuse_kv[2], v)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -137,16 +141,23 @@ class LoopFormerAttention(nn.Module):
         return k, v
 
     def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
-                output_attentions=False, reuse_kv=None):
-        """Returns the attention output, its weights (eager only) and this call's own (keys, values)."""
-        input_shape = hidden_states.shape[:-1]
-        q = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
+                output_attentions=False, reuse_kv=None, active=None):
+        """Returns the attention output, its weights (eager only) and this call's own (keys, values). With `active`
+        (a [`LoopFormerActiveTokens`]), only the active tokens query (the output is theirs, gathered); every token
+        still gets its keys and values."""
+        queries = hidden_states if active is None else active.gather(hidden_states)
+        query_positions = position_embeddings if active is None else active.gather_positions(position_embeddings)
+        input_shape = queries.shape[:-1]
+        q = self.q_proj(queries).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        if query_positions is not None:
+            cos, sin = query_positions
             q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
-        new_kv = k, v = self.project_kv(hidden_states, position_embeddings, reuse_kv)
+        new_kv = k, v = self.project_kv(hidden_states, position_embeddings, reuse_kv, active)
         if cache is not None:
             k, v = cache.update(k, v, cache_slot)
+        if active is not None:
+            k, v = active.gather_rows(k), active.gather_rows(v)
+            attention_mask = active.gather_mask(attention_mask, hidden_states.shape[1], k.shape[2])
 
         attention_interface = eager_attention_forward
         if self.config._attn_implementation not in (None, "eager") and not output_attentions:
@@ -253,40 +264,47 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             self.adaLN_modulation[1].zero_init = True  # zeroed by initializer_scheme="zero_adaln" only
 
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None):
-        """One block. With per-token halting (`halted`, a (batch, seq) bool mask), halted tokens keep their state;
-        their keys/values for this slot come from that frozen state, or from `reuse_kv` (their last computed slot).
+                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, modulation=None, active=None):
+        """One block. `modulation` is `adaLN_modulation(conditioning)` when the caller has it already (the loop
+        computes every step's at once). With per-token halting (`halted`, a (batch, seq) bool mask), halted tokens
+        keep their state; their keys/values for this slot come from that frozen state, or from `reuse_kv` (their last
+        computed slot). With `active` (a [`LoopFormerActiveTokens`]), only the active tokens are computed.
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
+        if modulation is None and conditioning is not None:
+            modulation = self.adaLN_modulation(conditioning)
         normed = self.input_layernorm(hidden_states)
-        if conditioning is not None:
-            gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(
-                hidden_states.dtype).chunk(4, dim=-1)
+        if modulation is not None:
+            gate_attn, gate_mlp, scale_attn, scale_mlp = modulation.to(hidden_states.dtype).chunk(4, dim=-1)
             normed = normed * (1 + scale_attn)
         attn_out, attn_weights, kv = self.self_attn(
             normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
-            output_attentions=output_attentions, reuse_kv=reuse_kv,
+            output_attentions=output_attentions, reuse_kv=reuse_kv, active=active,
         )
         residual = hidden_states
-        hidden_states = hidden_states + (attn_out if conditioning is None else gate_attn * attn_out)
+        if active is not None:
+            hidden_states = active.gather(hidden_states)
+        hidden_states = hidden_states + (attn_out if modulation is None else gate_attn * attn_out)
         normed = self.post_attention_layernorm(hidden_states)
-        if conditioning is None:
+        if modulation is None:
             hidden_states = hidden_states + self.mlp(normed)
         else:
             hidden_states = hidden_states + gate_mlp * self.mlp(normed * (1 + scale_mlp))
-        if halted is not None:
+        if active is not None:
+            hidden_states = active.scatter(residual, hidden_states)
+        elif halted is not None:
             hidden_states = torch.where(halted[..., None], residual, hidden_states)
         return hidden_states, attn_weights, kv
 
-    def frozen_kv(self, frozen, position_embeddings, conditioning, num_steps):
+    def frozen_kv(self, frozen, position_embeddings, modulation, num_steps):
         """The (keys, values) a frozen (halted) state gives this block's attention at each of `num_steps` loop steps
-        whose conditioning vectors are `conditioning` ((num_steps, d); None without conditioning, where every step
-        sees the same pair). All steps are projected in one batched call."""
+        whose adaLN vectors are `modulation` ((num_steps, 4d); None without conditioning, where every step sees the
+        same pair). All steps are projected in one batched call."""
         normed = self.input_layernorm(frozen)
-        if conditioning is None:
+        if modulation is None:
             return [self.self_attn.project_kv(normed, position_embeddings)] * num_steps
-        scale_attn = self.adaLN_modulation(conditioning).to(frozen.dtype).chunk(4, dim=-1)[2]
+        scale_attn = modulation.to(frozen.dtype).chunk(4, dim=-1)[2]
         x = (normed[:, None] * (1 + scale_attn[None, :, None, :])).flatten(1, 2)  # (batch, steps * seq, d)
         pos = None if position_embeddings is None else tuple(p.repeat(1, num_steps, 1) for p in position_embeddings)
         k, v = self.self_attn.project_kv(x, pos)
@@ -325,12 +343,77 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
+# Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
+# below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
+GATHER_ACTIVE_FRACTION = 0.75
+
+
+class LoopFormerActiveTokens:
+    """The tokens a loop step still computes under halting: row `rows[r]`'s active positions `index[r]`, padded to
+    the longest row with halted positions (`valid` False; their results are dropped). Rows without an active token
+    are left out, so batched decoding skips halted rows."""
+
+    def __init__(self, active):
+        counts = active.sum(-1)
+        self.batch_size = active.shape[0]
+        self.rows = counts.nonzero().squeeze(-1)
+        width = int(counts.max())
+        # a stable sort of "halted" puts each row's active positions first, in order
+        self.index = torch.argsort((~active[self.rows]).to(torch.uint8), dim=-1, stable=True)[:, :width]
+        self.valid = torch.arange(width, device=active.device) < counts[self.rows, None]
+        self.flat_rows = self.rows[:, None].expand_as(self.index)[self.valid]
+        self.flat_index = self.index[self.valid]
+
+    @classmethod
+    def worth_gathering(cls, active):
+        """The gather plan for `active` ((batch, seq) bool) when it saves work, else None."""
+        plan = cls(active)
+        return plan if plan.index.numel() <= GATHER_ACTIVE_FRACTION * active.numel() else None
+
+    def gather(self, x):
+        """(batch, seq, ...) -> (rows, width, ...)."""
+        return x[self.rows[:, None], self.index]
+
+    def gather_positions(self, position_embeddings):
+        return None if position_embeddings is None else tuple(self.gather(p) for p in position_embeddings)
+
+    def gather_rows(self, x):
+        return x if len(self.rows) == self.batch_size else x[self.rows]
+
+    def gather_mask(self, attention_mask, q_len, kv_len):
+        """The rows of the (batch, 1, q_len, kv_len) mask the gathered queries use; None stands for plain causal."""
+        if attention_mask is None:
+            query_positions = kv_len - q_len + self.index  # the queries are the last q_len of the kv positions
+            return (torch.arange(kv_len, device=self.index.device) <= query_positions[..., None])[:, None]
+        attention_mask = attention_mask.expand(self.batch_size, *attention_mask.shape[1:])  # a 4D mask may broadcast
+        return attention_mask[self.rows[:, None], 0, self.index][:, None]
+
+    def scatter(self, x, part):
+        """A copy of `x` (batch, seq, ...) with the valid entries of `part` (rows, width, ...) written back."""
+        out = x.clone()
+        out[self.flat_rows, self.flat_index] = part[self.valid]
+        return out
+
+    def scatter_heads(self, x, part):
+        """As `scatter` for (batch, heads, seq, head_dim) tensors."""
+        out = x.clone()
+        out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
+        return out
+
+
+def _halt_criterion(value):
+    if value not in HALT_CRITERIA:
+        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {value!r}.")
+    return value
+
+
 @dataclass
 class LoopFormerHaltingState:
     """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
 
     `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
-    (`halt_kv_fill`) so that later tokens can still attend to every slot.
+    (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
+    thresholds (see `update`).
     """
 
     halt_eps: float
@@ -338,12 +421,21 @@ class LoopFormerHaltingState:
     active: torch.BoolTensor  # (batch, seq)
     loop_counts: torch.LongTensor  # (batch, seq) loop steps each token ran
     last_kv: list  # per block: the (keys, values) of the last step each token computed
+    criterion: str = "state_change"
+    readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
+    log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
 
     @classmethod
-    def start(cls, halt_eps, config, hidden_states):
+    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
         batch_seq, device = hidden_states.shape[:2], hidden_states.device
+        if criterion != "state_change" and readout is None:
+            raise ValueError(
+                f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
+                f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
+            )
         return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                   torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers)
+                   torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers,
+                   criterion, readout, readout(hidden_states) if criterion == "kl" else None)
 
     def halted(self):
         """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
@@ -358,14 +450,24 @@ class LoopFormerHaltingState:
         return {"halted": halted, "reuse_kv": reuse}
 
     def update(self, previous, hidden_states):
-        """The state after a loop step: the step counts for the tokens that ran it, and a token halts once
-        ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps."""
-        delta = (hidden_states - previous).float().abs().amax(-1)
-        residual = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
-        still = self.active & ~(residual < self.halt_eps)
-        return replace(self, loop_counts=self.loop_counts + self.active, active=still)
+        """The state after loop step i: the step counts for the tokens that ran it, and a token halts once
+        - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
+        - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
+        - "entropy": H(p_i) < halt_eps."""
+        log_probs = None
+        if self.criterion == "state_change":
+            delta = (hidden_states - previous).float().abs().amax(-1)
+            score = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
+        else:
+            log_probs = self.readout(hidden_states)
+            if self.criterion == "kl":
+                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
+            else:
+                score = -(log_probs.exp() * log_probs).sum(-1)
+        still = self.active & ~(score < self.halt_eps)
+        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs)
 
-    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, conditioning, first_step):
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, modulation, first_step):
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
         if cache is None:
             return
@@ -374,8 +476,8 @@ class LoopFormerHaltingState:
             if self.reuse_kv:
                 per_step = [self.last_kv[j]] * len(steps)
             else:
-                c = None if conditioning is None else conditioning[first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, c, len(steps))
+                m = None if modulation is None else modulation[j][first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, m, len(steps))
             for step, (k, v) in zip(steps, per_step):
                 cache.update(k, v, cache.slot(step, j))
 
@@ -512,25 +614,46 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             )
         return inputs_embeds + self.embed_positions(position_ids), None
 
-    def _cache_spec(self, trajectory, halt_eps):
+    def _cache_spec(self, trajectory, halt_eps, halt_criterion):
         fill = self.config.halt_kv_fill if halt_eps is not None else None
+        if fill is not None and halt_criterion != "state_change":  # another criterion halts other tokens
+            fill = f"{fill}; halt_criterion={halt_criterion}"
         share_n = self.config.cache_share_n if self.config.cache_sharing == "modulo" else None
         return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps, fill, share_n)
 
-    def _loop_step(self, step, hidden_states, conditioning, mask, position_embeddings, cache, halting,
+    def _loop_modulation(self, trajectory, device, cache):
+        """Per block, the adaLN vectors of every loop step ((M, 4d); None without conditioning). They depend on the
+        trajectory alone (c_i is a function of t and Δ), so they are computed once per call, for all steps at once,
+        and kept on the cache for the later decode steps of an inference run."""
+        keep = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        key = (tuple(trajectory), str(device))
+        kept = getattr(cache, "loop_modulation", None) if keep else None
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        conditioning = self.loop_conditioning(trajectory, device)
+        modulation = None if conditioning is None else [block.adaLN_modulation(conditioning) for block in self.layers]
+        if keep:
+            cache.loop_modulation = (key, modulation)
+        return modulation
+
+    def _loop_step(self, step, hidden_states, modulation, mask, position_embeddings, cache, halting,
                    output_attentions):
         """Loop step `step` through the k blocks: (new state, the step's attention maps, halting state after it)."""
-        c = None if conditioning is None else conditioning[step][None, None]
         halted = None if halting is None else halting.halted()
+        active = None
+        if halted is not None and not output_attentions:
+            active = LoopFormerActiveTokens.worth_gathering(halting.active)
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
             hidden_states, weights, kv = block(
-                hidden_states, c,
+                hidden_states,
+                modulation=None if modulation is None else modulation[j][step][None, None],
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
                 cache_slot=cache.slot(step, j) if cache is not None else 0,
                 output_attentions=output_attentions,
+                active=active,
                 **(halting.block_kwargs(j, halted) if halting is not None else {}),
             )
             if halting is not None:
@@ -557,14 +680,21 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         step_schedule=None,
         halt_eps=None,
         past_key_values=None,
+        halt_criterion=None,
+        halt_head=None,
         **kwargs,
     ):
         r"""
         loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
             ("uniform", "coarse_to_fine", "fine_to_coarse").
-        halt_eps (`float`, *optional*): adaptive depth per token: a token stops looping once
-            ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps, never beyond the budget; `loop_counts` reports the steps.
+        halt_eps (`float`, *optional*): adaptive depth per token: a token stops looping once its `halt_criterion`
+            score falls below halt_eps, never beyond the budget; `loop_counts` reports the steps. Halted tokens are
+            left out of the later steps' computation (their keys and values are still filled).
+        halt_criterion (`str`, *optional*): "state_change" (default: `config.halt_criterion`), "kl" or "entropy";
+            see [`LoopFormerConfig`]. The last two need `halt_head`.
+        halt_head (`nn.Module`, *optional*): the LM head the "kl" and "entropy" criteria read next-token
+            distributions through (after the final norm); [`LoopFormerForCausalLM`] passes its `lm_head`.
 
         `hidden_states` (with `output_hidden_states=True`) holds the embeddings followed by the residual stream after
         each loop step: M + 1 tensors. `attentions` holds one tensor per (loop step, block).
@@ -577,29 +707,34 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         use_cache = use_cache and not (self.gradient_checkpointing and self.training)
         trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
         halt_eps = check_halt_eps(halt_eps)
+        halt_criterion = _halt_criterion(self.config.halt_criterion if halt_criterion is None else halt_criterion)
 
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
         cache = _cache_argument(cache, past_key_values, type(self).__name__)
-        cache = LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps)) if use_cache else None
+        cache = LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps, halt_criterion)) if use_cache else None
         past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
         mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
-        conditioning = self.loop_conditioning(trajectory, device)
-        halting = None if halt_eps is None else LoopFormerHaltingState.start(halt_eps, self.config, hidden_states)
+        modulation = self._loop_modulation(trajectory, device, cache)
+        halting = None
+        if halt_eps is not None:
+            readout = None if halt_head is None else (
+                lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+            halting = LoopFormerHaltingState.start(halt_eps, self.config, hidden_states, halt_criterion, readout)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for step in range(len(trajectory)):
             if halting is not None and halting.all_halted():  # no block runs any more
-                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, conditioning, step)
+                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, modulation, step)
                 if output_hidden_states:
                     all_hidden_states += (hidden_states,) * (len(trajectory) - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, conditioning, mask, position_embeddings, cache, halting, output_attentions
+                step, hidden_states, modulation, mask, position_embeddings, cache, halting, output_attentions
             )
             if output_attentions:
                 all_attentions += attentions
@@ -615,7 +750,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
 CONSISTENCY_LOSSES = ("mse", "kl")
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
-GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
+GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
 
 
@@ -690,6 +825,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         lambda_consistency=0.1,
         consistency_loss="mse",
         past_key_values=None,
+        halt_criterion=None,
         **kwargs,
     ):
         r"""
@@ -699,6 +835,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             `generate` kwarg.
         halt_eps (`float`, *optional*): per-token adaptive depth (see [`LoopFormerModel.forward`]); also a
             `generate` kwarg. The output's `loop_counts` holds the loop steps each token ran.
+        halt_criterion (`str`, *optional*): what `halt_eps` thresholds: "state_change", "kl" or "entropy" (default
+            `config.halt_criterion`; see [`LoopFormerConfig`]); also a `generate` kwarg.
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
             objective: the same inputs also run this short trajectory (steps summing to 1) and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
@@ -715,7 +853,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         outputs = self.model(
             **model_inputs, cache=_cache_argument(cache, past_key_values, type(self).__name__), use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            loop_budget=loop_budget, step_schedule=step_schedule, halt_eps=halt_eps,
+            loop_budget=loop_budget, step_schedule=step_schedule, halt_eps=halt_eps, halt_criterion=halt_criterion,
+            halt_head=self.lm_head,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -902,4 +1041,5 @@ __all__ = [
     "LoopFormerGenerateDecoderOnlyOutput",
     "LoopFormerGenerateBeamDecoderOnlyOutput",
     "LoopFormerHaltingState",
+    "LoopFormerActiveTokens",
 ]

@@ -53,3 +53,19 @@ def test_bad_arguments_are_rejected(tmp_path):
     proc = _run("--quick", "--threads", "0", "--output", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "--threads must be >= 1, got 0" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_halting_rows_and_the_report_table(tiny_model):
+    """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
+    benchmarks add (issue 14)."""
+    from benchmarks import bench_halting, report_table
+
+    rows = bench_halting.halting_rows(tiny_model, [1e-9], ("reuse",), prompt_len=4, new_tokens=2, repeats=1)
+    assert [r["run"] for r in rows] == ["M=1", "M=2", "M=3", "M=4", "eps=1e-09 (reuse)"]
+    assert rows[3]["time_ratio"] == 1.0 and rows[4]["mean_loops"] == 4  # a tiny eps halts nothing
+    assert all(math.isclose(r["bound"], r["mean_loops"] / 4 + 0.15) for r in rows)
+    table = report_table.format_markdown(
+        [report_table.row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
+         dict(measurement=report_table.EXTRA_SLOT, slot=True)])
+    assert "| x / y | 2 | 1 | 2.000 | 1.500-2.500 | <= 1.0 | NO |" in table
+    assert "not measured by this command yet" in table.splitlines()[-1]

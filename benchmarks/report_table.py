@@ -1,0 +1,147 @@
+"""The README's benchmark table in one command: runs the benchmarks' functions side by side (interleaved repeats in
+alternating order) and prints a markdown table of medians, per-round ratio medians and their spread.
+
+    python -m benchmarks.report_table [--repeats 5] [--threads 1] [--output benchmarks/results/report_table.json]
+    python -m benchmarks.report_table --quick      # smoke run: tiny sizes, timings meaningless
+
+Rows: training step and cached generate tokens/s of LoopFormer 2⊗4 against the iso-FLOP Llama (8 layers; the models
+of benchmarks/bench_loopformer.py), generate time at each budget M against M = L, and cached generation with
+per-token halting at several ε (benchmarks/bench_halting.py). Further rows (compiled vs eager, static vs dynamic
+cache, shared vs full cache memory) come from the functions listed in `EXTRA_ROWS`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+from benchmarks import bench_halting
+from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
+
+# Functions (cfg, threads, repeats) -> list of row dicts (keys as `row` returns) for measurements that live in other
+# benchmarks: compiled vs eager decode, static vs dynamic cache, shared vs full cache memory. Empty rows print a slot.
+EXTRA_ROWS = []
+EXTRA_SLOT = "compiled vs eager / static vs dynamic cache / shared vs full cache memory"
+
+
+def row(name, loopformer, baseline, ratios, target=None, met=None):
+    """One table row: medians of the two sides, median and spread (min-max) of the per-round ratios."""
+    return dict(measurement=name, loopformer=loopformer, baseline=baseline, ratio=statistics.median(ratios),
+                ratio_min=min(ratios), ratio_max=max(ratios), target=target, met=met)
+
+
+def speed_rows(cfg, repeats, log=print):
+    """LoopFormer vs the iso-FLOP Llama (train step, cached generate), and generate time at M over M = L."""
+    warnings.filterwarnings("ignore", message="LoopFormer trajectory")
+    loopformer, llama = build_models(cfg, "rope")
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    log(f"train step: batch {cfg['batch']} x seq {cfg['seq']}, {repeats} rounds")
+    loopformer.train()
+    llama.train()
+    batch = torch.randint(3, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+    t = interleaved({"lf": train_step_fn(loopformer, batch), "llama": train_step_fn(llama, batch)}, repeats)
+    ratios = [a / b for a, b in zip(t["lf"], t["llama"])]
+    r = statistics.median(ratios)
+    rows.append(row(f"train step (b{cfg['batch']}x{cfg['seq']}), s: LoopFormer / Llama", statistics.median(t["lf"]),
+                    statistics.median(t["llama"]), ratios, "<= 1.0", r <= 1.0))
+    loopformer.eval()
+    llama.eval()
+    prompt = torch.randint(3, cfg["vocab"], (1, cfg["prompt"]), generator=g)
+    n = cfg["gen_vs_llama"]
+    log(f"cached generate: {n} new tokens, {repeats} rounds")
+    t = interleaved({"lf": generate_fn(loopformer, prompt, n), "llama": generate_fn(llama, prompt, n)}, repeats)
+    ratios = [b / a for a, b in zip(t["lf"], t["llama"])]  # tokens/s ratio = inverse time ratio
+    r = statistics.median(ratios)
+    rows.append(row(f"cached generate {n} tok, tokens/s: LoopFormer / Llama", n / statistics.median(t["lf"]),
+                    n / statistics.median(t["llama"]), ratios, ">= 1.0", r >= 1.0))
+    L = cfg["loops"]
+    log(f"cached generate at budget M = 1..{L}: {n} new tokens, {repeats} rounds")
+    t = interleaved({M: generate_fn(loopformer, prompt, n, loop_budget=M) for M in range(1, L + 1)}, repeats)
+    for M in range(1, L):
+        ratios = [a / b for a, b in zip(t[M], t[L])]
+        bound = 0.30 if M == 1 else None
+        r = statistics.median(ratios)
+        rows.append(row(f"generate time, s: M={M} / M={L}", statistics.median(t[M]), statistics.median(t[L]), ratios,
+                        None if bound is None else f"<= {bound:.2f}", None if bound is None else r <= bound))
+    return rows
+
+
+def halting_table_rows(eps_values, prompt_len, new_tokens, repeats, log=print):
+    """Cached generation with halting at each ε (fill "reuse", the default) against fixed budgets."""
+    log(f"halting: eps {eps_values}, {new_tokens} new tokens, {repeats} rounds")
+    model = bench_halting.tiny_random_model()
+    table = bench_halting.halting_rows(model, eps_values, ("reuse",), prompt_len, new_tokens, repeats)
+    L = model.config.num_loops
+    full = next(r for r in table if r["run"] == f"M={L}")
+    rows = []
+    for r in table:
+        if r["run"] == f"M={L}":
+            continue
+        halting = r["run"].startswith("eps")
+        rows.append(dict(
+            measurement=f"generate ms/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
+            loopformer=r["ms_per_token"], baseline=full["ms_per_token"], ratio=r["time_ratio"],
+            ratio_min=r["ratio_min"], ratio_max=r["ratio_max"], target=f"<= {r['bound']:.2f}" if halting else None,
+            met=r["time_ratio"] <= r["bound"] if halting else None))
+    return rows
+
+
+def format_markdown(rows):
+    lines = ["| measurement | LoopFormer | baseline | ratio (median) | spread (min-max) | target | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("slot"):
+            lines.append(f"| {r['measurement']} | not measured by this command yet | | | | | |")
+            continue
+        spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        lines.append(f"| {r['measurement']} | {r['loopformer']:.4g} | {r['baseline']:.4g} | {r['ratio']:.3f} | "
+                     f"{spread} | {r['target'] or '-'} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke run (timings meaningless)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds per measurement (default 5)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--new_tokens", type=int, default=None,
+                   help="tokens per generate call (default: 256 vs Llama and by budget, 128 with halting; 16 with --quick)")
+    p.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--output", default="benchmarks/results/report_table.json")
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("repeats", "new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.new_tokens is not None:
+        cfg["gen_vs_llama"] = args.new_tokens
+    repeats = args.repeats or cfg["repeats"]
+    torch.set_num_threads(args.threads)
+    start = time.time()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    rows = speed_rows(cfg, repeats, log)
+    halting_tokens = args.new_tokens or (16 if args.quick else 128)
+    rows += halting_table_rows(args.eps, cfg["prompt"], halting_tokens, repeats, log)
+    extra = [r for fn in EXTRA_ROWS for r in fn(cfg, args.threads, repeats)]
+    rows += extra or [dict(measurement=EXTRA_SLOT, slot=True)]
+    print()
+    print(format_markdown(rows))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,
+                                   halting_new_tokens=halting_tokens),
+                       torch=torch.__version__, wall_s=time.time() - start, rows=rows), f, indent=2)
+    print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Issue 14: halting that skips the halted tokens' work (exact against computing every token), and the exit criteria
+`halt_criterion` chooses."""
+
+import pytest
+import torch
+
+from conftest import cache_of
+import loopformer_hf
+from loopformer_hf import modeling_loopformer
+
+EPS = 0.5  # as in test_loopformer_halting.py: with the tiny random model, tokens halt after 1-4 steps
+
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model
+
+
+def run(model, gather, monkeypatch, *args, **kwargs):
+    """The model's output with halted tokens gathered out (`gather`) or computed and discarded (the dense path)."""
+    monkeypatch.setattr(modeling_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
+    return model(*args, **kwargs)
+
+
+def mlp_tokens(model):
+    """A list that records how many token rows each MLP call of the first block computes."""
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0][..., 0].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("fill", ["recompute", "reuse"])
+def test_gathered_prefill_and_decode_equal_the_dense_path(model, monkeypatch, fill):
+    model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (3, 24))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    outs = {}
+    for gather in (False, True):
+        out = run(model, gather, monkeypatch, ids[:, :16], attention_mask=mask[:, :16], halt_eps=EPS)
+        logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
+        for i in range(16, 24):  # batched decode: rows halt at different steps
+            out = run(model, gather, monkeypatch, ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache,
+                      halt_eps=EPS)
+            logits.append(out.logits)
+            counts.append(out.loop_counts)
+        outs[gather] = torch.cat(logits, 1), torch.cat(counts, 1), cache
+    (dense_logits, dense_counts, dense_cache), (logits, counts, cache) = outs[False], outs[True]
+    assert dense_counts.min() < dense_counts.max(), "test needs tokens that halt at different steps"
+    assert torch.equal(counts, dense_counts)
+    torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=0)
+    for a, b in zip(cache.layers, dense_cache.layers):  # the frozen tokens' keys/values are filled as before
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=0)
+
+
+def test_halted_tokens_are_not_computed(model, monkeypatch):
+    ids = torch.randint(3, 97, (2, 20))
+    seen = mlp_tokens(model)
+    counts = run(model, True, monkeypatch, ids, halt_eps=EPS).loop_counts
+    expected = []  # per step: every token while none has halted, then (rows with an active token) x (most in a row)
+    for step in range(int(counts.max())):
+        alive = counts > step
+        expected.append(ids.numel() if alive.all() else int(alive.any(-1).sum()) * int(alive.sum(-1).max()))
+    assert seen == expected and expected[-1] < ids.numel()
+
+
+def test_batched_decode_skips_halted_rows(model, monkeypatch):
+    ids = torch.randint(3, 97, (4, 9))
+    out = model(ids[:, :8], halt_eps=EPS)
+    seen = mlp_tokens(model)
+    step = run(model, True, monkeypatch, ids[:, 8:], cache=cache_of(out), halt_eps=EPS)
+    counts = step.loop_counts[:, 0]
+    assert counts.min() < counts.max(), "test needs rows that halt at different steps"
+    assert seen == [int((counts > s).sum()) for s in range(int(counts.max()))]
+
+
+def test_decode_keeps_the_loop_modulation_on_the_cache(model):
+    ids = torch.randint(3, 97, (1, 6))
+    calls = []
+    model.model.layers[0].adaLN_modulation.register_forward_pre_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        out = model(ids[:, :5])
+        decoded = model(ids[:, 5:], cache=cache_of(out)).logits
+    assert calls == [1]  # once for every step of the prefill, then read from the cache
+    torch.testing.assert_close(decoded[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=0)
+
+
+# ---- exit criteria -------------------------------------------------------------------------------------------------
+
+
+def step_scores(model, ids):
+    """Per loop step i = 1..4 of the full budget: the entropy H(p_i) and KL(p_i || p_{i-1}) of every token."""
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        log_p = [torch.log_softmax(model.lm_head(model.model.norm(h)), -1) for h in hidden]
+    entropy = [-(lp.exp() * lp).sum(-1) for lp in log_p[1:]]
+    kl = [(log_p[i].exp() * (log_p[i] - log_p[i - 1])).sum(-1) for i in range(1, len(log_p))]
+    return {"entropy": entropy, "kl": kl}
+
+
+@pytest.mark.parametrize("criterion", ["kl", "entropy"])
+def test_each_criterion_decodes_cached_as_uncached(model, criterion):
+    ids = torch.randint(3, 97, (2, 16))
+    eps = float(step_scores(model, ids)[criterion][1].median())
+    full = model(ids, halt_eps=eps, halt_criterion=criterion, use_cache=False)
+    assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
+    out = model(ids[:, :8], halt_eps=eps, halt_criterion=criterion)
+    logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
+    for i in range(8, 16):
+        out = model(ids[:, i:i + 1], cache=cache, halt_eps=eps, halt_criterion=criterion)
+        logits.append(out.logits)
+        counts.append(out.loop_counts)
+    assert torch.equal(torch.cat(counts, 1), full.loop_counts)
+    torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("criterion", ["kl", "entropy"])
+def test_criteria_halt_on_their_own_scores(model, criterion):
+    ids = torch.randint(3, 97, (2, 16))
+    first = step_scores(model, ids)[criterion][0]  # after step 1, before anyone halts
+    eps = float(first.median())
+    counts = model(ids, halt_eps=eps, halt_criterion=criterion).loop_counts
+    assert torch.equal(counts == 1, first < eps) and 0 < int((counts == 1).sum()) < ids.numel()
+    means = [model(ids, halt_eps=e, halt_criterion=criterion).loop_counts.float().mean() for e in (1e-9, eps, 99.0)]
+    assert means[0] == 4 and 1 < means[1] < 4 and means[2] == 1  # larger thresholds halt sooner
+
+
+def test_halt_criterion_is_a_config_default_and_a_generate_kwarg(model):
+    ids = torch.randint(3, 97, (1, 5))
+    eps = float(step_scores(model, ids)["entropy"][1].median())
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=eps, return_dict_in_generate=True)
+    by_kwarg = model.generate(ids, halt_criterion="entropy", **kw)
+    default = model.generate(ids, **kw)
+    assert not torch.equal(by_kwarg.loop_counts, default.loop_counts)
+    model.config.halt_criterion = "entropy"
+    assert torch.equal(model.generate(ids, **kw).loop_counts, by_kwarg.loop_counts)
+    torch.testing.assert_close(by_kwarg.loop_counts, model(by_kwarg.sequences[:, :-1], halt_eps=eps).loop_counts)
+
+
+def test_bad_halt_criterion_raises(model):
+    ids = torch.randint(3, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"halt_criterion.*'entropie'"):
+        model(ids, halt_eps=0.1, halt_criterion="entropie")
+    with pytest.raises(ValueError, match=r"halt_criterion.*'kl2'"):
+        loopformer_hf.LoopFormerConfig(halt_criterion="kl2")
+    with pytest.raises(ValueError, match="LM head"):
+        model.model(ids, halt_eps=0.1, halt_criterion="kl")
+
+
+def test_cache_filled_under_another_criterion_is_refused(model):
+    ids = torch.randint(3, 97, (1, 6))
+    out = model(ids, halt_eps=0.1, halt_criterion="kl")
+    with pytest.raises(ValueError, match="halt_criterion"):
+        model(ids[:, :1], cache=cache_of(out), halt_eps=0.1)
+    model(ids[:, :1], cache=cache_of(out), halt_eps=0.1, halt_criterion="kl")
