@@ -102,7 +102,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + attention_mask
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # at least float32 (as Llama) but never below the scores' own precision: float64's min would become -inf
+    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
