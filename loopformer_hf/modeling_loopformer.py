@@ -637,18 +637,19 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             cache.loop_modulation = (key, modulation)
         return modulation
 
-    def _loop_step(self, step, hidden_states, modulation, mask, position_embeddings, cache, halting,
+    def _loop_step(self, step, hidden_states, conditioning, modulation, mask, position_embeddings, cache, halting,
                    output_attentions):
         """Loop step `step` through the k blocks: (new state, the step's attention maps, halting state after it)."""
         halted = None if halting is None else halting.halted()
         active = None
         if halted is not None and not output_attentions:
             active = LoopFormerActiveTokens.worth_gathering(halting.active)
+        c = None if conditioning is None else conditioning[step][None, None]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
             hidden_states, weights, kv = block(
-                hidden_states,
-                modulation=None if modulation is None else modulation[j][step][None, None],
+                hidden_states, c,
+                modulation=None if modulation is None or c is not None else modulation[j][step][None, None],
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
@@ -720,7 +721,13 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
-        modulation = self._loop_modulation(trajectory, device, cache)
+        # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
+        # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
+        # positional tensors. At inference they are computed once for every step (and kept on the cache).
+        conditioning = self.loop_conditioning(trajectory, device) if torch.is_grad_enabled() else None
+        modulation = None
+        if conditioning is None or halt_eps is not None:  # halting fills skipped slots from the per-block vectors
+            modulation = self._loop_modulation(trajectory, device, cache)
         halting = None
         if halt_eps is not None:
             readout = None if halt_head is None else (
@@ -735,7 +742,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                     all_hidden_states += (hidden_states,) * (len(trajectory) - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, modulation, mask, position_embeddings, cache, halting, output_attentions
+                step, hidden_states, conditioning, modulation, mask, position_embeddings, cache, halting,
+                output_attentions,
             )
             if output_attentions:
                 all_attentions += attentions

@@ -129,5 +129,7 @@ def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(
     evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--max_rows", "4",
                            "--repr_rows", "2", "--schedules", "uniform", *extra])
     err = capsys.readouterr().err
-    assert ("models: 100%" in err and "1/1" in err and "budgets:" in err and "4/4" in err) == shown
+    # the budgets bar is cleared when done (leave=False): its final count shows only if it refreshed, so only its
+    # name is checked
+    assert ("models: 100%" in err and "1/1" in err and "budgets:" in err) == shown
     assert "evaluating" in err
