@@ -1,17 +1,21 @@
 """Cached greedy decoding, eager against `torch.compile`d, at several loop budgets.
 
     python -m benchmarks.bench_compile [--budgets 4 1] [--backend inductor] [--output benchmarks/results/compile.json]
+    python -m benchmarks.bench_compile --device cuda --mode reduce-overhead   # on an accelerator: CUDA graphs
 
-Three ways to decode the same prompt with the same weights, run interleaved (a round runs each once, in rotated
-order) after a warm-up that compiles, medians over `--repeats` rounds:
+Ways to decode the same prompt with the same weights, run interleaved (a round runs each once, in rotated order)
+after a warm-up that compiles, medians over `--repeats` rounds:
 
-- eager, dynamic cache (`generate`'s default, a `LoopFormerCache`);
+- eager, dynamic cache (a `LoopFormerCache`);
 - eager, static cache (`cache_implementation="static"`, a `LoopFormerStaticCache`);
 - compiled, static cache: `model.forward = torch.compile(model.forward, fullgraph=True)` (prefill and decode steps
-  both compiled; one graph per distinct prompt length / decode step and trajectory).
+  both compiled; one graph per distinct prompt length / decode step and trajectory);
+- on CUDA, also generate's own compilation: `cache_implementation="static"` alone, where transformers compiles the
+  decode steps with its default `CompileConfig` (inductor, mode "reduce-overhead", i.e. CUDA graphs).
+The first three pass `disable_compile=True`, so on CUDA transformers does not compile them behind our back.
 
-Tokens/s counts the new tokens over the whole `generate` call (prefill of the prompt included). The compiled tokens
-are checked against eager ones. Recompiles are counted with `torch._dynamo.utils.counters`.
+Tokens/s counts the new tokens over the whole `generate` call (prefill of the prompt included). Every side's tokens
+are checked against the others'. Recompiles are counted with `torch._dynamo.utils.counters` ("unique_graphs").
 """
 
 import argparse
@@ -44,26 +48,33 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--output", default="benchmarks/results/compile.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    eager = tiny_random_model(args.hidden_size)
+    eager = tiny_random_model(args.hidden_size).to(args.device)
     compiled = copy.deepcopy(eager)
-    compiled.forward = torch.compile(compiled.forward, backend=args.backend, fullgraph=True)
-    prompt = torch.randint(3, 512, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    compiled.forward = torch.compile(compiled.forward, backend=args.backend, mode=args.mode, fullgraph=True)
+    prompt = torch.randint(3, 512, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(args.device)
+    sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     sides = {
-        "eager dynamic": (eager, {}),
-        "eager static": (eager, {"cache_implementation": "static"}),
-        "compiled static": (compiled, {"cache_implementation": "static"}),
+        "eager dynamic": (eager, {"disable_compile": True}),
+        "eager static": (eager, {"cache_implementation": "static", "disable_compile": True}),
+        "compiled static": (compiled, {"cache_implementation": "static", "disable_compile": True}),
     }
+    if prompt.is_cuda:
+        sides["generate compile"] = (copy.deepcopy(eager), {"cache_implementation": "static"})
 
     def run(name, budget):
         model, kw = sides[name]
+        sync()
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(prompt, loop_budget=budget, max_new_tokens=args.new_tokens,
                                  min_new_tokens=args.new_tokens, do_sample=False, **kw)
+        sync()
         return args.new_tokens / (time.perf_counter() - start), out
 
     torch._dynamo.utils.counters.clear()
@@ -72,6 +83,8 @@ def main(argv=None):
         start = time.perf_counter()
         _, first = run("compiled static", budget)  # compiles
         warmup = time.perf_counter() - start
+        if "generate compile" in sides:
+            run("generate compile", budget)
         tokens = {name: run(name, budget)[1] for name in sides}  # warm every side
         same = all(torch.equal(t, first) for t in tokens.values())
         speeds = {name: [] for name in sides}
@@ -86,19 +99,23 @@ def main(argv=None):
                 c / e for c, e in zip(speeds["compiled static"], speeds["eager static"])),
             "compiled_over_eager_dynamic": statistics.median(
                 c / e for c, e in zip(speeds["compiled static"], speeds["eager dynamic"])),
+            **({"generate_compile_over_eager_dynamic": statistics.median(
+                c / e for c, e in zip(speeds["generate compile"], speeds["eager dynamic"]))}
+               if "generate compile" in speeds else {}),
             "same_tokens": same,
             "first_call_s": warmup,
         }
-    frames = dict(torch._dynamo.utils.counters["frames"])
+    # "stats" counts the frames dynamo compiled ("unique_graphs"), i.e. the (re)compiles
+    frames = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames", "recompiles")}
     report = {"config": vars(args), "results": results, "dynamo_frames": frames,
-              "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+              "device": torch.cuda.get_device_name(0) if prompt.is_cuda else "cpu", "torch": torch.__version__, "transformers": __import__("transformers").__version__}
 
-    print(f"{'budget':>7} | {'eager dynamic':>13} | {'eager static':>12} | {'compiled static':>15} | "
-          f"{'compiled/eager':>14} | same tokens | first call")
+    names = list(sides)
+    print(f"{'budget':>7} | " + " | ".join(f"{n:>16}" for n in names) + " | compiled/eager dyn | same tokens | first call")
     for key, r in results.items():
         t = r["tokens_per_s"]
-        print(f"{key:>7} | {t['eager dynamic']:13.1f} | {t['eager static']:12.1f} | {t['compiled static']:15.1f} | "
-              f"{r['compiled_over_eager_dynamic']:13.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s")
+        print(f"{key:>7} | " + " | ".join(f"{t[n]:16.1f}" for n in names)
+              + f" | {r['compiled_over_eager_dynamic']:17.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s")
     print(f"tokens/s ({args.backend}, medians of {args.repeats} interleaved rounds); dynamo frames: {frames}")
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

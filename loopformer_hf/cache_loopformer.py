@@ -61,6 +61,16 @@ def _mismatch_message(was, now):
     )
 
 
+def _rewind(layer, tokens):
+    """Drop the last `tokens` tokens of a cache layer so the next update overwrites them. A static layer only moves
+    its write position back, in place (its tensors keep their addresses); transformers < 5.24 has no
+    `StaticLayer.crop`, so this does what 5.24's does."""
+    if isinstance(layer, StaticLayer):
+        layer.cumulative_length.sub_(tokens)
+    else:
+        layer.crop(-tokens)
+
+
 class LoopFormerCacheMixin:
     """What every LoopFormer cache adds to a transformers `Cache`: the spec it was filled under and the slot of each
     (loop step, block)."""
@@ -97,7 +107,7 @@ class LoopFormerCacheMixin:
             step, block = divmod(layer_idx, self.spec.num_blocks)
             if step >= n:
                 layer_idx = self.slot(step % n, block)
-                self.layers[layer_idx].crop(-key_states.shape[-2])
+                _rewind(self.layers[layer_idx], key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def reset(self):

@@ -81,9 +81,9 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     ce_sum, count, correct, loops = 0.0, 0, [], []
     n = data["input_ids"].shape[0]
     for start in range(0, n, batch_size):
-        ids = data["input_ids"][start:start + batch_size]
-        mask = data["attention_mask"][start:start + batch_size]
-        labels = data["labels"][start:start + batch_size][:, 1:]
+        ids = data["input_ids"][start:start + batch_size].to(model.device)
+        mask = data["attention_mask"][start:start + batch_size].to(model.device)
+        labels = data["labels"][start:start + batch_size][:, 1:].to(model.device)
         out = model(input_ids=ids, attention_mask=mask, step_schedule=list(trajectory), use_cache=False,
                     **({} if halt_eps is None else {"halt_eps": halt_eps}))
         logits = out.logits[:, :-1].float()
@@ -147,8 +147,8 @@ def evaluate_quality(model, task, data, budgets, schedules, disable_tqdm=None):
 @torch.no_grad()
 def step_states(model, data, meta, max_rows):
     """Hidden states per loop step (embeddings first) at the full trajectory, on `max_rows` held-out rows."""
-    ids = data["input_ids"][:max_rows]
-    mask = data["attention_mask"][:max_rows]
+    ids = data["input_ids"][:max_rows].to(model.device)
+    mask = data["attention_mask"][:max_rows].to(model.device)
     config = model.config
     if config.num_loops > 1:
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
@@ -180,7 +180,7 @@ def generations(model, tokenizer, task, rows, budgets, num_prompts=3):
         max_new = 32
     for budget in budgets:
         for prompt, answer in zip(prompts, answers):
-            enc = tokenizer(prompt, return_tensors="pt")
+            enc = tokenizer(prompt, return_tensors="pt").to(model.device)
             kwargs = {"loop_budget": budget} if model.config.num_loops > 1 else {}
             out = model.generate(**enc, max_new_tokens=max_new, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, **kwargs)
@@ -208,8 +208,9 @@ def check_generate_budgets(paths, budgets):
 
 
 def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
-                        halt_eps=(), disable_tqdm=None):
+                        halt_eps=(), disable_tqdm=None, device="cpu"):
     model, tokenizer, meta = load_checkpoint(path)
+    model.to(device)
     task, data, rows = build_eval_data(meta, tokenizer, max_rows)
     L = meta["model"]["num_loops"]
     budgets = list(range(1, model.config.num_loops + 1))
@@ -417,6 +418,8 @@ def main(argv=None):
                              "(Base, not looped, generates once).")
     parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
                         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
+    parser.add_argument("--device", default=None,
+                        help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).")
     parser.add_argument("--disable_tqdm", type=_bool, default=None,
                         help="true: no progress bars; false: always show them (on stderr); default: only on a terminal.")
     args = parser.parse_args(argv)
@@ -440,6 +443,11 @@ def main(argv=None):
     for name in ("max_rows", "repr_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"--device {device!r} is not usable here: {err}") from None
     torch.manual_seed(0)
     records = []
     disable = progress_bars_disabled(args.disable_tqdm)
@@ -447,7 +455,7 @@ def main(argv=None):
         name = args.names[i] if args.names else None
         tqdm.write(f"evaluating {path} ...", file=sys.stderr)
         records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
-                                           args.generate_budgets, args.halt_eps, disable))
+                                           args.generate_budgets, args.halt_eps, disable, device))
     tasks = {r["task"] for r in records}
     if len(tasks) > 1:
         raise ValueError(f"The checkpoints were trained on different tasks {sorted(tasks)}; evaluate them apart.")

@@ -550,7 +550,7 @@ def main(argv=None):
     parser.add_argument("--shakespeare", default=os.path.join("..", "shared", "data", "shakespeare"),
                         help="Folder of the Shakespeare plays; the task is skipped when it does not exist.")
     parser.add_argument("--no_train", dest="train", action="store_false", help="Only evaluate existing runs.")
-    parser.add_argument("--parallel", type=int, default=None, help="Training runs at once (default 2 on cpu, 3 sharing the accelerator on gpu).")
+    parser.add_argument("--parallel", type=int, default=None, help="Training runs at once (default 2 on cpu, 6 sharing the accelerator on gpu).")
     parser.add_argument("--max_rows", type=int, default=500, help="Held-out rows scored per model.")
     parser.add_argument("--skip_checks", action="store_true", help="Do not run the forward-equivalence tests.")
     args = parser.parse_args(argv)
@@ -576,7 +576,7 @@ def main(argv=None):
                              f"{os.path.join(args.docs_dir, 'results.md')} was left as it was.")
     if args.train:
         train_missing(args.runs_dir, tasks, args.preset, args.shakespeare,
-                      args.parallel or (2 if args.preset == "cpu" else 3))
+                      args.parallel or (2 if args.preset == "cpu" else 6))
     for task in tasks:
         if os.path.isdir(os.path.join(args.runs_dir, task)):
             evaluate(args.runs_dir, task, args.max_rows)
