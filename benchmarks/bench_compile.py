@@ -39,6 +39,13 @@ def tiny_random_model(hidden_size=256):
     return loopformer_hf.LoopFormerForCausalLM(cfg).eval()
 
 
+def compiled_copy(model, backend="inductor", mode=None):
+    """A copy of `model` whose forward is `torch.compile`d with fullgraph=True (prefill and decode steps)."""
+    compiled = copy.deepcopy(model)
+    compiled.forward = torch.compile(compiled.forward, backend=backend, mode=mode, fullgraph=True)
+    return compiled
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 1])
@@ -55,8 +62,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
 
     eager = tiny_random_model(args.hidden_size).to(args.device)
-    compiled = copy.deepcopy(eager)
-    compiled.forward = torch.compile(compiled.forward, backend=args.backend, mode=args.mode, fullgraph=True)
+    compiled = compiled_copy(eager, args.backend, args.mode)
     prompt = torch.randint(3, 512, (1, args.prompt_len), generator=torch.Generator().manual_seed(0)).to(args.device)
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     sides = {

@@ -12,6 +12,7 @@ cache, shared vs full cache memory) come from the functions listed in `EXTRA_ROW
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -19,12 +20,68 @@ import warnings
 
 import torch
 
-from benchmarks import bench_halting
+from benchmarks import bench_cache_sharing, bench_compile, bench_halting
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 
+
+
+def cache_rows(cfg, threads, repeats, log=print):
+    """Cached generate of the same LoopFormer (budgets L and 1): static cache against the dynamic one, and compiled
+    (`torch.compile(forward, fullgraph=True)`, static cache) against eager with the dynamic cache; tokens/s ratios.
+    The compiled side compiles in the warm-up round (one graph for the prefill, one for decode steps, per budget)."""
+    loopformer, _ = build_models(cfg, "rope")
+    loopformer.eval()
+    compiled = bench_compile.compiled_copy(loopformer)
+    prompt = torch.randint(3, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(2))
+    n, rows = cfg["gen_vs_llama"], []
+    for M in (cfg["loops"], 1):
+        log(f"static / compiled cached generate at M={M}: {n} new tokens, {repeats} rounds")
+        sides = {"dynamic": generate_fn(loopformer, prompt, n, loop_budget=M, disable_compile=True),
+                 "static": generate_fn(loopformer, prompt, n, loop_budget=M, cache_implementation="static",
+                                       disable_compile=True),
+                 "compiled": generate_fn(compiled, prompt, n, loop_budget=M, cache_implementation="static",
+                                         disable_compile=True)}
+        t = interleaved(sides, repeats)
+        tokens = [fn.result["tokens"] for fn in sides.values()]
+        same = all(torch.equal(tokens[0], x) for x in tokens[1:])
+        for name, label in (("static", "static / dynamic cache"), ("compiled", "compiled static / eager dynamic")):
+            ratios = [b / a for a, b in zip(t[name], t["dynamic"])]
+            rows.append(row(f"cached generate {n} tok at M={M}, tokens/s: {label}" + ("" if same else " (TOKENS DIFFER)"),
+                            n / statistics.median(t[name]), n / statistics.median(t["dynamic"]), ratios,
+                            ">= 1.0", statistics.median(ratios) >= 1.0 and same))
+    return rows
+
+
+def shared_cache_rows(cfg, threads, repeats, log=print):
+    """Keys/values held after cached generation at budgets L, 2L, 3L: the shared cache (`cache_sharing="modulo"`,
+    n = 1, 2) over the exact one (one slot per loop step and block). Bytes, so no spread; an approximation beyond
+    one call (docs/compile.md)."""
+    loopformer, _ = build_models(cfg, "rope")
+    loopformer.eval()
+    prompt = torch.randint(3, cfg["vocab"], (1, cfg["prompt"]), generator=torch.Generator().manual_seed(3))
+    n, L, rows = cfg["gen_vs_llama"], cfg["loops"], []
+    log(f"shared cache memory at M = {L}, {2 * L}, {3 * L}: {n} new tokens")
+
+    def held(M, sharing, share_n=2):
+        loopformer.config.cache_sharing, loopformer.config.cache_share_n = sharing, share_n
+        fn = generate_fn(loopformer, prompt, n, loop_budget=M, return_dict_in_generate=True)
+        fn()
+        out = fn.result["tokens"]
+        return bench_cache_sharing.kv_bytes(out.cache if hasattr(out, "cache") else out.past_key_values)
+
+    for M in (L, 2 * L, 3 * L):
+        full = held(M, "none")
+        for share_n in (1, 2):
+            shared = held(M, "modulo", share_n)
+            rows.append(row(f"KV bytes after {cfg['prompt']}+{n} tokens at M={M}: shared n={share_n} / exact",
+                            shared, full, [shared / full], f"= {share_n}/{M}", math.isclose(shared / full, share_n / M)))
+    loopformer.config.cache_sharing = "none"
+    return rows
+
+
 # Functions (cfg, threads, repeats) -> list of row dicts (keys as `row` returns) for measurements that live in other
-# benchmarks: compiled vs eager decode, static vs dynamic cache, shared vs full cache memory. Empty rows print a slot.
-EXTRA_ROWS = []
+# benchmarks: compiled vs eager decode, static vs dynamic cache, shared vs full cache memory.
+EXTRA_ROWS = [cache_rows, shared_cache_rows]
 EXTRA_SLOT = "compiled vs eager / static vs dynamic cache / shared vs full cache memory"
 
 

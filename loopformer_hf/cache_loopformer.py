@@ -30,6 +30,7 @@ class LoopFormerCacheSpec(NamedTuple):
     halt_eps: float | None = None
     halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
     share_n: int | None = None  # cache_sharing="modulo": loop step i is stored in the slot of step i mod share_n
+    halt_criterion: str | None = None  # only recorded with halt_eps: another criterion halts other tokens
 
     @property
     def num_steps(self):
@@ -50,8 +51,9 @@ def _mismatch_message(was, now):
     if was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
     elif was.trajectory == now.trajectory and was.share_n == now.share_n:
-        was_text = f"halt_eps={was.halt_eps} (kv fill {was.halt_kv_fill})"
-        now_text = f"halt_eps={now.halt_eps} (kv fill {now.halt_kv_fill})"
+        was_text, now_text = (f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
+                              + ("" if spec.halt_criterion in (None, "state_change") else
+                                 f"; halt_criterion={spec.halt_criterion}") + ")" for spec in (was, now))
     else:
         was_text, now_text = was.describe(), now.describe()
     return (

@@ -616,11 +616,11 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         return inputs_embeds + self.embed_positions(position_ids), None
 
     def _cache_spec(self, trajectory, halt_eps, halt_criterion):
-        fill = self.config.halt_kv_fill if halt_eps is not None else None
-        if fill is not None and halt_criterion != "state_change":  # another criterion halts other tokens
-            fill = f"{fill}; halt_criterion={halt_criterion}"
+        halting = halt_eps is not None
         share_n = self.config.cache_share_n if self.config.cache_sharing == "modulo" else None
-        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps, fill, share_n)
+        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps,
+                                   self.config.halt_kv_fill if halting else None, share_n,
+                                   halt_criterion if halting else None)
 
     def _loop_modulation(self, trajectory, device, cache):
         """Per block, the adaLN vectors of every loop step ((M, 4d); None without conditioning). They depend on the

@@ -69,3 +69,24 @@ def test_halting_rows_and_the_report_table(tiny_model):
          dict(measurement=report_table.EXTRA_SLOT, slot=True)])
     assert "| x / y | 2 | 1 | 2.000 | 1.500-2.500 | <= 1.0 | NO |" in table
     assert "not measured by this command yet" in table.splitlines()[-1]
+
+
+def test_report_table_cache_rows(monkeypatch):
+    """The static / compiled rows compare tokens/s on the same prompt and check the sides' tokens agree; the shared
+    cache rows hold n/M of the exact cache's bytes (issue 14). The compiled side is an eager copy here: compiling
+    takes minutes on this machine, and the benchmark, not this test, measures it."""
+    import copy
+
+    from benchmarks import bench_compile, bench_loopformer, report_table
+
+    monkeypatch.setattr(bench_compile, "compiled_copy", lambda model: copy.deepcopy(model))
+    cfg = dict(bench_loopformer.QUICK, gen_vs_llama=3, prompt=4)
+    rows = report_table.cache_rows(cfg, 1, 1, log=lambda s: None)
+    assert [r["measurement"] for r in rows] == [
+        f"cached generate 3 tok at M={m}, tokens/s: {label}" for m in (4, 1)
+        for label in ("static / dynamic cache", "compiled static / eager dynamic")]
+    assert all(r["loopformer"] > 0 and r["baseline"] > 0 for r in rows)
+    rows = report_table.shared_cache_rows(cfg, 1, 1, log=lambda s: None)
+    assert [(r["measurement"].split(": ")[1], r["target"]) for r in rows] == [
+        (f"shared n={n} / exact", f"= {n}/{m}") for m in (4, 8, 12) for n in (1, 2)]
+    assert all(r["met"] and r["ratio"] == r["loopformer"] / r["baseline"] for r in rows)

@@ -115,6 +115,17 @@ def test_each_criterion_decodes_cached_as_uncached(model, criterion):
     torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
 
 
+def test_cache_filled_under_one_criterion_refuses_another(model):
+    """Another criterion halts other tokens, so their skipped slots differ: the cache names both criteria."""
+    ids = torch.randint(3, 97, (1, 9))
+    cache = cache_of(model(ids[:, :8], halt_eps=0.1, halt_criterion="kl"))
+    assert cache.spec.halt_criterion == "kl"
+    with pytest.raises(ValueError, match=r"filled under halt_eps=0.1 .*halt_criterion=kl.* this call runs "
+                                         r"halt_eps=0.1 \(kv fill \w+\)"):
+        model(ids[:, 8:], cache=cache, halt_eps=0.1, halt_criterion="state_change")
+    assert cache_of(model(ids[:, :8])).spec.halt_criterion is None  # recorded only with halt_eps
+
+
 @pytest.mark.parametrize("criterion", ["kl", "entropy"])
 def test_criteria_halt_on_their_own_scores(model, criterion):
     ids = torch.randint(3, 97, (2, 16))
