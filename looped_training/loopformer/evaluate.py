@@ -446,7 +446,7 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as err:
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as err:  # torch's own, by device kind
         raise ValueError(f"--device {device!r} is not usable here: {err}") from None
     torch.manual_seed(0)
     records = []
