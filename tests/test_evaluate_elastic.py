@@ -95,6 +95,22 @@ def test_bad_cli_values_raise_value_error(checkpoints, tmp_path):
         evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--names", "a", "b"])
 
 
+def test_exit_criteria_benchmark_on_a_trained_checkpoint(checkpoints, tmp_path):
+    """benchmarks.bench_halt_criteria --checkpoints: fixed budgets 1..L, then every criterion at every threshold on
+    the checkpoint's own held-out problems, each against the fixed budgets interpolated at its mean loops."""
+    from benchmarks import bench_halt_criteria
+
+    out = tmp_path / "criteria.json"
+    bench_halt_criteria.main(["--checkpoints", str(checkpoints / "loopformer"), "--eval_problems", "8",
+                              "--threads", "1", "--output", str(out)])
+    result = json.loads(out.read_text())["checkpoints"][str(checkpoints / "loopformer")]
+    assert result["task"] == "synthetic" and result["rows"] == 8
+    assert [f["loop_budget"] for f in result["fixed"]] == [1, 2, 3, 4]
+    assert {(r["criterion"], r["halt_eps"]) for r in result["criteria"]} == {
+        (c, e) for c, values in bench_halt_criteria.THRESHOLDS.items() for e in values}
+    assert all(1 <= r["mean_loops"] <= 4 and 0 <= r["em"] <= 1 and r["ppl"] > 1 for r in result["criteria"])
+
+
 # ---- the metrics -----------------------------------------------------------------------------------------------------
 
 def test_linear_cka_is_one_for_rotations_and_scalings_and_low_for_independent_data():
