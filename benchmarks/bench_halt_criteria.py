@@ -53,8 +53,9 @@ def problem_tensors(problems, tokenizer, block_size):
 
 def train_tiny(steps, batch_size=64, eval_problems=512, max_depth=2, seed=0, log=print):
     """A LoopFormer 2⊗4 (hidden 64) trained for `steps` AdamW steps with shortcut consistency; (model, eval data).
-    Depth 1..2 as the report's CPU preset: at depth 1..6, 300 steps left the model at chance, the same answer at every
-    budget (EM 0.129, answer ppl 3.181 at M = 1..4; measured 2026-11-30)."""
+    Depth 1..2 as the report's CPU preset. Measured 2026-11-30: 300 steps leave this model at chance, the same answer
+    at every budget (EM 0.115, answer ppl 3.164 at M = 1..4; 0.129 / 3.181 at depth 1..6), so its rows only show the
+    mechanics; `--checkpoints` on the report's trained runs gives the comparison that means something."""
     torch.manual_seed(seed)
     tokenizer = CharTokenizer()
     block_size = 2 * max_depth + 4
