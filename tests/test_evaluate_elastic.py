@@ -101,8 +101,10 @@ def test_exit_criteria_benchmark_on_a_trained_checkpoint(checkpoints, tmp_path):
     from benchmarks import bench_halt_criteria
 
     out = tmp_path / "criteria.json"
+    # --threads as the process has it: main() sets torch's global thread count, and a changed count would change
+    # later tests' float reductions (test_publish compares logits across processes bit for bit)
     bench_halt_criteria.main(["--checkpoints", str(checkpoints / "loopformer"), "--eval_problems", "8",
-                              "--threads", "1", "--output", str(out)])
+                              "--threads", str(torch.get_num_threads()), "--output", str(out)])
     result = json.loads(out.read_text())["checkpoints"][str(checkpoints / "loopformer")]
     assert result["task"] == "synthetic" and result["rows"] == 8
     assert [f["loop_budget"] for f in result["fixed"]] == [1, 2, 3, 4]
