@@ -198,6 +198,34 @@ def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp
     assert [h["max_length"] for h in cb.history] == [4, 4, 6]
 
 
+def test_curriculum_and_time_budget_resume_where_the_checkpoint_left_them(tmp_path):
+    """The curriculum's length, history and probe RNG and the time spent ride in trainer_state.json
+    (`stateful_callbacks`): a resumed run goes on at the length the checkpoint reached (it restarted at the first
+    length) and with the budget it had left (it restarted the clock)."""
+    from looped_training.fprm.train import main
+
+    flags = [
+        "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
+        "--curriculum_threshold", "0.01", "--curriculum_check_steps", "2", "--num_train", "0", "--num_test", "4",
+        "--test_length", "6", "--hidden_size", "16", "--num_attention_heads", "2", "--intermediate_size", "32",
+        "--n_backward", "2", "--max_segments", "1", "--per_device_train_batch_size", "8", "--eval_max_loops", "8",
+        "--output_dir", str(tmp_path), "--use_cpu", "true", "--disable_tqdm", "true", "--conv_kernel_size", "2",
+        "--save_strategy", "steps", "--save_steps", "4", "--time_budget_minutes", "60", "--report_to", "none",
+    ]
+    first = main([*flags, "--max_steps", "4"])
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["stateful_callbacks"]
+    reached = saved["LengthCurriculumCallback"]["attributes"]["max_length"]
+    assert reached == first["curriculum"][-1]["max_length"] * 3 // 2 > 2 and len(first["curriculum"]) == 2
+    spent = saved["TimeBudgetCallback"]["attributes"]["elapsed_s"]
+    assert spent > 0
+    resumed = main([*flags, "--max_steps", "8", "--resume_from_checkpoint", "last"])
+    assert resumed["curriculum"][:2] == first["curriculum"]
+    assert [h["step"] for h in resumed["curriculum"]][:3] == [2, 4, 6]  # then the final length: no more checks
+    assert resumed["curriculum"][2]["max_length"] == reached
+    saved = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["TimeBudgetCallback"]["attributes"]["elapsed_s"] > spent
+
+
 def test_train_script_length_curriculum_end_to_end(tmp_path):
     """The real probe on a model that trains for a few steps: the curriculum runs inside Trainer, raises the
     Trainer's own max_segments and is recorded in results.json."""

@@ -6,12 +6,25 @@ import time
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 
-class LengthCurriculumCallback(TrainerCallback):
+def _saved_attributes(callback, state):
+    """This callback's attributes in the checkpoint a run resumes from (Trainer keeps every `ExportableState`'s
+    `state()` in trainer_state.json), or None. A fresh run's TrainerState holds the callback's own current values."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(callback).__name__)
+    return saved.get("attributes") if isinstance(saved, dict) else None
+
+
+class LengthCurriculumCallback(TrainerCallback, ExportableState):
     """Raises the stream's maximum length by half (at least 1, at most `final_length`) whenever accuracy at the
     current maximum on a fresh held-out batch reaches `threshold`, and gives every sample enough deep-supervision
-    segments to reach its last position (one position per loop step: ceil((length + 2) / n_backward))."""
+    segments to reach its last position (one position per loop step: ceil((length + 2) / n_backward)).
+
+    A checkpoint keeps the length reached, the probe's random state and the history (`state()`), and a resumed run
+    goes on from them; they come back in `on_train_begin`, not through Trainer's
+    `restore_callback_states_from_checkpoint` (which rebuilds callbacks from JSON arguments: this one holds the
+    stream)."""
 
     def __init__(self, stream, final_length, threshold, check_steps, trainer_args, num_check=256, seed=12345):
         self.stream, self.final_length, self.threshold, self.check_steps = stream, final_length, threshold, check_steps
@@ -20,6 +33,20 @@ class LengthCurriculumCallback(TrainerCallback):
         self.rng = random.Random(seed)
         self.history = []
         self._set_segments()
+
+    def state(self):
+        version, internal, gauss = self.rng.getstate()
+        return {"args": {}, "attributes": {"max_length": self.stream.max_length, "history": self.history,
+                                           "rng_state": [version, list(internal), gauss]}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        saved = _saved_attributes(self, state)
+        if saved:
+            self.stream.set_max_length(saved["max_length"])
+            self.history = list(saved["history"])
+            version, internal, gauss = saved["rng_state"]
+            self.rng.setstate((version, tuple(internal), gauss))
+            self._set_segments()
 
     def _set_segments(self):
         needed = math.ceil((self.stream.max_length + 2) / self.trainer_args.n_backward)
@@ -52,18 +79,22 @@ class LengthCurriculumCallback(TrainerCallback):
                   f"length {self.stream.max_length} ({self.trainer_args.max_segments} segments)")
 
 
-class TimeBudgetCallback(TrainerCallback):
+class TimeBudgetCallback(TrainerCallback, ExportableState):
     """Stops training after a wall-clock budget (the presets promise a CPU time). With `decay_fraction` > 0 the
     learning rate also falls linearly to 0 over that last fraction of the budget, on top of the Trainer's own
-    schedule: the step count a budget buys is not known in advance, so a step-based decay cannot be placed."""
+    schedule: the step count a budget buys is not known in advance, so a step-based decay cannot be placed.
+    A checkpoint keeps the time spent, so a resumed run has what was left of the budget."""
 
     def __init__(self, minutes, decay_fraction=0.0, clock=time.perf_counter):
         if not 0 <= decay_fraction <= 1:
             raise ValueError(f"`time_budget_decay_fraction` must lie in [0, 1], got {decay_fraction}.")
         self.seconds, self.decay_fraction, self.clock = minutes * 60, decay_fraction, clock
 
+    def state(self):
+        return {"args": {}, "attributes": {"elapsed_s": self.clock() - self.start if hasattr(self, "start") else 0.0}}
+
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
-        self.start = self.clock()
+        self.start = self.clock() - (_saved_attributes(self, state) or {}).get("elapsed_s", 0.0)
         if self.decay_fraction:
             if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
                 raise ValueError(f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
