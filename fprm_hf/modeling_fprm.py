@@ -113,7 +113,9 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
         q_len, kv_len = scores.shape[-2:]
         keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # at least float32 (half-precision scores), float64 kept in a float64 model: a float32 cast there loses the
+    # eager path's agreement with sdpa
+    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from fprm_hf import FPRMForReasoning
+from fprm_hf import FPRMConfig, FPRMForReasoning
 
 from _config_helpers import assert_refused_however_it_arrives
 from fprm_fixtures import grid_inputs, one_thread  # noqa: F401  (one_thread: autouse fixture)
@@ -130,3 +130,19 @@ def test_attention_mask_of_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"`attention_mask` must be a tensor of the shape of `input_ids` \(2, 16\), "
                                          r"got Tensor \(2, 15\)"):
         tiny_fprm()(grid_inputs(2), attention_mask=torch.ones(2, 15, dtype=torch.long))
+
+
+def test_eager_attention_keeps_float64_and_equals_sdpa():
+    """The eager softmax computed in float32 even for a float64 model (1e-7 from sdpa); at least float32 now."""
+    cfg = FPRMConfig(vocab_size=11, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    ids = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = FPRMForReasoning(cfg).double().eval()
+        model.config._attn_implementation = impl
+        with torch.no_grad():
+            logits[impl] = model(ids, halting=False).logits
+    assert logits["eager"].dtype == torch.float64
+    assert not torch.equal(logits["eager"], logits["sdpa"])  # two code paths ran
+    torch.testing.assert_close(logits["eager"], logits["sdpa"], atol=1e-12, rtol=0)
