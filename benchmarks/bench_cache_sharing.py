@@ -12,15 +12,14 @@
 """
 
 import argparse
-import json
 import math
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 import loopformer_hf
+from benchmarks import write_json
 from loopformer_hf import LoopFormerCache
 
 
@@ -132,9 +131,7 @@ def main(argv=None):
     for key, row in quality.items():
         print(f"{key:>7} | " + " | ".join(f"{n} {v:.3f}" for n, v in row.items()))
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.output, report)
     return report
 
 

@@ -20,8 +20,6 @@ are checked against the others'. Recompiles are counted with `torch._dynamo.util
 
 import argparse
 import copy
-import json
-import os
 import statistics
 import time
 
@@ -29,6 +27,7 @@ import torch
 import torch._dynamo
 
 import loopformer_hf
+from benchmarks import write_json
 
 
 def tiny_random_model(hidden_size=256):
@@ -124,9 +123,7 @@ def main(argv=None):
               + f" | {r['compiled_over_eager_dynamic']:17.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s")
     print(f"tokens/s ({args.backend}, medians of {args.repeats} interleaved rounds); dynamo frames: {frames}")
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.output, report)
     return report
 
 

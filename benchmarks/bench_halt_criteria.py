@@ -13,14 +13,13 @@ at that mean. A criterion pays where its quality beats the fixed budgets' at the
 """
 
 import argparse
-import json
-import os
 import random
 import time
 
 import torch
 
 import loopformer_hf
+from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
 from looped_training.loopformer.evaluate import build_eval_data, load_checkpoint, quality
 from looped_training.loopformer.objective import sample_shortcut_trajectory
@@ -137,9 +136,7 @@ def evaluate_checkpoints(paths, max_rows, output):
         print(f"{path} ({task}, {len(data['input_ids'])} held-out rows):")
         print(format_rows(fixed, rows), flush=True)
         results[path] = dict(task=task, rows=len(data["input_ids"]), fixed=fixed, criteria=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(dict(checkpoints=results), f, indent=2)
+    write_json(output, dict(checkpoints=results))
     print(f"wrote {output}")
     return results
 
@@ -166,10 +163,8 @@ def main(argv=None):
     with torch.no_grad():
         fixed, rows = evaluate_criteria(model, data)
     print(format_rows(fixed, rows))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(dict(steps=args.steps, batch_size=args.batch_size, eval_problems=args.eval_problems, fixed=fixed,
-                       criteria=rows), f, indent=2)
+    write_json(args.output, dict(steps=args.steps, batch_size=args.batch_size, eval_problems=args.eval_problems,
+                                 fixed=fixed, criteria=rows))
     print(f"wrote {args.output}")
     return fixed, rows
 

@@ -11,16 +11,14 @@ cache, shared vs full cache memory) come from the functions listed in `EXTRA_ROW
 """
 
 import argparse
-import json
 import math
-import os
 import statistics
 import time
 import warnings
 
 import torch
 
-from benchmarks import bench_cache_sharing, bench_compile, bench_halting
+from benchmarks import bench_cache_sharing, bench_compile, bench_halting, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 
 
@@ -191,11 +189,9 @@ def main(argv=None):
     rows += extra or [dict(measurement=EXTRA_SLOT, slot=True)]
     print()
     print(format_markdown(rows))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,
-                                   halting_new_tokens=halting_tokens),
-                       torch=torch.__version__, wall_s=time.time() - start, rows=rows), f, indent=2)
+    write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,
+                                             halting_new_tokens=halting_tokens),
+                                 torch=torch.__version__, wall_s=time.time() - start, rows=rows))
     print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
     return rows
 
