@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from benchmarks import bench_cache_sharing, bench_compile, bench_halting, write_json
+from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 
 
@@ -81,6 +81,7 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
 # benchmarks: compiled vs eager decode, static vs dynamic cache, shared vs full cache memory.
 EXTRA_ROWS = [cache_rows, shared_cache_rows]
 EXTRA_SLOT = "compiled vs eager / static vs dynamic cache / shared vs full cache memory"
+AUTHORS_SLOT = "vs the authors' code (pass --authors_repo, a clone of github.com/armenjeddi/loopformer)"
 
 
 def row(name, loopformer, baseline, ratios, target=None, met=None):
@@ -151,7 +152,8 @@ def format_markdown(rows):
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("slot"):
-            lines.append(f"| {r['measurement']} | not measured by this command yet | | | | | |")
+            text = r["slot"] if isinstance(r["slot"], str) else "not measured by this command yet"
+            lines.append(f"| {r['measurement']} | {text} | | | | | |")
             continue
         spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
@@ -168,6 +170,9 @@ def main(argv=None):
     p.add_argument("--new_tokens", type=int, default=None,
                    help="tokens per generate call (default: 256 vs Llama and by budget, 128 with halting; 16 with --quick)")
     p.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--authors_repo", default=None,
+                   help="a clone of github.com/armenjeddi/loopformer: adds the rows against the authors' code "
+                        "(benchmarks/bench_authors.py)")
     p.add_argument("--output", default="benchmarks/results/report_table.json")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -187,6 +192,10 @@ def main(argv=None):
     rows += halting_table_rows(args.eps, cfg["prompt"], halting_tokens, repeats, log)
     extra = [r for fn in EXTRA_ROWS for r in fn(cfg, args.threads, repeats)]
     rows += extra or [dict(measurement=EXTRA_SLOT, slot=True)]
+    if args.authors_repo is not None:
+        rows += bench_authors.authors_rows(cfg, repeats, args.authors_repo, log)
+    else:
+        rows.append(dict(measurement=AUTHORS_SLOT, slot="not run: their code is not fetched at run time"))
     print()
     print(format_markdown(rows))
     write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,

@@ -90,3 +90,74 @@ def test_report_table_cache_rows(monkeypatch):
     assert [(r["measurement"].split(": ")[1], r["target"]) for r in rows] == [
         (f"shared n={n} / exact", f"= {n}/{m}") for m in (4, 8, 12) for n in (1, 2)]
     assert all(r["met"] and r["ratio"] == r["loopformer"] / r["baseline"] for r in rows)
+
+
+# The authors' interface (models/loopformer.py of github.com/armenjeddi/loopformer: GPTConfig, GPT(config),
+# forward(idx, targets, steps) -> (logits, loss, x), configure_optimizers), computed by the independent oracle of
+# tests/test_convert_reference.py: their code cannot be fetched here, so the benchmark's plumbing is checked on this.
+STAND_IN_AUTHORS = '''
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from tests.test_convert_reference import reference_forward, reference_state_dict
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 3
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = False
+    intermediate_dim: int = 256
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        sd = reference_state_dict(d=config.n_embd, n_layer=config.n_layer, vocab=config.vocab_size,
+                                  block=config.block_size, mlp=config.intermediate_dim)
+        self.names = list(sd)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(v.clone()) for v in sd.values())
+        print("number of parameters: (printed, as theirs)")
+
+    def state_dict(self):
+        return {name: p.detach() for name, p in zip(self.names, self.weights)}
+
+    def forward(self, idx, targets=None, steps=(0.125,) * 8):
+        logits = reference_forward(dict(zip(self.names, self.weights)), idx, list(steps), self.config.n_head)
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return (logits if targets is not None else logits[:, [-1]]), loss, logits
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
+'''
+
+
+def test_authors_rows_on_a_stand_in_for_their_code(tmp_path):
+    """bench_authors builds both models from one set of weights (theirs -> our converter), checks logits and greedy
+    tokens agree, and times the consistency train step and generation side by side; a folder without their model
+    file is refused with the path it looked for."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "loopformer.py").write_text(STAND_IN_AUTHORS)
+    out = tmp_path / "authors.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path),
+                           "--quick", "--output", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logits, train, generate = json.loads(out.read_text())["rows"]
+    assert logits["measurement"].startswith("logits") and logits["loopformer"] <= 1e-4 and logits["met"]
+    assert "train step" in train["measurement"] and train["loopformer"] > 0 and train["baseline"] > 0
+    assert "generate" in generate["measurement"] and "TOKENS DIFFER" not in generate["measurement"]
+    assert "| logits at M=4" in proc.stdout
+
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path / "none"),
+                           "--quick", "--output", str(tmp_path / "x.json")], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2 and os.path.join(str(tmp_path / "none"), "models", "loopformer.py") in proc.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -89,6 +89,15 @@ def test_decode_keeps_the_loop_modulation_on_the_cache(model):
 # ---- exit criteria -------------------------------------------------------------------------------------------------
 
 
+def split_threshold(scores):
+    """A threshold that halts about half the tokens, midway between the two middle scores: a median is itself one of
+    the scores, and a score equal to the threshold halts or not by float rounding, which cached and uncached runs do
+    differently."""
+    s = scores.flatten().sort().values
+    i = (len(s) - 1) // 2
+    return float((s[i] + s[i + 1]) / 2)
+
+
 def step_scores(model, ids):
     """Per loop step i = 1..4 of the full budget: the entropy H(p_i) and KL(p_i || p_{i-1}) of every token."""
     with torch.no_grad():
@@ -102,7 +111,7 @@ def step_scores(model, ids):
 @pytest.mark.parametrize("criterion", ["kl", "entropy"])
 def test_each_criterion_decodes_cached_as_uncached(model, criterion):
     ids = torch.randint(3, 97, (2, 16))
-    eps = float(step_scores(model, ids)[criterion][1].median())
+    eps = split_threshold(step_scores(model, ids)[criterion][1])
     full = model(ids, halt_eps=eps, halt_criterion=criterion, use_cache=False)
     assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
     out = model(ids[:, :8], halt_eps=eps, halt_criterion=criterion)
@@ -141,7 +150,7 @@ def test_criteria_halt_on_their_own_scores(model, criterion):
 
 def test_halt_criterion_is_a_config_default_and_a_generate_kwarg(model):
     ids = torch.randint(3, 97, (1, 5))
-    eps = float(step_scores(model, ids)["entropy"][1].median())
+    eps = split_threshold(step_scores(model, ids)["entropy"][1])
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=eps, return_dict_in_generate=True)
     by_kwarg = model.generate(ids, halt_criterion="entropy", **kw)
     default = model.generate(ids, **kw)
