@@ -431,6 +431,7 @@ class LoopFormerHaltingState:
     criterion: str = "state_change"
     readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
+    num_active: int | None = None  # active.sum(), read once per step (a device sync) for both checks below
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
@@ -442,14 +443,15 @@ class LoopFormerHaltingState:
             )
         return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
                    torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers,
-                   criterion, readout, readout(hidden_states) if criterion == "kl" else None)
+                   criterion, readout, readout(hidden_states) if criterion == "kl" else None,
+                   batch_seq.numel())
 
     def halted(self):
         """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
-        return None if bool(self.active.all()) else ~self.active
+        return None if self.num_active == self.active.numel() else ~self.active
 
     def all_halted(self):
-        return not bool(self.active.any())
+        return self.num_active == 0
 
     def block_kwargs(self, block, halted):
         """What block `block` needs to keep halted tokens frozen at this step."""
@@ -472,7 +474,8 @@ class LoopFormerHaltingState:
             else:
                 score = -(log_probs.exp() * log_probs).sum(-1)
         still = self.active & ~(score < self.halt_eps)
-        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs)
+        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs,
+                       num_active=int(still.sum()))
 
     def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, modulation, first_step):
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
