@@ -3,8 +3,11 @@ random weights in both (theirs built by their class, ours converted from its sta
 `loopformer_hf.convert_reference.convert`), then, side by side:
 
 - logits at the full budget (max |difference|), and the greedy tokens of both generation loops (equal or not);
-- one shortcut-consistency training step, as their train.py runs it (full and short trajectory, CE + 0.1·CE_short
-  + 0.1·MSE, AdamW) against ours (`forward(labels=..., short_step_schedule=...)`, the same objective);
+- the cross-entropies of the full and of a short trajectory on one batch (max |difference|), then one
+  shortcut-consistency training step timed: their train.py's computation (full and short trajectory, CE +
+  0.1·CE_short + 0.1·MSE, AdamW) against ours (`forward(labels=..., short_step_schedule=...)`). The short trajectory
+  is fixed here (L/2 uniform steps); their train.py samples one per step, which changes what is computed, not its
+  cost;
 - greedy generation of n tokens: theirs has no KV cache (nanoGPT's loop: the whole sequence through the model for
   every new token; their `models/loopformer.py` has no `generate`, so the loop is written here) against our cached
   `generate`.
@@ -23,6 +26,7 @@ import importlib.util
 import io
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +52,12 @@ def load_authors_module(authors_repo):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def authors_commit(authors_repo):
+    """The commit of their clone (None if it is not a git checkout), recorded beside the results."""
+    proc = subprocess.run(["git", "-C", os.fspath(authors_repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
 
 
 def build_pair(module, cfg, workdir, seed=0):
@@ -101,16 +111,16 @@ def their_train_step_fn(model, batch, long_steps, short_steps):
 
 
 def our_train_step_fn(model, batch, short_steps):
-    """The same objective through our forward (labels are shifted inside), AdamW with the same groups."""
+    """The same objective through our forward (labels are shifted inside, so it reads the batch's seq + 1 tokens and
+    predicts the same seq targets as theirs), AdamW with the same groups."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-4, betas=(0.9, 0.95))
-    x = batch[:, :-1]
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=x, labels=x, short_step_schedule=short_steps, use_cache=False).loss.backward()
+        model(input_ids=batch, labels=batch, short_step_schedule=short_steps, use_cache=False).loss.backward()
         optimizer.step()
 
     return step
@@ -143,6 +153,13 @@ def authors_rows(cfg, repeats, authors_repo, log=print):
         theirs.train()
         ours.train()
         batch = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+        with torch.no_grad():  # the objective's two CE terms on one batch (dropout is 0 in both)
+            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            theirs_ce = torch.stack([theirs(x, y, long_steps)[1], theirs(x, y, short_steps)[1]])
+            out = ours(input_ids=batch, labels=batch, short_step_schedule=short_steps, use_cache=False)
+            diff = (torch.stack([out.ce_full, out.ce_short]) - theirs_ce).abs().max().item()
+        rows.append(row("CE of the full and the short trajectory, max abs(ours - theirs)", diff, 0.0, [diff],
+                        "<= 1e-4", diff <= 1e-4))
         log(f"vs authors: shortcut-consistency train step, batch {cfg['batch']} x seq {cfg['seq']}, {repeats} rounds")
         t = interleaved({"ours": our_train_step_fn(ours, batch, short_steps),
                          "theirs": their_train_step_fn(theirs, batch, long_steps, short_steps)}, repeats)
@@ -192,7 +209,8 @@ def main(argv=None):
     print()
     print(format_markdown(rows))
     write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick),
-                                 authors_repo=os.path.abspath(args.authors_repo), torch=torch.__version__,
+                                 authors_repo=os.path.abspath(args.authors_repo),
+                                 authors_commit=authors_commit(args.authors_repo), torch=torch.__version__,
                                  wall_s=time.time() - start, rows=rows))
     print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
     return rows

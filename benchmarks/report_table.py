@@ -17,6 +17,7 @@ import time
 import warnings
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
@@ -115,15 +116,22 @@ def speed_rows(cfg, repeats, log=print):
     r = statistics.median(ratios)
     rows.append(row(f"cached generate {n} tok, tokens/s: LoopFormer / Llama", n / statistics.median(t["lf"]),
                     n / statistics.median(t["llama"]), ratios, ">= 1.0", r >= 1.0))
-    L = cfg["loops"]
+    L, k = cfg["loops"], cfg["k"]
     log(f"cached generate at budget M = 1..{L}: {n} new tokens, {repeats} rounds")
-    t = interleaved({M: generate_fn(loopformer, prompt, n, loop_budget=M) for M in range(1, L + 1)}, repeats)
+    # The same depth ratio for an unlooped model: Llama with k layers against Llama with k·L layers, in the same rounds.
+    torch.manual_seed(0)
+    shallow = LlamaForCausalLM(LlamaConfig(**dict(llama.config.to_dict(), num_hidden_layers=k))).eval()
+    sides = {M: generate_fn(loopformer, prompt, n, loop_budget=M) for M in range(1, L + 1)}
+    t = interleaved(dict(sides, shallow=generate_fn(shallow, prompt, n), llama=generate_fn(llama, prompt, n)), repeats)
     for M in range(1, L):
         ratios = [a / b for a, b in zip(t[M], t[L])]
         bound = 0.30 if M == 1 else None
         r = statistics.median(ratios)
         rows.append(row(f"generate time, s: M={M} / M={L}", statistics.median(t[M]), statistics.median(t[L]), ratios,
                         None if bound is None else f"<= {bound:.2f}", None if bound is None else r <= bound))
+    rows.append(row(f"(reference) generate time, s: Llama {k} layers / Llama {k * L} layers",
+                    statistics.median(t["shallow"]), statistics.median(t["llama"]),
+                    [a / b for a, b in zip(t["shallow"], t["llama"])]))
     return rows
 
 
@@ -200,6 +208,7 @@ def main(argv=None):
     print(format_markdown(rows))
     write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,
                                              halting_new_tokens=halting_tokens),
+                                 authors_commit=args.authors_repo and bench_authors.authors_commit(args.authors_repo),
                                  torch=torch.__version__, wall_s=time.time() - start, rows=rows))
     print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
     return rows

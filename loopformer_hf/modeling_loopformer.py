@@ -7,7 +7,6 @@ preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per 
 than the one that filled it.
 """
 
-import inspect
 import math
 import numbers
 import warnings
@@ -308,11 +307,11 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         """The (keys, values) a frozen (halted) state gives this block's attention at each of `num_steps` loop steps
         whose adaLN vectors are `modulation` ((num_steps, 4d); None without conditioning, where every step sees the
         same pair). All steps are projected in one batched call."""
-        normed = self.input_layernorm(frozen)
         if modulation is None:
-            return [self.self_attn.project_kv(normed, position_embeddings)] * num_steps
+            return [self.self_attn.project_kv(self.input_layernorm(frozen), position_embeddings)] * num_steps
         scale_attn = modulation.to(frozen.dtype).chunk(4, dim=-1)[2]
-        x = (normed[:, None] * (1 + scale_attn[None, :, None, :])).flatten(1, 2)  # (batch, steps * seq, d)
+        # the block's own modulated norm per step (the same rounding as `forward`), side by side along the sequence
+        x = torch.cat([self.input_layernorm(frozen, scale) for scale in scale_attn], dim=1)  # (batch, steps * seq, d)
         pos = None if position_embeddings is None else tuple(p.repeat(1, num_steps, 1) for p in position_embeddings)
         k, v = self.self_attn.project_kv(x, pos)
         return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
@@ -432,6 +431,10 @@ class LoopFormerHaltingState:
     readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
     num_active: int | None = None  # active.sum(), read once per step (a device sync) for both checks below
+
+    def __post_init__(self):
+        if self.num_active is None:
+            self.num_active = int(self.active.sum())
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
@@ -1049,11 +1052,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             "read `.loop_counts` from its output.", FutureWarning, stacklevel=2,
         )
         return getattr(self, "_last_loop_counts", None)
-
-
-# transformers' `prepare_inputs_for_generation` reads `inspect.signature(self.forward)` at every decoding step for
-# remote-code models (ours registers for the auto classes); a stored signature makes that a lookup.
-LoopFormerForCausalLM.forward.__signature__ = inspect.signature(LoopFormerForCausalLM.forward)
 
 
 __all__ = [

@@ -150,8 +150,9 @@ def test_authors_rows_on_a_stand_in_for_their_code(tmp_path):
                            "--quick", "--output", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logits, train, generate = json.loads(out.read_text())["rows"]
+    logits, ce, train, generate = json.loads(out.read_text())["rows"]
     assert logits["measurement"].startswith("logits") and logits["loopformer"] <= 1e-4 and logits["met"]
+    assert ce["measurement"].startswith("CE of the full and the short") and ce["loopformer"] <= 1e-4 and ce["met"]
     assert "train step" in train["measurement"] and train["loopformer"] > 0 and train["baseline"] > 0
     assert "generate" in generate["measurement"] and "TOKENS DIFFER" not in generate["measurement"]
     assert "| logits at M=4" in proc.stdout

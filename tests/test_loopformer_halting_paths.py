@@ -95,6 +95,7 @@ def split_threshold(scores):
     differently."""
     s = scores.flatten().sort().values
     i = (len(s) - 1) // 2
+    assert s[i] < s[i + 1], "the two middle scores tie: these inputs cannot split the tokens"
     return float((s[i] + s[i + 1]) / 2)
 
 
