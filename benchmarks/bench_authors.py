@@ -2,7 +2,9 @@
 random weights in both (theirs built by their class, ours converted from its state dict by
 `loopformer_hf.convert_reference.convert`), then, side by side:
 
-- logits at the full budget (max |difference|), and the greedy tokens of both generation loops (equal or not);
+- logits at the full budget (max |difference|) of each of their model files, models/{loopformer, tmlt, base_loop,
+  base}.py, on random weights (their init, 1-D parameters jittered) converted with the matching `model_type`, and the
+  greedy tokens of both generation loops (equal or not);
 - the cross-entropies of the full and of a short trajectory on one batch (max |difference|), then one
   shortcut-consistency training step timed: their train.py's computation (full and short trajectory, CE +
   0.1·CE_short + 0.1·MSE, AdamW) against ours (`forward(labels=..., short_step_schedule=...)`). The short trajectory
@@ -40,15 +42,19 @@ from benchmarks.bench_loopformer import FULL, QUICK, generate_fn, interleaved
 from loopformer_hf.convert_reference import convert
 
 
-def load_authors_module(authors_repo):
-    """Their `models/loopformer.py` as a module (it needs only torch)."""
-    path = os.path.join(os.fspath(authors_repo), "models", "loopformer.py")
+# our converter's model_type: their file under models/ (LoopFormer, TMLT, Base-Loop, Base)
+MODEL_TYPES = ("loopformer", "tmlt", "base_loop", "base")
+
+
+def load_authors_module(authors_repo, model_type="loopformer"):
+    """Their `models/<model_type>.py` as a module (it needs only torch)."""
+    path = os.path.join(os.fspath(authors_repo), "models", f"{model_type}.py")
     if not os.path.isfile(path):
         raise ValueError(
-            f"--authors_repo must be a clone of github.com/armenjeddi/loopformer (a folder holding models/loopformer.py); "
-            f"{path!r} does not exist."
+            f"--authors_repo must be a clone of github.com/armenjeddi/loopformer (a folder holding "
+            f"models/{model_type}.py); {path!r} does not exist."
         )
-    spec = importlib.util.spec_from_file_location("authors_loopformer", path)
+    spec = importlib.util.spec_from_file_location(f"authors_{model_type}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,20 +66,34 @@ def authors_commit(authors_repo):
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def build_pair(module, cfg, workdir, seed=0):
-    """(their GPT, our converted LoopFormerForCausalLM) holding the same weights: their init, our converter."""
-    config = module.GPTConfig(block_size=cfg["max_positions"], vocab_size=cfg["vocab"], n_layer=cfg["k"],
+def build_pair(module, cfg, workdir, seed=0, model_type="loopformer", jitter=0.0):
+    """(their GPT, our converted LoopFormerForCausalLM) holding the same weights: their init (with `jitter`, every 1-D
+    parameter moved by N(0, jitter) so that norm weights and biases are not their trivial init), our converter. Base
+    (not looped) gets the k·L blocks of one pass."""
+    n_layer = cfg["k"] * cfg["loops"] if model_type == "base" else cfg["k"]
+    config = module.GPTConfig(block_size=cfg["max_positions"], vocab_size=cfg["vocab"], n_layer=n_layer,
                               n_head=cfg["heads"], n_embd=cfg["hidden"], dropout=0.0, bias=False,
                               intermediate_dim=cfg["intermediate"])
     torch.manual_seed(seed)
     with contextlib.redirect_stdout(io.StringIO()):  # their constructor prints its parameter count
         theirs = module.GPT(config)
-    checkpoint = os.path.join(workdir, "ckpt.pt")
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * jitter)
+    checkpoint = os.path.join(workdir, f"{model_type}.pt")
     torch.save({"model": theirs.state_dict()}, checkpoint)
-    ours = convert(checkpoint, os.path.join(workdir, "converted"), n_layer=cfg["k"], n_loops=cfg["loops"],
-                   n_embd=cfg["hidden"], n_head=cfg["heads"], vocab_size=cfg["vocab"],
-                   block_size=cfg["max_positions"], mlp_hidden=cfg["intermediate"], allow_pickle=True)
+    ours = convert(checkpoint, os.path.join(workdir, f"converted_{model_type}"), n_layer=n_layer,
+                   n_loops=None if model_type == "base" else cfg["loops"], n_embd=cfg["hidden"], n_head=cfg["heads"],
+                   vocab_size=cfg["vocab"], block_size=cfg["max_positions"], mlp_hidden=cfg["intermediate"],
+                   model_type=model_type, allow_pickle=True)
     return theirs, ours
+
+
+def their_full_logits(model, ids, model_type, num_loops):
+    """Logits at every position from their forward at the full budget (with targets they keep every position)."""
+    steps = {"loopformer": [1.0 / num_loops] * num_loops, "base": None}.get(model_type, num_loops)
+    return model(ids, ids)[0] if steps is None else model(ids, ids, steps)[0]
 
 
 def their_generate_fn(model, prompt, new_tokens, steps):
@@ -139,17 +159,17 @@ def authors_rows(cfg, repeats, authors_repo, log=print):
     g = torch.Generator().manual_seed(4)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
-        theirs, ours = build_pair(module, cfg, workdir)
-        theirs.eval()
-        ours.eval()
         ids = torch.randint(0, cfg["vocab"], (2, cfg["prompt"]), generator=g)
-        with torch.inference_mode():
-            their_logits = theirs(ids, ids, long_steps)[0]  # with targets: logits at every position
-            our_logits = ours(ids, use_cache=False).logits
-        diff = (their_logits - our_logits).abs().max().item()
-        rows.append(row(f"logits at M={L}, max abs(ours - theirs), same weights converted", diff, 0.0, [diff],
-                        "<= 1e-4", diff <= 1e-4))
+        for model_type in MODEL_TYPES:  # the forward of each of their model files, on non-trivial weights
+            theirs, ours = build_pair(load_authors_module(authors_repo, model_type), cfg, workdir,
+                                      model_type=model_type, jitter=0.1)
+            with torch.inference_mode():
+                diff = (their_full_logits(theirs.eval(), ids, model_type, L)
+                        - ours.eval()(ids, use_cache=False).logits).abs().max().item()
+            rows.append(row(f"logits, max abs(ours - theirs): models/{model_type}.py, converted", diff, 0.0, [diff],
+                            "<= 1e-4", diff <= 1e-4))
 
+        theirs, ours = build_pair(module, cfg, workdir)
         theirs.train()
         ours.train()
         batch = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)

@@ -96,6 +96,8 @@ def test_report_table_cache_rows(monkeypatch):
 # forward(idx, targets, steps) -> (logits, loss, x), configure_optimizers), computed by the independent oracle of
 # tests/test_convert_reference.py: their code cannot be fetched here, so the benchmark's plumbing is checked on this.
 STAND_IN_AUTHORS = '''
+MODEL_TYPE = "{model_type}"
+
 import dataclasses
 
 import torch
@@ -121,7 +123,7 @@ class GPT(torch.nn.Module):
         super().__init__()
         self.config = config
         sd = reference_state_dict(d=config.n_embd, n_layer=config.n_layer, vocab=config.vocab_size,
-                                  block=config.block_size, mlp=config.intermediate_dim)
+                                  block=config.block_size, mlp=config.intermediate_dim, model_type=MODEL_TYPE)
         self.names = list(sd)
         self.weights = torch.nn.ParameterList(torch.nn.Parameter(v.clone()) for v in sd.values())
         print("number of parameters: (printed, as theirs)")
@@ -129,8 +131,10 @@ class GPT(torch.nn.Module):
     def state_dict(self):
         return {name: p.detach() for name, p in zip(self.names, self.weights)}
 
-    def forward(self, idx, targets=None, steps=(0.125,) * 8):
-        logits = reference_forward(dict(zip(self.names, self.weights)), idx, list(steps), self.config.n_head)
+    def forward(self, idx, targets=None, steps=8):
+        trajectory = list(steps) if isinstance(steps, (list, tuple)) else [None] * steps  # TMLT, Base-Loop: a count
+        logits = reference_forward(dict(zip(self.names, self.weights)), idx, trajectory, self.config.n_head,
+                                   MODEL_TYPE)
         loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
         return (logits if targets is not None else logits[:, [-1]]), loss, logits
 
@@ -140,22 +144,26 @@ class GPT(torch.nn.Module):
 
 
 def test_authors_rows_on_a_stand_in_for_their_code(tmp_path):
-    """bench_authors builds both models from one set of weights (theirs -> our converter), checks logits and greedy
-    tokens agree, and times the consistency train step and generation side by side; a folder without their model
-    file is refused with the path it looked for."""
+    """bench_authors builds both models from one set of weights (theirs -> our converter), checks that the logits of
+    each of their four model files, the objective's CE terms and the greedy tokens agree, and times the consistency
+    train step and generation side by side; a folder without their model file is refused with the path it looked
+    for."""
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "loopformer.py").write_text(STAND_IN_AUTHORS)
+    for model_type in ("loopformer", "tmlt", "base_loop", "base"):
+        (tmp_path / "models" / f"{model_type}.py").write_text(STAND_IN_AUTHORS.replace("{model_type}", model_type))
     out = tmp_path / "authors.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path),
                            "--quick", "--output", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logits, ce, train, generate = json.loads(out.read_text())["rows"]
-    assert logits["measurement"].startswith("logits") and logits["loopformer"] <= 1e-4 and logits["met"]
+    *logits, ce, train, generate = json.loads(out.read_text())["rows"]
+    assert [r["measurement"].split(": ")[1] for r in logits] == [
+        f"models/{t}.py, converted" for t in ("loopformer", "tmlt", "base_loop", "base")]
+    assert all(r["loopformer"] <= 1e-4 and r["met"] for r in logits)
     assert ce["measurement"].startswith("CE of the full and the short") and ce["loopformer"] <= 1e-4 and ce["met"]
     assert "train step" in train["measurement"] and train["loopformer"] > 0 and train["baseline"] > 0
     assert "generate" in generate["measurement"] and "TOKENS DIFFER" not in generate["measurement"]
-    assert "| logits at M=4" in proc.stdout
+    assert "| logits, max abs(ours - theirs): models/tmlt.py" in proc.stdout
 
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path / "none"),
                            "--quick", "--output", str(tmp_path / "x.json")], cwd=REPO_ROOT, capture_output=True,
