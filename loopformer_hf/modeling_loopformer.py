@@ -10,7 +10,7 @@ than the one that filled it.
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +64,6 @@ class LoopFormerRMSNorm(nn.Module):
         folds into the norm's weight (one fused kernel instead of a norm and two elementwise ops)."""
         if scale is None:
             return rms_norm(x, self.weight, self.eps)
-        if scale.numel() != x.shape[-1]:  # a scale per token cannot be a weight
-            return rms_norm(x, self.weight, self.eps) * (1 + scale)
         weight = 1 + scale.reshape(-1)
         return rms_norm(x, weight if self.weight is None else self.weight * weight, self.eps)
 
@@ -430,11 +428,10 @@ class LoopFormerHaltingState:
     criterion: str = "state_change"
     readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
-    num_active: int | None = None  # active.sum(), read once per step (a device sync) for both checks below
+    num_active: int = field(init=False)  # active.sum(), read once per state (one device sync) for both checks
 
     def __post_init__(self):
-        if self.num_active is None:
-            self.num_active = int(self.active.sum())
+        self.num_active = int(self.active.sum())
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
@@ -446,8 +443,7 @@ class LoopFormerHaltingState:
             )
         return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
                    torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers,
-                   criterion, readout, readout(hidden_states) if criterion == "kl" else None,
-                   batch_seq.numel())
+                   criterion, readout, readout(hidden_states) if criterion == "kl" else None)
 
     def halted(self):
         """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
@@ -477,8 +473,7 @@ class LoopFormerHaltingState:
             else:
                 score = -(log_probs.exp() * log_probs).sum(-1)
         still = self.active & ~(score < self.halt_eps)
-        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs,
-                       num_active=int(still.sum()))
+        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs)
 
     def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, modulation, first_step):
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
