@@ -48,6 +48,8 @@ def rms_norm(x, weight=None, eps=None):
     """RMSNorm in float32; `eps=None` is torch's default (machine epsilon of the input dtype), as the reference."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # no casts: each is a dispatch per block and token
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
 
 
@@ -59,13 +61,14 @@ class LoopFormerRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size)) if weight else None
         self.eps = eps
 
-    def forward(self, x, scale=None):
-        """RMSNorm(x), times (1 + `scale`) with adaLN's scale: one vector per loop step, shared by every token, so it
-        folds into the norm's weight (one fused kernel instead of a norm and two elementwise ops)."""
-        if scale is None:
-            return rms_norm(x, self.weight, self.eps)
-        weight = 1 + scale.reshape(-1)
-        return rms_norm(x, weight if self.weight is None else self.weight * weight, self.eps)
+    def modulated_weight(self, scale):
+        """The weight of RMSNorm(x)·(1 + `scale`): adaLN's scale is one vector per loop step, shared by every token,
+        so it folds into the norm's weight (one fused norm instead of a norm and two elementwise ops)."""
+        return 1 + scale if self.weight is None else self.weight * (1 + scale)
+
+    def forward(self, x, weight=None):
+        """RMSNorm(x) with the norm's own weight, or with `weight` (a loop step's `modulated_weight`)."""
+        return rms_norm(x, self.weight if weight is None else weight, self.eps)
 
 
 class LoopFormerRotaryEmbedding(nn.Module):
@@ -79,7 +82,8 @@ class LoopFormerRotaryEmbedding(nn.Module):
         return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
     def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        """(cos, sin), each (batch, 1, seq, head_dim): broadcast over the heads, shaped once per forward."""
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -139,7 +143,7 @@ class LoopFormerAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+            k = k * cos + rotate_half(k) * sin
         if reuse_kv is not None:
             halted, old_k, old_v = reuse_kv
             k = torch.where(halted[:, None, :, None], old_k, k)
@@ -157,7 +161,7 @@ class LoopFormerAttention(nn.Module):
         q = self.q_proj(queries).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if query_positions is not None:
             cos, sin = query_positions
-            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+            q = q * cos + rotate_half(q) * sin
         new_kv = k, v = self.project_kv(hidden_states, position_embeddings, reuse_kv, active)
         if cache is not None:
             k, v = cache.update(k, v, cache_slot)
@@ -269,21 +273,29 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 4 * config.hidden_size))
             self.adaLN_modulation[1].zero_init = True  # zeroed by initializer_scheme="zero_adaln" only
 
+    def adaln(self, modulation):
+        """adaLN's vectors as this block applies them, from `modulation` = adaLN_modulation(c) (..., 4d): (gate_attn,
+        gate_mlp, the attention norm's weight, the MLP norm's weight), the scales folded into the norms' weights."""
+        gate_attn, gate_mlp, scale_attn, scale_mlp = modulation.chunk(4, dim=-1)
+        return (gate_attn, gate_mlp, self.input_layernorm.modulated_weight(scale_attn),
+                self.post_attention_layernorm.modulated_weight(scale_mlp))
+
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, modulation=None, active=None):
-        """One block. `modulation` is `adaLN_modulation(conditioning)` when the caller has it already (the loop
-        computes every step's at once). With per-token halting (`halted`, a (batch, seq) bool mask), halted tokens
-        keep their state; their keys/values for this slot come from that frozen state, or from `reuse_kv` (their last
-        computed slot). With `active` (a [`LoopFormerActiveTokens`]), only the active tokens are computed.
+                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, adaln=None, active=None):
+        """One block at the loop step whose conditioning vector is `conditioning` (d,). `adaln` is `self.adaln` of
+        that step when the caller has it already (at inference the loop computes every step's once). With per-token
+        halting (`halted`, a (batch, seq) bool mask), halted tokens keep their state; their keys/values for this slot
+        come from that frozen state, or from `reuse_kv` (their last computed slot). With `active` (a
+        [`LoopFormerActiveTokens`]), only the active tokens are computed.
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
-        if modulation is None and conditioning is not None:
-            modulation = self.adaLN_modulation(conditioning)
-        scale_attn = scale_mlp = None
-        if modulation is not None:
-            gate_attn, gate_mlp, scale_attn, scale_mlp = modulation.to(hidden_states.dtype).chunk(4, dim=-1)
-        normed = self.input_layernorm(hidden_states, scale_attn)
+        if adaln is None and conditioning is not None:
+            adaln = self.adaln(self.adaLN_modulation(conditioning).to(hidden_states.dtype))
+        weight_attn = weight_mlp = None
+        if adaln is not None:
+            gate_attn, gate_mlp, weight_attn, weight_mlp = adaln
+        normed = self.input_layernorm(hidden_states, weight_attn)
         attn_out, attn_weights, kv = self.self_attn(
             normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
             output_attentions=output_attentions, reuse_kv=reuse_kv, active=active,
@@ -292,25 +304,24 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         if active is not None:
             hidden_states = active.gather(hidden_states)
         # x + gate·f(x) as one addcmul
-        hidden_states = hidden_states + attn_out if modulation is None else hidden_states.addcmul(gate_attn, attn_out)
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states, scale_mlp))
-        hidden_states = hidden_states + mlp_out if modulation is None else hidden_states.addcmul(gate_mlp, mlp_out)
+        hidden_states = hidden_states + attn_out if adaln is None else hidden_states.addcmul(gate_attn, attn_out)
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states, weight_mlp))
+        hidden_states = hidden_states + mlp_out if adaln is None else hidden_states.addcmul(gate_mlp, mlp_out)
         if active is not None:
             hidden_states = active.scatter(residual, hidden_states)
         elif halted is not None:
             hidden_states = torch.where(halted[..., None], residual, hidden_states)
         return hidden_states, attn_weights, kv
 
-    def frozen_kv(self, frozen, position_embeddings, modulation, num_steps):
+    def frozen_kv(self, frozen, position_embeddings, adaln, num_steps):
         """The (keys, values) a frozen (halted) state gives this block's attention at each of `num_steps` loop steps
-        whose adaLN vectors are `modulation` ((num_steps, 4d); None without conditioning, where every step sees the
-        same pair). All steps are projected in one batched call."""
-        if modulation is None:
+        whose `self.adaln` vectors are the list `adaln` (None without conditioning, where every step sees the same
+        pair). All steps are projected in one batched call."""
+        if adaln is None:
             return [self.self_attn.project_kv(self.input_layernorm(frozen), position_embeddings)] * num_steps
-        scale_attn = modulation.to(frozen.dtype).chunk(4, dim=-1)[2]
         # the block's own modulated norm per step (the same rounding as `forward`), side by side along the sequence
-        x = torch.cat([self.input_layernorm(frozen, scale) for scale in scale_attn], dim=1)  # (batch, steps * seq, d)
-        pos = None if position_embeddings is None else tuple(p.repeat(1, num_steps, 1) for p in position_embeddings)
+        x = torch.cat([self.input_layernorm(frozen, step[2]) for step in adaln], dim=1)  # (batch, steps * seq, d)
+        pos = None if position_embeddings is None else tuple(p.repeat(1, 1, num_steps, 1) for p in position_embeddings)
         k, v = self.self_attn.project_kv(x, pos)
         return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
 
@@ -379,7 +390,8 @@ class LoopFormerActiveTokens:
         return x[self.rows[:, None], self.index]
 
     def gather_positions(self, position_embeddings):
-        return None if position_embeddings is None else tuple(self.gather(p) for p in position_embeddings)
+        """Rotary (cos, sin), (batch, 1, seq, head_dim) -> (rows, 1, width, head_dim)."""
+        return None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
 
     def gather_rows(self, x):
         return x if len(self.rows) == self.batch_size else x[self.rows]
@@ -475,7 +487,7 @@ class LoopFormerHaltingState:
         still = self.active & ~(score < self.halt_eps)
         return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs)
 
-    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, modulation, first_step):
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
         if cache is None:
             return
@@ -484,8 +496,8 @@ class LoopFormerHaltingState:
             if self.reuse_kv:
                 per_step = [self.last_kv[j]] * len(steps)
             else:
-                m = None if modulation is None else modulation[j][first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, m, len(steps))
+                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
             for step, (k, v) in zip(steps, per_step):
                 cache.update(k, v, cache.slot(step, j))
 
@@ -628,34 +640,37 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                                    self.config.halt_kv_fill if halting else None, share_n,
                                    halt_criterion if halting else None)
 
-    def _loop_modulation(self, trajectory, device, cache):
-        """Per block, the adaLN vectors of every loop step ((M, 4d); None without conditioning). They depend on the
-        trajectory alone (c_i is a function of t and Δ), so they are computed once per call, for all steps at once,
-        and kept on the cache for the later decode steps of an inference run."""
+    def _loop_adaln(self, trajectory, dtype, device, cache):
+        """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning). They depend on
+        the trajectory alone (c_i is a function of t and Δ), so they are computed once per call, for all steps at
+        once, and kept on the cache for the later decode steps of an inference run."""
         keep = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        key = (tuple(trajectory), str(device))
-        kept = getattr(cache, "loop_modulation", None) if keep else None
+        key = (tuple(trajectory), dtype, str(device))
+        kept = getattr(cache, "loop_adaln", None) if keep else None
         if kept is not None and kept[0] == key:
             return kept[1]
         conditioning = self.loop_conditioning(trajectory, device)
-        modulation = None if conditioning is None else [block.adaLN_modulation(conditioning) for block in self.layers]
+        loop_adaln = None
+        if conditioning is not None:
+            per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
+            loop_adaln = [[tuple(v[i] for v in vectors) for i in range(len(trajectory))] for vectors in per_block]
         if keep:
-            cache.loop_modulation = (key, modulation)
-        return modulation
+            cache.loop_adaln = (key, loop_adaln)
+        return loop_adaln
 
-    def _loop_step(self, step, hidden_states, conditioning, modulation, mask, position_embeddings, cache, halting,
+    def _loop_step(self, step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
                    output_attentions):
         """Loop step `step` through the k blocks: (new state, the step's attention maps, halting state after it)."""
         halted = None if halting is None else halting.halted()
         active = None
         if halted is not None and not output_attentions:
             active = LoopFormerActiveTokens.worth_gathering(halting.active)
-        c = None if conditioning is None else conditioning[step][None, None]
+        c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
             hidden_states, weights, kv = block(
                 hidden_states, c,
-                modulation=None if modulation is None or c is not None else modulation[j][step][None, None],
+                adaln=None if loop_adaln is None or c is not None else loop_adaln[j][step],
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
@@ -731,9 +746,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
         # positional tensors. At inference they are computed once for every step (and kept on the cache).
         conditioning = self.loop_conditioning(trajectory, device) if torch.is_grad_enabled() else None
-        modulation = None
+        loop_adaln = None
         if conditioning is None or halt_eps is not None:  # halting fills skipped slots from the per-block vectors
-            modulation = self._loop_modulation(trajectory, device, cache)
+            loop_adaln = self._loop_adaln(trajectory, hidden_states.dtype, device, cache)
         halting = None
         if halt_eps is not None:
             readout = None if halt_head is None else (
@@ -743,12 +758,12 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         all_attentions = () if output_attentions else None
         for step in range(len(trajectory)):
             if halting is not None and halting.all_halted():  # no block runs any more
-                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, modulation, step)
+                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
                 if output_hidden_states:
                     all_hidden_states += (hidden_states,) * (len(trajectory) - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, conditioning, modulation, mask, position_embeddings, cache, halting,
+                step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
                 output_attentions,
             )
             if output_attentions:

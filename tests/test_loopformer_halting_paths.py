@@ -75,7 +75,7 @@ def test_batched_decode_skips_halted_rows(model, monkeypatch):
     assert seen == [int((counts > s).sum()) for s in range(int(counts.max()))]
 
 
-def test_decode_keeps_the_loop_modulation_on_the_cache(model):
+def test_decode_keeps_the_loops_adaln_vectors_on_the_cache(model):
     ids = torch.randint(3, 97, (1, 6))
     calls = []
     model.model.layers[0].adaLN_modulation.register_forward_pre_hook(lambda *a: calls.append(1))

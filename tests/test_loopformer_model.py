@@ -181,7 +181,7 @@ def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
     torch.manual_seed(0)
     block = loopformer_hf.modeling_loopformer.LoopFormerBlock(tiny_config).eval()
     d = tiny_config.hidden_size
-    x, c = torch.randn(1, 5, d), torch.randn(1, 1, d)
+    x, c = torch.randn(1, 5, d), torch.randn(d)  # one conditioning vector per loop step, shared by every token
     with torch.no_grad():
         block.adaLN_modulation[1].weight.normal_(0, 0.1)
         block.adaLN_modulation[1].bias.normal_(0, 0.1)
