@@ -319,8 +319,9 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         pair). All steps are projected in one batched call."""
         if adaln is None:
             return [self.self_attn.project_kv(self.input_layernorm(frozen), position_embeddings)] * num_steps
-        # the block's own modulated norm per step (the same rounding as `forward`), side by side along the sequence
-        x = torch.cat([self.input_layernorm(frozen, step[2]) for step in adaln], dim=1)  # (batch, steps * seq, d)
+        # the block's own modulated norm per step (the same rounding as `forward`), side by side along the sequence:
+        # (batch, steps * seq, d)
+        x = torch.cat([self.input_layernorm(frozen, weight_attn) for _, _, weight_attn, _ in adaln], dim=1)
         pos = None if position_embeddings is None else tuple(p.repeat(1, 1, num_steps, 1) for p in position_embeddings)
         k, v = self.self_attn.project_kv(x, pos)
         return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
