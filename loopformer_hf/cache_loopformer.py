@@ -14,7 +14,7 @@ import numbers
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.utils import logging
 
 
@@ -73,6 +73,52 @@ def _rewind(layer, tokens):
         layer.crop(-tokens)
 
 
+class LoopFormerDynamicLayer(DynamicLayer):
+    """A `DynamicLayer` that also takes keys/values without returning the slot's whole history (`append`). Halting
+    writes a halted token's skipped slots that way: nothing reads them in that forward, so the pieces wait and join the
+    slot's next concatenation (one `cat` per slot and read instead of one per write). Reading `keys` or `values` (as
+    every transformers cache method does) joins them first."""
+
+    _pending = ()  # (keys, values) appended since the last join
+
+    def _join(self, *new):
+        """Concatenate the pending pieces, then `new` = (keys, values) if given, onto the slot."""
+        keys, values = zip(*self._pending, *([new] if new else []))
+        self._pending = ()
+        self._keys = torch.cat([self._keys, *keys], dim=-2)
+        self._values = torch.cat([self._values, *values], dim=-2)
+
+    def _joined(stored):  # noqa: N805 (builds the `keys`/`values` properties below)
+        def get(self):
+            if self._pending:
+                self._join()
+            return getattr(self, stored)
+
+        def set(self, value):
+            if self._pending:
+                self._join()
+            setattr(self, stored, value)
+
+        return property(get, set)
+
+    keys = _joined("_keys")
+    values = _joined("_values")
+    del _joined
+
+    def append(self, key_states, value_states):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self._pending:
+            self._pending = []
+        self._pending.append((key_states, value_states))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self._pending:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._join(key_states, value_states)
+        return self._keys, self._values
+
+
 class LoopFormerCacheMixin:
     """What every LoopFormer cache adds to a transformers `Cache`: the spec it was filled under and the slot of each
     (loop step, block)."""
@@ -104,13 +150,30 @@ class LoopFormerCacheMixin:
         what earlier tokens left there (their latest step of that residue) stays. Exact within one call; a later
         token at step i reads earlier tokens' step max{s < M: s = i mod n} instead of their step i.
         """
+        layer_idx = self._storage_slot(layer_idx, key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _storage_slot(self, layer_idx, tokens):
+        """Where `layer_idx` is stored: itself, or under cache sharing the slot of its step's residue, rewound by the
+        `tokens` this call already wrote there (see `update`)."""
         n = self.spec.share_n if self.spec is not None else None
         if n is not None:
             step, block = divmod(layer_idx, self.spec.num_blocks)
             if step >= n:
                 layer_idx = self.slot(step % n, block)
-                _rewind(self.layers[layer_idx], key_states.shape[-2])
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+                _rewind(self.layers[layer_idx], tokens)
+        return layer_idx
+
+    def write(self, key_states, value_states, layer_idx):
+        """As `update`, for a caller that does not read the slot back (halting's skipped slots): a dynamic cache
+        joins these keys/values to the slot at its next read instead of now."""
+        if self.offloading or self.layer_class_to_replicate is not LoopFormerDynamicLayer:
+            self.update(key_states, value_states, layer_idx)
+            return
+        layer_idx = self._storage_slot(layer_idx, key_states.shape[-2])
+        while len(self.layers) <= layer_idx:
+            self.layers.append(LoopFormerDynamicLayer())
+        self.layers[layer_idx].append(key_states, value_states)
 
     def reset(self):
         super().reset()
@@ -170,6 +233,8 @@ class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
 
     def __init__(self, spec=None, **kwargs):
         super().__init__(**kwargs)
+        if self.layer_class_to_replicate is DynamicLayer:  # slots are added as they are first written
+            self.layer_class_to_replicate = LoopFormerDynamicLayer
         self.spec = spec
 
     def mask_lengths(self, query_length):
@@ -235,4 +300,4 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         return past, max_len
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerStaticCache"]
+__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerDynamicLayer", "LoopFormerStaticCache"]

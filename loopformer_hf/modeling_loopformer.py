@@ -10,7 +10,7 @@ than the one that filled it.
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -430,21 +430,21 @@ class LoopFormerHaltingState:
 
     `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
     (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
-    thresholds (see `update`).
+    thresholds (see `update`). Updated in place, one loop step at a time.
     """
 
     halt_eps: float
     reuse_kv: bool  # halt_kv_fill == "reuse": skipped slots repeat the token's last computed keys/values
     active: torch.BoolTensor  # (batch, seq)
-    loop_counts: torch.LongTensor  # (batch, seq) loop steps each token ran
+    num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
     last_kv: list  # per block: the (keys, values) of the last step each token computed
     criterion: str = "state_change"
     readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
-    num_active: int = field(init=False)  # active.sum(), read once per state (one device sync) for both checks
-
-    def __post_init__(self):
-        self.num_active = int(self.active.sum())
+    # Loop steps every token ran (counted in Python while no token has halted), plus `partial_counts` (batch, seq):
+    # the steps run since (decoding one token never needs a tensor for its count).
+    steps_all_ran: int = 0
+    partial_counts: torch.LongTensor | None = None
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
@@ -455,12 +455,21 @@ class LoopFormerHaltingState:
                 f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
             )
         return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                   torch.zeros(batch_seq, dtype=torch.long, device=device), [None] * config.num_hidden_layers,
-                   criterion, readout, readout(hidden_states) if criterion == "kl" else None)
+                   batch_seq.numel(), [None] * config.num_hidden_layers, criterion, readout,
+                   readout(hidden_states) if criterion == "kl" else None)
+
+    @property
+    def loop_counts(self):
+        """(batch, seq) loop steps each token ran."""
+        counts = torch.full(self.active.shape, self.steps_all_ran, dtype=torch.long, device=self.active.device)
+        return counts if self.partial_counts is None else counts + self.partial_counts
+
+    def all_active(self):
+        return self.num_active == self.active.numel()
 
     def halted(self):
         """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
-        return None if self.num_active == self.active.numel() else ~self.active
+        return None if self.all_active() else ~self.active
 
     def all_halted(self):
         return self.num_active == 0
@@ -470,12 +479,15 @@ class LoopFormerHaltingState:
         reuse = (halted, *self.last_kv[block]) if self.reuse_kv and halted is not None else None
         return {"halted": halted, "reuse_kv": reuse}
 
-    def update(self, previous, hidden_states):
-        """The state after loop step i: the step counts for the tokens that ran it, and a token halts once
+    def update(self, previous, hidden_states, final=False):
+        """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once
         - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
         - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
-        - "entropy": H(p_i) < halt_eps."""
-        log_probs = None
+        - "entropy": H(p_i) < halt_eps.
+        After the `final` step of the budget no score is needed: only the counts advance."""
+        if final:
+            self._count_step()
+            return self
         if self.criterion == "state_change":
             delta = (hidden_states - previous).float().abs().amax(-1)
             score = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
@@ -483,10 +495,24 @@ class LoopFormerHaltingState:
             log_probs = self.readout(hidden_states)
             if self.criterion == "kl":
                 score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
+                self.log_probs = log_probs
             else:
                 score = -(log_probs.exp() * log_probs).sum(-1)
-        still = self.active & ~(score < self.halt_eps)
-        return replace(self, loop_counts=self.loop_counts + self.active, active=still, log_probs=log_probs)
+        still = ~(score < self.halt_eps)  # a NaN score keeps looping
+        if not self.all_active():
+            still &= self.active
+        self._count_step()
+        self.active = still
+        # one sync per step: a single token reads its flag, a batch its count
+        self.num_active = int(still) if still.numel() == 1 else int(still.sum())
+        return self
+
+    def _count_step(self):
+        """The active tokens ran one more step."""
+        if self.all_active():
+            self.steps_all_ran += 1
+        else:
+            self.partial_counts = self.active.long() if self.partial_counts is None else self.partial_counts + self.active
 
     def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
@@ -500,7 +526,7 @@ class LoopFormerHaltingState:
                 adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
                 per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
             for step, (k, v) in zip(steps, per_step):
-                cache.update(k, v, cache.slot(step, j))
+                cache.write(k, v, cache.slot(step, j))
 
 
 @dataclass
@@ -660,8 +686,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         return loop_adaln
 
     def _loop_step(self, step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                   output_attentions):
-        """Loop step `step` through the k blocks: (new state, the step's attention maps, halting state after it)."""
+                   output_attentions, final=False):
+        """Loop step `step` (the budget's last if `final`) through the k blocks: (new state, the step's attention maps,
+        halting state after it)."""
         halted = None if halting is None else halting.halted()
         active = None
         if halted is not None and not output_attentions:
@@ -684,7 +711,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 halting.last_kv[j] = kv
             attentions += (weights,)
         if halting is not None:
-            halting = halting.update(previous, hidden_states)
+            halting = halting.update(previous, hidden_states, final)
         return hidden_states, attentions, halting
 
     # ---- forward -------------------------------------------------------------------------------------------------
@@ -765,7 +792,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 break
             hidden_states, attentions, halting = self._loop_step(
                 step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                output_attentions,
+                output_attentions, final=step == len(trajectory) - 1,
             )
             if output_attentions:
                 all_attentions += attentions

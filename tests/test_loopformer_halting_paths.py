@@ -177,3 +177,63 @@ def test_cache_filled_under_another_criterion_is_refused(model):
     with pytest.raises(ValueError, match="halt_criterion"):
         model(ids[:, :1], cache=cache_of(out), halt_eps=0.1)
     model(ids[:, :1], cache=cache_of(out), halt_eps=0.1, halt_criterion="kl")
+
+
+def _decode_ops(model, **kwargs):
+    """ATen calls of one cached single-token decode step (after an 8-token prefill) under `kwargs`."""
+    from test_loopformer_cache import _CountOps
+
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = cache_of(model(ids[:, :8], use_cache=True, **kwargs))
+        with _CountOps() as ops:
+            model(ids[:, 8:], cache=cache, use_cache=True, **kwargs)
+    return ops.count
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+def test_a_token_that_halts_early_pays_little_for_the_steps_it_skips(model):
+    """Halting's bookkeeping must not eat what it saves: a decode step whose token halts after one loop step costs the
+    same number of tensor ops whatever the budget (with the default reuse fill, the skipped slots are written without
+    a concatenation each), and only a few more than a fixed budget of 1 (the halting score and one sync)."""
+    assert model.config.halt_kv_fill == "reuse"
+    halting = {budget: _decode_ops(model, loop_budget=budget, halt_eps=1e9) for budget in (4, 8)}
+    fixed = _decode_ops(model, loop_budget=1)
+    assert halting[4] == halting[8] <= fixed + 16, (halting, fixed)
+
+
+def test_deferred_slot_writes_are_seen_by_every_cache_operation():
+    """`LoopFormerCache.write` (halting's skipped slots) joins its pieces when the slot is next read: by `update`,
+    by reading `keys`/`values`, and by transformers' cache methods (crop, beam reordering, length)."""
+    import copy
+
+    from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+
+    def kv(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(2, 4, n, 8, generator=g), torch.randn(2, 4, n, 8, generator=g)
+
+    cache = LoopFormerCache(LoopFormerCacheSpec((0.5, 0.5), num_blocks=1))
+    first, second, third = kv(3, 0), kv(1, 1), kv(1, 2)
+    cache.update(*first, 0)
+    cache.update(*first, 1)
+    cache.write(*second, 1)
+    cache.write(*third, 1)
+    expected_keys = torch.cat([first[0], second[0], third[0]], dim=-2)
+    later = copy.deepcopy(cache)
+    assert cache.get_seq_length(1) == 5
+    torch.testing.assert_close(cache.layers[1].keys, expected_keys, rtol=0, atol=0)
+    torch.testing.assert_close(cache.layers[1].values, torch.cat([first[1], second[1], third[1]], dim=-2),
+                               rtol=0, atol=0)
+    new = kv(1, 3)
+    keys, _ = later.update(*new, 1)  # one concatenation of the history, both pieces and the new keys
+    torch.testing.assert_close(keys, torch.cat([expected_keys, new[0]], dim=-2), rtol=0, atol=0)
+    cropped = copy.deepcopy(later)
+    cropped.write(*kv(1, 4), 1)
+    cropped.layers[1].crop(-1)
+    torch.testing.assert_close(cropped.layers[1].keys, keys, rtol=0, atol=0)
+    reordered = copy.deepcopy(later)
+    reordered.write(*kv(1, 5), 1)
+    reordered.reorder_cache(torch.tensor([1, 0]))
+    assert reordered.layers[1].keys.shape[-2] == 7
+    torch.testing.assert_close(reordered.layers[1].keys[:, :, :6], keys.flip(0), rtol=0, atol=0)
