@@ -489,8 +489,10 @@ class LoopFormerHaltingState:
             self._count_step()
             return self
         if self.criterion == "state_change":
-            delta = (hidden_states - previous).float().abs().amax(-1)
-            score = delta / (hidden_states.float().abs().amax(-1) + 1e-8)
+            delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
+            if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
+                delta, norm = delta.float(), norm.float()
+            score = delta / (norm + 1e-8)
         else:
             log_probs = self.readout(hidden_states)
             if self.criterion == "kl":
@@ -498,13 +500,16 @@ class LoopFormerHaltingState:
                 self.log_probs = log_probs
             else:
                 score = -(log_probs.exp() * log_probs).sum(-1)
+        self._count_step()
+        if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
+            if score.item() < self.halt_eps:
+                self.active, self.num_active = torch.zeros_like(self.active), 0
+            return self
         still = ~(score < self.halt_eps)  # a NaN score keeps looping
         if not self.all_active():
             still &= self.active
-        self._count_step()
         self.active = still
-        # one sync per step: a single token reads its flag, a batch its count
-        self.num_active = int(still) if still.numel() == 1 else int(still.sum())
+        self.num_active = int(still.sum())  # one sync per step
         return self
 
     def _count_step(self):

@@ -195,11 +195,12 @@ def _decode_ops(model, **kwargs):
 def test_a_token_that_halts_early_pays_little_for_the_steps_it_skips(model):
     """Halting's bookkeeping must not eat what it saves: a decode step whose token halts after one loop step costs the
     same number of tensor ops whatever the budget (with the default reuse fill, the skipped slots are written without
-    a concatenation each), and only a few more than a fixed budget of 1 (the halting score and one sync)."""
+    a concatenation each), and only a few more than a fixed budget of 1: the score (7 ops), one read of it, the
+    active mask and the counts."""
     assert model.config.halt_kv_fill == "reuse"
     halting = {budget: _decode_ops(model, loop_budget=budget, halt_eps=1e9) for budget in (4, 8)}
     fixed = _decode_ops(model, loop_budget=1)
-    assert halting[4] == halting[8] <= fixed + 16, (halting, fixed)
+    assert halting[4] == halting[8] <= fixed + 12, (halting, fixed)
 
 
 def test_deferred_slot_writes_are_seen_by_every_cache_operation():
