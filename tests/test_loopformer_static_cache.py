@@ -178,3 +178,21 @@ def test_shared_cache_from_generate_and_refused_under_exact_config():
 def test_cache_sharing_fields_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         tiny_loopformer_config(**{field: value})
+
+
+@pytest.mark.parametrize("fill", ["reuse", "recompute"])
+def test_halting_generate_with_a_static_cache_matches_the_dynamic_cache(tiny_model, fill):
+    """Per-token halting writes the skipped slots in place in a static cache and defers them in the dynamic one;
+    tokens, logits and loop counts agree, left-padded batch included."""
+    tiny_model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = [tiny_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, halt_eps=0.5,
+                                return_dict_in_generate=True, output_logits=True, **kwargs)
+            for kwargs in ({}, {"cache_implementation": "static"})]
+    dynamic, static = runs
+    assert len(set(dynamic.loop_counts[:, 6:].flatten().tolist())) > 1  # generated tokens halt at different steps
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.loop_counts, dynamic.loop_counts)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
