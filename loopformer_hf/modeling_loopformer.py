@@ -381,8 +381,10 @@ class LoopFormerActiveTokens:
         self.flat_index = self.index[self.valid]
 
     @classmethod
-    def worth_gathering(cls, active):
-        """The gather plan for `active` ((batch, seq) bool) when it saves work, else None."""
+    def worth_gathering(cls, active, num_active=None):
+        """The gather plan for `active` ((batch, seq) bool, `num_active` of them True) when it saves work, else None."""
+        if num_active is not None and num_active > GATHER_ACTIVE_FRACTION * active.numel():
+            return None  # the padded plan holds at least every active token: not worth building it
         plan = cls(active)
         return plan if plan.index.numel() <= GATHER_ACTIVE_FRACTION * active.numel() else None
 
@@ -697,7 +699,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         halted = None if halting is None else halting.halted()
         active = None
         if halted is not None and not output_attentions:
-            active = LoopFormerActiveTokens.worth_gathering(halting.active)
+            active = LoopFormerActiveTokens.worth_gathering(halting.active, halting.num_active)
         c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
