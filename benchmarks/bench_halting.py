@@ -5,8 +5,9 @@
 For fixed budgets M = 1..L and a sweep of halt_eps (both KV fill strategies), it runs greedy cached generation
 side by side (interleaved repeats in alternating order, medians) and prints the time per generated token relative to
 the full budget L (median of per-round ratios), next to the mean loop steps per generated token relative to L and the
-target bound m/L + 0.15 at mean m loops. Without a checkpoint a tiny random model is used
-(its halting pattern is arbitrary; use a trained checkpoint for meaningful halting).
+target bound m/L + 0.15 at mean m loops, and the tensor operations (ATen calls) per generated token, prompt
+included, counted once per run: exact where times on a shared CPU swing by tens of percent. Without a checkpoint a
+tiny random model is used (its halting pattern is arbitrary; use a trained checkpoint for meaningful halting).
 """
 
 import argparse
@@ -18,6 +19,7 @@ import time
 import torch
 
 import loopformer_hf
+from benchmarks import CountOps
 from transformers import AutoModelForCausalLM
 
 
@@ -60,6 +62,11 @@ def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32,
     times = {name: [] for name in runs}
     loops = {}
     run(runs[f"M={L}"])  # warm-up
+    ops = {}
+    for name in runs:  # counted once, outside the timed rounds (counting slows every op)
+        with CountOps() as counter:
+            run(runs[name])
+        ops[name] = counter.count / new_tokens
     names = list(runs)
     for r in range(repeats):  # interleaved, alternating order, so that machine noise hits every configuration alike
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -73,17 +80,19 @@ def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32,
                           ms_per_token=1e3 * statistics.median(times[name]),
                           ms_spread=1e3 * (max(times[name]) - min(times[name])),
                           time_ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                          bound=loops[name] / L + 0.15))
+                          bound=loops[name] / L + 0.15, ops_per_token=ops[name],
+                          ops_ratio=ops[name] / ops[f"M={L}"]))
     return table
 
 
 def format_halting(table):
     lines = [f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18} "
-             f"{'bound m/L+0.15':>15} {'met':>4}"]
+             f"{'bound m/L+0.15':>15} {'met':>4} {'ATen calls/token':>17} {'calls vs M=L':>13}"]
     for row in table:
         lines.append(f"{row['run']:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} "
                      f"{row['ms_per_token']:>14.2f} {row['time_ratio']:>18.2f} {row['bound']:>15.2f} "
-                     f"{'yes' if row['time_ratio'] <= row['bound'] else 'NO':>4}")
+                     f"{'yes' if row['time_ratio'] <= row['bound'] else 'NO':>4} {row['ops_per_token']:>17.1f} "
+                     f"{row['ops_ratio']:>13.2f}")
     return "\n".join(lines)
 
 

@@ -152,6 +152,10 @@ def halting_table_rows(eps_values, prompt_len, new_tokens, repeats, log=print):
             loopformer=r["ms_per_token"], baseline=full["ms_per_token"], ratio=r["time_ratio"],
             ratio_min=r["ratio_min"], ratio_max=r["ratio_max"], target=f"<= {r['bound']:.2f}" if halting else None,
             met=r["time_ratio"] <= r["bound"] if halting else None))
+    for r in table:  # the same runs' tensor operations per token: exact, where the times above are noisy
+        if r["run"] != f"M={L}":
+            rows.append(row(f"ATen calls/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
+                            r["ops_per_token"], full["ops_per_token"], [r["ops_ratio"]]))
     return rows
 
 

@@ -55,7 +55,7 @@ def test_bad_arguments_are_rejected(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_halting_rows_and_the_report_table(tiny_model):
+def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
     benchmarks add (issue 14)."""
     from benchmarks import bench_halting, report_table
@@ -64,6 +64,15 @@ def test_halting_rows_and_the_report_table(tiny_model):
     assert [r["run"] for r in rows] == ["M=1", "M=2", "M=3", "M=4", "eps=1e-09 (reuse)"]
     assert rows[3]["time_ratio"] == 1.0 and rows[4]["mean_loops"] == 4  # a tiny eps halts nothing
     assert all(math.isclose(r["bound"], r["mean_loops"] / 4 + 0.15) for r in rows)
+    calls = [r["ops_per_token"] for r in rows]  # fixed budgets: more loop steps, more tensor operations
+    assert calls[0] < calls[1] < calls[2] < calls[3] and rows[3]["ops_ratio"] == 1.0
+    assert "ATen calls/token" in bench_halting.format_halting(rows)
+    monkeypatch.setattr(bench_halting, "tiny_random_model", lambda: tiny_model)
+    table_rows = report_table.halting_table_rows([1e-9], prompt_len=4, new_tokens=2, repeats=1, log=lambda s: None)
+    timed = [r for r in table_rows if r["measurement"].startswith("generate ms/token")]
+    counted = {r["measurement"]: r for r in table_rows if r["measurement"].startswith("ATen calls/token")}
+    assert len(timed) == len(counted) == 4 and timed[-1]["target"] == "<= 1.15"
+    assert counted["ATen calls/token, M=1, mean loops 1.00: / M=4"]["ratio"] < 1
     table = report_table.format_markdown(
         [report_table.row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
          dict(measurement=report_table.EXTRA_SLOT, slot=True)])

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, StaticCache
 
+from benchmarks import CountOps
 from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf.cache_loopformer import LoopFormerCache
@@ -133,18 +133,6 @@ def test_an_empty_cache_of_another_kind_is_refused(tiny_model):
         tiny_model(torch.randint(3, 97, (1, 4)), cache=(), use_cache=True)
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts the tensor operations (ATen calls) dispatched inside the `with` block."""
-
-    def __enter__(self):
-        self.count = 0
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_cached_decode_step_dispatches_fewer_ops_than_the_iso_flop_llama():
     """At decode, time goes to per-op overhead more than to FLOPs: the loop's adaLN vectors are computed once per
     generation (not per token and block), so k blocks looped L times issue fewer tensor ops than a Llama of k·L
@@ -164,7 +152,7 @@ def test_a_cached_decode_step_dispatches_fewer_ops_than_the_iso_flop_llama():
     for name, model in (("looped", looped), ("llama", llama)):
         with torch.no_grad():
             cache = cache_of(model(ids[:, :8], attention_mask=torch.ones(1, 8, dtype=torch.long), use_cache=True))
-            with _CountOps() as ops:
+            with CountOps() as ops:
                 model(ids[:, 8:], attention_mask=torch.ones(1, 9, dtype=torch.long), use_cache=True,
                       **{CACHE_FIELD: cache})
         counts[name] = ops.count

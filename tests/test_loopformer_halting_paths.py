@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from benchmarks import CountOps
 from conftest import cache_of
 import loopformer_hf
 from loopformer_hf import modeling_loopformer
@@ -181,12 +182,10 @@ def test_cache_filled_under_another_criterion_is_refused(model):
 
 def _decode_ops(model, **kwargs):
     """ATen calls of one cached single-token decode step (after an 8-token prefill) under `kwargs`."""
-    from test_loopformer_cache import _CountOps
-
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cache = cache_of(model(ids[:, :8], use_cache=True, **kwargs))
-        with _CountOps() as ops:
+        with CountOps() as ops:
             model(ids[:, 8:], cache=cache, use_cache=True, **kwargs)
     return ops.count
 
