@@ -11,22 +11,21 @@ tiny random model is used (its halting pattern is arbitrary; use a trained check
 """
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 
 import loopformer_hf
-from benchmarks import CountOps
+from benchmarks import CountOps, write_json
 from transformers import AutoModelForCausalLM
 
 
-def tiny_random_model():
+def tiny_random_model(hidden_size=256):
     torch.manual_seed(0)
-    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-                                         num_hidden_layers=2, num_loops=4, max_position_embeddings=1024)
+    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size, num_attention_heads=4,
+                                         intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=4,
+                                         max_position_embeddings=1024)
     model = loopformer_hf.LoopFormerForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,6 +95,64 @@ def format_halting(table):
     return "\n".join(lines)
 
 
+def median_score(model, ids):
+    """The median state-change score over every token and loop step: a halt_eps at which tokens halt at mixed
+    steps."""
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True, use_cache=False).hidden_states  # embeddings, then each step
+    scores = [(h - prev).abs().amax(-1) / (h.abs().amax(-1) + 1e-8) for prev, h in zip(states[:-1], states[1:])]
+    return torch.cat(scores).flatten().median().item()
+
+
+def gather_rows(widths, token_counts, repeats=20):
+    """Prefill with halting at each width and prompt length, the active tokens gathered (`GATHER_MIN_GRID` = 0)
+    against every token computed and the halted ones discarded, timed side by side: what `GATHER_MIN_GRID` is set
+    from. Random models (tiny_random_model at each width), halt_eps at the median score so that tokens halt at mixed
+    steps; one row per (width, tokens) with the median of per-round time ratios gathered / dense."""
+    from loopformer_hf import modeling_loopformer
+
+    saved = modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID
+    rows = []
+    try:
+        for width in widths:
+            model = tiny_random_model(width)
+            for tokens in token_counts:
+                ids = torch.randint(3, 512, (1, tokens), generator=torch.Generator().manual_seed(0))
+                eps = median_score(model, ids)
+
+                def run(gather):
+                    modeling_loopformer.GATHER_ACTIVE_FRACTION = 0.75 if gather else -1.0
+                    modeling_loopformer.GATHER_MIN_GRID = 0
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        counts = model(ids, halt_eps=eps, use_cache=True).loop_counts
+                    return time.perf_counter() - start, counts
+
+                run(True), run(False)  # warm-up
+                times = {True: [], False: []}
+                for r in range(repeats):
+                    for gather in ((True, False) if r % 2 == 0 else (False, True)):
+                        times[gather].append(run(gather)[0])
+                ratios = [a / b for a, b in zip(times[True], times[False])]
+                rows.append(dict(hidden_size=width, tokens=tokens, grid=width * tokens, halt_eps=eps,
+                                 mean_loops=run(True)[1].float().mean().item(),
+                                 dense_ms=1e3 * statistics.median(times[False]),
+                                 gather_over_dense=statistics.median(ratios), ratio_min=min(ratios),
+                                 ratio_max=max(ratios)))
+    finally:
+        modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID = saved
+    return rows
+
+
+def format_gather(rows):
+    lines = [f"{'hidden':>6} {'tokens':>6} {'tokens x hidden':>15} {'mean loops':>10} {'dense ms':>9} "
+             f"{'gathered / dense':>17} {'spread':>11}"]
+    for r in rows:
+        lines.append(f"{r['hidden_size']:>6} {r['tokens']:>6} {r['grid']:>15} {r['mean_loops']:>10.2f} "
+                     f"{r['dense_ms']:>9.2f} {r['gather_over_dense']:>17.3f} {r['ratio_min']:>5.2f}-{r['ratio_max']:.2f}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="a LoopFormer folder; default: a tiny random model")
@@ -105,18 +162,30 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default="benchmarks/results/halting.json")
+    parser.add_argument("--output", default=None,
+                        help="default benchmarks/results/halting.json (halting_gather.json with --gather)")
+    parser.add_argument("--gather", action="store_true",
+                        help="instead: prefill time with the active tokens gathered vs every token computed, per width "
+                             "and prompt length (what GATHER_MIN_GRID is set from)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gather:
+        rows = gather_rows(args.widths, args.tokens, args.repeats)
+        print(format_gather(rows))
+        output = args.output or "benchmarks/results/halting_gather.json"
+        write_json(output, dict(threads=args.threads, repeats=args.repeats, rows=rows))
+        print(f"wrote {output}")
+        return rows
 
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval() if args.checkpoint else tiny_random_model()
     table = halting_rows(model, args.eps, args.fill, args.prompt_len, args.new_tokens, args.repeats)
     print(format_halting(table))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(dict(checkpoint=args.checkpoint, num_loops=model.config.num_loops, new_tokens=args.new_tokens,
-                       rows=table), f, indent=2)
-    print(f"wrote {args.output}")
+    output = args.output or "benchmarks/results/halting.json"
+    write_json(output, dict(checkpoint=args.checkpoint, num_loops=model.config.num_loops, new_tokens=args.new_tokens,
+                            rows=table))
+    print(f"wrote {output}")
     return table
 
 

@@ -362,6 +362,10 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
 # Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
 # below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
 GATHER_ACTIVE_FRACTION = 0.75
+# ... and only in a grid of at least this many (tokens x hidden_size) elements: the gather/scatter adds ~20 tensor
+# ops per block and step whatever the size, which small grids do not win back (on CPU, widths 64-1024, it cost
+# 5-34 % up to 8192 elements and saved 6-21 % from 16384 on: `python -m benchmarks.bench_halting --gather`).
+GATHER_MIN_GRID = 64 * 256
 
 
 class LoopFormerActiveTokens:
@@ -381,8 +385,11 @@ class LoopFormerActiveTokens:
         self.flat_index = self.index[self.valid]
 
     @classmethod
-    def worth_gathering(cls, active, num_active=None):
-        """The gather plan for `active` ((batch, seq) bool, `num_active` of them True) when it saves work, else None."""
+    def worth_gathering(cls, active, num_active=None, hidden_size=None):
+        """The gather plan for `active` ((batch, seq) bool, `num_active` of them True, states of width `hidden_size`)
+        when it saves work, else None."""
+        if hidden_size is not None and active.numel() * hidden_size < GATHER_MIN_GRID:
+            return None
         if num_active is not None and num_active > GATHER_ACTIVE_FRACTION * active.numel():
             return None  # the padded plan holds at least every active token: not worth building it
         plan = cls(active)
@@ -699,7 +706,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         halted = None if halting is None else halting.halted()
         active = None
         if halted is not None and not output_attentions:
-            active = LoopFormerActiveTokens.worth_gathering(halting.active, halting.num_active)
+            active = LoopFormerActiveTokens.worth_gathering(
+                halting.active, halting.num_active, hidden_states.shape[-1])
         c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):

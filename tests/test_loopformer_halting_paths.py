@@ -20,6 +20,7 @@ def model(tiny_model):
 def run(model, gather, monkeypatch, *args, **kwargs):
     """The model's output with halted tokens gathered out (`gather`) or computed and discarded (the dense path)."""
     monkeypatch.setattr(modeling_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
+    monkeypatch.setattr(modeling_loopformer, "GATHER_MIN_GRID", 0)  # the tests' grids are small
     return model(*args, **kwargs)
 
 
@@ -64,6 +65,23 @@ def test_halted_tokens_are_not_computed(model, monkeypatch):
         alive = counts > step
         expected.append(ids.numel() if alive.all() else int(alive.any(-1).sum()) * int(alive.sum(-1).max()))
     assert seen == expected and expected[-1] < ids.numel()
+
+
+def test_small_grids_compute_every_token_instead_of_gathering(model, monkeypatch):
+    """Gathering adds tensor ops per block and step that a grid of fewer than GATHER_MIN_GRID (tokens x hidden)
+    elements does not win back: there every token is computed (and halted ones discarded); from that size on the
+    active ones are gathered."""
+    ids = torch.randint(3, 97, (2, 20))
+    grid = ids.numel() * model.config.hidden_size
+    seen, seen_by_threshold = mlp_tokens(model), {}
+    for threshold in (grid + 1, grid):
+        monkeypatch.setattr(modeling_loopformer, "GATHER_MIN_GRID", threshold)
+        before = len(seen)
+        counts = model(ids, halt_eps=EPS).loop_counts
+        seen_by_threshold[threshold] = seen[before:]
+    assert counts.min() < counts.max(), "test needs tokens that halt at different steps"
+    assert seen_by_threshold[grid + 1] == [ids.numel()] * int(counts.max())
+    assert seen_by_threshold[grid][-1] < ids.numel()
 
 
 def test_batched_decode_skips_halted_rows(model, monkeypatch):
