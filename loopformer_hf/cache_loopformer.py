@@ -231,9 +231,11 @@ class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
     Slots are added as they are first written, so one class serves every budget.
     """
 
-    def __init__(self, spec=None, **kwargs):
+    def __init__(self, spec=None, config=None, **kwargs):
+        # `config` is accepted as `DynamicCache(config=...)` is, and not used: it would give one fixed layer per block,
+        # where a looped model needs a slot per (loop step, block), added as each is first written.
         super().__init__(**kwargs)
-        if self.layer_class_to_replicate is DynamicLayer:  # slots are added as they are first written
+        if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = LoopFormerDynamicLayer
         self.spec = spec
 

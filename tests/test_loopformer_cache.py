@@ -157,3 +157,15 @@ def test_a_cached_decode_step_dispatches_fewer_ops_than_the_iso_flop_llama():
                       **{CACHE_FIELD: cache})
         counts[name] = ops.count
     assert 0 < counts["looped"] < counts["llama"], counts
+
+
+def test_a_cache_built_with_the_config_is_filled_per_loop_step(tiny_model):
+    """`LoopFormerCache(config=model.config)`, built as one builds `DynamicCache(config=...)`, still gets one slot per
+    (loop step, block) instead of the config's one layer per block."""
+    ids = torch.randint(3, 97, (1, 10))
+    cache = LoopFormerCache(config=tiny_model.config)
+    tiny_model(ids[:, :6], cache=cache, use_cache=True)
+    step = tiny_model(ids[:, 6:], cache=cache, use_cache=True)
+    full = tiny_model(ids, use_cache=False)
+    torch.testing.assert_close(step.logits, full.logits[:, 6:], atol=1e-5, rtol=0)
+    assert len(cache.layers) == tiny_model.config.num_loops * tiny_model.config.num_hidden_layers
