@@ -18,6 +18,7 @@ import torch
 
 import loopformer_hf
 from benchmarks import CountOps, write_json
+from loopformer_hf.modeling_loopformer import state_change_score
 from transformers import AutoModelForCausalLM
 
 
@@ -100,7 +101,7 @@ def median_score(model, ids):
     steps."""
     with torch.no_grad():
         states = model(ids, output_hidden_states=True, use_cache=False).hidden_states  # embeddings, then each step
-    scores = [(h - prev).abs().amax(-1) / (h.abs().amax(-1) + 1e-8) for prev, h in zip(states[:-1], states[1:])]
+    scores = [state_change_score(prev, h) for prev, h in zip(states[:-1], states[1:])]
     return torch.cat(scores).flatten().median().item()
 
 

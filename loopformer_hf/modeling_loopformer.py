@@ -385,12 +385,12 @@ class LoopFormerActiveTokens:
         self.flat_index = self.index[self.valid]
 
     @classmethod
-    def worth_gathering(cls, active, num_active=None, hidden_size=None):
+    def worth_gathering(cls, active, num_active, hidden_size):
         """The gather plan for `active` ((batch, seq) bool, `num_active` of them True, states of width `hidden_size`)
         when it saves work, else None."""
-        if hidden_size is not None and active.numel() * hidden_size < GATHER_MIN_GRID:
+        if active.numel() * hidden_size < GATHER_MIN_GRID:
             return None
-        if num_active is not None and num_active > GATHER_ACTIVE_FRACTION * active.numel():
+        if num_active > GATHER_ACTIVE_FRACTION * active.numel():
             return None  # the padded plan holds at least every active token: not worth building it
         plan = cls(active)
         return plan if plan.index.numel() <= GATHER_ACTIVE_FRACTION * active.numel() else None
@@ -425,6 +425,14 @@ class LoopFormerActiveTokens:
         out = x.clone()
         out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
         return out
+
+
+def state_change_score(previous, hidden_states):
+    """‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) per token, in float32: the "state_change" halting criterion."""
+    delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
+    if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
+        delta, norm = delta.float(), norm.float()
+    return delta / (norm + 1e-8)
 
 
 def _halt_criterion(value):
@@ -498,10 +506,7 @@ class LoopFormerHaltingState:
             self._count_step()
             return self
         if self.criterion == "state_change":
-            delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
-            if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
-                delta, norm = delta.float(), norm.float()
-            score = delta / (norm + 1e-8)
+            score = state_change_score(previous, hidden_states)
         else:
             log_probs = self.readout(hidden_states)
             if self.criterion == "kl":
