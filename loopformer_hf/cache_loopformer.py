@@ -77,9 +77,11 @@ class LoopFormerDynamicLayer(DynamicLayer):
     """A `DynamicLayer` that also takes keys/values without returning the slot's whole history (`append`). Halting
     writes a halted token's skipped slots that way: nothing reads them in that forward, so the pieces wait and join the
     slot's next concatenation (one `cat` per slot and read instead of one per write). Reading `keys` or `values` (as
-    every transformers cache method does) joins them first."""
+    every transformers cache method does) joins them first. A slot that is never read (its tokens always halt before
+    its step) joins every `max_pending` pieces, so a long generation does not keep one small tensor per token."""
 
     _pending = ()  # (keys, values) appended since the last join
+    max_pending = 64  # one join (a copy of the slot) per 64 appends: amortised, and bounds the number of tensors
 
     def _join(self, *new):
         """Concatenate the pending pieces, then `new` = (keys, values) if given, onto the slot."""
@@ -111,6 +113,8 @@ class LoopFormerDynamicLayer(DynamicLayer):
         if not self._pending:
             self._pending = []
         self._pending.append((key_states, value_states))
+        if len(self._pending) >= self.max_pending:
+            self._join()
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self._pending:

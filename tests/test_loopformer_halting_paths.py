@@ -255,3 +255,21 @@ def test_deferred_slot_writes_are_seen_by_every_cache_operation():
     reordered.reorder_cache(torch.tensor([1, 0]))
     assert reordered.layers[1].keys.shape[-2] == 7
     torch.testing.assert_close(reordered.layers[1].keys[:, :, :6], keys.flip(0), rtol=0, atol=0)
+
+
+def test_a_slot_that_is_never_read_does_not_keep_one_tensor_per_token():
+    """A slot whose tokens always halt before its step is only ever written: its pieces join every `max_pending`
+    appends, so a long generation holds a bounded number of tensors, and the slot's keys are still every piece in
+    order."""
+    from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+
+    cache = LoopFormerCache(LoopFormerCacheSpec((1.0,), num_blocks=1))
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(1, 2, 1, 4, generator=g) for _ in range(150)]
+    for piece in pieces:
+        cache.write(piece, -piece, 0)
+    layer = cache.layers[0]
+    assert len(layer._pending) < layer.max_pending
+    assert layer._keys.shape[-2] == 150 - len(layer._pending)
+    torch.testing.assert_close(layer.keys, torch.cat(pieces, dim=-2), rtol=0, atol=0)
+    torch.testing.assert_close(layer.values, -torch.cat(pieces, dim=-2), rtol=0, atol=0)
