@@ -73,6 +73,11 @@ def _rewind(layer, tokens):
         layer.crop(-tokens)
 
 
+def _offloading_of(cache):
+    """The offloading arguments `cache` was built with, for the LoopFormer cache that replaces it."""
+    return dict(offloading=cache.offloading, offload_only_non_sliding=getattr(cache, "only_non_sliding", False))
+
+
 class LoopFormerDynamicLayer(DynamicLayer):
     """A `DynamicLayer` that also takes keys/values without returning the slot's whole history (`append`). Halting
     writes a halted token's skipped slots that way: nothing reads them in that forward, so the pieces wait and join the
@@ -207,7 +212,7 @@ class LoopFormerCacheMixin:
             "LoopFormer replaced the empty DynamicCache it was given by a LoopFormerCache (one slot per loop step "
             "and block): read the cache from the output, or pass `cache=LoopFormerCache()` to have it filled in place."
         )
-        return LoopFormerCache(spec)
+        return LoopFormerCache(spec, **_offloading_of(cache))
 
     @staticmethod
     def replace_generate_default(model_kwargs, config, num_steps):
@@ -218,12 +223,11 @@ class LoopFormerCacheMixin:
             cache = model_kwargs.get(name)
             if cache is None or getattr(cache, "_is_user_defined", False) or cache.get_seq_length() != 0:
                 continue
-            if type(cache) is DynamicCache:
-                model_kwargs[name] = LoopFormerCache()
+            if type(cache) is DynamicCache:  # e.g. cache_implementation="offloaded": its offloading is kept
+                model_kwargs[name] = LoopFormerCache(**_offloading_of(cache))
             elif type(cache) is StaticCache:
                 model_kwargs[name] = LoopFormerStaticCache(
-                    config, max_cache_len=cache.get_max_length(), max_loop_budget=num_steps,
-                    offloading=cache.offloading,
+                    config, max_cache_len=cache.get_max_length(), max_loop_budget=num_steps, **_offloading_of(cache)
                 )
 
 

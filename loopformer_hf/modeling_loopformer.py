@@ -7,6 +7,7 @@ preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per 
 than the one that filled it.
 """
 
+import functools
 import math
 import numbers
 import warnings
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers.activations import ACT2FN
-from transformers.generation import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
+                                     UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -337,6 +339,16 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     # A fixed trajectory (no `halt_eps`, whose halting reads tensor values) traces as one graph per trajectory.
     _can_compile_fullgraph = True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        adjusted = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+        # Paged attention reads a paged cache (continuous batching), which has no slot per (loop step, block).
+        if isinstance(adjusted, str) and adjusted.startswith("paged"):
+            raise ValueError(
+                f"LoopFormer does not support attn_implementation={attn_implementation!r}: paged attention needs a "
+                f"paged cache, which has no slot per (loop step, block). Use \"sdpa\" or \"eager\"."
+            )
+        return adjusted
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -775,7 +787,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        use_cache = use_cache and not (self.gradient_checkpointing and self.training)
+        checkpointing = self.gradient_checkpointing and self.training
         trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
         halt_eps = check_halt_eps(halt_eps)
         halt_criterion = _halt_criterion(self.config.halt_criterion if halt_criterion is None else halt_criterion)
@@ -783,7 +795,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
         cache = _cache_argument(cache, past_key_values, type(self).__name__)
-        cache = LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps, halt_criterion)) if use_cache else None
+        # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
+        # checkpointing in training uses none: recomputed blocks would write it twice).
+        cache = None if checkpointing or not (use_cache or cache is not None) else (
+            LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps, halt_criterion)))
         past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
@@ -993,6 +1008,37 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
         LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has
+        one slot per layer, where a looped model needs one per (loop step, block)."""
+        raise NotImplementedError(
+            "LoopFormer does not support continuous batching (generate_batch / init_continuous_batching): its paged "
+            "cache has no slot per (loop step, block). Use `generate` with a padded batch (and "
+            "`cache_implementation=\"static\"` for compiled decoding)."
+        )
+
+    def _get_logits_processor(self, *args, **kwargs):
+        """transformers' hook that builds the logits processors. Classifier-free guidance (`guidance_scale`) runs a
+        second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
+        that both forwards run the same loop budget, schedule and halting."""
+        processors = super()._get_logits_processor(*args, **kwargs)
+        knobs = {name: value for name, value in (kwargs.get("model_kwargs") or {}).items()
+                 if name in GENERATION_LOOP_KNOBS}
+        for processor in processors:
+            if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor) and processor.model is self:
+                processor.model = functools.partial(self, **knobs)
+        return processors
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' hook that builds assisted decoding's drafter, which copies the call's model kwargs for an
+        assistant model. The loop knobs (and this call's loop-count record) belong to this model: the assistant runs
+        under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
+        assistant = kwargs.get("assistant_model")
+        if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
+            kwargs["model_kwargs"] = {name: value for name, value in kwargs["model_kwargs"].items()
+                                      if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"}
+        return super()._get_candidate_generator(*args, **kwargs)
+
     def save_pretrained(self, *args, **kwargs):
         """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
         generation_config.json and come back on load."""
@@ -1033,10 +1079,19 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _gather_loop_counts(log, out, assisted):
-        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`."""
+        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`. Positions
+        that a cache passed to `generate` already held count 0: this call ran no loop step for them."""
         log = [entry for entry in log if "counts" in entry]
         if not log:
             return None
+        # positions before the first forward's first column (none for a prompt given as inputs_embeds: no ids)
+        held = max(log[0]["length"] - log[0]["counts"].shape[1], 0)
+        counts = LoopFormerForCausalLM._gathered_counts(log, out, assisted, held)
+        return torch.cat([counts.new_zeros(counts.shape[0], held), counts], dim=1) if held else counts
+
+    @staticmethod
+    def _gathered_counts(log, out, assisted, held):
+        """`_gather_loop_counts` from the first forward's first column on."""
         beam_indices = out.get("beam_indices") if not isinstance(out, torch.Tensor) else None
         if beam_indices is not None:
             # Beam search: the forward of step s ran on the beams as reordered after step s - 1; the token of step s
@@ -1054,7 +1109,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         # positions whose next token was accepted (the cache is cropped to the same positions).
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         length = sequences.shape[1] - sum(entry["new_tokens"] for entry in log)  # the prompt
-        done, columns = 0, []
+        done, columns = held, []
         for entry in log:
             first = entry["length"] - entry["counts"].shape[1]  # position of the forward's first column
             last = length + entry["new_tokens"] - 2  # last position whose next token is now in the sequence
@@ -1074,7 +1129,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         prompt-lookup decoding (the counts of accepted tokens only); chunked prefill raises `ValueError` with
         `halt_eps`.
         """
-        kwargs.pop("loop_counts_log", None)  # an assistant LoopFormer is handed its main model's kwargs
         log = None
         given = kwargs.get("generation_config") or self.generation_config
         halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)

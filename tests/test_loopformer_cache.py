@@ -169,3 +169,35 @@ def test_a_cache_built_with_the_config_is_filled_per_loop_step(tiny_model):
     full = tiny_model(ids, use_cache=False)
     torch.testing.assert_close(step.logits, full.logits[:, 6:], atol=1e-5, rtol=0)
     assert len(cache.layers) == tiny_model.config.num_loops * tiny_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("where", ["config", "kwarg"])
+def test_a_cache_passed_in_is_filled_even_with_use_cache_false(tiny_model, where):
+    """As Llama: `use_cache` only decides whether to start a cache. A cache the caller passes is filled and read
+    (it was ignored with `config.use_cache=False`, common after checkpointed fine-tuning: decoding then gave the
+    logits of the new token alone)."""
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    kw = {} if where == "config" else dict(use_cache=False)
+    if where == "config":
+        tiny_model.config.use_cache = False
+    cache = LoopFormerCache()
+    with torch.no_grad():
+        tiny_model(ids[:, :4], cache=cache, **kw)
+        step = tiny_model(ids[:, 4:], cache=cache, **kw).logits[0, -1]
+        full = tiny_model(ids).logits[0, -1]
+    assert cache.get_seq_length() == 5
+    torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+
+
+def test_an_offloading_cache_keeps_offloading_when_replaced():
+    """`generate(cache_implementation="offloaded")` builds `DynamicCache(offloading=True)`; the LoopFormer cache that
+    replaces it (and one replacing a user's empty offloading cache) offloads too, instead of silently not."""
+    from loopformer_hf.cache_loopformer import LoopFormerCacheSpec
+
+    kwargs = {"cache": DynamicCache(offloading=True, offload_only_non_sliding=True)}
+    LoopFormerCache.replace_generate_default(kwargs, None, 2)
+    assert type(kwargs["cache"]) is LoopFormerCache
+    assert kwargs["cache"].offloading and kwargs["cache"].only_non_sliding
+    replaced = LoopFormerCache.for_call(DynamicCache(offloading=True), LoopFormerCacheSpec((0.5, 0.5), 1))
+    assert type(replaced) is LoopFormerCache and replaced.offloading
+    assert not LoopFormerCache.for_call(DynamicCache(), LoopFormerCacheSpec((1.0,), 1)).offloading

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 import loopformer_hf
-from conftest import randomize_modulation, tiny_loopformer_config
+from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 
 EPS = 0.5  # as in test_loopformer_halting.py: with the tiny model's random weights tokens halt after 1-4 steps
 
@@ -94,3 +94,84 @@ def test_assisted_and_prompt_lookup_counts_are_those_of_greedy(model, mode):
     assert torch.equal(out.loop_counts, counts_of_a_forward(model, out.sequences))
     if mode == "same_assistant":
         assert len(calls) < 10, "test needs forwards that accepted several drafted tokens"
+
+
+def test_continuing_from_a_cache_counts_every_position_held_ones_zero(model):
+    """Generation continued from a returned cache: `loop_counts` still has one column per position (length - 1); the
+    positions the cache already held count 0 (this call ran no loop step for them), the others are a forward's."""
+    torch.manual_seed(3)
+    ids = torch.randint(3, 97, (2, 6))
+    first = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, halt_eps=EPS,
+                           return_dict_in_generate=True)
+    cache = cache_of(first)
+    held = cache.get_seq_length()
+    out = model.generate(first.sequences, cache=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         halt_eps=EPS, return_dict_in_generate=True)
+    assert out.loop_counts.shape == (2, out.sequences.shape[1] - 1)  # it was (2, 3)
+    assert (out.loop_counts[:, :held] == 0).all()
+    assert torch.equal(out.loop_counts[:, held:], counts_of_a_forward(model, out.sequences)[:, held:])
+
+
+def test_classifier_free_guidance_runs_both_forwards_at_the_call_loop_budget(model):
+    """`guidance_scale`: transformers runs the unconditional forward by calling the model with the ids alone; it must
+    run under the call's loop budget too (it ran the config's default before)."""
+    import torch.nn.functional as F
+
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    scale = 1.5
+    out = model.generate(ids, max_new_tokens=1, guidance_scale=scale, loop_budget=1, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        conditional = F.log_softmax(model(ids, loop_budget=1).logits[:, -1], dim=-1)
+        unconditional = F.log_softmax(model(ids[:, -1:], loop_budget=1).logits[:, -1], dim=-1)
+        default_budget = F.log_softmax(model(ids[:, -1:]).logits[:, -1], dim=-1)
+    assert (unconditional - default_budget).abs().max() > 1e-3, "test needs budgets that change the logits"
+    expected = scale * (conditional - unconditional) + unconditional
+    torch.testing.assert_close(out.scores[0], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("knobs", [dict(loop_budget=2), dict(halt_eps=EPS)])
+def test_an_assistant_runs_under_its_own_settings_not_the_main_models_loop_knobs(model, knobs):
+    """Assisted decoding copies the call's model kwargs for the assistant: a Llama draft used to fail on the
+    LoopFormer-only `loop_budget` / `halt_eps` ("model_kwargs are not used by the model"). Greedy assisted decoding
+    equals greedy decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(6)
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=2)).eval()
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, **knobs)
+    out = model.generate(ids, assistant_model=draft, **kw)
+    assert torch.equal(out.sequences, model.generate(ids, **kw).sequences)
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+def test_a_loopformer_assistant_keeps_its_own_loop_budget(model):
+    """A LoopFormer draft runs at its own `generation_config.loop_budget`, not at the budget of the main model's call
+    (a budget it may not even allow)."""
+    draft = copy.deepcopy(model)
+    draft.config.max_loop_budget_factor = 1  # at most num_loops = 4 steps: the main call's 6 would be refused
+    draft.generation_config.loop_budget = 1
+    budgets = []
+    handle = draft.register_forward_pre_hook(
+        lambda module, args, kwargs: budgets.append(kwargs.get("loop_budget")), with_kwargs=True)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(8))
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, loop_budget=6)
+    try:
+        out = model.generate(ids, assistant_model=draft, **kw)
+    finally:
+        handle.remove()
+    assert budgets and set(budgets) == {1}
+    assert torch.equal(out, model.generate(ids, **kw))
+
+
+def test_continuous_batching_and_paged_attention_are_refused_clearly(model):
+    """transformers' continuous batching uses a paged cache with one slot per layer: refused up front (it failed every
+    request with a shape error), as is `attn_implementation="paged|eager"`."""
+    with pytest.raises(NotImplementedError, match="continuous batching"):
+        model.generate_batch(inputs=[[5, 6, 7], [8, 9]], generation_config=GenerationConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="paged"):
+        model.set_attn_implementation("paged|eager")
+    assert model.config._attn_implementation != "paged|eager"
