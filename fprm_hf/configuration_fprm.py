@@ -298,6 +298,9 @@ class FPRMConfig(PreTrainedConfig):
 
     def __setattr__(self, name, value):
         # transformers sets `from_pretrained` kwargs (and users set fields) after `__init__`: check them here too.
+        if name == "residual_scaling" and value == "outer_only":  # the alias `__init__` reads, read the same here
+            self.outer_only = True
+            value = "input_independent"
         value = self._check_field(name, value)
         if name not in CROSS_CHECKED_FIELDS or not all(f in self.__dict__ for f in CROSS_CHECKED_FIELDS):
             return super().__setattr__(name, value)
@@ -321,8 +324,8 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"`{name}` must be one of {CHOICE_FIELDS[name]}, got {value!r}.")
         if name == "num_prefix_tokens" and (not _is_int(value) or value < 0):
             raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {value!r}.")
-        if name == "initial_state_seed" and not _is_int(value):
-            raise ValueError(f"`initial_state_seed` must be an integer, got {value!r}.")
+        if name == "initial_state_seed" and not (_is_int(value) and -(2**63) <= value < 2**64):
+            raise ValueError(f"`initial_state_seed` must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
         if name == "grid_size":
             if isinstance(value, (tuple, list)) and len(value) == 2:
                 value = list(value)
@@ -338,8 +341,10 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
         if name in POSITIVE_FLOAT_FIELDS and not (_is_real_number(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-        if name == "initializer_range" and value is not None and not (_is_real_number(value) and value > 0):
-            raise ValueError(f"`initializer_range` must be None or a positive number, got {value!r}.")
+        if name == "initializer_range" and value is not None and not (
+            _is_real_number(value) and math.isfinite(value) and value > 0
+        ):
+            raise ValueError(f"`initializer_range` must be None or a positive finite number, got {value!r}.")
         if name == "attention_dropout" and not (_is_real_number(value) and 0 <= value < 1):
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {value!r}.")
         if name in SOLVER_FIELDS:

@@ -316,6 +316,22 @@ class FPRMPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
 
 
+def _is_integer_tensor(value):
+    """An integer tensor (token ids, labels, identifiers): not bool, float or complex."""
+    return torch.is_tensor(value) and not (value.dtype.is_floating_point or value.dtype.is_complex
+                                           or value.dtype == torch.bool)
+
+
+def check_output_attentions(output_attentions):
+    """`output_attentions` is taken (transformers callers such as PEFT's token-classification wrapper pass it) at
+    None / False only: the attention maps change at every solver iteration and none is returned."""
+    if output_attentions not in (None, False):
+        raise ValueError(
+            f"FPRM does not return attention maps (they change at every solver iteration); `output_attentions` must "
+            f"be None or False, got {output_attentions!r}."
+        )
+
+
 def _logit(p):
     return float(torch.logit(torch.tensor(p, dtype=torch.float64)))
 
@@ -432,24 +448,38 @@ class FPRMModel(FPRMPreTrainedModel):
 
     # ---- inputs -------------------------------------------------------------------------------------------------
 
-    def check_inputs(self, input_ids, puzzle_identifiers=None):
+    def check_inputs(self, input_ids, puzzle_identifiers=None, inputs_embeds=None):
+        """Checks the inputs of a forward; returns (batch, tokens)."""
         config = self.config
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(
-                f"`input_ids` must be an integer tensor of shape (batch, tokens), got "
-                f"{type(input_ids).__name__} {getattr(input_ids, 'shape', '')} {getattr(input_ids, 'dtype', '')}."
-            )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
-            raise ValueError(
-                f"`input_ids` must lie in [0, {config.vocab_size - 1}] (vocab_size={config.vocab_size}), got values "
-                f"in [{int(input_ids.min())}, {int(input_ids.max())}]."
-            )
-        n = input_ids.shape[1]
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is not None:
+            if not (torch.is_tensor(inputs_embeds) and inputs_embeds.dtype.is_floating_point
+                    and inputs_embeds.dim() == 3 and inputs_embeds.shape[-1] == config.hidden_size):
+                raise ValueError(
+                    f"`inputs_embeds` must be a float tensor of shape (batch, tokens, hidden_size={config.hidden_size}),"
+                    f" got {type(inputs_embeds).__name__} {getattr(inputs_embeds, 'shape', '')} "
+                    f"{getattr(inputs_embeds, 'dtype', '')}."
+                )
+            given, shape = "inputs_embeds", tuple(inputs_embeds.shape[:2])
+        else:
+            if not _is_integer_tensor(input_ids) or input_ids.dim() != 2:
+                raise ValueError(
+                    f"`input_ids` must be an integer tensor of shape (batch, tokens), got "
+                    f"{type(input_ids).__name__} {getattr(input_ids, 'shape', '')} {getattr(input_ids, 'dtype', '')}."
+                )
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+                raise ValueError(
+                    f"`input_ids` must lie in [0, {config.vocab_size - 1}] (vocab_size={config.vocab_size}), got "
+                    f"values in [{int(input_ids.min())}, {int(input_ids.max())}]."
+                )
+            given, shape = "input_ids", tuple(input_ids.shape)
+        n = shape[1]
         if config.grid_size is not None and n != config.num_grid_tokens:
             h, w = config.grid_size
             raise ValueError(
                 f"This model reads {h}x{w} grids, i.e. {h * w} tokens per sample; got {n} tokens "
-                f"(input_ids shape {tuple(input_ids.shape)})."
+                f"({given} shape {shape})."
             )
         if n == 0:
             raise ValueError("`input_ids` has no tokens; at least one token per sample is needed.")
@@ -460,10 +490,11 @@ class FPRMModel(FPRMPreTrainedModel):
                 f"{config.max_position_embeddings} (learned positions cannot extrapolate)."
             )
         if puzzle_identifiers is not None:
-            if not torch.is_tensor(puzzle_identifiers) or puzzle_identifiers.shape != (input_ids.shape[0],):
+            if not _is_integer_tensor(puzzle_identifiers) or tuple(puzzle_identifiers.shape) != shape[:1]:
                 raise ValueError(
-                    f"`puzzle_identifiers` must be a tensor of shape (batch,) = ({input_ids.shape[0]},), got "
-                    f"{getattr(puzzle_identifiers, 'shape', puzzle_identifiers)!r}."
+                    f"`puzzle_identifiers` must be an integer tensor of shape (batch,) = ({shape[0]},), got "
+                    f"{type(puzzle_identifiers).__name__} {getattr(puzzle_identifiers, 'shape', '')} "
+                    f"{getattr(puzzle_identifiers, 'dtype', '')}."
                 )
             if puzzle_identifiers.numel() and (
                 int(puzzle_identifiers.min()) < 0 or int(puzzle_identifiers.max()) >= config.num_puzzle_identifiers
@@ -473,14 +504,16 @@ class FPRMModel(FPRMPreTrainedModel):
                     f"(num_puzzle_identifiers={config.num_puzzle_identifiers}), got values in "
                     f"[{int(puzzle_identifiers.min())}, {int(puzzle_identifiers.max())}]."
                 )
+        return shape
 
-    def embed(self, input_ids, puzzle_identifiers=None):
+    def embed(self, input_ids, puzzle_identifiers=None, inputs_embeds=None):
         """x: (batch, prefix + tokens, hidden), the input re-injected at every loop step:
-        √d·[prefix ; embedding], or √d·([prefix ; embedding] + positions)/√2 with learned positions."""
-        x = self.embed_tokens(input_ids)
+        √d·[prefix ; embedding], or √d·([prefix ; embedding] + positions)/√2 with learned positions. `inputs_embeds`
+        stands in for `embed_tokens(input_ids)`."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.prefix is not None:
             if puzzle_identifiers is None:
-                puzzle_identifiers = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+                puzzle_identifiers = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
             x = torch.cat([self.prefix[puzzle_identifiers].to(x.dtype), x], dim=1)
         if self.embed_positions is not None:
             positions = self.embed_positions(torch.arange(x.shape[1], device=x.device))[None]
@@ -565,7 +598,11 @@ class FPRMModel(FPRMPreTrainedModel):
         y = state.hidden
         eta, pat, best = state.eta.clone(), state.patience.clone(), state.best.clone()
         residuals, iterations = state.residuals.clone(), state.iterations.clone()
-        halted, converged, diverged = state.halted.clone(), state.converged.clone(), state.diverged.clone()
+        # A carried state is judged by this call's rule, as if it had run under it: a row halted under another
+        # halt_eps / min_eta / halting is reopened (or halts) here; a diverged row stays frozen at its last finite y.
+        diverged = state.diverged.clone()
+        converged = residuals < halt_eps
+        halted = diverged | (converged | (eta < min_eta)) if halting else diverged.clone()
         position_embeddings = self.position_embeddings(x)
         start_iterations = iterations.clone()
         trace = []
@@ -626,13 +663,12 @@ class FPRMModel(FPRMPreTrainedModel):
         return halt_eps, max_loops, eta, gamma, patience, min_eta
 
     @staticmethod
-    def check_attention_mask(attention_mask, input_ids):
+    def check_attention_mask(attention_mask, shape):
         """FPRM cannot honour padding: every token attends to every other (or, causal, to all before it), the conv
         mixes neighbouring cells and the residual that halts a sample is a maximum over all its tokens, as in the
         authors' model, which reads fixed-length grids. So a mask must be all ones; a padded one is refused."""
         if attention_mask is None:
             return
-        shape = tuple(getattr(input_ids, "shape", ()))
         if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != shape:
             raise ValueError(
                 f"`attention_mask` must be a tensor of the shape of `input_ids` {shape}, got "
@@ -663,6 +699,8 @@ class FPRMModel(FPRMPreTrainedModel):
         generator=None,
         output_hidden_states=None,
         return_dict=None,
+        inputs_embeds=None,
+        output_attentions=None,
     ):
         r"""
         input_ids (`torch.LongTensor` of shape `(batch, tokens)`): the puzzle; `tokens` must be height × width of
@@ -685,7 +723,12 @@ class FPRMModel(FPRMPreTrainedModel):
             `config.initial_state_seed`).
         output_hidden_states (`bool`, *optional*): also return the solver's iterates y_0..y_K as `hidden_states`
             (see [`FPRMModelOutput`]); defaults to `config.output_hidden_states`.
+        inputs_embeds (`torch.FloatTensor` of shape `(batch, tokens, hidden_size)`, *optional*): instead of
+            `input_ids`, the token embeddings (what `get_input_embeddings()(input_ids)` gives); scaled, prefixed and
+            re-injected as those are.
+        output_attentions (`bool`, *optional*): None or False only (see `check_output_attentions`).
         """
+        check_output_attentions(output_attentions)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -696,9 +739,11 @@ class FPRMModel(FPRMPreTrainedModel):
         halt_eps, max_loops, eta, gamma, patience, min_eta = self._solver_settings(
             halt_eps, max_loops, eta, gamma, patience, min_eta
         )
-        self.check_inputs(input_ids, puzzle_identifiers)
-        self.check_attention_mask(attention_mask, input_ids)
-        x = self.embed(input_ids, puzzle_identifiers)
+        shape = self.check_inputs(input_ids, puzzle_identifiers, inputs_embeds)
+        self.check_attention_mask(attention_mask, shape)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"`generator` must be a torch.Generator or None, got {type(generator).__name__}.")
+        x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
         if solver_state is None:
             solver_state = self.initial_solver_state(x, eta, generator)
         elif not isinstance(solver_state, FPRMSolverState) or solver_state.hidden.shape != x.shape:
@@ -729,6 +774,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     the answer token of every input token (a Sudoku cell, a maze cell, the running product of a state-tracking
     prefix)."""
 
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # tied only with tie_word_embeddings=True
+
     def __init__(self, config: FPRMConfig):
         super().__init__(config)
         self.model = FPRMModel(config)
@@ -743,6 +790,22 @@ class FPRMForReasoning(FPRMPreTrainedModel):
 
     def get_output_embeddings(self):
         return self.lm_head
+
+    def check_labels(self, labels, input_ids):
+        """`labels`: an integer tensor of the shape of `input_ids`, each a token id or -100 (ignored)."""
+        shape = tuple(getattr(input_ids, "shape", ()))
+        if not _is_integer_tensor(labels) or tuple(labels.shape) != shape:
+            raise ValueError(
+                f"`labels` must be an integer tensor of the shape of `input_ids` {shape}, got "
+                f"{type(labels).__name__} {tuple(getattr(labels, 'shape', ()))} {getattr(labels, 'dtype', '')}."
+            )
+        vocab = self.config.vocab_size
+        invalid = (labels != -100) & ((labels < 0) | (labels >= vocab))
+        if bool(invalid.any()):
+            raise ValueError(
+                f"`labels` must lie in [0, {vocab - 1}] (vocab_size={vocab}) or be -100 (ignored), got "
+                f"{sorted(set(labels[invalid].tolist()))[:5]}."
+            )
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
@@ -765,16 +828,17 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         generator=None,
         output_hidden_states=None,
         return_dict=None,
+        inputs_embeds=None,
+        output_attentions=None,
     ):
         r"""
         labels (`torch.LongTensor` of shape `(batch, tokens)`, *optional*): target token per input token, -100 ignored.
-        The solver knobs, `attention_mask` and `output_hidden_states` are those of [`FPRMModel.forward`].
+        The solver knobs, `attention_mask`, `output_hidden_states`, `inputs_embeds` and `output_attentions` are those
+        of [`FPRMModel.forward`].
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        if labels is not None and torch.is_tensor(input_ids) and labels.shape != input_ids.shape:
-            raise ValueError(
-                f"`labels` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(labels.shape)}."
-            )
+        if labels is not None:
+            self.check_labels(labels, input_ids if inputs_embeds is None else inputs_embeds[..., 0])
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -791,6 +855,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             generator=generator,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
         logits = self.lm_head(hidden)

@@ -162,6 +162,12 @@ CASES = [
          r"`max_loops` must be an integer >= 1, got 0"),
     Case(f"{FP} forward", "eta=1.5", lambda t: fprm()(GRID, eta=1.5), ValueError,
          r"`eta` must be a number in \(0, 1\], got 1\.5"),
+    Case(f"{FP} forward", "labels with a token id >= vocab_size", lambda t: fprm()(GRID, labels=GRID + 7), ValueError,
+         r"`labels` must lie in \[0, 6\] \(vocab_size=7\) or be -100"),
+    Case(f"{FP} forward", "float labels", lambda t: fprm()(GRID, labels=GRID.float()), ValueError,
+         r"`labels` must be an integer tensor of the shape of `input_ids`"),
+    Case(f"{FP} forward", "output_attentions=True", lambda t: fprm()(GRID, output_attentions=True), ValueError,
+         r"`output_attentions` must be None or False, got True"),
     # command lines (each refuses before any work)
     Case("loopformer.train", "--variant bogus", TRAIN("--output_dir", "{tmp}/run", "--variant", "bogus"),
          ValueError, r"`variant` must be one of .* got 'bogus'"),

@@ -561,6 +561,22 @@ def test_bad_config_values_raise_value_error():
         tiny_config(alpha1=1.0)
     with pytest.raises(ValueError, match=r"conv_type='2d'.*needs `grid_size`"):
         tiny_config(grid_size=None)
+    # accepted before, then failing far away (model init, the first eval forward) without naming the field
+    with pytest.raises(ValueError, match=r"`initializer_range` must be None or a positive finite number, got inf"):
+        tiny_config(initializer_range=float("inf"))
+    with pytest.raises(ValueError, match=r"`initial_state_seed` must be an integer in \[-2\*\*63, 2\*\*64\)"):
+        tiny_config(initial_state_seed=2**70)
+
+
+def test_the_outer_only_alias_is_read_however_the_field_arrives(tmp_path):
+    """`residual_scaling="outer_only"` (input_independent + outer_only) works in the constructor; it used to be
+    refused when set as an attribute or given to `from_pretrained`."""
+    config = tiny_config()
+    config.residual_scaling = "outer_only"
+    assert (config.residual_scaling, config.outer_only) == ("input_independent", True)
+    FPRMForReasoning(tiny_config()).save_pretrained(tmp_path)
+    loaded = FPRMForReasoning.from_pretrained(tmp_path, residual_scaling="outer_only")
+    assert (loaded.config.residual_scaling, loaded.config.outer_only) == ("input_independent", True)
 
 
 def test_token_ids_outside_vocabulary_raise_value_error():
@@ -583,11 +599,86 @@ def test_bad_puzzle_identifiers_and_labels_raise_value_error():
     model = tiny_model(num_puzzle_identifiers=2)
     with pytest.raises(ValueError, match=r"`puzzle_identifiers` must lie in \[0, 1\].*got values in \[0, 5\]"):
         model(grid_inputs(2), puzzle_identifiers=torch.tensor([0, 5]))
-    with pytest.raises(ValueError, match=r"`labels` must have the shape of `input_ids` \(2, 16\), got \(2, 15\)"):
+    with pytest.raises(ValueError, match=r"`labels` must be an integer tensor of the shape of `input_ids` \(2, 16\), "
+                                         r"got Tensor \(2, 15\)"):
         model(grid_inputs(2), labels=torch.zeros(2, 15, dtype=torch.long))
+    # values, dtypes and types that used to fail deep inside (IndexError, RuntimeError, AttributeError)
+    ids = grid_inputs(2)
+    for labels, message in ((torch.full((2, 16), 9), r"lie in \[0, 6\].*or be -100.*got \[9\]"),
+                            (torch.full((2, 16), -5), r"got \[-5\]"),
+                            (torch.zeros(2, 16), "integer tensor"),
+                            ([[0] * 16] * 2, "integer tensor.*got list")):
+        with pytest.raises(ValueError, match=message):
+            model(ids, labels=labels)
+    assert model(ids, labels=torch.full((2, 16), -100)).loss.isnan()  # all ignored: as F.cross_entropy
+    with pytest.raises(ValueError, match="`input_ids` must be an integer tensor.*torch.bool"):
+        model(ids.bool())
+    with pytest.raises(ValueError, match="`puzzle_identifiers` must be an integer tensor.*float32"):
+        model(ids, puzzle_identifiers=torch.zeros(2))
+    with pytest.raises(ValueError, match="`generator` must be a torch.Generator or None, got int"):
+        model(ids, generator=123)
 
 
 def test_solver_state_type_is_checked():
     with pytest.raises(ValueError, match="`solver_state` must be the FPRMSolverState"):
         tiny_model()(grid_inputs(2), solver_state="nope")
     assert FPRMSolverState  # exported for users who carry states between calls
+
+
+def test_a_carried_solver_state_is_judged_by_the_calls_halting_rule():
+    """A state that halted under one halt_eps continues under another call's rule: a lower halt_eps (or
+    halting=False) reopens its rows, and `converged` means "residual below this call's halt_eps" (it used to keep
+    the old flags: 0 iterations, converged=True at residuals far above the new halt_eps)."""
+    model = tiny_model().eval()
+    ids = grid_inputs(3)
+    state = model(ids, halt_eps=0.5).solver_state
+    assert state.halted.all() and (state.residuals > 1e-4).all()
+    tighter = model(ids, halt_eps=1e-4, max_loops=5, solver_state=state)
+    assert (tighter.iterations == 5).all()
+    assert torch.equal(tighter.converged, tighter.residuals < 1e-4)
+    assert (model(ids, halting=False, max_loops=4, solver_state=state).iterations == 4).all()
+    assert (model(ids, halt_eps=0.5, solver_state=state).iterations == 0).all()  # the same rule: still halted
+
+
+def test_tie_word_embeddings_ties_the_head_to_the_embeddings(tmp_path):
+    """`tie_word_embeddings=True` was accepted and did nothing; the default stays untied (the authors' head)."""
+    tied = tiny_model(tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    tied.save_pretrained(tmp_path)
+    loaded = FPRMForReasoning.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, tied.lm_head.weight)
+    untied = tiny_model()
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_inputs_embeds_stand_in_for_the_token_embeddings():
+    """As transformers models: `inputs_embeds` = `get_input_embeddings()(input_ids)` gives the same result; exactly
+    one of the two is needed; `output_attentions` is taken as None / False only."""
+    model = tiny_model().eval()
+    ids = grid_inputs(2)
+    embeds = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(model(inputs_embeds=embeds, labels=ids).logits, model(ids, labels=ids).logits,
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="exactly one of `input_ids` or `inputs_embeds`"):
+        model(ids, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match="`inputs_embeds` must be a float tensor of shape"):
+        model(inputs_embeds=embeds[..., :-1])
+    with pytest.raises(ValueError, match="reads 4x4 grids"):
+        model(inputs_embeds=embeds[:, :-1])
+    assert model(ids, output_attentions=False).logits.shape == (2, 16, model.config.vocab_size)
+    with pytest.raises(ValueError, match="`output_attentions` must be None or False, got True"):
+        model(ids, output_attentions=True)
+
+
+def test_lora_with_the_token_classification_task_type_trains():
+    """PEFT's TOKEN_CLS wrapper (the model is registered as AutoModelForTokenClassification) passes `inputs_embeds`
+    and `output_attentions`: it used to fail with an unexpected keyword argument."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model()
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["qkv_proj", "o_proj"], task_type="TOKEN_CLS"))
+    ids = grid_inputs(2)
+    out = peft_model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in peft_model.named_parameters() if "lora_" in n)
