@@ -37,6 +37,10 @@ import torch
 LOOPFORMER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 FPRM_TARGET_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LOOP_CONDITIONING_MODULES = {"loopformer": ["loop_conditioning", "adaLN_modulation"], "fprm": ["residual_scaling"]}
+# The flags only one model type reads (the other would ignore them).
+MODEL_TYPE_FLAGS = {"loopformer": ["train_files", "dataset", "dataset_config", "loop_budgets"],
+                    "fprm": ["task_data", "max_loops"]}
+MODEL_NAMES = {"loopformer": "LoopFormer", "fprm": "FPRM"}
 
 
 def _import_packages():
@@ -194,32 +198,63 @@ def build_parser():
     return p
 
 
+def parse_args(argv=None):
+    """The flags, `loop_budgets` as a list of ints. A value no model accepts is argparse's error (exit 2), before
+    anything is loaded: it would fail at a training step, or (--max_loops 0) be read as not given."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.loop_budgets is not None:
+            args.loop_budgets = _parse_int_list(args.loop_budgets, "--loop_budgets")
+        if args.max_loops is not None:
+            from fprm_hf.configuration_fprm import check_max_loops
+
+            check_max_loops(args.max_loops, "--max_loops")
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def check_flags_apply(args, config):
+    """Refuses a flag that `config`'s model type does not read, and a loop budget this LoopFormer does not allow
+    (drawn per batch, it would fail at whichever step first drew it)."""
+    for model_type, flags in MODEL_TYPE_FLAGS.items():
+        given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
+        if given and model_type != config.model_type:
+            raise ValueError(f"{', '.join(given)}: only for {MODEL_NAMES[model_type]} models, and --model "
+                             f"{args.model} is model_type {config.model_type!r}.")
+    if config.model_type == "loopformer":
+        for budget in args.loop_budgets or []:
+            try:
+                config.resolve_trajectory(budget)  # the check the forward runs
+            except ValueError as e:
+                raise ValueError(f"--loop_budgets {budget}: {e}") from None
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
     _import_packages()
     set_seed(args.seed)
     config = AutoConfig.from_pretrained(args.model)
+    if config.model_type not in MODEL_NAMES:
+        raise ValueError(f"--model must be a LoopFormer or FPRM checkpoint, got model_type {config.model_type!r}.")
+    check_flags_apply(args, config)
     tokenizer = None
     if config.model_type == "loopformer":
-        if args.task_data:
-            raise ValueError("--task_data is for FPRM; give LoopFormer text with --train_files or --dataset.")
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model)
         train = _text_dataset(args, tokenizer)
-        budgets = _parse_int_list(args.loop_budgets, "--loop_budgets") if args.loop_budgets else []
-        collator = ExtraKwargsCollator(choices={"loop_budget": budgets}, seed=args.seed)
-    elif config.model_type == "fprm":
+        collator = ExtraKwargsCollator(choices={"loop_budget": args.loop_budgets or []}, seed=args.seed)
+    else:  # fprm
         import fprm_hf
 
         if not args.task_data:
             raise ValueError("FPRM fine-tuning needs --task_data (a datasets folder or JSON-lines file).")
         model = fprm_hf.FPRMForReasoning.from_pretrained(args.model)
         train = _task_dataset(args.task_data)
-        collator = ExtraKwargsCollator(fixed={"max_loops": args.max_loops} if args.max_loops else None)
-    else:
-        raise ValueError(f"--model must be a LoopFormer or FPRM checkpoint, got model_type {config.model_type!r}.")
+        collator = ExtraKwargsCollator(fixed=None if args.max_loops is None else {"max_loops": args.max_loops})
 
     targets = args.target_modules.split(",") if args.target_modules else None
     peft_model = add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,

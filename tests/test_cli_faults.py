@@ -1,5 +1,8 @@
 """Issue 13, "Faults not met": command-line faults that ended silently or in a raw traceback, each reproduced here."""
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -79,3 +82,125 @@ def test_report_no_train_without_runs_refuses_and_keeps_the_docs(tmp_path, task_
     assert str(runs / "synthetic" / "base_loop") in str(error.value)
     assert (docs / "results.md").read_text() == "earlier results\n"
     assert not (docs / "plots").exists()
+
+
+# FPRM training: a flag read only by the evaluation or a callback failed after the whole run, or was ignored
+FPRM_TINY = ["--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
+             "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
+             "--disable_tqdm", "true", "--torch_threads", "1"]
+
+
+def _fprm_train_refuses(tmp_path, capsys, flag, value):
+    from looped_training.fprm import train as train_fprm
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path / "out"), flag, value])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert not (tmp_path / "out").exists() and "data:" not in captured.out  # refused before any work
+    return captured.err
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--eval_halt_eps", "0", r"positive finite number .*got 0\.0"),
+    ("--eval_halt_eps", "nan", r"positive finite number .*got nan"),
+    ("--eval_gamma", "2", r"number in \(0, 1\], got 2\.0"),
+    ("--eval_batch_size", "0", r"integer >= 1, got 0"),  # was "range() arg 3 must not be zero"
+    ("--eval_max_loops", "0", r"integer >= 1, got 0"),
+    ("--num_test", "0", r"integer >= 1, got 0"),
+    ("--torch_threads", "0", r"integer >= 1, got 0"),  # was ignored
+    ("--curriculum_check_steps", "0", r"integer >= 1, got 0"),  # checked with or without a curriculum
+])
+def test_fprm_train_rejects_a_bad_evaluation_or_data_flag_before_any_work(tmp_path, capsys, flag, value, allowed):
+    # the run trained to the end, then the evaluation raised and --output_dir was left empty
+    err = _fprm_train_refuses(tmp_path, capsys, flag, value)
+    assert re.search(rf"error: `{flag}` must be (a |an )?{allowed}", err)
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--time_budget_minutes", "-1", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got -1\.0"),
+    ("--time_budget_minutes", "inf", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got inf"),
+    ("--time_budget_decay_fraction", "2", r"`time_budget_decay_fraction` must lie in \[0, 1\], got 2\.0"),  # no budget
+])
+def test_fprm_train_rejects_a_bad_time_budget_before_any_work(tmp_path, capsys, flag, value, allowed):
+    # -1 trained one step and reported success; a fraction without a budget was never checked
+    err = _fprm_train_refuses(tmp_path, capsys, flag, value)
+    assert re.search(rf"error: {allowed}", err)
+
+
+def test_fprm_train_takes_a_zero_time_budget_as_none_over_a_presets():
+    from looped_training.fprm import train as train_fprm
+
+    eval_args = train_fprm.parse_args(["--preset", "sudoku4-quick", "--time_budget_minutes", "0"])[2]
+    assert eval_args.time_budget_minutes == 0  # `main` adds no TimeBudgetCallback for it
+
+
+def test_fprm_train_saves_the_model_before_the_evaluation(tmp_path, monkeypatch):
+    # save_pretrained was the last line: any evaluation error lost the trained model
+    from fprm_hf import FPRMForReasoning
+    from looped_training.fprm import train as train_fprm
+
+    def failing_evaluate(model, *args):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(train_fprm, "evaluate", failing_evaluate)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path)])
+    assert FPRMForReasoning.from_pretrained(tmp_path / "model").config.hidden_size == 32
+
+
+# LoRA fine-tuning: a loop flag of the other model type, or below 1, was ignored or failed at a training step
+@pytest.fixture(scope="module")
+def lora_inputs(tmp_path_factory):
+    from _hub_helpers import CORPUS, fprm_task_rows, make_fprm, save_checkpoint
+
+    root = tmp_path_factory.mktemp("lora")
+    save_checkpoint(root / "loopformer", seed=0)
+    make_fprm(seed=0).save_pretrained(root / "fprm")
+    (root / "corpus.txt").write_text("\n".join(CORPUS))
+    (root / "task.jsonl").write_text("\n".join(json.dumps(r) for r in fprm_task_rows()))
+    return {"loopformer": ["--model", str(root / "loopformer"), "--train_files", str(root / "corpus.txt"),
+                           "--block_size", "16"],
+            "fprm": ["--model", str(root / "fprm"), "--task_data", str(root / "task.jsonl")]}
+
+
+def _finetune(lora_inputs, model_type, out, *flags):
+    from looped_training.finetune_lora import main as finetune_main
+
+    return finetune_main([*lora_inputs[model_type], "--output", str(out), "--batch_size", "4", "--max_steps", "1",
+                          *flags])
+
+
+@pytest.mark.parametrize("model_type, flag, value", [
+    ("fprm", "--max_loops", "0"),  # 0 was read as "not given": the config's cap
+    ("fprm", "--max_loops", "-1"),  # failed at the first training step
+    ("fprm", "--loop_budgets", "0,x"),  # ignored on FPRM
+    ("loopformer", "--loop_budgets", "2,0"),
+])
+def test_finetune_lora_rejects_a_loop_count_below_one_before_any_work(lora_inputs, tmp_path, capsys, model_type,
+                                                                       flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        _finetune(lora_inputs, model_type, tmp_path / "out", flag, value)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"error: `?{flag}`? must be .*(integer >= 1|positive integers), got '?{value}'?", err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model_type, flags, message", [
+    ("fprm", ["--loop_budgets", "2,4"], r"--loop_budgets: only for LoopFormer models, .* model_type 'fprm'"),
+    ("loopformer", ["--max_loops", "3"], r"--max_loops: only for FPRM models, .* model_type 'loopformer'"),
+    ("fprm", ["--dataset", "some/name"], r"--dataset: only for LoopFormer models, .* model_type 'fprm'"),
+])
+def test_finetune_lora_refuses_a_flag_of_the_other_model_type(lora_inputs, tmp_path, model_type, flags, message):
+    # the flag was silently ignored and the fine-tuning reported success
+    with pytest.raises(ValueError, match=message):
+        _finetune(lora_inputs, model_type, tmp_path / "out", *flags)
+    assert not (tmp_path / "out").exists()
+
+
+def test_finetune_lora_rejects_a_loop_budget_above_the_models_cap_before_training(lora_inputs, tmp_path):
+    # a budget is drawn per batch: one above max_loop_budget failed at whichever step first drew it
+    with pytest.raises(ValueError, match=r"--loop_budgets 64: .*exceeds the largest loop budget .*max_loop_budget=32"):
+        _finetune(lora_inputs, "loopformer", tmp_path / "out", "--loop_budgets", "2,64")
+    assert not (tmp_path / "out").exists()

@@ -31,6 +31,7 @@ import torch
 from transformers import HfArgumentParser, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
+from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import resolve_resume
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
@@ -109,7 +110,8 @@ class EvalArguments:
     eval_iterations_curve: str | None = field(
         default=None, metadata={"help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
                                         "fraction converged with halting off after each (the stability test)"})
-    time_budget_minutes: float | None = field(default=None, metadata={"help": "stop training after this long"})
+    time_budget_minutes: float | None = field(
+        default=None, metadata={"help": "stop training after this long (0: no budget, e.g. to lift a preset's)"})
     time_budget_decay_fraction: float = field(
         default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
                                        "budget (0: no decay)"})
@@ -152,7 +154,47 @@ def parse_args(argv=None):
             raise ValueError("A curriculum streams fresh data without end: set `--max_steps`.")
     if eval_args.eval_iterations_curve is not None:
         parse_iteration_counts(eval_args.eval_iterations_curve)
+    check_run_flags(parser, data_args, eval_args)
     return model_args, data_args, eval_args, train_args
+
+
+def _at_least_one(value, name):
+    if value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+
+
+def _time_budget(value, name):
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be a finite number of minutes >= 0 (0: no budget, e.g. over a preset's), "
+                         f"got {value!r}.")
+
+
+def _unless_none(check):
+    """`check` for a flag whose None means "not given"."""
+    return lambda value, name: value is None or check(value, name)
+
+
+def check_run_flags(parser, data_args, eval_args):
+    """argparse's error (exit 2) for a flag read only after training (the evaluation) or during it (a callback),
+    before any data or model is built: a bad value must not cost a run. The rules are those of the code that reads
+    the flag."""
+    checks = [
+        (eval_args, "eval_max_loops", check_max_loops),
+        (eval_args, "eval_halt_eps", _unless_none(check_halt_eps)),  # None: the config's
+        (eval_args, "eval_gamma", _unless_none(check_unit_interval)),
+        (eval_args, "eval_batch_size", _at_least_one),
+        (data_args, "num_test", _at_least_one),
+        (eval_args, "torch_threads", _unless_none(_at_least_one)),
+        (data_args, "curriculum_check_steps", _at_least_one),
+        (eval_args, "time_budget_minutes", _unless_none(_time_budget)),
+        # TimeBudgetCallback's own check (with a stand-in budget): checked with or without a budget
+        (eval_args, "time_budget_decay_fraction", lambda value, name: TimeBudgetCallback(1.0, value)),
+    ]
+    for args, flag, check in checks:
+        try:
+            check(getattr(args, flag), f"--{flag}")
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def main(argv=None):
@@ -197,6 +239,8 @@ def main(argv=None):
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
+    # saved before the evaluation, so that an error there cannot lose the training
+    model.save_pretrained(os.path.join(train_args.output_dir, "model"))
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
     results.update({
         "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
@@ -214,7 +258,6 @@ def main(argv=None):
     plots = write_plots(results, trainer.state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
-    model.save_pretrained(os.path.join(train_args.output_dir, "model"))
     print(f"wrote {train_args.output_dir}/results.json, model/ and plots: {', '.join(os.path.basename(p) for p in plots)}")
     return results
 
