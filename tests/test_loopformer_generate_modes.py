@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 import loopformer_hf
+from loopformer_hf.modeling_loopformer import CACHE_FIELD
 from conftest import cache_of, randomize_modulation, tiny_loopformer_config
 
 EPS = 0.5  # as in test_loopformer_halting.py: with the tiny model's random weights tokens halt after 1-4 steps
@@ -105,8 +106,8 @@ def test_continuing_from_a_cache_counts_every_position_held_ones_zero(model):
                            return_dict_in_generate=True)
     cache = cache_of(first)
     held = cache.get_seq_length()
-    out = model.generate(first.sequences, cache=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                         halt_eps=EPS, return_dict_in_generate=True)
+    out = model.generate(first.sequences, **{CACHE_FIELD: cache}, max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
     assert out.loop_counts.shape == (2, out.sequences.shape[1] - 1)  # it was (2, 3)
     assert (out.loop_counts[:, :held] == 0).all()
     assert torch.equal(out.loop_counts[:, held:], counts_of_a_forward(model, out.sequences)[:, held:])
