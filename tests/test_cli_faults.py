@@ -144,8 +144,12 @@ def test_fprm_train_saves_the_model_before_the_evaluation(tmp_path, monkeypatch)
         raise RuntimeError("evaluation failed")
 
     monkeypatch.setattr(train_fprm, "evaluate", failing_evaluate)
-    with pytest.raises(RuntimeError, match="evaluation failed"):
-        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path)])
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="evaluation failed"):
+            train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path)])
+    finally:  # --torch_threads 1 sets it for the whole process: later tests compare against a fresh process's logits
+        torch.set_num_threads(threads)
     assert FPRMForReasoning.from_pretrained(tmp_path / "model").config.hidden_size == 32
 
 
