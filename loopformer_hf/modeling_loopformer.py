@@ -933,7 +933,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
             objective: the same inputs also run this short trajectory (steps summing to 1) and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency`. A data collator can put it in the batch (looped_training/callbacks.py does).
+            `consistency`. A data collator can put it in the batch (looped_training/loopformer/objective.py does).
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
         lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
         consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` between the final normed hidden states (reference,
@@ -953,6 +953,12 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = None, {}
+        if short_step_schedule is not None and labels is None:
+            raise ValueError(
+                "`short_step_schedule` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
+                "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
+                "pass labels, or drop short_step_schedule."
+            )
         if labels is not None and short_step_schedule is not None:
             _check_consistency_args(lambda_short, lambda_consistency, consistency_loss)
             short = self.model(**model_inputs, step_schedule=short_step_schedule, use_cache=False, return_dict=True)
@@ -990,7 +996,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             mask = labels[:, 1:].to(logits.device) != -100
             log_p_short = F.log_softmax(short_logits[:, :-1][mask].float(), dim=-1)
             log_p_full = F.log_softmax(logits[:, :-1][mask].detach().float(), dim=-1)
-            consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="batchmean")
+            # mean over labelled positions ("batchmean"), 0 where there are none (batchmean would give 0/0)
+            consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="sum") / max(n_local, 1)
         loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom
         loss = loss + lambda_consistency * consistency * (n_local / denom)
         tokens = max(n_local, 1)

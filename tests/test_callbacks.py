@@ -168,13 +168,13 @@ def _trainer(tmp_path, callback=None, steps=3, evaluate=False, **args):
     ids, labels = _batch(batch=16, seed=1)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
     if evaluate:
-        args.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8)
+        args = {**dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8), **args}
         extra_datasets = {"eval_dataset": ds}
     else:
         extra_datasets = {}
-    targs = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=steps,
-                              per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
-                              disable_tqdm=True, learning_rate=1e-3, **args)
+    targs = TrainingArguments(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=steps,
+                                        per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
+                                        disable_tqdm=True, learning_rate=1e-3), **args})
     extra = callback.trainer_kwargs() if callback else {}
     return Trainer(model=model, args=targs, train_dataset=ds, **extra_datasets, **extra), model
 
@@ -210,3 +210,58 @@ def test_without_the_callback_training_is_plain_looped_lm(tmp_path):
     trainer.train()
     assert calls == [None, None]  # one full-trajectory forward per step, nothing else
     assert "ce_short" not in trainer.state.log_history[0]
+
+
+def test_an_epoch_end_evaluation_gets_no_trajectory_and_draws_none(tmp_path):
+    """`eval_strategy="epoch"`: the evaluation batches used to carry a short trajectory (eval_loss was the training
+    objective's) and to use up sampler indices, shifting every later training trajectory."""
+    cb = ShortcutConsistencyCallback(lambda_short=5.0, lambda_consistency=0.0)
+    trainer, model = _trainer(tmp_path, cb, steps=-1, evaluate=True, num_train_epochs=2, eval_strategy="epoch",
+                              learning_rate=0.0)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("short_step_schedule"))),
+                                    with_kwargs=True)
+    trainer.train()
+    training = [tuple(s) for is_training, s in calls if is_training]
+    assert [s for is_training, s in calls if not is_training] == [None] * 4  # 2 evaluations x 2 batches
+    assert len(training) == 8 and training == [t for _, t in cb.sampled]
+    assert [i for i, _ in cb.sampled] == list(range(8)) and cb._next_index == 8
+    eval_losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert eval_losses == pytest.approx([trainer.evaluate()["eval_loss"]] * 2)  # lr 0: plain CE, as evaluate()
+
+
+def test_resuming_with_restored_callback_states_keeps_the_trajectories(tmp_path):
+    """`restore_callback_states_from_checkpoint=True` makes the Trainer replace the callback by a new instance; the
+    collator kept asking the old one ("the collator drew only 2 trajectories")."""
+    def run(out, resume=None, **args):
+        cb = ShortcutConsistencyCallback(seed=3)
+        trainer, _ = _trainer(out, cb, steps=4, save_strategy="steps", save_steps=2,
+                              restore_callback_states_from_checkpoint=True, **args)
+        trainer.train(resume_from_checkpoint=resume)
+        return [cb_ for cb_ in trainer.callback_handler.callbacks if isinstance(cb_, ShortcutConsistencyCallback)][0]
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "full", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.sampled == full.sampled[2:]
+
+
+def test_label_smoothing_which_takes_the_labels_from_the_model_is_refused(tmp_path):
+    """The Trainer computes a label-smoothed loss itself (it pops `labels`): the shortcut objective was silently
+    dropped. Refused at train start; a forward given `short_step_schedule` without labels is refused too."""
+    trainer, model = _trainer(tmp_path, ShortcutConsistencyCallback(), label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1"):
+        trainer.train()
+    ids, _ = _batch()
+    with pytest.raises(ValueError, match="`short_step_schedule` .* needs `labels`"):
+        model(ids, short_step_schedule=[0.5, 0.5])
+
+
+def test_kl_consistency_of_a_batch_without_labelled_tokens_is_zero_not_nan():
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())
+    ids, _ = _batch()
+    labels = torch.full_like(ids, -100)
+    for consistency in ("kl", "mse"):
+        out = model(ids, labels=labels, short_step_schedule=[0.5, 0.5], consistency_loss=consistency,
+                    num_items_in_batch=torch.tensor(10))
+        assert out.loss.item() == 0.0 and torch.isfinite(out.consistency), consistency

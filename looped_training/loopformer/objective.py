@@ -29,7 +29,8 @@ micro-batches in the same order, so all processes run the same trajectory each s
 count of trained micro-batches is the sampler's state; it is saved in every checkpoint (`trainer_state.json`,
 `stateful_callbacks`) and restored at `on_train_begin`, so a resumed run draws exactly the trajectories the
 uninterrupted one would have drawn. Batches collated for an evaluation carry no trajectory and draw none.
-The collator runs in the main process: `dataloader_num_workers` must be 0.
+The collator runs in the main process: `dataloader_num_workers` must be 0. The model computes the objective from the
+labels, so a Trainer that takes them to compute its own loss (`label_smoothing_factor`) is refused.
 
 CE_full, CE_short and the consistency term (per-token means over the logging window, on the main process) and the
 current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output); the callback
@@ -213,12 +214,23 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
                 f"ShortcutConsistencyCallback draws each micro-batch's trajectory in the data collator, counting "
                 f"batches in the main process; got dataloader_num_workers={args.dataloader_num_workers}: use 0."
             )
+        if args.label_smoothing_factor:
+            raise ValueError(
+                f"ShortcutConsistencyCallback's objective is computed by the model from the labels, but with "
+                f"label_smoothing_factor={args.label_smoothing_factor} the Trainer takes them and computes a plain "
+                f"loss itself: use label_smoothing_factor=0."
+            )
         collate = getattr(kwargs.get("train_dataloader"), "collate_fn", None)
-        if collate is not None and not isinstance(getattr(collate, "data_collator", collate), ShortcutCollator):
+        collator = getattr(collate, "data_collator", collate)
+        if collate is not None and not isinstance(collator, ShortcutCollator):
             raise ValueError(
                 "ShortcutConsistencyCallback passes each micro-batch's trajectory through its data collator: build "
                 "the Trainer with `Trainer(..., **callback.trainer_kwargs(data_collator))`."
             )
+        if collator is not None:
+            # `restore_callback_states_from_checkpoint` replaces this callback by a new instance: the collator must
+            # ask the one that trains
+            collator.callback = self
         self._global_step = state.global_step
         self._accumulation = args.gradient_accumulation_steps
         self._next_index = self.micro_batches_seen
@@ -236,6 +248,9 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self._trained_one()
         # an evaluation follows (DefaultFlowCallback decided it before this callback ran): its batches draw nothing
         self.collating_training_batches = not control.should_evaluate
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.collating_training_batches = not control.should_evaluate  # as on_step_end: `eval_strategy="epoch"`
 
     def on_evaluate(self, args, state, control, **kwargs):
         self.collating_training_batches = self._hook is not None
