@@ -15,6 +15,7 @@ import transformers
 
 from looped_training.checkpoints import CheckpointError, check_checkpoint, last_complete_checkpoint
 from looped_training.loopformer import train as train_loopformer
+from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
 TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
         "--num_train_problems", "256", "--num_eval_problems", "16", "--max_depth", "3",
@@ -81,6 +82,29 @@ def test_resuming_with_another_sampler_seed_is_refused(uninterrupted, tmp_path):
     shutil.copytree(ref_dir / "checkpoint-3", tmp_path / "checkpoint-3")
     with pytest.raises(ValueError, match="seed 0"):
         run(tmp_path, "--resume_from_checkpoint", "last", "--shortcut_seed", "1")
+
+
+def test_resuming_with_other_model_flags_is_refused(uninterrupted, tmp_path):
+    ref_dir, _ = uninterrupted
+    shutil.copytree(ref_dir / "checkpoint-3", tmp_path / "checkpoint-3")
+    # another width failed deep in load_state_dict; intermediate_size follows the width
+    with pytest.raises(ValueError, match=r"model config that differs .* in \['hidden_size', 'intermediate_size'\] "
+                                         r"\(e\.g\. hidden_size: 32 there, 64 here\)"):
+        run(tmp_path, "--resume_from_checkpoint", "last", "--hidden_size", "64")
+
+
+def test_resuming_with_a_tokenizer_of_other_ids_is_refused(uninterrupted, tmp_path):
+    checkpoint = uninterrupted[0] / "checkpoint-3"
+    config = train_loopformer.LoopFormerConfig.from_pretrained(checkpoint)
+    train_loopformer.check_resume_matches(checkpoint, transformers.AutoTokenizer.from_pretrained(checkpoint), config)
+    # other data flags of the text task train another BPE of the same size: the restored weights would meet other
+    # token ids, silently
+    saved = train_bpe_tokenizer([" ".join(f"cat{i} sat" for i in range(500))], 280)
+    other = train_bpe_tokenizer([" ".join(f"dog{i} ran" for i in range(500))], 280)
+    assert len(saved) == len(other) and saved.get_vocab() != other.get_vocab()
+    saved.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tokenizer whose vocabulary differs .* tokens have other ids"):
+        train_loopformer.check_resume_matches(tmp_path, other, config)
 
 
 @pytest.fixture

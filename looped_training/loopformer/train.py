@@ -45,7 +45,8 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 import transformers
-from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
+                          set_seed)
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
@@ -187,6 +188,34 @@ def read_chat_template(path):
         return f.read()
 
 
+# config.json keys that training itself (the Trainer turns the cache off) or saving may change
+RESUME_FREE_CONFIG_KEYS = ("transformers_version", "architectures", "use_cache", "dtype", "torch_dtype")
+
+
+def check_resume_matches(checkpoint, tokenizer, config):
+    """A resumed run rebuilds its tokenizer and model config from the flags: they must be the checkpoint's, or the
+    restored weights would meet other token ids (silently) or other shapes (deep in `load_state_dict`)."""
+    saved = AutoTokenizer.from_pretrained(checkpoint).get_vocab()
+    now = tokenizer.get_vocab()
+    if saved != now:
+        moved = sum(saved.get(token) != index for token, index in now.items())
+        raise ValueError(
+            f"The data flags of this run train a tokenizer whose vocabulary differs from {checkpoint}'s ({moved} of "
+            f"{len(now)} tokens have other ids): resume with the data flags (corpus, --max_train_chars, "
+            f"--tokenizer_vocab_size, ...) of the run that wrote it."
+        )
+    saved_config = LoopFormerConfig.get_config_dict(checkpoint)[0]  # config.json, read without building a model
+    built = json.loads(config.to_json_string())  # as config.json holds it (lists, not tuples)
+    different = sorted(key for key, value in built.items()
+                       if key not in RESUME_FREE_CONFIG_KEYS and saved_config.get(key) != value)
+    if different:
+        raise ValueError(
+            f"The flags of this run build a model config that differs from {checkpoint}'s in {different} (e.g. "
+            f"{different[0]}: {saved_config.get(different[0])!r} there, {built[different[0]]!r} here): "
+            f"resume with the model and data flags of the run that wrote it."
+        )
+
+
 def set_chat_template(tokenizer, template, path):
     """Set the template on the tokenizer (saved with it) after checking that it renders a conversation."""
     tokenizer.chat_template = template
@@ -219,6 +248,8 @@ def main(argv=None):
         set_chat_template(tokenizer, chat_template, data_args.chat_template)
     config = build_config(model_args, len(tokenizer), block_size)
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    if resume is not None:
+        check_resume_matches(resume, tokenizer, config)
     model = LoopFormerForCausalLM(config)
     logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
                 model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
