@@ -1,6 +1,8 @@
 """Checks that a checkpoint folder is a complete save before it is loaded or resumed, shared by both models'
 training code: a truncated or corrupt file raises `CheckpointError` naming the file instead of a deep load error.
 
+`check_resume_config` refuses to resume a checkpoint with flags that build another model config.
+
 `Trainer` writes a checkpoint in place, file by file (weights, optimizer, scheduler, RNG states, `trainer_state.json`
 last), so a run killed during a save leaves a `checkpoint-N` folder that is incomplete. `resolve_resume` makes
 `--resume_from_checkpoint last` take the newest checkpoint that passes `check_checkpoint`, logging a warning for each
@@ -130,3 +132,22 @@ def resolve_resume(resume_from_checkpoint, output_dir):
         return resume
     check_checkpoint(resume_from_checkpoint, for_resume=True)
     return resume_from_checkpoint
+
+
+# config.json keys that training itself (the Trainer turns the cache off) or saving may change
+RESUME_FREE_CONFIG_KEYS = ("transformers_version", "architectures", "use_cache", "dtype", "torch_dtype")
+
+
+def check_resume_config(checkpoint, config, free_keys=RESUME_FREE_CONFIG_KEYS):
+    """A resumed run rebuilds its model config from the flags: it must be the checkpoint's (but for `free_keys`), or
+    the restored weights would meet other shapes (deep in `load_state_dict`), other modules (their weights dropped
+    with a warning) or another solver or objective (silently). Raises `ValueError` naming the keys that differ."""
+    saved = type(config).get_config_dict(checkpoint)[0]  # config.json, read without building a model
+    built = json.loads(config.to_json_string())  # as config.json holds it (lists, not tuples)
+    different = sorted(key for key, value in built.items() if key not in free_keys and saved.get(key) != value)
+    if different:
+        raise ValueError(
+            f"The flags of this run build a model config that differs from {checkpoint}'s in {different} (e.g. "
+            f"{different[0]}: {saved.get(different[0])!r} there, {built[different[0]]!r} here): "
+            f"resume with the model and data flags of the run that wrote it."
+        )

@@ -208,3 +208,58 @@ def test_finetune_lora_rejects_a_loop_budget_above_the_models_cap_before_trainin
     with pytest.raises(ValueError, match=r"--loop_budgets 64: .*exceeds the largest loop budget .*max_loop_budget=32"):
         _finetune(lora_inputs, "loopformer", tmp_path / "out", "--loop_budgets", "2,64")
     assert not (tmp_path / "out").exists()
+
+
+# FPRM training: resuming with other flags, a training set that gives no batch
+
+
+@pytest.fixture(scope="module")
+def fprm_checkpoint(tmp_path_factory):
+    from looped_training.fprm import train as train_fprm
+
+    root = tmp_path_factory.mktemp("fprm_run")
+    threads = torch.get_num_threads()
+    try:
+        train_fprm.main([*FPRM_TINY, "--output_dir", str(root), "--save_strategy", "steps", "--save_steps", "2",
+                         "--eval_max_loops", "4", "--compare_cap", "false"])
+    finally:
+        torch.set_num_threads(threads)
+    return root / "checkpoint-2"
+
+
+@pytest.mark.parametrize("flags, keys", [
+    (["--hidden_size", "64"], r"\['hidden_size'\] \(e\.g\. hidden_size: 32 there, 64 here\)"),  # was a size mismatch
+    (["--sudoku_size", "6"], r"\['grid_size', 'vocab_size'\]"),  # another grid: deep in load_state_dict
+    (["--task", "maze", "--maze_size", "5"], r"\['conv_kernel_size', 'conv_type', 'grid_size'\]"),
+    (["--residual_scaling", "fixed"], r"\['residual_scaling'\]"),  # dropped the α weights, then an optimizer error
+    (["--halt_eps", "0.05"], r"\['halt_eps'\] \(e\.g\. halt_eps: 0\.1 there, 0\.05 here\)"),  # trained on silently
+])
+def test_fprm_train_refuses_to_resume_with_flags_that_build_another_model(fprm_checkpoint, tmp_path, flags, keys):
+    from looped_training.fprm import train as train_fprm
+
+    with pytest.raises(ValueError, match=rf"model config that differs from .*checkpoint-2's in {keys}.*resume with "
+                                         r"the model and data flags of the run that wrote it"):
+        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path), "--resume_from_checkpoint", str(fprm_checkpoint),
+                         *flags])
+
+
+def test_fprm_train_resumes_with_another_evaluation_cap(fprm_checkpoint, tmp_path):
+    from looped_training.fprm import train as train_fprm
+
+    threads = torch.get_num_threads()
+    try:  # --eval_max_loops is the config's max_loops, which only the evaluation reads
+        results = train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path), "--resume_from_checkpoint",
+                                   str(fprm_checkpoint), "--max_steps", "3", "--eval_max_loops", "3",
+                                   "--compare_cap", "false"])
+    finally:
+        torch.set_num_threads(threads)
+    assert results["train_steps"] == 3 and results["halting"]["mean_iterations"] <= 3
+
+
+@pytest.mark.parametrize("num_train, allowed", [
+    ("8", r">= 16 .*got 8"),  # trained 0 steps ("not a single sample in your epoch_iterator"), then "succeeded"
+    ("0", r">= 16 .*got 0"),  # was "num_samples should be a positive integer value" from the sampler
+])
+def test_fprm_train_rejects_a_training_set_smaller_than_a_batch_before_any_work(tmp_path, capsys, num_train, allowed):
+    err = _fprm_train_refuses(tmp_path, capsys, "--num_train", num_train)
+    assert re.search(rf"error: `--num_train` must be {allowed}", err)

@@ -419,3 +419,124 @@ def test_grid_presets_read_like_the_authors_configs(name, tmp_path):
     assert (train_args.n_backward, train_args.loss_type) == (6, "stablemax")
     assert train_args.max_segments == (12 if name.startswith("sudoku") else 24)
     assert model_args.norm_placement == ("none" if name.startswith("sudoku") else "output")
+
+
+# ---- review fixes: resume, Trainer arguments, the evaluation ------------------------------------------------------
+
+
+def test_time_budget_decay_resumes_at_the_learning_rate_the_uninterrupted_run_uses():
+    """The scheduler's state in a checkpoint holds the base learning rates the callback had already scaled down; a
+    resumed run took those as its base and scaled them again (lr = base · f_saved · f_now, too low)."""
+    from transformers import get_constant_schedule_with_warmup
+    from transformers.trainer_callback import TrainerState
+
+    from looped_training.fprm.callbacks import TimeBudgetCallback
+
+    def run(seconds, resume_from=None):
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=0)
+        now = [seconds[0]]
+        cb = TimeBudgetCallback(minutes=10, decay_fraction=0.5, clock=lambda: now[0])
+        state = TrainerState(stateful_callbacks=[cb])
+        if resume_from is not None:
+            optimizer.load_state_dict(resume_from["optimizer"])
+            scheduler.load_state_dict(resume_from["scheduler"])  # as Trainer does, before on_train_begin
+            state = TrainerState(stateful_callbacks=resume_from["callbacks"])
+        cb.on_train_begin(None, state, None, lr_scheduler=scheduler)
+        used = []
+        for t in seconds:
+            now[0] = t
+            cb.on_step_begin(None, state, None, optimizer=optimizer, lr_scheduler=scheduler)
+            used.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        saved = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "callbacks": {"TimeBudgetCallback": cb.state()}}
+        return used, saved
+
+    uninterrupted, _ = run([0, 400, 450])
+    first, saved = run([0, 400])  # the decay (over the last 300 s) has begun: lr 2/3 of the base at 400 s
+    resumed, _ = run([400, 450], resume_from=saved)  # the resumed process's clock starts again at 400 s of spent time
+    assert first == pytest.approx(uninterrupted[:2])
+    assert resumed[1] == pytest.approx(uninterrupted[2])  # 1e-3 · (600 - 450) / 300 = 5e-4
+
+
+def test_label_smoothing_and_compute_loss_func_which_fprm_trainer_does_not_apply_are_refused(tmp_path):
+    # label_smoothing_factor trained silently without smoothing (compute_loss is FPRM's own segment loss)
+    with pytest.raises(ValueError, match=r"`label_smoothing_factor` .*got 0\.1.* use 0"):
+        FPRMTrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"`compute_loss_func` .*got <lambda>.*loss_type"):
+        FPRMTrainer(model=tiny_model(), args=FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                    report_to="none"),
+                    train_dataset=numbered_dataset(), compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
+
+
+def test_a_training_batch_without_labels_is_a_clear_error(tmp_path):
+    # was KeyError: 'labels' deep in the segment step
+    trainer = make_trainer(tmp_path, tiny_model(), 1)
+    trainer.train_dataset = numbered_dataset().remove_columns("labels")
+    with pytest.raises(ValueError, match=r"needs `labels` .*got \['input_ids'\]"):
+        trainer.train()
+
+
+def test_eval_gamma_applies_to_the_iterations_curve_too(tmp_path):
+    """`--eval_gamma` set γ for every evaluation but the stability curve (`--eval_iterations_curve`), which ran with
+    the config's gamma_eval: its numbers came from another solver than the rest of results.json."""
+    from types import SimpleNamespace
+
+    from datasets import DatasetDict
+
+    from looped_training.fprm.evaluate import evaluate
+
+    model = tiny_model().eval()
+    gammas = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: gammas.append(kwargs.get("gamma")), with_kwargs=True)
+    test = numbered_dataset(4).add_column("num_blanks", [1, 2, 3, 4])
+    data_args = SimpleNamespace(task="sudoku", test_length=0, arc_max_grid=0)
+    eval_args = SimpleNamespace(eval_max_loops=4, eval_halt_eps=None, eval_gamma=0.5, eval_batch_size=2,
+                                compare_cap=False, eval_iterations_curve="2,4")
+    results = evaluate(model, DatasetDict({"test": test}), data_args, eval_args, ["num_blanks"])
+    assert results["accuracy_vs_iterations"]["gamma"] == 0.5
+    assert gammas[1:] == [0.5] * (len(gammas) - 1)  # every call after the warm-up
+
+
+def test_evaluation_sees_every_sample_with_the_drop_last_that_training_needs(tmp_path):
+    """dataloader_drop_last (the carry keeps one batch shape) also dropped the last partial batch of an evaluation:
+    eval_loss and compute_metrics covered 16 of 20 samples."""
+    seen = []
+
+    def metrics(eval_pred):
+        seen.append(eval_pred.label_ids.shape[0])
+        return {}
+
+    trainer = make_trainer(tmp_path, tiny_model(), 1, per_device_eval_batch_size=8)
+    trainer.compute_metrics = metrics
+    trainer.evaluate(numbered_dataset(20))
+    assert seen == [20]
+    trainer.train_dataset = numbered_dataset(20)
+    assert len(trainer.get_train_dataloader()) == 2  # training keeps it: 2 full batches of 8
+
+
+def test_train_script_evaluates_during_training_when_asked(tmp_path):
+    # --eval_strategy steps failed after the data was built: "you didn't pass an eval_dataset to Trainer"
+    from looped_training.fprm.train import main
+
+    threads = torch.get_num_threads()
+    try:
+        results = main([
+            "--task", "sudoku", "--sudoku_size", "4", "--output_dir", str(tmp_path), "--num_train", "32",
+            "--num_test", "10", "--hidden_size", "32", "--intermediate_size", "64", "--max_steps", "2",
+            "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "4", "--eval_max_loops", "4",
+            "--use_cpu", "true", "--disable_tqdm", "true", "--compare_cap", "false", "--eval_strategy", "steps",
+            "--eval_steps", "1",
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    evals = [e for e in results["log_history"] if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [1, 2]
+    last = evals[-1]
+    # the metrics of the test split, as the final evaluation computes them (every sample, the same solver cap)
+    assert last["eval_cell_accuracy"] == pytest.approx(results["halting"]["cell_accuracy"])
+    assert last["eval_exact_accuracy"] == pytest.approx(results["halting"]["exact_accuracy"])
+    assert last["eval_mean_iterations"] == pytest.approx(results["halting"]["mean_iterations"])

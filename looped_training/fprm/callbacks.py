@@ -83,7 +83,8 @@ class TimeBudgetCallback(TrainerCallback, ExportableState):
     """Stops training after a wall-clock budget (the presets promise a CPU time). With `decay_fraction` > 0 the
     learning rate also falls linearly to 0 over that last fraction of the budget, on top of the Trainer's own
     schedule: the step count a budget buys is not known in advance, so a step-based decay cannot be placed.
-    A checkpoint keeps the time spent, so a resumed run has what was left of the budget."""
+    A checkpoint keeps the time spent, so a resumed run has what was left of the budget, and the unscaled learning
+    rates (the scheduler's state in the checkpoint holds the scaled ones, which a resumed run would scale again)."""
 
     def __init__(self, minutes, decay_fraction=0.0, clock=time.perf_counter):
         if not 0 <= decay_fraction <= 1:
@@ -91,15 +92,23 @@ class TimeBudgetCallback(TrainerCallback, ExportableState):
         self.seconds, self.decay_fraction, self.clock = minutes * 60, decay_fraction, clock
 
     def state(self):
-        return {"args": {}, "attributes": {"elapsed_s": self.clock() - self.start if hasattr(self, "start") else 0.0}}
+        attributes = {"elapsed_s": self.clock() - self.start if hasattr(self, "start") else 0.0}
+        if getattr(self, "base_lrs", None) is not None:
+            attributes["base_lrs"] = list(self.base_lrs)
+        return {"args": {}, "attributes": attributes}
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
-        self.start = self.clock() - (_saved_attributes(self, state) or {}).get("elapsed_s", 0.0)
+        saved = _saved_attributes(self, state) or {}
+        self.start = self.clock() - saved.get("elapsed_s", 0.0)
         if self.decay_fraction:
             if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
                 raise ValueError(f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
                                  f"{type(lr_scheduler).__name__}.")
-            self.base_lrs = list(lr_scheduler.base_lrs)
+            # resumed: the scheduler restored from the checkpoint holds base values this callback had scaled
+            base_lrs = saved.get("base_lrs")
+            if base_lrs is None or len(base_lrs) != len(lr_scheduler.base_lrs):
+                base_lrs = lr_scheduler.base_lrs
+            self.base_lrs = list(base_lrs)
 
     def lr_factor(self):
         left = 1 - (self.clock() - self.start) / self.seconds

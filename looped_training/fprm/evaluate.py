@@ -83,12 +83,13 @@ def parse_iteration_counts(text):
 
 
 @torch.no_grad()
-def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None):
+def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None,
+                           gamma=None):
     """Accuracy with halting off after each of `counts` iterations (the paper's stability test): every sample runs
     exactly that many solver iterations; one solver run per batch is continued from count to count
     (`solver_state`), so the total cost is max(counts) iterations. Returns, per count: cell/exact accuracy, the
     fraction converged (relative residual of the last iteration < τ), the fraction diverged (non-finite) and the
-    median relative residual."""
+    median relative residual. `halt_eps` (τ) and `gamma` (the decay of η) default to the config's (`gamma_eval`)."""
     counts = check_iteration_counts(counts)
     if "labels" not in dataset.column_names or len(dataset) == 0:
         raise ValueError(f"`dataset` must be a non-empty dataset with a `labels` column, got columns "
@@ -96,6 +97,7 @@ def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), bat
     model.eval()
     device = next(model.parameters()).device
     tau = model.config.halt_eps if halt_eps is None else halt_eps
+    gamma = model.config.gamma_eval if gamma is None else gamma
     preds = [[] for _ in counts]
     residuals = [[] for _ in counts]
     diverged = [[] for _ in counts]
@@ -106,12 +108,13 @@ def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), bat
             kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
         state, done = None, 0
         for j, count in enumerate(counts):
-            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, solver_state=state)
+            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, gamma=gamma,
+                        solver_state=state)
             state, done = out.solver_state, count
             preds[j].append(out.logits.argmax(-1).cpu())
             residuals[j].append(out.residuals.cpu())
             diverged[j].append(out.diverged.cpu())
-    result = {"iterations": counts, "halt_eps": tau, "cell_accuracy": [], "exact_accuracy": [],
+    result = {"iterations": counts, "halt_eps": tau, "gamma": gamma, "cell_accuracy": [], "exact_accuracy": [],
               "converged_fraction": [], "diverged_fraction": [], "median_residual": []}
     for j in range(len(counts)):
         cell, exact, _, _ = accuracy(torch.cat(preds[j]), dataset["labels"])
@@ -175,7 +178,7 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
     if eval_args.eval_iterations_curve:
         results["accuracy_vs_iterations"] = accuracy_vs_iterations(
             model, test, parse_iteration_counts(eval_args.eval_iterations_curve), eval_args.eval_batch_size,
-            knobs.get("halt_eps"))
+            knobs.get("halt_eps"), knobs.get("gamma"))
     if data_args.task == "arc":
         from looped_training.fprm.tasks.arc import pass_at_2
 
@@ -215,7 +218,8 @@ def print_report(results, train_seconds):
                 print(f"  {label!s:>14}  mean iterations {row['mean_iterations']:.1f}{extra}")
     if "accuracy_vs_iterations" in results:
         c = results["accuracy_vs_iterations"]
-        print(f"halting off (τ = {c['halt_eps']:g}):")
+        gamma = f", γ = {c['gamma']:g}" if c.get("gamma") is not None else ""
+        print(f"halting off (τ = {c['halt_eps']:g}{gamma}):")
         for j, n in enumerate(c["iterations"]):
             print(f"  {n:>5} iterations  cell acc {c['cell_accuracy'][j]:.4f}  exact acc {c['exact_accuracy'][j]:.4f}  "
                   f"converged {c['converged_fraction'][j]:.2%}  median residual {c['median_residual'][j]:.3g}")

@@ -13,7 +13,8 @@ the first argument). It only sets defaults: any flag given on the command line w
 
 Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
 run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`; one left incomplete by a
-kill during its save is skipped with a warning) or a checkpoint's path.
+kill during its save is skipped with a warning) or a checkpoint's path, and the model and data flags of the run that
+wrote it (flags that build another model config are refused; the evaluation flags may change).
 
 The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
 path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
@@ -33,9 +34,10 @@ from transformers import HfArgumentParser, set_seed
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import resolve_resume
+from looped_training.checkpoints import RESUME_FREE_CONFIG_KEYS, check_resume_config, resolve_resume
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
-from looped_training.fprm.evaluate import evaluate, parse_iteration_counts, print_report, write_plots
+from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
+                                           write_plots)
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
@@ -155,7 +157,22 @@ def parse_args(argv=None):
     if eval_args.eval_iterations_curve is not None:
         parse_iteration_counts(eval_args.eval_iterations_curve)
     check_run_flags(parser, data_args, eval_args)
+    check_train_size(parser, data_args, train_args)
     return model_args, data_args, eval_args, train_args
+
+
+def check_train_size(parser, data_args, train_args):
+    """argparse's error for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
+    no batch: Trainer would train 0 steps, or fail in its sampler, after the data was built."""
+    if data_args.task == "arc" or data_args.curriculum_start_length is not None:
+        return
+    batch, processes = train_args.per_device_train_batch_size, train_args.world_size
+    needed = batch * processes if train_args.dataloader_drop_last else 1
+    if data_args.num_train < needed:
+        why = (f"--per_device_train_batch_size {batch} x {processes} process(es) with --dataloader_drop_last true"
+               if train_args.dataloader_drop_last else "a batch")
+        parser.error(f"`--num_train` must be >= {needed} ({why}: a smaller training set gives no batch), got "
+                     f"{data_args.num_train}.")
 
 
 def _at_least_one(value, name):
@@ -197,6 +214,18 @@ def check_run_flags(parser, data_args, eval_args):
             parser.error(str(e))
 
 
+def predictions_and_iterations(outputs, labels):
+    """What `solver_metrics` needs of an evaluation batch's outputs (logits, iterations, ...): not the logits."""
+    return outputs[0].argmax(-1), outputs[1]
+
+
+def solver_metrics(eval_pred):
+    """Cell and exact accuracy and mean solver iterations of an evaluation during training (`--eval_strategy`)."""
+    preds, iterations = eval_pred.predictions
+    cell, exact, _, _ = accuracy(torch.as_tensor(preds), eval_pred.label_ids)
+    return {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iterations.mean())}
+
+
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
@@ -219,6 +248,9 @@ def main(argv=None):
         gamma_train=model_args.gamma_train, gamma_eval=model_args.gamma_eval, max_loops=eval_args.eval_max_loops,
         **task_config,
     )
+    if resume is not None:
+        # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment)
+        check_resume_config(resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
     model = FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
@@ -235,7 +267,13 @@ def main(argv=None):
         curriculum = LengthCurriculumCallback(train_dataset, data_args.train_length, data_args.curriculum_threshold,
                                               data_args.curriculum_check_steps, train_args)
         callbacks.append(curriculum)
-    trainer = FPRMTrainer(model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks)
+    eval_kwargs = {}
+    if train_args.eval_strategy != "no":  # evaluation during training: loss and accuracy on the test split
+        test_columns = [c for c in train_columns if c in ds["test"].column_names]
+        eval_kwargs = dict(eval_dataset=ds["test"].select_columns(test_columns),
+                           compute_metrics=solver_metrics, preprocess_logits_for_metrics=predictions_and_iterations)
+    trainer = FPRMTrainer(model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks,
+                          **eval_kwargs)
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1

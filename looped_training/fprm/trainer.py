@@ -65,6 +65,10 @@ class FPRMTrainingArguments(TrainingArguments):
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.train_halt_eps is not None and not self.train_halt_eps > 0:
             raise ValueError(f"`train_halt_eps` must be a positive number or None, got {self.train_halt_eps!r}.")
+        if self.label_smoothing_factor:
+            # Trainer applies it only in its own compute_loss; FPRMTrainer's segment loss would train without it
+            raise ValueError(f"`label_smoothing_factor` is not applied by FPRMTrainer, whose segment loss is its own "
+                             f"(`loss_type` one of {LOSS_TYPES}); got {self.label_smoothing_factor!r}: use 0.")
 
 
 def stablemax_cross_entropy(logits, labels, ignore_index=-100):
@@ -135,14 +139,23 @@ class CarryCheckpointCallback(TrainerCallback):
 class FPRMTrainer(Trainer):
     """`Trainer` whose training step is one deep-supervision segment of truncated BPTT (module docstring).
 
-    Evaluation (`model.eval()`) runs the ordinary forward: the full solver with `gamma_eval`. α parameters are kept
-    out of weight decay (they are logits of scales in (0, 1), not weights).
+    Evaluation (`model.eval()`) runs the ordinary forward: the full solver with `gamma_eval`, on every sample
+    (`dataloader_drop_last` applies to training only). α parameters are kept out of weight decay (they are logits of
+    scales in (0, 1), not weights).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, FPRMTrainingArguments):
             raise ValueError(f"FPRMTrainer needs FPRMTrainingArguments, got {type(self.args).__name__}.")
+        if self.compute_loss_func is not None:
+            # Trainer would also stop dividing the loss by gradient_accumulation_steps, expecting the function to
+            raise ValueError(
+                f"`compute_loss_func` is not applied by FPRMTrainer, whose loss is computed on the samples in flight "
+                f"(the carry), not on the batch; got "
+                f"{getattr(self.compute_loss_func, '__name__', type(self.compute_loss_func).__name__)}. Pass None "
+                f"and choose the loss with `loss_type` {LOSS_TYPES} of FPRMTrainingArguments."
+            )
         self.carry = None
         self._segment_stats = {"iterations": [], "halted": [], "segments": []}
         self.add_callback(CarryCheckpointCallback(self))
@@ -160,6 +173,22 @@ class FPRMTrainer(Trainer):
                 logger.warning("%s has no %s: the samples in flight at that step start afresh.", checkpoint,
                                carry_file(self.args))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Trainer's, without `dataloader_drop_last`: training needs it (the carry keeps one batch shape), but an
+        evaluation must see every sample."""
+        return self._without_drop_last(super().get_eval_dataloader, eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        return self._without_drop_last(super().get_test_dataloader, test_dataset)
+
+    def _without_drop_last(self, make, dataset):
+        drop_last = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = False
+        try:
+            return make(dataset)
+        finally:
+            self.args.dataloader_drop_last = drop_last
 
     def get_decay_parameter_names(self, model):
         return [n for n in super().get_decay_parameter_names(model) if "alpha" not in n]
@@ -191,6 +220,9 @@ class FPRMTrainer(Trainer):
         if not model.training:
             outputs = model(**inputs)
             return (outputs.loss, outputs) if return_outputs else outputs.loss
+        if "labels" not in inputs:
+            raise ValueError(f"FPRMTrainer needs `labels` in every training batch (the answer token of every input "
+                             f"token, -100 ignored), got {sorted(inputs)}.")
         self._refill(model, inputs)
         carry = self.carry
         labels = carry.inputs["labels"]

@@ -51,7 +51,7 @@ from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArgu
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import resolve_resume
+from looped_training.checkpoints import check_resume_config, resolve_resume
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -188,10 +188,6 @@ def read_chat_template(path):
         return f.read()
 
 
-# config.json keys that training itself (the Trainer turns the cache off) or saving may change
-RESUME_FREE_CONFIG_KEYS = ("transformers_version", "architectures", "use_cache", "dtype", "torch_dtype")
-
-
 def check_resume_matches(checkpoint, tokenizer, config):
     """A resumed run rebuilds its tokenizer and model config from the flags: they must be the checkpoint's, or the
     restored weights would meet other token ids (silently) or other shapes (deep in `load_state_dict`)."""
@@ -204,16 +200,7 @@ def check_resume_matches(checkpoint, tokenizer, config):
             f"{len(now)} tokens have other ids): resume with the data flags (corpus, --max_train_chars, "
             f"--tokenizer_vocab_size, ...) of the run that wrote it."
         )
-    saved_config = LoopFormerConfig.get_config_dict(checkpoint)[0]  # config.json, read without building a model
-    built = json.loads(config.to_json_string())  # as config.json holds it (lists, not tuples)
-    different = sorted(key for key, value in built.items()
-                       if key not in RESUME_FREE_CONFIG_KEYS and saved_config.get(key) != value)
-    if different:
-        raise ValueError(
-            f"The flags of this run build a model config that differs from {checkpoint}'s in {different} (e.g. "
-            f"{different[0]}: {saved_config.get(different[0])!r} there, {built[different[0]]!r} here): "
-            f"resume with the model and data flags of the run that wrote it."
-        )
+    check_resume_config(checkpoint, config)
 
 
 def set_chat_template(tokenizer, template, path):
