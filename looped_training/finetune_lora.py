@@ -27,6 +27,7 @@ Outputs: `<output>/adapter` (adapter_model.safetensors + adapter_config.json + t
 
 import argparse
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -198,12 +199,28 @@ def build_parser():
     return p
 
 
+def _check_numeric_flags(args):
+    """The numbers no model accepts. Each failed deep inside (--block_size 0: ZeroDivisionError in the chunker;
+    --batch_size 0, --lora_dropout 1.5, --learning_rate -1: torch errors after the model was loaded) or did something
+    else than asked without a word (--max_steps 0 or -1: the Trainer's 3 epochs; --lora_alpha 0: an adapter scaled
+    by 0 that never changes the model; --lora_dropout 1: every input to the adapter dropped)."""
+    for flag in ("block_size", "batch_size", "max_steps", "lora_r", "lora_alpha"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag} must be an integer >= 1, got {value}.")
+    if not 0.0 <= args.lora_dropout < 1.0:  # NaN fails this too
+        raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}.")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ValueError(f"--learning_rate must be a finite number > 0, got {args.learning_rate}.")
+
+
 def parse_args(argv=None):
     """The flags, `loop_budgets` as a list of ints. A value no model accepts is argparse's error (exit 2), before
     anything is loaded: it would fail at a training step, or (--max_loops 0) be read as not given."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_numeric_flags(args)
         if args.loop_budgets is not None:
             args.loop_budgets = _parse_int_list(args.loop_budgets, "--loop_budgets")
         if args.max_loops is not None:
@@ -216,14 +233,20 @@ def parse_args(argv=None):
 
 
 def check_flags_apply(args, config):
-    """Refuses a flag that `config`'s model type does not read, and a loop budget this LoopFormer does not allow
-    (drawn per batch, it would fail at whichever step first drew it)."""
+    """Refuses a flag that `config`'s model type does not read, a block longer than this LoopFormer's learned position
+    table, and a loop budget this LoopFormer does not allow (drawn per batch, it would fail at whichever step first
+    drew it)."""
     for model_type, flags in MODEL_TYPE_FLAGS.items():
         given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
         if given and model_type != config.model_type:
             raise ValueError(f"{', '.join(given)}: only for {MODEL_NAMES[model_type]} models, and --model "
                              f"{args.model} is model_type {config.model_type!r}.")
     if config.model_type == "loopformer":
+        context = config.max_position_embeddings
+        if config.position_embedding_type == "learned" and args.block_size > context:
+            # the first training step failed with "Position ... is beyond max_position_embeddings"
+            raise ValueError(f"--block_size {args.block_size} is longer than the model's context of {context} tokens "
+                             f"(max_position_embeddings, learned positions); give --block_size <= {context}.")
         for budget in args.loop_budgets or []:
             try:
                 config.resolve_trajectory(budget)  # the check the forward runs

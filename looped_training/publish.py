@@ -3,7 +3,9 @@
     python -m looped_training.publish --checkpoint runs/loopformer-tiny --repo_id org/loopformer-tiny \
         [--token hf_...] [--private] [--eval_json runs/eval.json] [--dataset org/data] [--license apache-2.0]
 
-What lands in the repo (one commit; a repeated push is a new commit on top that replaces these files):
+What lands in the repo (one commit; a repeated push is a new commit on top that replaces these files, and deletes the
+weight files an older push left at the top of the repo, e.g. another shard count or `pytorch_model.bin`; every other
+file in the repo, in folders included, is kept):
 
 - `model.safetensors` (re-saved from the checkpoint, whatever format it was in),
 - `config.json` with `auto_map` and the modeling code (`modeling_*.py`, `configuration_*.py`), so
@@ -31,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -41,8 +44,13 @@ from looped_training.checkpoints import CheckpointError, check_checkpoint
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "model_cards"
 EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json")
-# Weight files a previous push may have left that this push replaces (another shard count, a .bin checkpoint).
-STALE_WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
+# Weight files a previous push may have left that this push replaces (another shard count, a .bin checkpoint): the
+# names transformers gives a model's weights, at the top of the repo only. Files elsewhere in the repo (an ONNX export,
+# an adapter, older checkpoints in a folder) are the user's and are kept.
+STALE_WEIGHT_FILE = re.compile(
+    r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)"
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -177,12 +185,18 @@ CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a mode
 
 
 def _card_max_new_tokens(config, prompt, tokenizer):
-    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions."""
+    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions. A prompt
+    of no token is refused: generate() has nothing to continue."""
+    # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
+    prompt_length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
+    if prompt_length == 0:
+        raise ValueError(
+            f"--prompt {prompt!r} is 0 tokens; the card's snippets generate from it and need at least one token: "
+            f"give a non-empty --prompt."
+        )
     context = getattr(config, "max_position_embeddings", None)
     if context is None:
         return CARD_MAX_NEW_TOKENS
-    # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
-    prompt_length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
     if prompt_length >= context:
         raise ValueError(
             f"--prompt {prompt!r} is {prompt_length} tokens, which leaves no room in the model's context of {context} "
@@ -207,7 +221,9 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
     )
     num_params = sum(p.numel() for p in model.parameters())
     template_vars = dict(
-        repo_id=repo_id, model_name=model_name, prompt=prompt.replace('"', '\\"'),
+        repo_id=repo_id, model_name=model_name,
+        # the inside of a double-quoted Python string literal that holds `prompt` exactly (newlines, backslashes)
+        prompt=json.dumps(prompt, ensure_ascii=False)[1:-1],
         num_parameters=f"{num_params:,}", results_table=_results_table(results) if results else "",
         eval_source=eval_source, training_text=training_text or "See the repository this checkpoint came from.",
         **{k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool)) or v is None},
@@ -416,6 +432,19 @@ def _network_errors():
     return tuple(errors)
 
 
+def _stale_weight_files(api, repo_id, revision, stage_dir):
+    """The repo's top-level weight files that this push does not upload, as exact-name delete patterns (or None).
+
+    `upload_folder`'s delete patterns are fnmatch patterns whose `*` crosses `/`, so "*.safetensors" would also delete
+    the user's files in folders; exact names (glob characters escaped) delete only these."""
+    import glob
+
+    staged = {p.name for p in Path(stage_dir).iterdir()}
+    stale = [name for name in api.list_repo_files(repo_id, revision=revision, repo_type="model")
+             if STALE_WEIGHT_FILE.fullmatch(name) and name not in staged]
+    return [glob.escape(name) for name in stale] or None
+
+
 def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit_message=None, revision=None,
          checkpoint=None):
     """create_repo (exist_ok) + upload_folder of the staged files. Returns the commit URL."""
@@ -435,7 +464,7 @@ def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit
         commit = api.upload_folder(
             folder_path=str(stage_dir), repo_id=repo_id, repo_type="model", revision=revision,
             commit_message=commit_message or "Upload model with looped_training.publish",
-            delete_patterns=STALE_WEIGHT_PATTERNS,
+            delete_patterns=_stale_weight_files(api, repo_id, revision, stage_dir),
         )
     except (HfHubHTTPError, OfflineModeIsEnabled, OSError, *_network_errors()) as err:
         raise _explain(err, endpoint, checkpoint or stage_dir) from err

@@ -2,6 +2,7 @@
 generate(loop_budget=M) on the PEFT model, the loop-conditioning flag, and looped_training/finetune_lora.py end to end."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -141,3 +142,46 @@ def test_finetune_fprm_on_a_task_with_lora(tmp_path):
         c = base(x, halting=False, max_loops=3).logits
     torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
     assert not torch.allclose(a, c, atol=1e-4)
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--block_size", "0", "an integer >= 1"),  # ZeroDivisionError in the text chunker
+    ("--block_size", "-3", "an integer >= 1"),  # a torch sampler error after the model was loaded
+    ("--batch_size", "0", "an integer >= 1"),
+    ("--max_steps", "0", "an integer >= 1"),  # 0 and -1 trained the Trainer's default 3 epochs without a word
+    ("--max_steps", "-1", "an integer >= 1"),
+    ("--lora_r", "0", "an integer >= 1"),  # refused, but only after the model and the data were loaded
+    ("--lora_alpha", "0", "an integer >= 1"),  # scaling alpha/r = 0: an adapter that never changes the model
+    ("--lora_dropout", "1.5", r"in \[0, 1\)"),
+    ("--lora_dropout", "1.0", r"in \[0, 1\)"),  # every input of the adapter dropped
+    ("--learning_rate", "-1", "a finite number > 0"),  # torch's "Invalid learning rate" when training started
+    ("--learning_rate", "nan", "a finite number > 0"),
+    ("--learning_rate", "0", "a finite number > 0"),
+])
+def test_finetune_refuses_a_bad_number_before_loading_anything(tmp_path, capsys, flag, value, allowed):
+    argv = ["--model", str(tmp_path / "no-such-model"), "--train_files", str(tmp_path / "no.txt"),
+            "--output", str(tmp_path / "out"), flag, value]
+    with pytest.raises(SystemExit) as exit_info:  # argparse's error: exit 2, usage + one line
+        finetune_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"error: {flag} must be {allowed}, got {value}\b", err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_finetune_refuses_a_block_longer_than_the_learned_position_table(tmp_path):
+    # the first training step failed with "Position 199 is beyond max_position_embeddings=128", after the model,
+    # tokenizer and data were loaded; the flag that caused it was not named
+    save_checkpoint(tmp_path / "base", max_position_embeddings=128)
+    argv = ["--model", str(tmp_path / "base"), "--train_files", str(tmp_path / "absent.txt"),
+            "--output", str(tmp_path / "out"), "--block_size", "200"]
+    with pytest.raises(ValueError, match=r"--block_size 200 is longer than the model's context of 128 tokens .*"
+                                         r"give --block_size <= 128"):
+        finetune_main(argv)
+    assert not (tmp_path / "out").exists()
+    save_checkpoint(tmp_path / "rope", max_position_embeddings=128, position_embedding_type="rope")
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(CORPUS * 4))
+    summary = finetune_main(["--model", str(tmp_path / "rope"), "--train_files", str(text), "--output",
+                             str(tmp_path / "rope-out"), "--block_size", "200", "--batch_size", "1", "--max_steps", "1"])
+    assert summary["steps"] == 1  # RoPE has no table to run past: the same block size trains

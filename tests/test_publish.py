@@ -297,3 +297,25 @@ def test_lm_eval_results_json_becomes_model_index(tmp_path):
     (result,) = load_eval_results(path)
     assert result["metric_type"] == "acc" and result["metric_value"] == 0.25
     assert result["dataset_name"] == "tiny_lambada" and result["metric_config"] == "pretrained=x,default_loop_budget=2"
+
+
+def test_push_replaces_stale_weight_shards_but_keeps_the_users_other_files(hub, checkpoint):
+    # The stale-weight patterns ("*.safetensors", ...) were fnmatch patterns, whose "*" crosses "/": a push deleted
+    # every .safetensors/.bin file anywhere in the repo (an ONNX export, a LoRA adapter, older checkpoints).
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    repo = "org/keeps-user-files"
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo)
+    user_files = ["onnx/model.safetensors", "lora/adapter_model.safetensors", "checkpoints/step-100/pytorch_model.bin",
+                  "checkpoints/step-100/model.safetensors.index.json", "notes.txt"]
+    stale = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin", "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json"]
+    api.create_commit(repo, [CommitOperationAdd(path_in_repo=p, path_or_fileobj=p.encode()) for p in user_files + stale],
+                      commit_message="a sharded model and the user's own files")
+    path, _ = checkpoint
+    assert publish_main(["--checkpoint", str(path), "--repo_id", repo, "--token", TOKEN, "--endpoint", hub.endpoint]) == 0
+    files = hub.files(repo)
+    assert {p: files.get(p) for p in user_files} == {p: p.encode() for p in user_files}  # untouched
+    assert not set(stale) & set(files)  # the previous model's weights are gone
+    assert "model.safetensors" in files and files["model.safetensors"] != b"model.safetensors"

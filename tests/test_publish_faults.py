@@ -160,3 +160,58 @@ def test_fprm_card_snippet_fits_a_short_learned_position_table(tmp_path):
                          "--stage_dir", str(stage)]) == 0
     card = _run_card_snippets(stage, "org/fprm12")
     assert "(2, 10))" in card  # 12 rows - 2 prefix rows
+
+
+@pytest.mark.parametrize("conditioning,cache", [("shortcut", {}), ("timestep", {}), ("none", {}),
+                                                ("shortcut", {"cache_sharing": "modulo", "cache_share_n": 2})])
+def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, conditioning, cache):
+    # With L=8 the card's example budget 4 makes "coarse_to_fine" a non-uniform schedule, which a model with
+    # loop_conditioning "timestep" or "none" refuses: the card's second snippet raised ValueError, and its first line
+    # said every step is conditioned on t and Δ, which only the shortcut variant is.
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(checkpoint, num_loops=8, loop_conditioning=conditioning, **cache)
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/variant", "--dry_run",
+                         "--stage_dir", str(stage)]) == 0
+    card = _run_card_snippets(stage, "org/variant")
+    body = card.split("---", 2)[2]
+    if conditioning == "shortcut":
+        assert "conditioned on its normalised time t and step size Δ" in body
+        assert 'step_schedule="coarse_to_fine"' in body
+    else:
+        assert "step size Δ" not in body and "coarse_to_fine" not in body
+        assert {"timestep": "conditioned on its loop index", "none": "no loop conditioning"}[conditioning] in body
+    # the KV cache sentence follows cache_sharing (it claimed one slot per loop step for a modulo cache too)
+    modulo = "The KV cache keeps 2 loop-step slots per block" in body
+    assert modulo == bool(cache) and ("one slot per (loop step, block)" in body) == (not cache)
+    # the citation names the paper's full title and its three authors (it was "Jeddi and others")
+    assert "LoopFormer: Elastic-Depth Looped Transformers for Latent Reasoning via Shortcut Modulation" in body
+    assert "{Jeddi, Ahmadreza and Ciccone, Marco and Taati, Babak}" in body
+    assert "and others" not in body and "2602.11451" in body
+
+
+def test_card_snippets_hold_the_prompt_exactly_whatever_its_characters(tmp_path):
+    # only '"' was escaped: a newline in --prompt made every snippet a SyntaxError, a backslash changed the prompt
+    import ast
+    import re
+
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(checkpoint)
+    prompt = 'the "cat"\\sat\non\tthe mat'
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/prompt", "--dry_run",
+                         "--stage_dir", str(stage), "--prompt", prompt]) == 0
+    card = _run_card_snippets(stage, "org/prompt")
+    literals = re.findall(r'tokenizer\(\[("(?:[^"\\\n]|\\.)*")\]', card) + re.findall(r'generator\(("(?:[^"\\\n]|\\.)*")', card)
+    assert len(literals) == 3 and {ast.literal_eval(x) for x in literals} == {prompt}
+
+
+def test_an_empty_prompt_is_refused(tmp_path, capsys):
+    # the card was published with snippets that fail: generate() refuses a prompt of zero tokens
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(checkpoint)
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/empty", "--dry_run",
+                         "--stage_dir", str(tmp_path / "stage"), "--prompt", ""]) == 2
+    err = capsys.readouterr().err
+    assert "error: --prompt '' is 0 tokens" in err and "at least one token" in err
+    assert not (tmp_path / "stage").exists()
