@@ -231,6 +231,8 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
     if kind["template"] == "loopformer.md":
         variant = {"shortcut": "shortcut-conditioned", "timestep": "TMLT, timestep-conditioned",
                    "none": "Base-Loop, unconditioned"}[config.loop_conditioning]
+        if config.loop_conditioning == "none" and config.num_loops == 1:  # the training script's "base" variant
+            variant = "Base, not looped: one pass of its blocks"
         L = config.num_loops
         budget = max(1, L // 2)
         schedule = config.step_schedule_preset("uniform", budget)

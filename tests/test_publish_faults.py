@@ -175,6 +175,8 @@ def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, cond
                          "--stage_dir", str(stage)]) == 0
     card = _run_card_snippets(stage, "org/variant")
     body = card.split("---", 2)[2]
+    assert {"shortcut": "(shortcut-conditioned;", "timestep": "(TMLT, timestep-conditioned;",
+            "none": "(Base-Loop, unconditioned;"}[conditioning] in body
     if conditioning == "shortcut":
         assert "conditioned on its normalised time t and step size Δ" in body
         assert 'step_schedule="coarse_to_fine"' in body
@@ -188,6 +190,16 @@ def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, cond
     assert "LoopFormer: Elastic-Depth Looped Transformers for Latent Reasoning via Shortcut Modulation" in body
     assert "{Jeddi, Ahmadreza and Ciccone, Marco and Taati, Babak}" in body
     assert "and others" not in body and "2602.11451" in body
+
+
+def test_the_card_of_the_unlooped_base_variant_does_not_call_it_base_loop(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    save_checkpoint(checkpoint, num_loops=1, loop_conditioning="none")
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/base", "--dry_run",
+                         "--stage_dir", str(stage)]) == 0
+    body = _run_card_snippets(stage, "org/base").split("---", 2)[2]
+    assert "(Base, not looped: one pass of its blocks;" in body and "Base-Loop" not in body
 
 
 def test_card_snippets_hold_the_prompt_exactly_whatever_its_characters(tmp_path):
