@@ -285,5 +285,29 @@ def test_training_script_under_ddp_yaml_matches_one_process_without_unused_param
     print(f"train.py under ddp.yaml: max |parameter difference| to one process after 2 steps: {worst:.3g}")
 
 
+
+def test_fprm_training_script_under_ddp_yaml_saves_evaluates_and_writes_once(tmp_path):
+    # every rank saved model/, ran the whole evaluation and wrote results.json and the plots, at the same time
+    out = tmp_path / "fprm"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "looped_training.fprm.train",
+           "--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
+           "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
+           "--disable_tqdm", "true", "--torch_threads", "1", "--output_dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert output.count(f"wrote {out}/results.json") == 1 and output.count("exact acc") >= 1
+    assert output.count("cell acc") == output.count("exact acc")  # one report's lines, not two
+    assert (out / "model" / "model.safetensors").is_file()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    results = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert results["train_steps"] == 2
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])

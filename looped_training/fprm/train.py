@@ -1,5 +1,6 @@
 """Train and evaluate FPRM on Sudoku, mazes, A5/S5 state tracking or ARC-AGI-1, on one CPU, one GPU or several
-processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep supervision).
+processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep supervision). With several processes
+the main one alone saves `model/`, evaluates and writes `results.json` (strict JSON: a non-finite number is null).
 
     python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
     python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
@@ -226,6 +227,18 @@ def solver_metrics(eval_pred):
     return {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iterations.mean())}
 
 
+def _strict_json(value):
+    """`value` with every non-finite float (an accuracy of no sample, a diverged residual) as None: NaN and Infinity
+    are not JSON, and strict readers (JavaScript, jq) refuse the file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
@@ -277,6 +290,8 @@ def main(argv=None):
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
+    if not trainer.is_world_process_zero():  # one process saves, evaluates and writes (the ranks hold the same weights)
+        return None
     # saved before the evaluation, so that an error there cannot lose the training
     model.save_pretrained(os.path.join(train_args.output_dir, "model"))
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
@@ -295,7 +310,7 @@ def main(argv=None):
     print_report(results, train_seconds)
     plots = write_plots(results, trainer.state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+        json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
     print(f"wrote {train_args.output_dir}/results.json, model/ and plots: {', '.join(os.path.basename(p) for p in plots)}")
     return results
 
