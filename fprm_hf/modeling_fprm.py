@@ -791,9 +791,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def check_labels(self, labels, input_ids):
-        """`labels`: an integer tensor of the shape of `input_ids`, each a token id or -100 (ignored)."""
-        shape = tuple(getattr(input_ids, "shape", ()))
+    def check_labels(self, labels, shape):
+        """`labels`: an integer tensor of the inputs' (batch, tokens) `shape`, each a token id or -100 (ignored)."""
         if not _is_integer_tensor(labels) or tuple(labels.shape) != shape:
             raise ValueError(
                 f"`labels` must be an integer tensor of the shape of `input_ids` {shape}, got "
@@ -838,7 +837,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None:
-            self.check_labels(labels, input_ids if inputs_embeds is None else inputs_embeds[..., 0])
+            inputs = input_ids if inputs_embeds is None else inputs_embeds
+            self.check_labels(labels, tuple(getattr(inputs, "shape", ()))[:2])
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

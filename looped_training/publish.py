@@ -30,6 +30,7 @@ Evaluation JSON (`--eval_json`, else `eval_results.json` / `evaluation.json` in 
 """
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -439,8 +440,6 @@ def _stale_weight_files(api, repo_id, revision, stage_dir):
 
     `upload_folder`'s delete patterns are fnmatch patterns whose `*` crosses `/`, so "*.safetensors" would also delete
     the user's files in folders; exact names (glob characters escaped) delete only these."""
-    import glob
-
     staged = {p.name for p in Path(stage_dir).iterdir()}
     stale = [name for name in api.list_repo_files(repo_id, revision=revision, repo_type="model")
              if STALE_WEIGHT_FILE.fullmatch(name) and name not in staged]
