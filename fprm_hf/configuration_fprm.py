@@ -45,7 +45,7 @@ DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
                        "max_position_embeddings", "num_puzzle_identifiers")
 BOOL_FIELDS = ("causal", "outer_only", "conv_bias", "normalize_input_injection", "final_norm", "fixed_init",
-               "attention_bias", "mlp_bias", "tie_word_embeddings")
+               "attention_bias", "mlp_bias", "tie_word_embeddings", "use_q_head")
 CHOICE_FIELDS = {
     "residual_scaling": RESIDUAL_SCALINGS,
     "norm_type": NORM_TYPES,
@@ -57,7 +57,7 @@ CHOICE_FIELDS = {
 POSITIVE_FLOAT_FIELDS = ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature")
 # Fields whose validity depends on another field; re-checked together whenever one of them is set.
 CROSS_CHECKED_FIELDS = ("hidden_size", "num_attention_heads", "grid_size", "conv_type", "conv_kernel_size",
-                        "position_embedding_type")
+                        "position_embedding_type", "num_prefix_tokens", "puzzle_emb_ndim")
 
 
 def swiglu_width(hidden_size, expansion):
@@ -147,6 +147,12 @@ class FPRMConfig(PreTrainedConfig):
             embedding; 0 disables them). The conv leaves them unchanged.
         num_puzzle_identifiers (`int`, defaults to 1): rows of the prefix table, chosen per sample by
             `puzzle_identifiers`.
+        puzzle_emb_ndim (`int`, *optional*): how many values of a sample's prefix rows are learned (their
+            `puzzle_emb_ndim`, row-major over the `num_prefix_tokens` × `hidden_size` values); the others are zero.
+            Their Sudoku/maze configs learn `hidden_size` values, i.e. the first row of 16. `None` (default): all.
+        use_q_head (`bool`, defaults to `False`): a Q-head (their `q_head`, d → 2 with bias, weight 0 and bias −5 at
+            init) on the first row of the final state; `q_halt_logits` is its first output. It changes no logits; the
+            trainer adds their Q-halt loss (BCE(q_halt, sequence correct)) when the model has it.
         residual_scaling (`str`, defaults to `"input_independent"`): `"input_independent"` (α = sigmoid(param) per
             channel), `"fixed"` (the constants `alpha1`, `alpha2`), `"input_dependent"` (α = sigmoid(Linear(y')) per
             token and channel) or `"none"` (α = β = 1). β's are tied: β2 = 1 − α2·α1^(2N),
@@ -208,6 +214,8 @@ class FPRMConfig(PreTrainedConfig):
         rope_theta=10000.0,
         num_prefix_tokens=16,
         num_puzzle_identifiers=1,
+        puzzle_emb_ndim=None,
+        use_q_head=False,
         residual_scaling="input_independent",
         outer_only=False,
         alpha1=0.5,
@@ -260,6 +268,8 @@ class FPRMConfig(PreTrainedConfig):
         self.rope_theta = rope_theta
         self.num_prefix_tokens = num_prefix_tokens
         self.num_puzzle_identifiers = num_puzzle_identifiers
+        self.puzzle_emb_ndim = puzzle_emb_ndim
+        self.use_q_head = use_q_head
         self.residual_scaling = residual_scaling
         self.outer_only = outer_only
         self.alpha1 = alpha1
@@ -326,6 +336,9 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {value!r}.")
         if name == "initial_state_seed" and not (_is_int(value) and -(2**63) <= value < 2**64):
             raise ValueError(f"`initial_state_seed` must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
+        if name == "puzzle_emb_ndim" and value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"`puzzle_emb_ndim` must be None (all prefix values learned) or an integer >= 1, got "
+                             f"{value!r}.")
         if name == "grid_size":
             if isinstance(value, (tuple, list)) and len(value) == 2:
                 value = list(value)
@@ -363,12 +376,19 @@ class FPRMConfig(PreTrainedConfig):
             raise ValueError(f"`conv_type={self.conv_type!r}` needs a `conv_kernel_size`, got None.")
         if self.conv_type == "2d" and self.conv_kernel_size % 2 == 0:
             raise ValueError(f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}.")
+        ndim = self.puzzle_emb_ndim
+        if ndim is not None and ndim > self.num_prefix_tokens * self.hidden_size:
+            raise ValueError(
+                f"`puzzle_emb_ndim` ({ndim}) must be at most num_prefix_tokens × hidden_size = "
+                f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} (the "
+                f"values of the prefix rows), or None."
+            )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
 
     def _validate_fields(self):
         for name in (*POSITIVE_INT_FIELDS, *BOOL_FIELDS, *CHOICE_FIELDS, *POSITIVE_FLOAT_FIELDS, *SOLVER_FIELDS,
-                     "num_prefix_tokens", "initial_state_seed", "grid_size", "conv_kernel_size", "alpha1", "alpha2",
+                     "num_prefix_tokens", "puzzle_emb_ndim", "initial_state_seed", "grid_size", "conv_kernel_size", "alpha1", "alpha2",
                      "initializer_range", "attention_dropout"):
             self._check_field(name, getattr(self, name))
         self._check_cross_fields()

@@ -30,8 +30,9 @@ Key mapping (theirs, after `model.inner.` → this package):
 
 Dropped after a check: the `mask` buffer of every linear layer (their DropConnect mask, applied in training only;
 all ones unless `weight_dropout` > 0) and the Q-head (`q_head.weight`/`.bias`, a halting/loss head that does not
-change the logits). Anything else (an unknown or missing key, a wrong shape, a setting this package cannot compute
-such as `mlp_t` or spectral-norm linears) is a `ValueError` that names it.
+change the logits; `--keep-q-head` keeps it as `q_head`, for training on with their Q-halt loss). Anything else
+(an unknown or missing key, a wrong shape, a setting this package cannot compute such as `mlp_t` or spectral-norm
+linears) is a `ValueError` that names it. `puzzle_emb_ndim` is kept: the prefix values beyond it stay zero.
 """
 
 import argparse
@@ -125,7 +126,7 @@ def _bool(settings, key):
     return value
 
 
-def build_config(settings, fixed_alphas=None):
+def build_config(settings, fixed_alphas=None, use_q_head=False):
     """An `FPRMConfig` from their arch fields (names as in their code; module docstring)."""
     unknown = sorted(set(settings) - set(COMPUTING_DEFAULTS) - set(REQUIRED) - IGNORED)
     if unknown:
@@ -184,6 +185,7 @@ def build_config(settings, fixed_alphas=None):
         fixed_init=_bool(s, "fixed_init"), halt_eps=float(s["fp_thresh"]), eta=float(s["stepsize"]),
         gamma_train=float(s["stepsize_decay_train"]), gamma_eval=float(s["stepsize_decay_eval"]),
         patience=int(s["decay_patience"]), rms_norm_eps=float(s["rms_norm_eps"]),
+        puzzle_emb_ndim=ndim if prefix else None, use_q_head=use_q_head,
         **({"max_loops": int(max_loops)} if max_loops else {}),
     )
 
@@ -254,6 +256,9 @@ def map_reference_state_dict(reference, config):
                 print(f"note: {key} is not all ones (a DropConnect mask of training); inference does not use it",
                       file=sys.stderr)
             dropped.append(key)
+            continue
+        if key in ("q_head.weight", "q_head.bias") and config.use_q_head:
+            mapped[key] = tensor.float()
             continue
         if key in ("q_head.weight", "q_head.bias", "L_level.rotary_emb.cos_cached", "rotary_emb.cos_cached",
                    "rotary_emb.sin_cached"):
@@ -326,9 +331,10 @@ def _map_key(key, config):
 
 
 def convert(checkpoint, configs, output, vocab_size=None, seq_len=None, num_puzzle_identifiers=None,
-            dataset_json=None, allow_pickle=False, overrides=None):
+            dataset_json=None, allow_pickle=False, overrides=None, keep_q_head=False):
     """Convert and save; returns the loaded-back `FPRMForReasoning`. `checkpoint` is a path or a state dict;
-    `configs` are paths or mappings of their arch fields (later wins)."""
+    `configs` are paths or mappings of their arch fields (later wins). `keep_q_head=True` keeps their Q-head
+    (`use_q_head=True`, for training on with their Q-halt loss); by default it is dropped."""
     output = os.fspath(output)
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"--output {output!r} exists and is not a folder.")
@@ -342,7 +348,7 @@ def convert(checkpoint, configs, output, vocab_size=None, seq_len=None, num_puzz
     mappings.append(dict(overrides or {}))
     settings = merge_settings(*mappings)
     reference = checkpoint if isinstance(checkpoint, dict) else load_reference_state_dict(checkpoint, allow_pickle)
-    config = build_config(settings, fixed_alphas_of(reference))
+    config = build_config(settings, fixed_alphas_of(reference), use_q_head=keep_q_head)
     state_dict, _ = map_reference_state_dict(reference, config)
     model = FPRMForReasoning(config)
     model.load_state_dict(state_dict, strict=True)
@@ -361,6 +367,8 @@ def _parser():
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--num-puzzle-identifiers", type=int, default=None)
+    p.add_argument("--keep-q-head", action="store_true",
+                   help="keep their Q-head (use_q_head=True) instead of dropping it, to train on with its loss")
     p.add_argument("--allow-pickle", action="store_true",
                    help="torch.load with weights_only=False (only for a trusted file holding other objects)")
     return p
@@ -370,7 +378,8 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         model = convert(args.checkpoint, args.config, args.output, args.vocab_size, args.seq_len,
-                        args.num_puzzle_identifiers, args.dataset_json, args.allow_pickle)
+                        args.num_puzzle_identifiers, args.dataset_json, args.allow_pickle,
+                        keep_q_head=args.keep_q_head)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -291,7 +291,10 @@ class FPRMPreTrainedModel(PreTrainedModel):
             s = truncated_normal_std(std)
             init.trunc_normal_(tensor, std=s, a=-2 * s, b=2 * s)
 
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and getattr(module, "is_q_head", False):
+            init.zeros_(module.weight)  # their Q-head init: halting logits start at -5
+            init.constant_(module.bias, -5.0)
+        elif isinstance(module, nn.Linear):
             trunc_normal(module.weight, config.initializer_range or module.weight.shape[1] ** -0.5)  # LeCun normal
             if module.bias is not None:
                 init.zeros_(module.bias)
@@ -400,6 +403,8 @@ class FPRMReasoningOutput(ModelOutput):
     """
     loss: cross-entropy of `logits` against `labels` (-100 ignored), when labels are given.
     logits: (batch, input tokens, vocab_size) prediction for every input token (prefix tokens dropped).
+    q_halt_logits: (batch,) float32, with `use_q_head=True`: the Q-head's halting logit, read from the first row of
+        the final state (their `q_head(y[:, 0])[..., 0]`).
     Other fields as [`FPRMModelOutput`].
     """
 
@@ -412,6 +417,7 @@ class FPRMReasoningOutput(ModelOutput):
     residual_trace: torch.FloatTensor | None = None
     solver_state: FPRMSolverState | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    q_halt_logits: torch.FloatTensor | None = None
 
 
 class FPRMModel(FPRMPreTrainedModel):
@@ -514,11 +520,21 @@ class FPRMModel(FPRMPreTrainedModel):
         if self.prefix is not None:
             if puzzle_identifiers is None:
                 puzzle_identifiers = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-            x = torch.cat([self.prefix[puzzle_identifiers].to(x.dtype), x], dim=1)
+            x = torch.cat([self.prefix_rows(puzzle_identifiers).to(x.dtype), x], dim=1)
         if self.embed_positions is not None:
             positions = self.embed_positions(torch.arange(x.shape[1], device=x.device))[None]
             x = LEARNED_POSITION_SCALE * (x + positions)
         return self.config.hidden_size**0.5 * x  # embeddings are initialised at std 1/√d: x has unit scale
+
+    def prefix_rows(self, puzzle_identifiers):
+        """The prefix rows of each sample, (batch, num_prefix_tokens, hidden): with `puzzle_emb_ndim`, only its
+        first values (row-major) are the table's, the rest zero, as their zero-padded puzzle embedding."""
+        rows = self.prefix[puzzle_identifiers]
+        ndim = self.config.puzzle_emb_ndim
+        if ndim is None:
+            return rows
+        keep = torch.arange(rows[0].numel(), device=rows.device) < ndim
+        return rows * keep.view(rows.shape[1:]).to(rows.dtype)
 
     def initial_z(self, x, generator=None):
         """z0 for every sample and token of `x` (module docstring of the config, `fixed_init`, `init_std`).
@@ -780,6 +796,10 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         super().__init__(config)
         self.model = FPRMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.q_head = None
+        if config.use_q_head:  # their Q-head: (halt, continue) logits; only the first is used (no_ACT_continue)
+            self.q_head = nn.Linear(config.hidden_size, 2, bias=True)
+            self.q_head.is_q_head = True
         self.post_init()
 
     def get_input_embeddings(self):
@@ -860,6 +880,9 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         )
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
         logits = self.lm_head(hidden)
+        q_halt_logits = None
+        if self.q_head is not None:
+            q_halt_logits = self.q_head(outputs.solver_state.hidden[:, 0]).float()[..., 0]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)
@@ -873,6 +896,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             residual_trace=outputs.residual_trace,
             solver_state=outputs.solver_state,
             hidden_states=outputs.hidden_states,
+            q_halt_logits=q_halt_logits,
         )
         return output if return_dict else output.to_tuple()
 

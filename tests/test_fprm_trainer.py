@@ -170,9 +170,19 @@ def test_train_script_passes_min_train_length_to_state_tracking():
     ds, _, _ = build_task(data_args, seed=0)
     lengths = set(ds["train"]["length"])
     assert min(lengths) == 2 and max(lengths) == 8 and len(lengths) == 7
-    assert all(len(row) == 8 for row in ds["train"]["input_ids"])  # padded to train_length
+    # padded to the test length by default, as the authors' build_state_tracking_dataset; pad labels ignored
+    assert all(len(row) == 16 for row in ds["train"]["input_ids"])
+    for ids, labels, length in zip(ds["train"]["input_ids"], ds["train"]["labels"], ds["train"]["length"]):
+        assert ids[length:] == [0] * (16 - length) and labels[length:] == [-100] * (16 - length)
+        assert -100 not in labels[:length]
+    _, unpadded, _, _ = parse_args(["--task", "s5", "--train_length", "8", "--min_train_length", "2",
+                                    "--num_train", "20", "--num_test", "2", "--test_length", "16",
+                                    "--pad_train_to_test_length", "false"])
+    ds, _, _ = build_task(unpadded, seed=0)
+    assert all(len(row) == 8 for row in ds["train"]["input_ids"])  # padded to train_length only
     _, s5_quick, _, _ = parse_args(["--preset", "s5-quick"])
     assert s5_quick.min_train_length is not None and s5_quick.min_train_length < s5_quick.train_length
+    assert not s5_quick.pad_train_to_test_length  # the recipe of earlier versions
 
 
 def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp_path):

@@ -74,6 +74,11 @@ class ModelArguments:
     patience: int = field(default=5)
     gamma_train: float = field(default=0.9)
     gamma_eval: float = field(default=0.99)
+    use_q_head: bool = field(default=False, metadata={"help": "their Q-head on the first state row (trained by "
+                                                              "--q_loss_coefficient, theirs 0.5 on Sudoku/maze)"})
+    puzzle_emb_ndim: int | None = field(
+        default=None, metadata={"help": "values of the prefix rows that are learned (their puzzle_emb_ndim, = d in "
+                                        "their Sudoku/maze configs: the first of the 16 rows); default all"})
 
 
 @dataclass
@@ -91,6 +96,10 @@ class DataArguments:
         default=None, metadata={"help": "state tracking: train lengths uniform in [min_train_length, train_length] "
                                         "(default: all exactly train_length)"})
     test_length: int = field(default=128)
+    pad_train_to_test_length: bool = field(
+        default=True, metadata={"help": "state tracking: pad the training rows to --test_length with ignored labels, "
+                                        "as the authors' build_state_tracking_dataset (false: to the longest training "
+                                        "length, cheaper per step; the halting residual then reads fewer positions)"})
     curriculum_start_length: int | None = field(
         default=None, metadata={"help": "state tracking: train on fresh sequences of length <= this first, then "
                                         "raise the maximum by half (up to --train_length) each time accuracy at the "
@@ -257,7 +266,8 @@ def main(argv=None):
         conv_placement=model_args.conv_placement, fixed_init=model_args.fixed_init, final_norm=model_args.final_norm,
         num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
         init_std=model_args.init_std, halt_eps=model_args.halt_eps, patience=model_args.patience,
-        conv_kernel_size=model_args.conv_kernel_size,
+        conv_kernel_size=model_args.conv_kernel_size, use_q_head=model_args.use_q_head,
+        puzzle_emb_ndim=model_args.puzzle_emb_ndim,
         gamma_train=model_args.gamma_train, gamma_eval=model_args.gamma_eval, max_loops=eval_args.eval_max_loops,
         **task_config,
     )
@@ -276,7 +286,9 @@ def main(argv=None):
         from looped_training.fprm.tasks.state_tracking import StateTrackingStream
 
         train_dataset = StateTrackingStream(data_args.task.upper(), data_args.min_train_length or 1,
-                                            data_args.curriculum_start_length, seed=train_args.seed)
+                                            data_args.curriculum_start_length, seed=train_args.seed,
+                                            pad_to=data_args.test_length if data_args.pad_train_to_test_length
+                                            else None)
         curriculum = LengthCurriculumCallback(train_dataset, data_args.train_length, data_args.curriculum_threshold,
                                               data_args.curriculum_check_steps, train_args)
         callbacks.append(curriculum)
@@ -290,6 +302,8 @@ def main(argv=None):
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
+    if trainer.ema is not None:  # the authors save and evaluate the EMA weights
+        trainer.swap_ema()
     if not trainer.is_world_process_zero():  # one process saves, evaluates and writes (the ranks hold the same weights)
         return None
     # saved before the evaluation, so that an error there cannot lose the training

@@ -13,6 +13,7 @@ samples that were in flight and trains exactly as the uninterrupted one would.
 """
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -29,6 +30,13 @@ logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("softmax", "stablemax")
 SEGMENT_HALTINGS = ("after_segment", "per_iteration")
+LR_SCHEDULES = ("trainer", "authors")
+LOSS_NORMALIZATIONS = ("sample", "token")
+PUZZLE_EMB_OPTIMIZERS = ("adamw", "signsgd")
+
+
+def _option(default, help):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -52,6 +60,30 @@ class FPRMTrainingArguments(TrainingArguments):
                           "halts when its residual < train_halt_eps or η < min_eta; per_iteration (earlier versions): "
                           "the solver freezes a sample inside the segment as soon as it halts."},
     )
+    max_grad_norm: float = _option(
+        0.0, "Gradient clipping; 0 (default) is off, as the authors' pretrain.py (Trainer's default is 1.0: pass it "
+             "to clip).")
+    lr_schedule: str = _option(
+        "trainer", f"{LR_SCHEDULES}: trainer = --lr_scheduler_type with --warmup_steps; authors = their pretrain.py: "
+                   "lr·(s+1)/W for steps s < W (their first step trains at lr/W), then constant (their lr_min_ratio "
+                   "1.0); --lr_scheduler_type is then not used.")
+    loss_normalization: str = _option(
+        "sample", f"{LOSS_NORMALIZATIONS}: sample (the authors') = each sample's mean over its labelled tokens, then "
+                  "the mean over the batch; token (earlier versions) = the mean over every labelled token of the "
+                  "batch. Equal when every sample has the same number of labels.")
+    q_loss_coefficient: float | None = _option(
+        None, "Weight of their Q-halt loss, BCE(q_halt_logits, sequence correct), for a model with use_q_head=True "
+              "(default then 0.5, theirs; 0 turns it off).")
+    ema_decay: float | None = _option(
+        None, "Keep an exponential moving average of the weights, updated after every optimizer step (the authors' "
+              "Sudoku/maze: 0.999), for evaluation and the saved model; None: off.")
+    puzzle_emb_optimizer: str = _option(
+        "adamw", f"{PUZZLE_EMB_OPTIMIZERS}: how the prefix rows (model.prefix) are trained. adamw: with the rest; "
+                 "signsgd (the authors'): sign of the gradient summed over the batch, with decoupled weight decay on "
+                 "the rows of the batch only, at --puzzle_emb_lr (scheduled as --learning_rate).")
+    puzzle_emb_lr: float | None = _option(None, "SignSGD learning rate of the prefix rows (default: --learning_rate).")
+    puzzle_emb_weight_decay: float | None = _option(
+        None, "SignSGD weight decay of the prefix rows (default: --weight_decay).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,6 +95,18 @@ class FPRMTrainingArguments(TrainingArguments):
             raise ValueError(f"`segment_halting` must be one of {SEGMENT_HALTINGS}, got {self.segment_halting!r}.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
+        choices = (("lr_schedule", LR_SCHEDULES), ("loss_normalization", LOSS_NORMALIZATIONS),
+                   ("puzzle_emb_optimizer", PUZZLE_EMB_OPTIMIZERS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        for name in ("q_loss_coefficient", "puzzle_emb_lr", "puzzle_emb_weight_decay"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"`{name}` must be None or a finite number >= 0, got {value!r}.")
+        if self.ema_decay is not None and not (isinstance(self.ema_decay, (int, float)) and 0 < self.ema_decay < 1):
+            raise ValueError(f"`ema_decay` must be None (off) or a number in (0, 1) (theirs: 0.999), got "
+                             f"{self.ema_decay!r}.")
         if self.train_halt_eps is not None and not self.train_halt_eps > 0:
             raise ValueError(f"`train_halt_eps` must be a positive number or None, got {self.train_halt_eps!r}.")
         if self.label_smoothing_factor:
@@ -71,20 +115,99 @@ class FPRMTrainingArguments(TrainingArguments):
                              f"(`loss_type` one of {LOSS_TYPES}); got {self.label_smoothing_factor!r}: use 0.")
 
 
-def stablemax_cross_entropy(logits, labels, ignore_index=-100):
-    """Cross-entropy with s(x) = x + 1 (x ≥ 0), 1 / (1 − x) (x < 0) in place of exp (TRM's stablemax)."""
+def stablemax_token_losses(logits, labels, ignore_index=-100):
+    """Per-token cross-entropy (float64, 0 where ignored) with s(x) = x + 1 (x ≥ 0), 1 / (1 − x) (x < 0) in place of
+    exp (TRM's stablemax)."""
     logits = logits.double()
     s = torch.where(logits >= 0, logits + 1, 1 / (1 - logits))
     logprobs = torch.log(s / s.sum(-1, keepdim=True))
     valid = labels != ignore_index
     picked = torch.gather(logprobs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return -(picked * valid).sum().float() / valid.sum().clamp(min=1)
+    return -(picked * valid)
 
 
-def token_loss(logits, labels, loss_type):
+def stablemax_cross_entropy(logits, labels, ignore_index=-100):
+    """The mean of `stablemax_token_losses` over the labelled tokens."""
+    valid = labels != ignore_index
+    return stablemax_token_losses(logits, labels, ignore_index).sum().float() / valid.sum().clamp(min=1)
+
+
+def token_loss(logits, labels, loss_type, normalization="token"):
+    """The segment's cross-entropy: `token` = the mean over every labelled token; `sample` = each sample's mean over
+    its labelled tokens (0 for a sample without labels), then the mean over the batch (the authors')."""
+    if normalization == "token":
+        if loss_type == "stablemax":
+            return stablemax_cross_entropy(logits, labels)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     if loss_type == "stablemax":
-        return stablemax_cross_entropy(logits, labels)
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        losses = stablemax_token_losses(logits, labels)
+    else:
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                 reduction="none").view(labels.shape)
+    counts = (labels != -100).sum(-1).clamp(min=1)
+    return (losses.sum(-1) / counts).mean().float()
+
+
+def q_halt_loss(q_halt_logits, logits, labels):
+    """Their Q-halt loss: BCE(q_halt_logits, every labelled token of the sample predicted right), mean over the batch
+    (their sum / global batch)."""
+    with torch.no_grad():
+        valid = labels != -100
+        correct = ((logits.argmax(-1) == labels) | ~valid).all(-1)
+    return F.binary_cross_entropy_with_logits(q_halt_logits.float(), correct.float())
+
+
+class SignSGDAdamW(torch.optim.AdamW):
+    """AdamW for every param group but those marked `signsgd=True` (the prefix rows), which take the authors'
+    sparse SignSGD step: p ← p·(1 − lr·wd) − lr·sign(g) on the rows of the batch only (`signsgd_rows`, set on the
+    parameter by the trainer at every segment; all rows with a gradient when unset). The scheduler scales each
+    group's lr, so the prefix rows follow the same schedule at their own lr, as theirs."""
+
+    def step(self, closure=None):
+        groups = self.param_groups
+        sign_groups = [g for g in groups if g.get("signsgd")]
+        with torch.no_grad():
+            for group in sign_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    rows = getattr(p, "signsgd_rows", None)
+                    if rows is None:
+                        rows = p.grad.flatten(1).ne(0).any(-1).nonzero().squeeze(1)
+                    lr, wd = group["lr"], group["weight_decay"]
+                    p[rows] = p[rows] * (1.0 - lr * wd) - lr * torch.sign(p.grad[rows])
+        self.param_groups = [g for g in groups if not g.get("signsgd")]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
+
+
+class EMACallback(TrainerCallback):
+    """Their EMAHelper: a shadow copy of the trained parameters, shadow ← (1 − μ)·p + μ·shadow after every
+    optimizer step (`on_step_end`), from the weights at the start of training. The prefix rows of a SignSGD run are
+    not averaged (theirs are a buffer, outside `named_parameters`)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.trainer.ema is None:
+            self.trainer.ema = {n: p.detach().clone() for n, p in self.trainer.ema_parameters()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        mu = args.ema_decay
+        with torch.no_grad():
+            for name, p in self.trainer.ema_parameters():
+                shadow = self.trainer.ema[name]
+                shadow.copy_((1.0 - mu) * p.detach() + mu * shadow)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, ema_file(args))
+        save_file({k: v.contiguous() for k, v in self.trainer.ema.items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
 
 
 @dataclass
@@ -111,6 +234,10 @@ class Carry:
             return {k[len(prefix):]: v for k, v in named.items() if k.startswith(prefix)}
 
         return cls(part("inputs."), FPRMSolverState(**part("state.")), named["segments"])
+
+
+def ema_file(args):
+    return f"fprm_ema_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_ema.safetensors"
 
 
 def carry_file(args):
@@ -157,11 +284,21 @@ class FPRMTrainer(Trainer):
                 f"and choose the loss with `loss_type` {LOSS_TYPES} of FPRMTrainingArguments."
             )
         self.carry = None
+        self.ema = None  # the EMA shadow (name -> tensor) with `ema_decay`
         self._segment_stats = {"iterations": [], "halted": [], "segments": []}
         self.add_callback(CarryCheckpointCallback(self))
+        core = self._core(self.model)
+        if self.args.q_loss_coefficient and getattr(self.accelerator.unwrap_model(self.model), "q_head", None) is None:
+            raise ValueError(f"`q_loss_coefficient={self.args.q_loss_coefficient}` needs a model with a Q-head "
+                             f"(FPRMConfig(use_q_head=True)); this one has none. Use 0 or None.")
+        if self.args.puzzle_emb_optimizer == "signsgd" and core.prefix is None:
+            raise ValueError("`puzzle_emb_optimizer='signsgd'` trains the prefix rows, and this model has none "
+                             "(num_prefix_tokens=0): use 'adamw'.")
+        if self.args.ema_decay is not None:
+            self.add_callback(EMACallback(self))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """`Trainer.train`, which also restores the carry of the checkpoint it resumes from."""
+        """`Trainer.train`, which also restores the carry (and the EMA shadow) of the checkpoint it resumes from."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -172,7 +309,79 @@ class FPRMTrainer(Trainer):
             else:
                 logger.warning("%s has no %s: the samples in flight at that step start afresh.", checkpoint,
                                carry_file(self.args))
+            path = os.path.join(checkpoint, ema_file(self.args))
+            if self.args.ema_decay is not None:
+                if not os.path.exists(path):
+                    raise ValueError(f"--ema_decay {self.args.ema_decay} resumes from {checkpoint}, which has no "
+                                     f"{ema_file(self.args)} (it was written without EMA): resume without "
+                                     f"--ema_decay, or from a checkpoint of an EMA run.")
+                self.ema = load_file(path, device=str(self.args.device))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # ---- the authors' recipe: schedule, optimizer, EMA -----------------------------------------------------------
+
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        """`lr_schedule="authors"`: their pretrain.py's lr·(s+1)/W over the W warm-up steps (`--warmup_steps`, or
+        `--warmup_ratio` of the steps), constant after (their lr_min_ratio 1.0). Otherwise Trainer's."""
+        if self.args.lr_schedule != "authors" or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        warmup = self.args.get_warmup_steps(num_training_steps)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer if optimizer is None else optimizer,
+            lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0,
+        )
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def create_optimizer(self, model=None):
+        """Trainer's AdamW, and with `puzzle_emb_optimizer="signsgd"` the prefix rows in their own SignSGD group
+        (`SignSGDAdamW`) at `puzzle_emb_lr` / `puzzle_emb_weight_decay`."""
+        if self.args.puzzle_emb_optimizer != "signsgd" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        if str(getattr(self.args.optim, "value", self.args.optim)) not in ("adamw_torch", "adamw_torch_fused"):
+            raise ValueError(f"`puzzle_emb_optimizer='signsgd'` goes with the authors' AdamW (--optim adamw_torch), "
+                             f"got --optim {self.args.optim!r}.")
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        prefix = self._core(opt_model).prefix
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad and p is not prefix]
+        args = self.args
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            {"params": [prefix], "signsgd": True,
+             "lr": args.learning_rate if args.puzzle_emb_lr is None else args.puzzle_emb_lr,
+             "weight_decay": (args.weight_decay if args.puzzle_emb_weight_decay is None
+                              else args.puzzle_emb_weight_decay)},
+        ]
+        self.optimizer = SignSGDAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        return self.optimizer
+
+    def ema_parameters(self):
+        """The (name, parameter) pairs the EMA averages: every trained parameter (not SignSGD's prefix rows)."""
+        model = self.accelerator.unwrap_model(self.model)
+        prefix = model.model.prefix if self.args.puzzle_emb_optimizer == "signsgd" else None
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p is not prefix]
+
+    def swap_ema(self):
+        """Exchange the model's weights with the EMA shadow (call twice to swap back); no-op without EMA."""
+        if self.ema is None:
+            return
+        with torch.no_grad():
+            for name, p in self.ema_parameters():
+                shadow = self.ema[name]
+                tmp = p.detach().clone()
+                p.copy_(shadow)
+                shadow.copy_(tmp)
+
+    def evaluate(self, *args, **kwargs):
+        """Trainer's evaluation, on the EMA weights when `ema_decay` is set (as the authors evaluate)."""
+        self.swap_ema()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.swap_ema()
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Trainer's, without `dataloader_drop_last`: training needs it (the carry keeps one batch shape), but an
@@ -191,7 +400,10 @@ class FPRMTrainer(Trainer):
             self.args.dataloader_drop_last = drop_last
 
     def get_decay_parameter_names(self, model):
-        return [n for n in super().get_decay_parameter_names(model) if "alpha" not in n]
+        """The authors' groups: every parameter decays (biases and the Q-head included) except the α logits of the
+        input-independent residual scaling (their `_no_weight_decay` tag) and the weight of the optional final norm
+        (not theirs)."""
+        return [n for n, p in model.named_parameters() if not n.endswith("_logit") and not n.endswith("norm.weight")]
 
     def _core(self, model):
         return self.accelerator.unwrap_model(model).model
@@ -235,7 +447,17 @@ class FPRMTrainer(Trainer):
             halting=not after_segment,
             solver_state=carry.state,
         )
-        loss = token_loss(outputs.logits, labels, self.args.loss_type)
+        loss = token_loss(outputs.logits, labels, self.args.loss_type, self.args.loss_normalization)
+        q_coefficient = self.args.q_loss_coefficient
+        if outputs.q_halt_logits is not None:
+            q_coefficient = 0.5 if q_coefficient is None else q_coefficient
+            if q_coefficient:
+                loss = loss + q_coefficient * q_halt_loss(outputs.q_halt_logits, outputs.logits, labels)
+        prefix = self._core(model).prefix
+        if prefix is not None:  # the rows SignSGD updates: the samples in flight
+            ids = carry.inputs.get("puzzle_identifiers")
+            prefix.signsgd_rows = (torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None
+                                   else ids.unique())
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
         state = outputs.solver_state.detach()
         if after_segment:  # the authors' training halting: per sample, on the segment's last iteration
@@ -260,4 +482,6 @@ class FPRMTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "token_loss", "SEGMENT_HALTINGS"]
+__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "stablemax_token_losses", "token_loss",
+           "q_halt_loss", "SignSGDAdamW", "EMACallback", "SEGMENT_HALTINGS", "LR_SCHEDULES", "LOSS_NORMALIZATIONS",
+           "PUZZLE_EMB_OPTIMIZERS"]

@@ -27,7 +27,9 @@ def build_task(data_args, seed):
         group = data_args.task.upper()
         ds = build_state_tracking_dataset(group, data_args.num_train, data_args.num_test, data_args.train_length,
                                           min_train_length=data_args.min_train_length,
-                                          test_length=data_args.test_length, seed=seed)
+                                          test_length=data_args.test_length, seed=seed,
+                                          pad_train_to=data_args.test_length if data_args.pad_train_to_test_length
+                                          else None)
         return ds, dict(vocab_size=vocab_size(group), grid_size=None, conv_type="causal_1d", causal=True,
                         position_embedding_type="none", num_prefix_tokens=0,
                         max_position_embeddings=max(1024, data_args.test_length)), ["length"]

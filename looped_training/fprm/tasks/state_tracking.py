@@ -67,7 +67,9 @@ def _rows(count, lengths, pad_to, table, rng):
 def build_state_tracking_dataset(group="S5", num_train=10000, num_test=1000, train_length=32, min_train_length=None,
                                  test_length=128, pad_train_to=None, seed=0):
     """'train': sequences of length in [min_train_length, train_length] (default: exactly train_length), padded to
-    `pad_train_to` (default train_length; the paper pads to 128, which only costs compute with a causal model);
+    `pad_train_to` (default train_length; the authors' build_state_tracking_dataset pads to the test length, 128:
+    the loss and gradients are the same under causal attention and a causal conv, but the halting residual, a
+    maximum over every position, also reads the padded ones);
     'test': `num_test` sequences of length `test_length`, for per-prefix accuracy at every k <= test_length."""
     table = multiplication_table(group)
     min_train_length = train_length if min_train_length is None else min_train_length
@@ -94,9 +96,12 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
     table is then learned, not a training set).
     """
 
-    def __init__(self, group="S5", min_length=2, max_length=4, seed=0):
+    def __init__(self, group="S5", min_length=2, max_length=4, seed=0, pad_to=None):
         self.table = multiplication_table(group)
         self.min_length, self.seed = min_length, seed
+        if pad_to is not None and (not isinstance(pad_to, int) or pad_to < 1):
+            raise ValueError(f"`pad_to` must be None or a positive integer, got {pad_to!r}.")
+        self.pad_to = pad_to
         self.set_max_length(max_length)
 
     def set_max_length(self, max_length):
@@ -105,8 +110,10 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
         self.max_length = max_length
 
     def sample(self, count, rng):
-        """`count` rows at the current maximum length, as lists (input_ids, labels, length)."""
-        return _rows(count, (self.min_length, self.max_length), self.max_length, self.table, rng)
+        """`count` rows at the current maximum length, as lists (input_ids, labels, length), padded to the
+        current maximum length or to `pad_to` if that is longer."""
+        return _rows(count, (self.min_length, self.max_length), max(self.max_length, self.pad_to or 0), self.table,
+                     rng)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
