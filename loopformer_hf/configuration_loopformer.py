@@ -107,8 +107,9 @@ class LoopFormerConfig(PreTrainedConfig):
         rope_theta (`float`, defaults to 10000.0): RoPE base, used when `position_embedding_type="rope"`.
         max_position_embeddings (`int`, defaults to 1024): longest sequence the model accepts.
         tie_word_embeddings (`bool`, defaults to `True`): share the input embedding with `lm_head`.
-        rms_norm_eps (`float`, *optional*): epsilon of every RMSNorm; `None` (the reference) uses the torch default,
-            the machine epsilon of the activations' dtype.
+        rms_norm_eps (`float`, *optional*): epsilon of every RMSNorm; `None` (the reference) uses torch's default
+            for float32 inputs (1.19e-7), also in a bf16/fp16 model, which then computes what the reference computes
+            under autocast.
         frequency_embedding_size (`int`, defaults to 256): width of the sinusoidal features of t and Δ.
         max_period (`float`, defaults to 10000.0): longest period of those sinusoidal features.
         default_loop_budget (`int`, *optional*): budget M used when a call gives neither `loop_budget` nor a

@@ -46,10 +46,16 @@ def _cache_argument(cache, past_key_values, owner):
     return cache if cache is not None else past_key_values
 
 
+# `rms_norm_eps=None`: torch's default eps for a float32 input, which the reference's norms see (float32 weights and
+# residual stream, also under its bf16 autocast). Taken from the input dtype instead, a bf16 model would add 7.8e-3
+# (fp16: 9.8e-4) to the mean square and compute another function.
+DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
+
+
 def rms_norm(x, weight=None, eps=None):
-    """RMSNorm in float32; `eps=None` is torch's default (machine epsilon of the input dtype), as the reference."""
+    """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`."""
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = DEFAULT_RMS_NORM_EPS
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # no casts: each is a dispatch per block and token
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
@@ -844,13 +850,21 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 CONSISTENCY_LOSSES = ("mse", "kl")
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
 GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")
-LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index")  # what `forward` hands to `loss_function`
 
 
-def _token_ce_sum(logits, labels):
+def _next_token_pairs(logits, labels, shift_labels=None):
+    """(logits, targets) of next-token prediction: `labels` shifted by one, or `shift_labels` as given (one target
+    per position, the last one the token after the window), as transformers' `ForCausalLMLoss` takes them."""
+    if shift_labels is not None:
+        return logits, shift_labels.to(logits.device)
+    return logits[:, :-1], labels[:, 1:].to(logits.device)
+
+
+def _token_ce_sum(logits, labels, shift_labels=None):
     """Sum of next-token cross-entropies over labelled positions, and their number."""
-    logits = logits[:, :-1].float()
-    labels = labels[:, 1:].to(logits.device)
+    logits, labels = _next_token_pairs(logits, labels, shift_labels)
+    logits = logits.float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
     return ce, int((labels != -100).sum())
 
@@ -923,6 +937,10 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
     ):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
+        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): with `labels`, the targets already
+            aligned with the positions (`shift_labels[:, i]` is the target of position i), as transformers' causal-LM
+            loss takes them: a window of T tokens then trains T targets, its last one the token after the window
+            (the authors' windows). Not a named argument, so that the Trainer's `label_names` stay `["labels"]`.
         loop_budget (`int`, *optional*): number of loop steps M; also a `generate` kwarg.
         step_schedule (`str` or list of `float`, *optional*): Δ_1..Δ_M summing to 1 or a preset name; also a
             `generate` kwarg.
@@ -941,6 +959,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        shift_labels = kwargs.pop("shift_labels", None)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                         "inputs_embeds": inputs_embeds}
         outputs = self.model(
@@ -964,10 +983,12 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
             short = self.model(**model_inputs, step_schedule=short_step_schedule, use_cache=False, return_dict=True)
             loss, terms = self._shortcut_consistency_loss(
                 logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
-                lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"),
+                lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"), shift_labels,
             )
         elif labels is not None:
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
+            if shift_labels is not None:
+                loss_kwargs["shift_labels"] = shift_labels
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,
@@ -982,20 +1003,22 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
-                                   consistency_loss, num_items_in_batch=None):
+                                   consistency_loss, num_items_in_batch=None, shift_labels=None):
         """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
         are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
         share of those tokens. Returns (loss, the three detached terms as per-token means)."""
-        ce_full_sum, n_local = _token_ce_sum(logits, labels)
-        ce_short_sum, _ = _token_ce_sum(short_logits, labels)
+        ce_full_sum, n_local = _token_ce_sum(logits, labels, shift_labels)
+        ce_short_sum, _ = _token_ce_sum(short_logits, labels, shift_labels)
         denom = n_local if num_items_in_batch is None else num_items_in_batch
         denom = torch.as_tensor(denom, device=ce_full_sum.device, dtype=torch.float32).clamp(min=1)
         if consistency_loss == "mse":
             consistency = F.mse_loss(h_short.float(), h_full.detach().float())
         else:
-            mask = labels[:, 1:].to(logits.device) != -100
-            log_p_short = F.log_softmax(short_logits[:, :-1][mask].float(), dim=-1)
-            log_p_full = F.log_softmax(logits[:, :-1][mask].detach().float(), dim=-1)
+            short_logits, targets = _next_token_pairs(short_logits, labels, shift_labels)
+            full_logits, _ = _next_token_pairs(logits, labels, shift_labels)
+            mask = targets != -100
+            log_p_short = F.log_softmax(short_logits[mask].float(), dim=-1)
+            log_p_full = F.log_softmax(full_logits[mask].detach().float(), dim=-1)
             # mean over labelled positions ("batchmean"), 0 where there are none (batchmean would give 0/0)
             consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="sum") / max(n_local, 1)
         loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom

@@ -461,3 +461,23 @@ def test_rope_and_gqa_variants_cache_correctly():
 def test_learned_positions_beyond_the_table_raise(tiny_model):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         tiny_model(torch.randint(3, 97, (1, 129)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_computes_what_autocast_computes(dtype):
+    """`rms_norm_eps=None` is float32's eps in every dtype, as the reference's norms see it under autocast: taken
+    from the input dtype, a bf16 model added 7.8e-3 to a mean square of about 0.02 (a trained model's) and its
+    logits moved far beyond the autocast difference."""
+    model = randomize_modulation(LoopFormerForCausalLM(tiny_loopformer_config())).eval()
+    with torch.no_grad():  # trained-like: block inputs of mean square ~0.02
+        model.model.embed_tokens.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+        model.model.embed_positions.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fp32 = model(ids).logits
+        with torch.autocast("cpu", dtype=dtype):
+            autocast = model(ids).logits.float()
+        cast = copy.deepcopy(model).to(dtype)(ids).logits.float()
+    autocast_error = (autocast - fp32).abs().max()
+    assert autocast_error > 0  # the comparison has a scale
+    assert (cast - fp32).abs().max() <= 2 * autocast_error

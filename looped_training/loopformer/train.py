@@ -56,6 +56,7 @@ from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArgu
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
+from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,14 @@ class ModelArguments:
     position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
     initializer_scheme: str = field(default="reference", metadata={
         "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."})
+
+
+@dataclass
+class ScheduleArguments:
+    lr_warmup: str = field(default="reference", metadata={
+        "help": f"One of {LR_WARMUPS}: 'reference' warms up as the authors' get_lr, peak·(s+1)/(W+1) over the W "
+                f"warm-up steps, then the Trainer's --lr_scheduler_type (cosine_with_min_lr is then theirs); "
+                f"'trainer': the Trainer's own warm-up, peak·s/W (step 0 at lr 0)."})
 
 
 @dataclass
@@ -155,9 +164,35 @@ def build_data(data_args):
         tokenizer = train_bpe_tokenizer([train_text[i:i + 10_000] for i in range(0, len(train_text), 10_000)],
                                         data_args.tokenizer_vocab_size or 1024)
         block_size = data_args.block_size or 128
-        train = text.chunk_text(train_text, tokenizer, block_size)
+        # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
+        train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
         evaluation = text.chunk_text(valid_text, tokenizer, block_size)
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+
+
+def build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
+                  training_args):
+    """The stock Trainer of a run: the variant's objective callback (which wraps the collator so that each training
+    batch carries its short trajectory) and the learning-rate warm-up of `schedule_args`."""
+    callback = build_callback(model_args, shortcut_args, training_args)
+    extra = callback.trainer_kwargs(default_data_collator) if callback is not None else {
+        "data_collator": default_data_collator}
+    callbacks = extra.pop("callbacks", [])
+    if "shift_labels" in train_dataset.column_names:
+        # a forward keyword (as for Llama), not a named argument: the Trainer would drop the column. Every column of
+        # these datasets is a forward argument, so there is nothing else to remove.
+        training_args.remove_unused_columns = False
+    if schedule_args.lr_warmup == "reference":
+        callbacks.append(ReferenceWarmupCallback())
+    return Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        **extra,
+    )
 
 
 def check_sharding(trainer):
@@ -213,13 +248,15 @@ def set_chat_template(tokenizer, template, path):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
-    (model_args, data_args, shortcut_args, training_args), _ = parse_args_with_config(parser, argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments))
+    (model_args, data_args, shortcut_args, schedule_args, training_args), _ = parse_args_with_config(parser, argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
     if model_args.variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
+    if schedule_args.lr_warmup not in LR_WARMUPS:
+        raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
     if training_args.ddp_find_unused_parameters is None:
@@ -242,18 +279,8 @@ def main(argv=None):
                 model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
                 len(train_dataset), block_size)
 
-    callback = build_callback(model_args, shortcut_args, training_args)
-    # the callback wraps the collator: each training batch then carries its short trajectory
-    extra = callback.trainer_kwargs(default_data_collator) if callback is not None else {
-        "data_collator": default_data_collator}
-    trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
-        processing_class=tokenizer,
-        **extra,
-    )
+    trainer = build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
+                            training_args)
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
@@ -262,9 +289,10 @@ def main(argv=None):
     trainer.save_state()
     if trainer.is_world_process_zero():
         meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
-                "shortcut": asdict(shortcut_args) if callback is not None else None, "block_size": block_size,
+                "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None, "block_size": block_size,
                 "train_runtime_s": result.metrics.get("train_runtime"),
-                "optimizer": {k: getattr(training_args, k) for k in OPTIMIZER_FIELDS}}
+                "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
+                              "lr_warmup": schedule_args.lr_warmup}}
         with open(os.path.join(training_args.output_dir, TRAINING_META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
     return trainer

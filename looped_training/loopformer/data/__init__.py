@@ -20,6 +20,9 @@ class DataArguments:
     validation_fraction: float = field(default=0.05, metadata={"help": "Tail of each document held out (text)."})
     max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
     block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
+    window_targets: bool = field(default=True, metadata={
+        "help": "Text training rows of T tokens train T next-token targets, the last one the token after the row "
+                "(the authors' get_batch: y = data[i+1:i+T+1]); False: T - 1 targets a row, as run_clm.py."})
     num_train_problems: int = field(default=20000, metadata={"help": "Synthetic training problems."})
     num_eval_problems: int = field(default=400, metadata={"help": "Synthetic held-out problems."})
     min_depth: int = field(default=1, metadata={"help": "Fewest hops of a synthetic problem."})

@@ -57,13 +57,21 @@ def split_documents(docs, validation_fraction=0.05, seed=0, max_chars=None):
     return train_text, valid_text
 
 
-def chunk_text(text, tokenizer, block_size, chunk_chars=100_000):
-    """Rows of exactly `block_size` tokens (input_ids, attention_mask, labels = input_ids); the tail is dropped."""
+def chunk_text(text, tokenizer, block_size, chunk_chars=100_000, window_targets=False):
+    """Rows of exactly `block_size` tokens (input_ids, attention_mask, labels = input_ids); the tail is dropped.
+
+    With `window_targets`, each row also holds `shift_labels`, the `block_size` tokens that follow its own, so that a
+    window of T tokens trains T next-token targets (x = data[i:i+T], y = data[i+1:i+T+1], as the authors' get_batch)
+    where run_clm's rows train T - 1."""
     ids = []
     for start in range(0, len(text), chunk_chars):
         ids += tokenizer(text[start:start + chunk_chars], add_special_tokens=False)["input_ids"]
-    n = len(ids) // block_size
+    n = (len(ids) - window_targets) // block_size
     if n == 0:
-        raise ValueError(f"The text holds {len(ids)} tokens, fewer than one block of block_size={block_size}.")
+        raise ValueError(f"The text holds {len(ids)} tokens, fewer than one block of block_size={block_size}"
+                         f"{' plus its next-token target' if window_targets else ''}.")
     rows = [ids[i * block_size:(i + 1) * block_size] for i in range(n)]
-    return {"input_ids": rows, "attention_mask": [[1] * block_size for _ in rows], "labels": [list(r) for r in rows]}
+    data = {"input_ids": rows, "attention_mask": [[1] * block_size for _ in rows], "labels": [list(r) for r in rows]}
+    if window_targets:
+        data["shift_labels"] = [ids[i * block_size + 1:(i + 1) * block_size + 1] for i in range(n)]
+    return data
