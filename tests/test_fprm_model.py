@@ -682,3 +682,34 @@ def test_lora_with_the_token_classification_task_type_trains():
     out = peft_model(input_ids=ids, labels=ids)
     out.loss.backward()
     assert all(p.grad is not None for n, p in peft_model.named_parameters() if "lora_" in n)
+
+
+@pytest.mark.parametrize("layout, bound", [("grid", 2.0), ("sequence", 5.0)])
+def test_half_precision_computes_the_fp32_function_up_to_rounding(layout, bound):
+    """FPRM's norms use a fixed eps (`rms_norm_eps`, 1e-5, never the dtype's machine epsilon; None is refused), so a
+    trained-like model (block inputs of mean square ~0.02, where a bf16 eps of 7.8e-3 would change the function) cast
+    to bf16 or fp16 stays close to what autocast (the authors' training precision) makes: within 2x on a grid model;
+    the causal sequence layout, whose whole state is rounded to bf16 at every loop where autocast keeps it in fp32,
+    within 5x (printed: ~3.7x bf16, ~2.6x fp16)."""
+    import copy
+
+    overrides = {} if layout == "grid" else dict(grid_size=None, conv_type="causal_1d", causal=True,
+                                                 position_embedding_type="none", num_prefix_tokens=0)
+    model = tiny_model(0, init_std=0.15, **overrides)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.15)
+        if model.model.prefix is not None:
+            model.model.prefix.normal_(0, 0.15 / 32**0.5)
+    ids = grid_inputs(batch=4)
+    assert abs(float(model.model.embed(ids).pow(2).mean()) - 0.02) < 0.01
+    run = lambda m: m(ids, max_loops=6, halting=False).logits.float()  # noqa: E731
+    with torch.no_grad():
+        reference = run(model)
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
+                autocast = float((run(model) - reference).abs().max())
+            cast = float((run(copy.deepcopy(model).to(dtype)) - reference).abs().max())
+            print(f"{layout} {dtype}: cast {cast:.4f}, autocast {autocast:.4f}, ratio {cast / autocast:.2f}")
+            assert 0 < cast <= bound * autocast, f"{dtype}: cast {cast:.4f} vs autocast {autocast:.4f}"
+    with pytest.raises(ValueError, match="rms_norm_eps"):
+        tiny_config(rms_norm_eps=None)

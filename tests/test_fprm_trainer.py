@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import TrainerCallback as TransformersCallback
 
 from benchmarks.bench_fprm_memory import train_memory
 from fprm_fixtures import one_thread, sequence_fprm_config, tiny_fprm  # noqa: F401  (one_thread is autouse)
@@ -550,3 +552,71 @@ def test_train_script_evaluates_during_training_when_asked(tmp_path):
     assert last["eval_cell_accuracy"] == pytest.approx(results["halting"]["cell_accuracy"])
     assert last["eval_exact_accuracy"] == pytest.approx(results["halting"]["exact_accuracy"])
     assert last["eval_mean_iterations"] == pytest.approx(results["halting"]["mean_iterations"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lr_schedule="cosine"), r"`lr_schedule` must be one of \('trainer', 'authors'\), got 'cosine'"),
+    (dict(loss_normalization="batch"), r"`loss_normalization` must be one of \('sample', 'token'\), got 'batch'"),
+    (dict(puzzle_emb_optimizer="sgd"), r"`puzzle_emb_optimizer` must be one of \('adamw', 'signsgd'\), got 'sgd'"),
+    (dict(ema_decay=1.0), r"`ema_decay` must be None \(off\) or a number in \(0, 1\).*got 1.0"),
+    (dict(puzzle_emb_lr=-1e-3), r"`puzzle_emb_lr` must be None or a finite number >= 0, got -0.001"),
+    (dict(q_loss_coefficient=float("nan")), r"`q_loss_coefficient` must be None or a finite number >= 0, got nan"),
+])
+def test_authors_recipe_arguments_are_validated(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
+
+
+def test_authors_recipe_options_that_the_model_cannot_follow_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"`q_loss_coefficient=0.5` needs a model with a Q-head"):
+        make_trainer(tmp_path, tiny_model(), 1, q_loss_coefficient=0.5)
+    no_prefix = tiny_fprm(0, num_prefix_tokens=0).train()
+    with pytest.raises(ValueError, match=r"`puzzle_emb_optimizer='signsgd'` trains the prefix rows"):
+        make_trainer(tmp_path, no_prefix, 1, puzzle_emb_optimizer="signsgd")
+    with pytest.raises(ValueError, match=r"`puzzle_emb_ndim` \(65\) must be at most num_prefix_tokens × hidden_size"):
+        tiny_fprm(0, puzzle_emb_ndim=65)
+    with pytest.raises(ValueError, match=r"`puzzle_emb_ndim` must be None .* or an integer >= 1, got 0"):
+        tiny_fprm(0, puzzle_emb_ndim=0)
+
+
+def test_defaults_do_not_clip_and_the_authors_lr_rule_starts_at_lr_over_w(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_model(), 3, lr_schedule="authors", warmup_steps=4)
+    assert trainer.args.max_grad_norm == 0
+    lrs = []
+    trainer.add_callback(type("LR", (TransformersCallback,), {
+        "on_pre_optimizer_step": lambda self, args, state, control, optimizer=None, **k: lrs.append(
+            optimizer.param_groups[0]["lr"])})())
+    trainer.train()
+    assert lrs == pytest.approx([1e-3 / 4, 2e-3 / 4, 3e-3 / 4])
+
+
+def test_ema_is_what_evaluation_and_the_saved_model_use_and_survives_a_resume(tmp_path):
+    model = tiny_fprm(0, puzzle_emb_ndim=40, use_q_head=True).train()
+    trainer = make_trainer(tmp_path, model, 2, ema_decay=0.5, puzzle_emb_optimizer="signsgd",
+                           save_strategy="steps", save_steps=2)
+    start = {n: p.detach().clone() for n, p in trainer.ema_parameters()}
+    trainer.train()
+    assert {n for n, _ in trainer.ema_parameters()} == set(trainer.ema) and "model.prefix" not in trainer.ema
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(trainer.ema[name], start[name])
+    assert not torch.equal(trainer.ema[name], dict(trainer.ema_parameters())[name])
+    saved = load_file(str(tmp_path / "checkpoint-2" / "fprm_ema.safetensors"))
+    torch.testing.assert_close(saved[name], trainer.ema[name])
+    trained, ema = dict(trainer.ema_parameters())[name].clone(), trainer.ema[name].clone()
+    trainer.swap_ema()
+    torch.testing.assert_close(dict(trainer.ema_parameters())[name], ema)
+    trainer.swap_ema()
+    torch.testing.assert_close(dict(trainer.ema_parameters())[name], trained)
+    # a resumed run starts from the checkpoint's shadow, not from its own weights
+    resumed = make_trainer(tmp_path, tiny_fprm(0, puzzle_emb_ndim=40, use_q_head=True).train(), 2, ema_decay=0.5,
+                           puzzle_emb_optimizer="signsgd")
+    seen = []
+    resumed.add_callback(type("Seen", (TransformersCallback,), {
+        "on_train_begin": lambda self, args, state, control, **k: seen.append(resumed.ema[name].clone())})())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    torch.testing.assert_close(seen[0], ema)
+    with pytest.raises(ValueError, match=r"has no fprm_ema.safetensors"):
+        plain = make_trainer(tmp_path / "plain", tiny_model(), 1, save_strategy="steps", save_steps=1)
+        plain.train()
+        make_trainer(tmp_path / "plain", tiny_model(), 1, ema_decay=0.9).train(
+            resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))

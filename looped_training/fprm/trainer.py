@@ -458,6 +458,8 @@ class FPRMTrainer(Trainer):
             ids = carry.inputs.get("puzzle_identifiers")
             prefix.signsgd_rows = (torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None
                                    else ids.unique())
+            if self.args.world_size > 1:  # theirs: the rows of every rank's batch, i.e. those the reduced
+                prefix.signsgd_rows = None  # gradient reaches (the same on every rank)
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
         state = outputs.solver_state.detach()
         if after_segment:  # the authors' training halting: per sample, on the segment's last iteration
