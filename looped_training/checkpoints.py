@@ -3,16 +3,21 @@ training code: a truncated or corrupt file raises `CheckpointError` naming the f
 
 `check_resume_config` refuses to resume a checkpoint with flags that build another model config.
 
+`output_dir_lock` keeps a second run from writing into the `output_dir` of a live one, and `finished_run` says when a
+resumed checkpoint is already the end of its run.
+
 `Trainer` writes a checkpoint in place, file by file (weights, optimizer, scheduler, RNG states, `trainer_state.json`
 last), so a run killed during a save leaves a `checkpoint-N` folder that is incomplete. `resolve_resume` makes
 `--resume_from_checkpoint last` take the newest checkpoint that passes `check_checkpoint`, logging a warning for each
 newer one it skips, so a run killed at any point resumes from its last good checkpoint.
 """
 
+import contextlib
 import json
 import logging
 import os
 import re
+import socket
 import struct
 import zipfile
 
@@ -117,21 +122,120 @@ def last_complete_checkpoint(output_dir):
     return None
 
 
-def resolve_resume(resume_from_checkpoint, output_dir):
+def check_model_type(checkpoint, model_type):
+    """Raise `ValueError` if `checkpoint`'s config.json is of another model type than `model_type` (an FPRM checkpoint
+    given to the LoopFormer trainer), instead of a list of every field that differs or a missing tokenizer."""
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f).get("model_type")
+    if saved != model_type:
+        raise ValueError(f"{checkpoint} is a {saved!r} checkpoint (config.json model_type), not a {model_type!r} one: "
+                         f"give it to the {saved!r} model's trainer or evaluation, or give a {model_type!r} checkpoint "
+                         f"here.")
+
+
+def resolve_resume(resume_from_checkpoint, output_dir, model_type):
     """The checkpoint a run resumes from, for `TrainingArguments.resume_from_checkpoint`: None (train from scratch),
     "last" (the newest complete checkpoint in `output_dir`, or None if there is none) or a path, which must be a
-    complete checkpoint (else `CheckpointError` naming the bad file)."""
+    complete checkpoint (else `CheckpointError` naming the bad file), of `model_type` (else `ValueError`)."""
     if resume_from_checkpoint is None:
         return None
     if resume_from_checkpoint == "last":
         resume = last_complete_checkpoint(output_dir)
         if resume is None:
             logger.warning("No complete checkpoint in %s: training from scratch.", output_dir)
-        else:
-            logger.info("Resuming from %s.", resume)
-        return resume
-    check_checkpoint(resume_from_checkpoint, for_resume=True)
-    return resume_from_checkpoint
+            return None
+        logger.info("Resuming from %s.", resume)
+    else:
+        check_checkpoint(resume_from_checkpoint, for_resume=True)
+        resume = resume_from_checkpoint
+    check_model_type(resume, model_type)
+    return resume
+
+
+def finished_run(checkpoint, args):
+    """True (after logging a warning that says so) if `checkpoint` already ends the run `args` (`TrainingArguments`)
+    asks for: `global_step` >= `--max_steps`, or (max_steps <= 0) `epoch` >= `--num_train_epochs`. Resuming it would
+    train past the end: the Trainer takes one more step, the learning rate climbs again and `save_total_limit` rotates
+    the finished checkpoint away."""
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    step, epoch = state["global_step"], state.get("epoch") or 0
+    if args.max_steps > 0:
+        if step < args.max_steps:
+            return False
+        goal = f"--max_steps {args.max_steps}"
+    else:
+        if epoch < args.num_train_epochs:
+            return False
+        goal = f"--num_train_epochs {args.num_train_epochs}"
+    logger.warning("%s is the end of a finished run (step %d, epoch %.2f; this run asks for %s): nothing to train, "
+                   "nothing written. Raise %s to train further.", checkpoint, step, epoch, goal, goal.split()[0])
+    return True
+
+
+LOCK_FILE = "training.lock"
+
+
+def _holder_alive(holder):
+    """Whether the process named in a lock file still runs (one of another host counts as alive: its pid says
+    nothing here)."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir, hold=True):
+    """Hold `output_dir/training.lock` ({"pid", "host"}) while a run writes there (`hold`: only the main process of a
+    distributed run takes it): two runs on one output_dir rotate away and overwrite each other's checkpoints. A lock
+    of a live process raises `ValueError` naming its pid; one of a dead process (a killed run) is taken over with a
+    warning. The lock goes when the block ends, by an exception too."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir {output_dir!r} is a file, not a folder: give a folder (new or of this run).")
+    if not hold:
+        yield
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_FILE)
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    holder = json.load(f)
+            except (OSError, ValueError):
+                holder = {}  # unreadable or half written: its writer is gone, or is writing it right now
+            if attempt == 0 and holder and not _holder_alive(holder):
+                logger.warning("Taking over %s of process %s, which is gone (a killed run).", path, holder["pid"])
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                continue
+            raise ValueError(
+                f"--output_dir {output_dir!r} is being written by another run (process {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}, {path}): give another --output_dir, or wait for that run to end (delete "
+                f"{LOCK_FILE} only if no such process runs)."
+            ) from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                if json.load(f) == me:
+                    os.remove(path)
 
 
 # config.json keys that training itself (the Trainer turns the cache off) or saving may change

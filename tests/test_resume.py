@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from looped_training.checkpoints import CheckpointError, check_checkpoint, last_complete_checkpoint
+from looped_training.checkpoints import (LOCK_FILE, CheckpointError, check_checkpoint, last_complete_checkpoint,
+                                         output_dir_lock)
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
@@ -35,7 +37,9 @@ def curve(trainer):
 
 def trajectories(output_dir):
     lines = (output_dir / "shortcut_trajectories_rank0.jsonl").read_text().splitlines()
-    return {r["micro_batch"]: r["trajectory"] for r in map(json.loads, lines)}
+    records = [json.loads(line) for line in lines]
+    assert len({r["micro_batch"] for r in records}) == len(records)  # each micro-batch once
+    return {r["micro_batch"]: r["trajectory"] for r in records}
 
 
 class Killed(Exception):
@@ -62,6 +66,7 @@ def test_killed_run_resumes_to_the_same_loss_curve_and_trajectories(uninterrupte
         run(tmp_path)
     monkeypatch.setattr(transformers.Trainer, "training_step", original)
     assert (tmp_path / "checkpoint-3").is_dir() and not (tmp_path / "checkpoint-6").exists()
+    assert not (tmp_path / LOCK_FILE).exists()  # a crash releases the output_dir
 
     resumed = run(tmp_path, "--resume_from_checkpoint", "last")
     ref_curve, new_curve = curve(ref), curve(resumed)
@@ -69,10 +74,11 @@ def test_killed_run_resumes_to_the_same_loss_curve_and_trajectories(uninterrupte
     for step in range(1, 7):
         for term in TERMS:
             assert new_curve[step][term] == pytest.approx(ref_curve[step][term], rel=1e-4, abs=1e-6), (step, term)
-    # the sampler continued at micro-batch 3 with the trajectories the uninterrupted run drew
+    # the sampler continued at micro-batch 3 with the trajectories the uninterrupted run drew; the log kept the first
+    # segment's micro-batches (it held only the last segment's) and has micro-batch 3, trained twice, once
     ref_traj, new_traj = trajectories(ref_dir), trajectories(tmp_path)
-    assert sorted(new_traj) == [3, 4, 5]
-    assert all(new_traj[i] == ref_traj[i] for i in new_traj)
+    assert sorted(new_traj) == sorted(ref_traj) == [0, 1, 2, 3, 4, 5]
+    assert new_traj == ref_traj
     state = json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["ShortcutConsistencyCallback"]["attributes"]["micro_batches_seen"] == 6
 
@@ -233,6 +239,8 @@ def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(nam
             assert new[step][term] == pytest.approx(killed[step][term], rel=1e-4, abs=1e-6), (step, term)
     check_checkpoint(str(out / "checkpoint-6"), for_resume=True)  # written whole this time
     check_checkpoint(str(partial), for_resume=True)
+    if name == "loopformer":  # the killed run's log lines and the resumed run's: each micro-batch once
+        assert sorted(trajectories(out)) == list(range(6))
 
 
 def test_a_truncated_rng_state_is_a_clear_error_or_skipped(checkpoint_copy, caplog):
@@ -245,3 +253,80 @@ def test_a_truncated_rng_state_is_a_clear_error_or_skipped(checkpoint_copy, capl
         assert last_complete_checkpoint(str(checkpoint_copy.parent)) is None
     assert "rng_state.pth is truncated" in caplog.text and f"Skipping incomplete checkpoint {checkpoint_copy}" in (
         caplog.text)
+
+
+# --- a finished run resumed, and two runs on one output_dir ----------------------------------------------------------
+
+def folder_bytes(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_resumed_is_a_no_op_that_says_so(uninterrupted, tmp_path, trained_steps, caplog):
+    # it trained on past max_steps (checkpoint-7), the lr climbed again and save_total_limit rotated checkpoint-6 away
+    out = shutil.copytree(uninterrupted[0], tmp_path / "run")
+    before = folder_bytes(out)
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        assert run(out, "--resume_from_checkpoint", "last", "--save_total_limit", "1") is None
+    assert f"{out / 'checkpoint-6'} is the end of a finished run (step 6" in caplog.text and "--max_steps 6" in (
+        caplog.text)
+    assert trained_steps == [] and folder_bytes(out) == before
+
+
+def test_a_finished_fprm_run_resumed_is_a_no_op_that_says_so(tmp_path, trained_steps, caplog):
+    run_fprm(tmp_path)
+    before = folder_bytes(tmp_path)
+    trained_steps.clear()
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        assert run_fprm(tmp_path, "--resume_from_checkpoint", "last") is None
+    assert "is the end of a finished run (step 6" in caplog.text
+    assert trained_steps == [] and folder_bytes(tmp_path) == before
+
+
+def test_a_second_run_on_a_live_runs_output_dir_is_refused_naming_its_pid(tmp_path, trained_steps):
+    # nothing kept a second run out: one died in a FileNotFoundError after the other's rotation deleted its checkpoint
+    with output_dir_lock(str(tmp_path)):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(ValueError, match=rf"being written by another run \(process {os.getpid()} on "):
+            run(tmp_path)
+        with pytest.raises(ValueError, match=rf"process {os.getpid()} "):
+            run_fprm(tmp_path)
+    assert trained_steps == [] and os.listdir(tmp_path) == []  # refused before any work; the lock went with the block
+
+
+def test_a_dead_runs_lock_is_taken_over_with_a_warning_and_an_exception_releases_it(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        with pytest.raises(RuntimeError, match="crash"):
+            with output_dir_lock(str(tmp_path)):
+                assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+                raise RuntimeError("crash")
+    assert f"of process {dead.pid}, which is gone" in caplog.text
+    assert not (tmp_path / LOCK_FILE).exists()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-host"}))  # its pid means nothing here
+    with pytest.raises(ValueError, match="process 1 on another-host"):
+        with output_dir_lock(str(tmp_path)):
+            pass
+
+
+def test_resuming_a_checkpoint_of_the_other_model_says_which_model_it_is(uninterrupted, tmp_path):
+    # it listed 20 differing config fields (or failed on the missing tokenizer), never the model type
+    loopformer_ckpt = uninterrupted[0] / "checkpoint-6"
+    with pytest.raises(ValueError, match=r"checkpoint-6 is a 'loopformer' checkpoint \(config.json model_type\), not "
+                                         r"a 'fprm' one"):
+        run_fprm(tmp_path / "fprm", "--resume_from_checkpoint", str(loopformer_ckpt))
+    fprm_ckpt = shutil.copytree(loopformer_ckpt, tmp_path / "checkpoint-6")
+    config = json.loads((fprm_ckpt / "config.json").read_text())
+    (fprm_ckpt / "config.json").write_text(json.dumps({**config, "model_type": "fprm"}))
+    with pytest.raises(ValueError, match="is a 'fprm' checkpoint"):
+        run(tmp_path / "lf", "--resume_from_checkpoint", str(fprm_ckpt))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    for train in (run, run_fprm):
+        with pytest.raises(ValueError, match=rf"--output_dir '{target}' is a file, not a folder"):
+            train(target)
+    assert target.read_text() == "keep me"

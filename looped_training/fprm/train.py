@@ -35,7 +35,8 @@ from transformers import HfArgumentParser, set_seed
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import RESUME_FREE_CONFIG_KEYS, check_resume_config, resolve_resume
+from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, check_resume_config, finished_run, output_dir_lock,
+                                         resolve_resume)
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
                                            write_plots)
@@ -250,7 +251,16 @@ def _strict_json(value):
 
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
-    resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
+    with output_dir_lock(train_args.output_dir, hold=train_args.process_index == 0):
+        return train(model_args, data_args, eval_args, train_args)
+
+
+def train(model_args, data_args, eval_args, train_args):
+    """The run `main` parsed, in its locked `output_dir`: its results, or None if the resumed checkpoint already ends
+    the run (or on a process other than the main one)."""
+    resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, FPRMConfig.model_type)
+    if resume is not None and finished_run(resume, train_args):
+        return None
     set_seed(train_args.seed)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)

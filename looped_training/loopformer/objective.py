@@ -98,8 +98,9 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         trajectory (`str`, defaults to `"auto"`): `"shortcut"`, `"early_exit"`, or `"auto"` (shortcut for a model
             with `loop_conditioning="shortcut"`, early exit otherwise).
         seed (`int`, defaults to 0): seed of the trajectory sampler; the same on every process.
-        log_trajectories_dir (`str`, *optional*): if set, each process writes the trajectories it ran to
-            `shortcut_trajectories_rank{R}.jsonl` there at the end of training (for checking multi-process runs).
+        log_trajectories_dir (`str`, *optional*): if set, each process appends the trajectory of each micro-batch
+            it trains to `shortcut_trajectories_rank{R}.jsonl` there (for checking multi-process runs); across
+            resumes the file holds every micro-batch of the run exactly once.
     """
 
     def __init__(self, lambda_short=0.1, lambda_consistency=0.1, warmup_steps=0, consistency="mse",
@@ -234,6 +235,8 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self._global_step = state.global_step
         self._accumulation = args.gradient_accumulation_steps
         self._next_index = self.micro_batches_seen
+        if self.log_trajectories_dir:
+            self._open_trajectory_log(int(os.environ.get("RANK", args.process_index)))
         self.collating_training_batches = not args.eval_on_start
         self._remove_hook()
         self._hook = model.register_forward_hook(self._record_terms, with_kwargs=True)
@@ -274,13 +277,6 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hook()
         self.collating_training_batches = False
-        if self.log_trajectories_dir:
-            rank = int(os.environ.get("RANK", args.process_index))
-            os.makedirs(self.log_trajectories_dir, exist_ok=True)
-            path = os.path.join(self.log_trajectories_dir, f"shortcut_trajectories_rank{rank}.jsonl")
-            with open(path, "w") as f:
-                for index, trajectory in self.sampled:
-                    f.write(json.dumps({"micro_batch": index, "trajectory": list(trajectory)}) + "\n")
 
     # ---- internals -----------------------------------------------------------------------------------------------
 
@@ -292,8 +288,32 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
                 f"Micro-batch {index} was trained but the collator drew only {self._next_index} trajectories: pass "
                 f"the collator from `trainer_kwargs()` to the Trainer."
             )
-        self.sampled.append((index, self.sample_trajectory(index, self._num_loops, self._kind)))
+        trajectory = self.sample_trajectory(index, self._num_loops, self._kind)
+        self.sampled.append((index, trajectory))
         self.micro_batches_seen += 1
+        if self.log_trajectories_dir:  # one line as each micro-batch trains, so that a killed run loses none
+            with open(self._log_path, "a") as f:
+                f.write(json.dumps({"micro_batch": index, "trajectory": list(trajectory)}) + "\n")
+
+    def _open_trajectory_log(self, rank):
+        """Keep the log's lines of the micro-batches the restored sampler has counted (the run's earlier segments)
+        and drop the rest: those a killed run trained after its last checkpoint are trained, and logged, again, and a
+        run from scratch starts an empty log. Each micro-batch is then in the log exactly once."""
+        os.makedirs(self.log_trajectories_dir, exist_ok=True)
+        self._log_path = os.path.join(self.log_trajectories_dir, f"shortcut_trajectories_rank{rank}.jsonl")
+        kept = {}
+        if os.path.exists(self._log_path):
+            with open(self._log_path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:  # the last line of a run killed while writing it
+                        continue
+                    if record["micro_batch"] < self.micro_batches_seen:
+                        kept[record["micro_batch"]] = record
+        with open(self._log_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(kept[i]) + "\n" for i in sorted(kept))
+        os.replace(self._log_path + ".tmp", self._log_path)
 
     def _record_terms(self, module, args, kwargs, output):
         """Add the model's objective terms of a training forward to the logging window (reads, never changes)."""

@@ -51,7 +51,7 @@ from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArgu
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import check_resume_config, resolve_resume
+from looped_training.checkpoints import check_resume_config, finished_run, output_dir_lock, resolve_resume
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -263,7 +263,16 @@ def main(argv=None):
         # Every variant's training forward uses every parameter (tests/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0):
+        return train(model_args, data_args, shortcut_args, schedule_args, training_args)
+
+
+def train(model_args, data_args, shortcut_args, schedule_args, training_args):
+    """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
+    the run."""
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type)
+    if resume is not None and finished_run(resume, training_args):
+        return None
     chat_template = read_chat_template(data_args.chat_template)
 
     set_seed(training_args.seed)
