@@ -353,6 +353,9 @@ class FPRMSolverState:
     halted: torch.Tensor  # (batch,) bool, the row is frozen
     converged: torch.Tensor  # (batch,) bool, halted because r < halt_eps
     diverged: torch.Tensor  # (batch,) bool, halted because the residual was not finite
+    # (batch,) int64 `input_fingerprint` of the inputs each row was computed on; None (a state built by hand or by
+    # the trainer before its first forward): not known, taken on trust and set by the next forward
+    fingerprint: torch.Tensor | None = None
 
     def detach(self):
         return replace(self, hidden=self.hidden.detach())
@@ -362,13 +365,33 @@ class FPRMSolverState:
         out = {}
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is None or theirs is None:
+                out[f.name] = None
+                continue
             mask = rows.view(-1, *([1] * (mine.dim() - 1)))
             out[f.name] = torch.where(mask, theirs, mine)
         return FPRMSolverState(**out)
 
     def select(self, rows):
         """The state of the rows indexed by `rows` (a LongTensor)."""
-        return FPRMSolverState(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return FPRMSolverState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                                  for f in fields(self)})
+
+
+def input_fingerprint(input_ids, puzzle_identifiers=None, inputs_embeds=None):
+    """(batch,) int64: a hash of each row's input (its token ids, or the bits of its embeddings, and its puzzle
+    identifier, None counted as 0), recorded in the `FPRMSolverState` so that a state is not carried onto other
+    inputs, where a row converged on the old puzzle would run 0 iterations and return the old answer."""
+    if inputs_embeds is not None:
+        values = inputs_embeds.detach().flatten(1).float().view(torch.int32).long()
+    else:
+        values = input_ids.long()
+    ids = torch.zeros(values.shape[0], dtype=torch.long, device=values.device) if puzzle_identifiers is None else (
+        puzzle_identifiers.long())
+    values = torch.cat([ids[:, None], values], dim=1)
+    # fixed odd 63-bit weights: products and sum wrap around in int64, a multiplicative hash
+    weights = torch.randint(-(2**62), 2**62, (values.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
+    return (values * weights.to(values.device)).sum(1)
 
 
 @dataclass
@@ -662,7 +685,7 @@ class FPRMModel(FPRMPreTrainedModel):
                 iterates.append(y)
         new_state = FPRMSolverState(
             hidden=y, eta=eta, patience=pat, best=best, residuals=residuals, iterations=iterations, halted=halted,
-            converged=converged, diverged=diverged,
+            converged=converged, diverged=diverged, fingerprint=state.fingerprint,
         )
         trace = torch.stack(trace, dim=1) if output_residual_trace and trace else None
         return new_state, iterations - start_iterations, trace, None if iterates is None else tuple(iterates)
@@ -696,6 +719,38 @@ class FPRMModel(FPRMPreTrainedModel):
                 f"that are not 1): attention, the conv and the halting residual read every token, as in the authors' "
                 f"model. Pass inputs of equal length without padding (solve different lengths in separate batches), "
                 f"or an all-ones mask."
+            )
+
+    @staticmethod
+    def check_solver_state(state, x, fingerprint):
+        """A `solver_state` given to a forward must be a previous call's on these inputs: of their shape and dtype
+        (each per-sample field of shape (batch,) and its dtype), and, where it records them, on the same inputs."""
+        if not isinstance(state, FPRMSolverState) or not torch.is_tensor(state.hidden) or state.hidden.shape != x.shape:
+            raise ValueError(
+                f"`solver_state` must be the FPRMSolverState of a previous call on inputs of this shape "
+                f"(state {tuple(x.shape)}), got {type(state).__name__} "
+                f"{tuple(getattr(getattr(state, 'hidden', None), 'shape', ()))}."
+            )
+        if state.hidden.dtype != x.dtype:
+            raise ValueError(
+                f"`solver_state.hidden` is {state.hidden.dtype}, this model computes in {x.dtype}: pass a state of "
+                f"a call in this dtype (or `.to({x.dtype})` its hidden)."
+            )
+        per_sample = {"eta": torch.float32, "patience": torch.long, "best": torch.float32, "residuals": torch.float32,
+                      "iterations": torch.long, "halted": torch.bool, "converged": torch.bool, "diverged": torch.bool}
+        for name, dtype in per_sample.items():
+            value = getattr(state, name)
+            if not torch.is_tensor(value) or value.shape != (x.shape[0],) or value.dtype != dtype:
+                raise ValueError(
+                    f"`solver_state.{name}` must be a {dtype} tensor of shape ({x.shape[0]},), got "
+                    f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '')}."
+                )
+        if state.fingerprint is not None and not torch.equal(state.fingerprint, fingerprint):
+            rows = (state.fingerprint != fingerprint).nonzero().flatten().tolist()
+            raise ValueError(
+                f"`solver_state` was computed on other inputs than these (rows {rows} differ): a row that converged "
+                f"there would return its old answer here. Pass the inputs it was computed on, or no `solver_state` "
+                f"to solve these from the start."
             )
 
     def forward(
@@ -760,14 +815,12 @@ class FPRMModel(FPRMPreTrainedModel):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"`generator` must be a torch.Generator or None, got {type(generator).__name__}.")
         x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
+        fingerprint = input_fingerprint(input_ids, puzzle_identifiers, inputs_embeds)
         if solver_state is None:
             solver_state = self.initial_solver_state(x, eta, generator)
-        elif not isinstance(solver_state, FPRMSolverState) or solver_state.hidden.shape != x.shape:
-            raise ValueError(
-                f"`solver_state` must be the FPRMSolverState of a previous call on inputs of this shape "
-                f"(state {tuple(x.shape)}), got {type(solver_state).__name__} "
-                f"{tuple(getattr(getattr(solver_state, 'hidden', None), 'shape', ()))}."
-            )
+        else:
+            self.check_solver_state(solver_state, x, fingerprint)
+        solver_state = replace(solver_state, fingerprint=fingerprint)
         state, iterations, trace, iterates = self.solve(
             x, solver_state, max_loops, halt_eps, gamma, patience, min_eta, halting, output_residual_trace,
             output_hidden_states,
@@ -906,6 +959,7 @@ __all__ = [
     "FPRMModel",
     "FPRMForReasoning",
     "FPRMSolverState",
+    "input_fingerprint",
     "FPRMModelOutput",
     "FPRMReasoningOutput",
 ]

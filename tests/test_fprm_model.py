@@ -1,5 +1,6 @@
 """FPRM model: config, Auto classes and export, the architecture, the solver (Algorithm 1), stability, bad input."""
 
+import dataclasses
 import json
 import math
 import os
@@ -439,6 +440,44 @@ def test_solver_state_continues_where_it_stopped():
         second = model(ids, max_loops=5, halting=False, solver_state=first.solver_state)
     torch.testing.assert_close(second.solver_state.hidden, full.solver_state.hidden)
     assert (second.solver_state.iterations == 8).all() and (second.iterations == 5).all()
+
+
+def test_a_solver_state_is_refused_on_other_inputs_of_the_same_shape():
+    # it was reused silently: a row converged on the old puzzle ran 0 iterations and returned the old puzzle's answer
+    model = tiny_model(seed=2, num_puzzle_identifiers=2)
+    ids, other = grid_inputs(2), grid_inputs(2, seed=5)
+    other[0] = ids[0]  # row 0 is the same puzzle, row 1 another
+    with torch.no_grad():
+        first = model(ids, halt_eps=0.5)
+        assert first.converged.any()
+        model(ids, solver_state=first.solver_state)  # the same inputs: continued
+        with pytest.raises(ValueError, match=r"`solver_state` was computed on other inputs than these \(rows \[1\]"):
+            model(other, solver_state=first.solver_state)
+        with pytest.raises(ValueError, match=r"rows \[0, 1\]"):  # the puzzle identifier is part of the input
+            model(ids, puzzle_identifiers=torch.tensor([1, 1]), solver_state=first.solver_state)
+        embeds = model.get_input_embeddings()(ids)
+        from_embeds = model.model(inputs_embeds=embeds, max_loops=2)
+        model.model(inputs_embeds=embeds, max_loops=2, solver_state=from_embeds.solver_state)
+        with pytest.raises(ValueError, match="computed on other inputs"):
+            model.model(inputs_embeds=embeds + 1e-3, solver_state=from_embeds.solver_state)
+        # a state that records no inputs (built by hand, an older checkpoint's carry) is taken on trust
+        unknown = model(other, solver_state=dataclasses.replace(first.solver_state, fingerprint=None))
+    assert torch.equal(unknown.solver_state.fingerprint, model(other, max_loops=1).solver_state.fingerprint)
+
+
+def test_a_solver_state_of_another_dtype_or_hand_edited_is_a_named_error():
+    model = tiny_model(seed=2)
+    ids = grid_inputs(2)
+    with torch.no_grad():
+        state = model(ids, max_loops=2).solver_state
+        with pytest.raises(ValueError, match=r"`solver_state.hidden` is torch.bfloat16, this model computes in "
+                                             r"torch.float32"):
+            model(ids, solver_state=dataclasses.replace(state, hidden=state.hidden.bfloat16()))
+        with pytest.raises(ValueError, match=r"`solver_state.eta` must be a torch.float32 tensor of shape \(2,\), got "
+                                             r"Tensor \(3,\)"):
+            model(ids, solver_state=dataclasses.replace(state, eta=torch.ones(3)))
+        with pytest.raises(ValueError, match=r"`solver_state.halted` must be a torch.bool tensor"):
+            model(ids, solver_state=dataclasses.replace(state, halted=state.halted.long()))
 
 
 # ---- 7. stability ---------------------------------------------------------------------------------------------------

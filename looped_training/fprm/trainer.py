@@ -224,7 +224,8 @@ class Carry:
     def tensors(self):
         """The carry as named tensors, for a checkpoint."""
         named = {f"inputs.{k}": v for k, v in self.inputs.items()}
-        named.update({f"state.{f.name}": getattr(self.state, f.name) for f in fields(self.state)})
+        named.update({f"state.{f.name}": getattr(self.state, f.name) for f in fields(self.state)
+                      if getattr(self.state, f.name) is not None})
         named["segments"] = self.segments
         return {k: v.detach().contiguous() for k, v in named.items()}
 
