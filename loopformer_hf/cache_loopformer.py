@@ -151,6 +151,19 @@ class LoopFormerCacheMixin:
     def _is_empty(self):
         return self.get_seq_length() == 0
 
+    def check_batch_size(self, batch):
+        """A filled cache serves only calls of the batch size it was filled with (else attention fails deep in
+        torch, or a broadcast mixes rows): raise `ValueError` naming both."""
+        layer = next((layer for layer in self.layers if layer.is_initialized), None)
+        if layer is None or self._is_empty():
+            return
+        cached = layer.keys.shape[0]
+        if cached != batch:
+            raise ValueError(
+                f"This cache holds {cached} sequences; this call gives {batch}: pass the cache of a call with "
+                f"{batch} sequences, a new cache, or `cache.reset()` it first."
+            )
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store the keys/values of `layer_idx = slot(step, block)`.
 

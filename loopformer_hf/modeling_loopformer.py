@@ -223,14 +223,15 @@ class LoopFormerTimestepEmbedder(nn.Module):
             nn.Linear(config.hidden_size, config.hidden_size, bias=True),
         )
 
-    def forward(self, t):
+    def forward(self, t, dtype):
         half = self.frequency_embedding_size // 2
         freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t.float()[:, None] * freqs[None]
         features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         if self.frequency_embedding_size % 2:
             features = F.pad(features, (0, 1))
-        return self.mlp(features.to(self.mlp[0].weight.dtype))
+        # the dtype the model computes in, not the first weight's: a quantised Linear stores int8 (or packs it)
+        return self.mlp(features.to(dtype))
 
 
 class LoopFormerLoopConditioning(nn.Module):
@@ -249,15 +250,15 @@ class LoopFormerLoopConditioning(nn.Module):
         if self.mode == "shortcut":
             self.dt_embedder = LoopFormerTimestepEmbedder(config)
 
-    def forward(self, trajectory, device):
-        """(M, d) conditioning vectors for the step sizes `trajectory`, or None without conditioning."""
+    def forward(self, trajectory, device, dtype):
+        """(M, d) conditioning vectors (in `dtype`) for the step sizes `trajectory`, or None without conditioning."""
         if self.mode == "none":
             return None
         if self.mode == "timestep":
-            return self.time_embedder(torch.arange(len(trajectory), device=device, dtype=torch.float32))
+            return self.time_embedder(torch.arange(len(trajectory), device=device, dtype=torch.float32), dtype)
         dt = torch.tensor(trajectory, device=device, dtype=torch.float64)
         t = torch.cumsum(dt, 0) - dt  # time at the start of each step
-        return self.time_embedder(t.float()) + self.dt_embedder(dt.float())
+        return self.time_embedder(t.float(), dtype) + self.dt_embedder(dt.float(), dtype)
 
 
 class LoopFormerBlock(GradientCheckpointingLayer):
@@ -659,6 +660,52 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             mask = mask | ~mask.any(dim=-1, keepdim=True)
         return mask
 
+    @staticmethod
+    def _check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len):
+        """transformers' conventions: a 2-D mask (batch, past + new tokens) of 0/1 (its shape is checked with the
+        cache's length), a 4-D mask (batch or 1, 1, q_len, kv_len) bool (True = may attend) or float (added to the
+        scores); position_ids integer (batch or 1, q_len), >= 0. Anything else raises `ValueError` here instead of
+        running with shifted positions, adding an int 0/1 mask as if additive, or failing deep in torch."""
+        compiling = torch.compiler.is_compiling()  # value checks read the tensor (a graph break): skipped there
+        if attention_mask is not None:
+            if not torch.is_tensor(attention_mask) or attention_mask.dim() not in (2, 4):
+                raise ValueError(
+                    f"`attention_mask` must be a 2-D (batch, tokens) 0/1 tensor or a 4-D (batch, 1, q_len, kv_len) "
+                    f"bool or float tensor, got {type(attention_mask).__name__} "
+                    f"{tuple(getattr(attention_mask, 'shape', ()))}."
+                )
+            if attention_mask.dim() == 4:
+                if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+                    raise ValueError(
+                        f"A 4-D `attention_mask` must be bool (True = may attend) or float (added to the attention "
+                        f"scores: 0 to attend, a large negative such as torch.finfo(dtype).min not to), got "
+                        f"{attention_mask.dtype}: an integer 0/1 mask would be added to the scores, not masked. Pass "
+                        f"`mask.bool()`."
+                    )
+                if attention_mask.shape[0] not in (1, batch) or tuple(attention_mask.shape[1:]) != (1, q_len, kv_len):
+                    raise ValueError(
+                        f"A 4-D `attention_mask` must have shape (batch={batch} or 1, 1, q_len={q_len}, "
+                        f"kv_len={kv_len}), got {tuple(attention_mask.shape)}."
+                    )
+            elif not compiling and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+                raise ValueError(
+                    f"A 2-D `attention_mask` must hold only 0 (padding) and 1 (a token), got "
+                    f"{other.unique()[:4].tolist()}: positions are counted from it. Pass a 4-D mask for anything else."
+                )
+        if position_ids is not None:
+            if not (torch.is_tensor(position_ids) and not position_ids.dtype.is_floating_point
+                    and not position_ids.dtype.is_complex and position_ids.dtype != torch.bool
+                    and position_ids.dim() == 2 and position_ids.shape[0] in (1, batch)
+                    and position_ids.shape[1] == q_len):
+                raise ValueError(
+                    f"`position_ids` must be an integer tensor of shape (batch={batch} or 1, new tokens={q_len}), "
+                    f"got {type(position_ids).__name__} {tuple(getattr(position_ids, 'shape', ()))} "
+                    f"{getattr(position_ids, 'dtype', '')}."
+                )
+            if not compiling and position_ids.numel() and int(position_ids.min()) < 0:
+                raise ValueError(f"`position_ids` must be >= 0, got {int(position_ids.min())}.")
+
     def _position_ids(self, attention_mask, batch, q_len, past_len, device):
         if attention_mask is not None and attention_mask.dim() == 2:
             positions = attention_mask.long().cumsum(-1) - 1
@@ -676,7 +723,16 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 f"got shape {tuple(given.shape)}."
             )
         if input_ids is None:
+            hidden, dtype = self.config.hidden_size, self.embed_tokens.weight.dtype
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden or inputs_embeds.dtype != dtype:
+                raise ValueError(
+                    f"`inputs_embeds` must be a {dtype} tensor of shape (batch, seq_len, hidden_size={hidden}) (what "
+                    f"`get_input_embeddings()(input_ids)` gives), got {inputs_embeds.dtype} "
+                    f"{tuple(inputs_embeds.shape)}."
+                )
             return inputs_embeds
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"`input_ids` must be an integer tensor of token ids, got {input_ids.dtype}.")
         # checks read values (a graph break), so compiled graphs skip them
         if not torch.compiler.is_compiling() and input_ids.numel():
             low, high = (int(v) for v in torch.aminmax(input_ids))
@@ -713,7 +769,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         kept = getattr(cache, "loop_adaln", None) if keep else None
         if kept is not None and kept[0] == key:
             return kept[1]
-        conditioning = self.loop_conditioning(trajectory, device)
+        conditioning = self.loop_conditioning(trajectory, device, dtype)
         loop_adaln = None
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
@@ -805,16 +861,23 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         # checkpointing in training uses none: recomputed blocks would write it twice).
         cache = None if checkpointing or not (use_cache or cache is not None) else (
             LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps, halt_criterion)))
+        if cache is not None and not torch.compiler.is_compiling():
+            cache.check_batch_size(batch)
         past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
+        self._check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
+        position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
         mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
         # positional tensors. At inference they are computed once for every step (and kept on the cache).
-        conditioning = self.loop_conditioning(trajectory, device) if torch.is_grad_enabled() else None
+        conditioning = self.loop_conditioning(trajectory, device, hidden_states.dtype) if torch.is_grad_enabled() else (
+            None)
         loop_adaln = None
         if conditioning is None or halt_eps is not None:  # halting fills skipped slots from the per-block vectors
             loop_adaln = self._loop_adaln(trajectory, hidden_states.dtype, device, cache)

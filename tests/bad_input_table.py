@@ -7,9 +7,10 @@ docs/bad_inputs.md, and a test fails when that file differs from what it would r
 
 import contextlib
 import io
+import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -94,6 +95,17 @@ def file_in(tmp, name, content=b"x"):
     return path
 
 
+def locked(tmp):
+    """An output_dir whose training.lock names a run on another host (taken as alive: its pid says nothing here), as
+    a running run's does; fixed values keep the table the same on every machine."""
+    from looped_training.checkpoints import LOCK_FILE
+
+    folder = Path(tmp) / "run"
+    folder.mkdir()
+    (folder / LOCK_FILE).write_text(json.dumps({"pid": 4321, "host": "another-host"}))
+    return folder
+
+
 LF, FP = "LoopFormer", "FPRM"
 TRAIN = cli("looped_training.loopformer.train")
 EVALUATE = cli("looped_training.loopformer.evaluate")
@@ -136,6 +148,30 @@ CASES = [
     Case(f"{LF} generate", "halt_eps=0.1, prefill_chunk_size=2",
          lambda t: loopformer().generate(IDS, max_new_tokens=1, halt_eps=0.1, prefill_chunk_size=2), ValueError,
          r"halt_eps.*chunked prefill"),
+    Case(f"{LF} forward", "4-D int 0/1 attention_mask", lambda t: loopformer()(
+        IDS, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.long).tril()), ValueError,
+         r"4-D `attention_mask` must be bool .* or float .*got torch.int64"),
+    Case(f"{LF} forward", "4-D attention_mask of the wrong size", lambda t: loopformer()(
+        IDS, attention_mask=torch.ones(1, 1, 3, 4, dtype=torch.bool)), ValueError,
+         r"must have shape \(batch=1 or 1, 1, q_len=3, kv_len=3\), got \(1, 1, 3, 4\)"),
+    Case(f"{LF} forward", "attention_mask=[[1, 2, 1]]", lambda t: loopformer()(
+        IDS, attention_mask=torch.tensor([[1, 2, 1]])), ValueError, r"only 0 \(padding\) and 1 .*got \[2\]"),
+    Case(f"{LF} forward", "position_ids of the wrong length", lambda t: loopformer()(
+        IDS, position_ids=torch.arange(2)[None]), ValueError, r"position_ids.*new tokens=3.*got Tensor \(1, 2\)"),
+    Case(f"{LF} forward", "position_ids=[[-1, 0, 1]]", lambda t: loopformer()(
+        IDS, position_ids=torch.tensor([[-1, 0, 1]])), ValueError, r"position_ids.*>= 0, got -1"),
+    Case(f"{LF} forward", "float position_ids", lambda t: loopformer()(IDS, position_ids=torch.arange(3.0)[None]),
+         ValueError, r"position_ids.*integer tensor.*torch.float32"),
+    Case(f"{LF} forward", "float input_ids", lambda t: loopformer()(IDS.float()), ValueError,
+         r"input_ids.*integer tensor.*got torch.float32"),
+    Case(f"{LF} forward", "inputs_embeds of width 16 (hidden_size 32)", lambda t: loopformer()(
+        inputs_embeds=torch.zeros(1, 3, 16)), ValueError, r"inputs_embeds.*hidden_size=32.*\(1, 3, 16\)"),
+    Case(f"{LF} forward", "float64 inputs_embeds", lambda t: loopformer()(
+        inputs_embeds=torch.zeros(1, 3, 32, dtype=torch.float64)), ValueError,
+         r"inputs_embeds.*torch.float32 tensor.*got torch.float64"),
+    Case(f"{LF} forward", "a cache of 2 sequences for 1", lambda t: loopformer()(
+        IDS[:, :1], cache=loopformer()(IDS.expand(2, 3), use_cache=True).cache), ValueError,
+         r"cache holds 2 sequences; this call gives 1"),
     # FPRM configuration
     Case(f"{FP} config", "causal='no'", lambda t: fprm_config(causal="no"), ValueError,
          r"`causal` must be True or False, got 'no'"),
@@ -150,6 +186,12 @@ CASES = [
     Case(f"{FP} config", "config.fixed_init = 1 (attribute set)", lambda t: setattr(fprm_config(), "fixed_init", 1),
          ValueError, r"`fixed_init` must be True or False, got 1"),
     # FPRM forward
+    Case(f"{FP} forward", "solver_state of another input of the same shape", lambda t: fprm()(
+        GRID + 1, solver_state=fprm()(GRID, max_loops=1).solver_state), ValueError,
+         r"solver_state` was computed on other inputs than these \(rows \[0\] differ\)"),
+    Case(f"{FP} forward", "bf16 solver_state into an fp32 model", lambda t: fprm()(GRID, solver_state=replace(
+        fprm()(GRID, max_loops=1).solver_state, hidden=fprm()(GRID, max_loops=1).solver_state.hidden.bfloat16())),
+         ValueError, r"solver_state.hidden` is torch.bfloat16, this model computes in torch.float32"),
     Case(f"{FP} forward", "halting='no'", lambda t: fprm()(GRID, halting="no"), ValueError,
          r"`halting` must be True or False, got 'no'"),
     Case(f"{FP} forward", "attention_mask with padding", lambda t: fprm()(GRID, attention_mask=padded_mask()),
@@ -193,6 +235,12 @@ CASES = [
     Case("loopformer.report", "--no_train with no finished runs",
          REPORT("--no_train", "--tasks", "synthetic", "--runs_dir", "{tmp}/runs", "--docs_dir", "{tmp}/docs"),
          ValueError, r"--no_train: no finished run"),
+    Case("loopformer.train", "--output_dir FILE", lambda t: TRAIN("--output_dir", str(file_in(t, "taken")))(t),
+         ValueError, r"--output_dir .*taken' is a file, not a folder"),
+    Case("loopformer.train", "--output_dir of a running run", lambda t: TRAIN("--output_dir", str(locked(t)))(t),
+         ValueError, r"is being written by another run \(process \d+ on "),
+    Case("fprm.train", "--output_dir of a running run", lambda t: FPRM_TRAIN("--output_dir", str(locked(t)))(t),
+         ValueError, r"is being written by another run \(process \d+ on "),
     Case("fprm.train", "--preset bogus", FPRM_TRAIN("--preset", "bogus"), ValueError,
          r"`--preset` must be one of .* got 'bogus'"),
     Case("fprm.train", "--task bogus", FPRM_TRAIN("--task", "bogus", "--output_dir", "{tmp}/run"), ValueError,

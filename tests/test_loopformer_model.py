@@ -198,8 +198,8 @@ def test_conditioning_depends_on_t_and_delta(tiny_model):
     cond = tiny_model.model.loop_conditioning
     for mlp in (cond.time_embedder.mlp, cond.dt_embedder.mlp):
         torch.nn.init.normal_(mlp[2].weight, std=0.1)
-    a = cond((0.5, 0.25, 0.25), "cpu")
-    b = cond((0.25, 0.25, 0.5), "cpu")
+    a = cond((0.5, 0.25, 0.25), "cpu", torch.float32)
+    b = cond((0.25, 0.25, 0.5), "cpu", torch.float32)
     assert a.shape == (3, 64)
     torch.testing.assert_close(a[1], b[1] + (a[1] - b[1]))  # shapes sane
     assert not torch.allclose(a[0], b[0])  # same t=0, different Δ
