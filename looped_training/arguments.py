@@ -70,3 +70,15 @@ def parse_args_with_config(parser, argv=None, defaults=None):
     numbers = {k: str(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     parser.set_defaults(**{**values, **numbers})
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False), path
+
+
+def run_command(main, prog):
+    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is) prints one line and exits 2,
+    as argparse does for a bad flag. LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
+    try:
+        return main()
+    except ValueError as err:
+        if os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1":
+            raise
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        sys.exit(2)

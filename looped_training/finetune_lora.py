@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -308,8 +307,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+    from looped_training.arguments import run_command
+
+    run_command(main, "python -m looped_training.finetune_lora")

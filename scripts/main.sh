@@ -11,7 +11,8 @@ bash scripts/setup.sh
 PY=.venv/bin/python
 OUT=${OUT:-runs/main}
 STEPS=${STEPS:-2000}
-export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# no progress bars in the log (the Trainer's are off by flag; these are the hub's and transformers' loading bars)
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 # One thread per run: the two runs share the machine's cores instead of fighting over them.
 export OMP_NUM_THREADS=1
 # Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
@@ -23,7 +24,8 @@ echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and Loop
 $PY -m looped_training.loopformer.train --output_dir "$OUT/base_loop" --variant base_loop "${COMMON[@]}" \
     --disable_tqdm true > "$OUT/base_loop.log" 2>&1 &
 BASE_PID=$!
-$PY -m looped_training.loopformer.train --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}"
+$PY -m looped_training.loopformer.train --output_dir "$OUT/loopformer" --variant loopformer "${COMMON[@]}" \
+    --disable_tqdm true
 echo "== waiting for Base-Loop"
 wait "$BASE_PID" || { tail -n 30 "$OUT/base_loop.log"; exit 1; }
 grep -E "train_runtime|train_loss" "$OUT/base_loop.log" | tail -n 2
@@ -31,7 +33,7 @@ echo "== training took $(( $(date +%s) - START )) s"
 
 echo "== elastic evaluation"
 $PY -m looped_training.loopformer.evaluate "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
-    --output_dir "$OUT/eval" --generate_budgets 1 2 4 --halt_eps 0.1 0.3 0.5 0.8
+    --output_dir "$OUT/eval" --generate_budgets 1 2 4 --halt_eps 0.1 0.3 0.5 0.8 --disable_tqdm true
 $PY - "$OUT/loopformer" <<'PYEOF'
 import sys
 import loopformer_hf  # noqa: F401  (registers LoopFormer with the Auto classes)
@@ -44,8 +46,11 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 enc = tok(["3*7+1*3=", "1+3="], return_tensors="pt", padding=True)
 out = model.generate(**enc, max_new_tokens=2, do_sample=False, halt_eps=0.3, pad_token_id=tok.pad_token_id,
                      return_dict_in_generate=True)
+# loop steps of each token the model read (prompt, then generated), the padding of the shorter prompt left out
+real = [[n for n, keep in zip(row, mask + [1] * (len(row) - len(mask))) if keep]
+        for row, mask in zip(out.loop_counts.tolist(), enc.attention_mask.tolist())]
 print("generate(halt_eps=0.3):",
       [tok.decode(o[enc.input_ids.shape[1]:], skip_special_tokens=True).strip() for o in out.sequences],
-      "loop steps per position:", out.loop_counts.tolist())
+      "loop steps per token:", real)
 PYEOF
 echo "== done in $(( $(date +%s) - START )) s"

@@ -1,7 +1,10 @@
 """Issue 13, "Faults not met": command-line faults that ended silently or in a raw traceback, each reproduced here."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -272,3 +275,19 @@ def test_fprm_results_are_strict_json():
     value = {"acc": float("nan"), "curve": [0.5, float("inf"), (float("-inf"), 1)], "n": 3, "name": "x"}
     assert _strict_json(value) == {"acc": None, "curve": [0.5, None, [None, 1]], "n": 3, "name": "x"}
     json.dumps(_strict_json(value), allow_nan=False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["looped_training.loopformer.train", "--variant", "nope", "--output_dir", "{tmp}/run", "--use_cpu"],
+     "`variant` must be one of"),
+    (["looped_training.fprm.train", "--task", "nope", "--output_dir", "{tmp}/run", "--use_cpu"], "nope"),
+    (["looped_training.loopformer.evaluate", "{tmp}/missing", "--output_dir", "{tmp}/eval"], "missing"),
+], ids=["loopformer.train", "fprm.train", "loopformer.evaluate"])
+def test_a_user_error_is_one_line_and_exit_2(tmp_path, argv, message):
+    """As argparse does for a bad flag: no traceback from inside the package for a bad value."""
+    env = dict(os.environ, LOOPED_TRAINING_TRACEBACK="0")
+    proc = subprocess.run([sys.executable, "-m", *[a.format(tmp=tmp_path) for a in argv]], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr and message in lines[-1] and lines[-1].startswith("python -m "), lines

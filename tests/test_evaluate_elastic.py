@@ -151,3 +151,26 @@ def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(
     # name is checked
     assert ("models: 100%" in err and "1/1" in err and "budgets:" in err) == shown
     assert "evaluating" in err
+
+
+def test_an_fprm_checkpoint_is_named_as_such(tmp_path):
+    """The elastic evaluation of an FPRM folder used to fail on a missing training file or a field list; it now says
+    what the folder holds."""
+    from fprm_fixtures import tiny_fprm
+
+    tiny_fprm().save_pretrained(tmp_path / "fprm")
+    with pytest.raises(ValueError, match="is a 'fprm' checkpoint"):
+        evaluate_elastic.load_checkpoint(str(tmp_path / "fprm"))
+
+
+def test_budget_claims_hold_and_fail_at_their_thresholds():
+    claims = evaluate_elastic.budget_claims
+    ok = claims([0.40, 0.55, 0.70, 0.78], [0.25, 0.50, 0.70, 0.80])
+    assert all(v["holds"] for v in ok.values())
+    assert ok["a_improves_with_budget"]["gain"] == pytest.approx(0.38)
+    # a step back of 0.03 breaks (a) though the gain is large; (b) needs a 0.10 margin; (c) a gap within 0.05
+    bad = claims([0.40, 0.37, 0.70, 0.70], [0.31, 0.50, 0.70, 0.76])
+    assert [v["holds"] for v in bad.values()] == [False, False, False]
+    assert bad["a_improves_with_budget"]["worst_step_back"] == pytest.approx(0.03)
+    lines = evaluate_elastic.claims_text(bad)
+    assert len(lines) == 3 and all("does not hold" in line for line in lines)

@@ -259,8 +259,6 @@ def train(model_args, data_args, eval_args, train_args):
     """The run `main` parsed, in its locked `output_dir`: its results, or None if the resumed checkpoint already ends
     the run (or on a process other than the main one)."""
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, FPRMConfig.model_type)
-    if resume is not None and finished_run(resume, train_args):
-        return None
     set_seed(train_args.seed)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
@@ -284,6 +282,9 @@ def train(model_args, data_args, eval_args, train_args):
     if resume is not None:
         # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment)
         check_resume_config(resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
+        # after the config check: a finished run resumed with flags of another model is refused, not a no-op
+        if finished_run(resume, train_args):
+            return None
     model = FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
@@ -340,4 +341,6 @@ def train(model_args, data_args, eval_args, train_args):
 
 
 if __name__ == "__main__":
-    main()
+    from looped_training.arguments import run_command
+
+    run_command(main, "python -m looped_training.fprm.train")

@@ -30,7 +30,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
-from looped_training.checkpoints import check_checkpoint
+from looped_training.checkpoints import check_checkpoint, check_model_type
 from looped_training.loopformer import representations
 from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
 from looped_training.loopformer.data.text import chunk_text
@@ -44,6 +44,7 @@ def load_checkpoint(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_checkpoint(path)
+    check_model_type(path, "loopformer")
     meta_path = next((p for p in (os.path.join(path, TRAINING_META_FILE),
                                   os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE))
                       if os.path.exists(p)), None)
@@ -225,6 +226,9 @@ def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=S
         "train_runtime_s": meta.get("train_runtime_s"),
         "results": evaluate_quality(model, task, data, budgets, schedules, disable_tqdm),
     }
+    if task == "synthetic":
+        # guessing among the answers the held-out problems have (a digit mod 10 for the arithmetic chains)
+        record["chance"] = {"em": 1 / len(set(rows["answers"])), "ppl": float(len(set(rows["answers"])))}
     if halt_eps and model.config.num_loops > 1:
         record["halting"] = evaluate_halting(model, task, data, halt_eps)
     states, mask = step_states(model, data, meta, repr_rows)
@@ -266,11 +270,14 @@ def format_table(records, metric, schedule="uniform", digits=3):
     return "\n".join(lines)
 
 
-def _finish(fig, ax_rows, title, path):
-    """Legend on the first axes, title, save, close."""
+def _finish(fig, ax_rows, title, path, caption=None):
+    """Legend on the first axes, title, a one-line caption under the plots, save, close."""
     ax_rows[0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
+    if caption:
+        fig.subplots_adjust(bottom=0.2)
+        fig.text(0.5, 0.02, caption, ha="center", fontsize=8, wrap=True)
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 
@@ -310,8 +317,13 @@ def _plot_quality(records, metrics, task, path):
                 label_s = rec["name"] if schedule == "uniform" else f"{rec['name']} {schedule}"
                 ax.plot(list(values), list(values.values()), style, marker="o", color=color, label=label_s,
                         alpha=1.0 if schedule == "uniform" else 0.6)
+        chance = records[0].get("chance", {}).get(metric)
+        if chance is not None:
+            ax.axhline(chance, color="grey", linestyle=":", label="chance (guessing an answer)")
         _style_axes(ax, "loop budget M", label, metric)
-    return _finish(fig, axes[0], f"Quality against loop budget ({task})", path)
+    caption = ("Each point: the model run with M loop steps (uniform Δ = 1/M) on held-out problems; a model that "
+               "uses its depth rises with M, one trained only at M = L falls off below it.")
+    return _finish(fig, axes[0], f"Quality against loop budget ({task})", path, caption)
 
 
 def _plot_representations(records, task, path):
@@ -326,7 +338,9 @@ def _plot_representations(records, task, path):
             ax.plot(range(len(values)), values, marker="o", color=f"C{i}", label=rec["name"])
         _style_axes(ax, "loop step (0 = embeddings)", None, None)
         ax.set_title(label)
-    return _finish(fig, axes, f"Representations per loop step at M = L ({task})", path)
+    caption = ("Hidden states after each loop step of the full trajectory: CKA near 1 means a step changed little; "
+               "curvature is the turn between successive steps' updates.")
+    return _finish(fig, axes, f"Representations per loop step at M = L ({task})", path, caption)
 
 
 def _plot_halting(records, metrics, task, path):
@@ -344,7 +358,9 @@ def _plot_halting(records, metrics, task, path):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker="x", color=f"C{i}",
                     label=f"{rec['name']} halt_eps")
         _style_axes(ax, "mean loop steps per token", label, metric)
-    return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path)
+    caption = ("Crosses: each token stops once its state moves less than halt_eps, plotted at the mean loop steps "
+               "spent; dots: every token runs M steps. Crosses above the dots: halting spends compute better.")
+    return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path, caption)
 
 
 def plot(records, output_dir):
@@ -363,6 +379,43 @@ def plot(records, output_dir):
     return paths
 
 
+def budget_claims(loopformer, base_loop):
+    """The three claims the Quickstart checks, on exact-match curves over M = 1..L (lists) of LoopFormer and of
+    Base-Loop: (a) LoopFormer improves with budget (em(M=L) - em(M=1) >= 0.10, no step back larger than 0.02);
+    (b) no collapse at small budget (LoopFormer at M=1 >= Base-Loop at M=1 + 0.10); (c) elastic for free
+    (LoopFormer at M=L within 0.05 of Base-Loop at M=L)."""
+    lf, bl = list(loopformer), list(base_loop)
+    step_back = max([lf[i] - lf[i + 1] for i in range(len(lf) - 1)] + [0.0])
+    gain, margin, gap = lf[-1] - lf[0], lf[0] - bl[0], lf[-1] - bl[-1]
+    return {
+        "a_improves_with_budget": {"gain": gain, "worst_step_back": step_back,
+                                   "holds": gain >= 0.10 and step_back <= 0.02},
+        "b_no_collapse_at_M1": {"margin": margin, "holds": margin >= 0.10},
+        "c_elastic_for_free": {"gap": gap, "holds": abs(gap) <= 0.05},
+    }
+
+
+def claims_text(claims):
+    word = {True: "HOLDS", False: "does not hold"}
+    a, b, c = claims["a_improves_with_budget"], claims["b_no_collapse_at_M1"], claims["c_elastic_for_free"]
+    return [f"(a) LoopFormer improves with budget: em(M=L) - em(M=1) = {a['gain']:+.3f} (>= 0.10), worst step back "
+            f"{a['worst_step_back']:.3f} (<= 0.02): {word[a['holds']]}",
+            f"(b) no collapse at M=1: LoopFormer - Base-Loop = {b['margin']:+.3f} (>= 0.10): {word[b['holds']]}",
+            f"(c) elastic for free: LoopFormer - Base-Loop at M=L = {c['gap']:+.3f} (within 0.05): "
+            f"{word[c['holds']]}"]
+
+
+def records_claims(records):
+    """`budget_claims` of the first LoopFormer and Base-Loop among `records` (synthetic task), or None."""
+    by_variant = {}
+    for rec in records:
+        by_variant.setdefault(rec["variant"], rec)
+    if records[0]["task"] != "synthetic" or not {"loopformer", "base_loop"} <= set(by_variant):
+        return None
+    curves = [list(quality_by_budget(by_variant[v], "uniform", "em").values()) for v in ("loopformer", "base_loop")]
+    return budget_claims(*curves)
+
+
 def summary_text(records):
     task = records[0]["task"]
     out = []
@@ -377,6 +430,9 @@ def summary_text(records):
                        + ", ".join(f"d{d}={full['em_by_depth'].get(d, float('nan')):.2f}" for d in depths))
         out.append("")
         out += ["Answer perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
+        claims = records_claims(records)
+        if claims is not None:
+            out += ["", "Claims (exact match, uniform schedule):", *claims_text(claims)]
     else:
         out += ["Held-out perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
     for rec in records:
@@ -466,11 +522,14 @@ def main(argv=None):
     print(summary_text(records))
     for rec in records:
         for g in rec.get("generations", []):
-            expected = "" if g["answer"] is None else f"   (answer {g['answer']})"
-            print(f"[{rec['name']}] generate(loop_budget={g['budget']}): {g['prompt']!r} -> {g['generated']!r}{expected}")
+            verdict = "" if g["answer"] is None else (
+                "   right" if g["generated"].strip() == g["answer"] else f"   wrong (answer {g['answer']})")
+            print(f"[{rec['name']}] generate(loop_budget={g['budget']}): {g['prompt']!r} -> {g['generated']!r}{verdict}")
     print("wrote", os.path.join(args.output_dir, EVAL_FILE), *plots)
     return records
 
 
 if __name__ == "__main__":
-    main()
+    from looped_training.arguments import run_command
+
+    run_command(main, "python -m looped_training.loopformer.evaluate")

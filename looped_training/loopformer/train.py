@@ -271,8 +271,6 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
     the run."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type)
-    if resume is not None and finished_run(resume, training_args):
-        return None
     chat_template = read_chat_template(data_args.chat_template)
 
     set_seed(training_args.seed)
@@ -283,6 +281,9 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
     if resume is not None:
         check_resume_matches(resume, tokenizer, config)
+        # after the config check: a finished run resumed with flags of another model is refused, not a no-op
+        if finished_run(resume, training_args):
+            return None
     model = LoopFormerForCausalLM(config)
     logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
                 model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
@@ -308,4 +309,6 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
 
 
 if __name__ == "__main__":
-    main()
+    from looped_training.arguments import run_command
+
+    run_command(main, "python -m looped_training.loopformer.train")
