@@ -46,6 +46,15 @@ def test_config_file_errors_name_the_file_and_the_problem(tmp_path):
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=r"must map argument names to values, got a list"):
         parse_args_with_config(loopformer_parser(), [str(listing)])
+    # a Python object tag (safe_load constructs nothing) and broken JSON: named, not a raw parser traceback
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("num_loops: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ValueError, match=r"tagged\.yaml' is not plain YAML .*python/object"):
+        parse_args_with_config(loopformer_parser(), [str(tagged)])
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"num_loops": 3,')
+    with pytest.raises(ValueError, match=r"broken\.json' is not plain JSON"):
+        parse_args_with_config(loopformer_parser(), [str(broken)])
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "looped_training", "configs", "loopformer", "*.yaml"))))
