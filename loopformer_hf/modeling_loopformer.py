@@ -954,6 +954,9 @@ def _loop_counts_unsupported(kwargs, generation_config):
 
 class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # While a Trainer trains with looped_training's ShortcutConsistencyCallback: what a training forward with labels
+    # and no `short_step_schedule` asks for its shortcut-consistency fields, and gives its terms to (for the logs).
+    shortcut_objective = None
 
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -1014,7 +1017,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
             objective: the same inputs also run this short trajectory (steps summing to 1) and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency`. A data collator can put it in the batch (looped_training/loopformer/objective.py does).
+            `consistency`. In training, `shortcut_objective` (looped_training's ShortcutConsistencyCallback) gives
+            it, and the λs and D, to each forward with labels that does not.
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
         lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
         consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` between the final normed hidden states (reference,
@@ -1041,13 +1045,22 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
                 "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
                 "pass labels, or drop short_step_schedule."
             )
+        objective = None
+        if labels is not None and short_step_schedule is None and self.training:
+            objective = self.shortcut_objective
+        if objective is not None:
+            fields = objective.training_forward_kwargs()
+            short_step_schedule, lambda_short = fields["short_step_schedule"], fields["lambda_short"]
+            lambda_consistency, consistency_loss = fields["lambda_consistency"], fields["consistency_loss"]
         if labels is not None and short_step_schedule is not None:
             _check_consistency_args(lambda_short, lambda_consistency, consistency_loss)
             short = self.model(**model_inputs, step_schedule=short_step_schedule, use_cache=False, return_dict=True)
-            loss, terms = self._shortcut_consistency_loss(
+            loss, terms, tokens = self._shortcut_consistency_loss(
                 logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
                 lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"), shift_labels,
             )
+            if objective is not None:
+                objective.record_terms(**terms, tokens=tokens)
         elif labels is not None:
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
             if shift_labels is not None:
@@ -1069,7 +1082,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
                                    consistency_loss, num_items_in_batch=None, shift_labels=None):
         """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
         are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
-        share of those tokens. Returns (loss, the three detached terms as per-token means)."""
+        share of those tokens. Returns (loss, the three detached terms as per-token means, labelled tokens)."""
         ce_full_sum, n_local = _token_ce_sum(logits, labels, shift_labels)
         ce_short_sum, _ = _token_ce_sum(short_logits, labels, shift_labels)
         denom = n_local if num_items_in_batch is None else num_items_in_batch
@@ -1089,7 +1102,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         tokens = max(n_local, 1)
         terms = {"ce_full": ce_full_sum.detach() / tokens, "ce_short": ce_short_sum.detach() / tokens,
                  "consistency": consistency.detach()}
-        return loss, terms
+        return loss, terms, n_local
 
     # ---- generation ----------------------------------------------------------------------------------------------
 

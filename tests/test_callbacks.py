@@ -1,4 +1,4 @@
-"""ShortcutConsistencyCallback: the sampler, the loss it installs, its logs and its user errors."""
+"""ShortcutConsistencyCallback: the sampler, the loss it has the model compute, its logs and its user errors."""
 
 import random
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import loopformer_hf
 from conftest import randomize_modulation, tiny_loopformer_config
-from looped_training.loopformer.objective import (ShortcutCollator, ShortcutConsistencyCallback, sample_early_exit_trajectory,
-                                sample_shortcut_trajectory)
+from looped_training.loopformer.objective import (ShortcutConsistencyCallback, sample_early_exit_trajectory,
+                                                  sample_shortcut_trajectory)
 
 
 def test_shortcut_sampler_follows_the_spec():
@@ -84,30 +84,27 @@ def _batch(vocab=97, batch=3, seq=12, seed=0):
     return ids, labels
 
 
-def _collated(cb, ids, labels):
-    """What the Trainer's forward gets: the wrapped collator's batch."""
-    features = [{"input_ids": i, "labels": lab} for i, lab in zip(ids.tolist(), labels.tolist())]
-    return ShortcutCollator(cb)(features)
-
-
-def test_collated_batch_makes_the_forward_compute_ce_full_plus_weighted_short_ce_and_mse():
+def test_a_training_forward_with_labels_computes_ce_full_plus_weighted_short_ce_and_mse():
     torch.manual_seed(0)
     model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
     cb = _attached(model, lambda_short=0.3, lambda_consistency=0.7, seed=5)
     ids, labels = _batch()
-    batch = _collated(cb, ids, labels)
+    out = model(input_ids=ids, labels=labels)  # the attached callback gives the short trajectory and the λs
     trajectory = cb.sample_trajectory(0, 4, "shortcut")
-    assert batch["short_step_schedule"] == list(trajectory) and batch["consistency_loss"] == "mse"
-    assert (batch["lambda_short"], batch["lambda_consistency"]) == (0.3, 0.7)
-    loss = model(**batch).loss
+    assert cb.sampled == [(0, trajectory)] and cb.micro_batches_seen == 1
 
+    model.eval()  # an eval-mode forward draws nothing: plain CE
     with torch.no_grad():
         full = model.model(input_ids=ids).last_hidden_state
         short = model.model(input_ids=ids, step_schedule=list(trajectory)).last_hidden_state
-        ce_full = model(input_ids=ids, labels=labels).loss
+        ce_full = model(input_ids=ids, labels=labels)
         ce_short = model(input_ids=ids, labels=labels, step_schedule=list(trajectory)).loss
-        expected = ce_full + 0.3 * ce_short + 0.7 * F.mse_loss(short, full)
-    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+        expected = ce_full.loss + 0.3 * ce_short + 0.7 * F.mse_loss(short, full)
+    assert ce_full.ce_full is None and cb.micro_batches_seen == 1
+    torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.ce_short, ce_short, rtol=1e-5, atol=1e-6)
+    window = cb._window
+    assert window["micro_batches"] == 1 and window["tokens"] == int((labels[:, 1:] != -100).sum())
 
 
 def test_kl_option_matches_manual_kl_on_labelled_positions():
@@ -115,9 +112,9 @@ def test_kl_option_matches_manual_kl_on_labelled_positions():
     model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())).train()
     cb = _attached(model, lambda_short=0.0, lambda_consistency=1.0, consistency="kl", seed=2)
     ids, labels = _batch()
-    batch = _collated(cb, ids, labels)
-    loss = model(**batch).loss
-    trajectory = batch["short_step_schedule"]
+    loss = model(input_ids=ids, labels=labels).loss
+    trajectory = list(cb.sampled[0][1])
+    model.eval()
     with torch.no_grad():
         ce_full = model(input_ids=ids, labels=labels).loss
         short = model(input_ids=ids, step_schedule=trajectory).logits[:, :-1]
@@ -132,7 +129,7 @@ def test_kl_option_matches_manual_kl_on_labelled_positions():
 def test_early_exit_models_get_uniform_prefixes_and_shortcut_is_refused():
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).train()
     cb = _attached(model)  # auto -> early_exit
-    traj = cb.next_batch_fields()["short_step_schedule"]
+    traj = cb.training_forward_kwargs()["short_step_schedule"]
     assert len(set(traj)) == 1
     with pytest.raises(ValueError, match="loop_conditioning='shortcut'"):
         _attached(model, trajectory="shortcut")
@@ -143,17 +140,14 @@ def test_lambda_warmup_follows_the_optimizer_step_of_each_micro_batch():
     cb = ShortcutConsistencyCallback(lambda_short=0.2, lambda_consistency=0.4, warmup_steps=2)
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none", gradient_accumulation_steps=2)
     cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
-    fields = [cb.next_batch_fields() for _ in range(6)]  # micro-batches of optimizer steps 0, 0, 1, 1, 2, 2
+    fields = [cb.training_forward_kwargs() for _ in range(6)]  # micro-batches of optimizer steps 0, 0, 1, 1, 2, 2
     assert [f["lambda_short"] for f in fields] == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
     assert [f["lambda_consistency"] for f in fields] == pytest.approx([0.0, 0.0, 0.2, 0.2, 0.4, 0.4])
 
 
-def test_callback_without_its_collator_is_a_clear_error(tmp_path):
-    cb = ShortcutConsistencyCallback()
-    trainer, _ = _trainer(tmp_path, None, steps=1)
-    trainer.add_callback(cb)
-    with pytest.raises(ValueError, match="trainer_kwargs"):
-        trainer.train()
+def test_a_model_that_does_not_compute_the_objective_is_refused():
+    with pytest.raises(ValueError, match="LoopFormerForCausalLM .* Linear"):
+        _attached(torch.nn.Linear(2, 2))
 
 
 def test_non_looped_model_is_refused():
@@ -162,7 +156,7 @@ def test_non_looped_model_is_refused():
         _attached(model)
 
 
-def _trainer(tmp_path, callback=None, steps=3, evaluate=False, **args):
+def _trainer(tmp_path, callback=None, steps=3, evaluate=False, others=(), **args):
     torch.manual_seed(0)
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config())
     ids, labels = _batch(batch=16, seed=1)
@@ -175,32 +169,50 @@ def _trainer(tmp_path, callback=None, steps=3, evaluate=False, **args):
     targs = TrainingArguments(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=steps,
                                         per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
                                         disable_tqdm=True, learning_rate=1e-3), **args})
-    extra = callback.trainer_kwargs() if callback else {}
-    return Trainer(model=model, args=targs, train_dataset=ds, **extra_datasets, **extra), model
+    callbacks = [callback, *others] if callback else list(others)
+    return Trainer(model=model, args=targs, train_dataset=ds, **extra_datasets, callbacks=callbacks), model
+
+
+class _StepCounter(TrainerCallback):
+    steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def _inner_calls(model):
+    """(training?, step_schedule) of each LoopFormerModel forward: a shortcut training forward runs the full
+    trajectory (None) and then the short one."""
+    calls = []
+    model.model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("step_schedule"))),
+                                          with_kwargs=True)
+    return calls
 
 
 def test_trainer_logs_the_three_terms_and_runs_two_trajectories_in_one_forward(tmp_path):
-    cb = ShortcutConsistencyCallback(warmup_steps=2, seed=0)
-    trainer, model = _trainer(tmp_path, cb, evaluate=True, gradient_accumulation_steps=2)
-    calls, inner = [], []
-    model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("short_step_schedule"))),
-                                    with_kwargs=True)
-    model.model.register_forward_pre_hook(lambda m, a, kw: inner.append(kw.get("step_schedule")), with_kwargs=True)
+    """`Trainer(..., callbacks=[ShortcutConsistencyCallback(), anything_else])`: no collator or other argument."""
+    cb, other = ShortcutConsistencyCallback(warmup_steps=2, seed=0), _StepCounter()
+    trainer, model = _trainer(tmp_path, cb, evaluate=True, gradient_accumulation_steps=2, others=[other])
+    outer = []
+    model.register_forward_pre_hook(lambda m, a, kw: outer.append(m.training), with_kwargs=True)
+    calls = _inner_calls(model)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 3
+    assert len(logs) == 3 and other.steps == 3
     for h in logs:
         assert {"ce_full", "ce_short", "consistency", "lambda_short", "lambda_consistency"} <= set(h)
     # warm-up over 2 steps: λ = λ_max · step / 2 at optimizer steps 0, 1, 2
     assert [h["lambda_short"] for h in logs] == pytest.approx([0.0, 0.05, 0.1])
     # 3 steps x 2 micro-batches: one forward each (the Trainer's), which runs the full and the short trajectory;
-    # the evaluations (after steps 2 and 3, 2 batches each) get no trajectory and draw none from the sampler
-    training = [schedule for is_training, schedule in calls if is_training]
-    assert len(training) == 6 and [tuple(c) for c in training] == [t for _, t in cb.sampled]
-    assert [schedule for is_training, schedule in calls if not is_training] == [None] * 4
-    assert inner[:2] == [None, training[0]]
+    # the evaluations (after steps 2 and 3, 2 batches each) run the full one and draw nothing from the sampler
+    assert outer.count(True) == 6 and outer.count(False) == 4
+    assert [s for training, s in calls if training] == [s for _, t in cb.sampled for s in (None, list(t))]
+    assert [s for training, s in calls if not training] == [None] * 4
     assert [i for i, _ in cb.sampled] == list(range(6)) and cb.micro_batches_seen == 6
     assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 3]
+    assert model.shortcut_objective is None  # detached at train end: a later training-mode forward is plain CE
+    ids, labels = _batch()
+    assert model.train()(input_ids=ids, labels=labels).ce_full is None and cb.micro_batches_seen == 6
 
 
 def test_without_the_callback_training_is_plain_looped_lm(tmp_path):
@@ -218,21 +230,19 @@ def test_an_epoch_end_evaluation_gets_no_trajectory_and_draws_none(tmp_path):
     cb = ShortcutConsistencyCallback(lambda_short=5.0, lambda_consistency=0.0)
     trainer, model = _trainer(tmp_path, cb, steps=-1, evaluate=True, num_train_epochs=2, eval_strategy="epoch",
                               learning_rate=0.0)
-    calls = []
-    model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("short_step_schedule"))),
-                                    with_kwargs=True)
+    calls = _inner_calls(model)
     trainer.train()
-    training = [tuple(s) for is_training, s in calls if is_training]
+    training = [s for is_training, s in calls if is_training]
     assert [s for is_training, s in calls if not is_training] == [None] * 4  # 2 evaluations x 2 batches
-    assert len(training) == 8 and training == [t for _, t in cb.sampled]
-    assert [i for i, _ in cb.sampled] == list(range(8)) and cb._next_index == 8
+    assert len(training) == 16 and training == [s for _, t in cb.sampled for s in (None, list(t))]
+    assert [i for i, _ in cb.sampled] == list(range(8)) and cb.micro_batches_seen == 8
     eval_losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     assert eval_losses == pytest.approx([trainer.evaluate()["eval_loss"]] * 2)  # lr 0: plain CE, as evaluate()
 
 
 def test_resuming_with_restored_callback_states_keeps_the_trajectories(tmp_path):
-    """`restore_callback_states_from_checkpoint=True` makes the Trainer replace the callback by a new instance; the
-    collator kept asking the old one ("the collator drew only 2 trajectories")."""
+    """`restore_callback_states_from_checkpoint=True` makes the Trainer replace the callback by a new instance: the
+    new one is the one the model asks."""
     def run(out, resume=None, **args):
         cb = ShortcutConsistencyCallback(seed=3)
         trainer, _ = _trainer(out, cb, steps=4, save_strategy="steps", save_steps=2,

@@ -7,8 +7,9 @@ Per micro-batch the model runs two trajectories through the same weights (spec, 
 
 The model computes this itself: `LoopFormerForCausalLM.forward(labels=..., short_step_schedule=..., lambda_short=...,
 lambda_consistency=..., consistency_loss=...)` returns the combined loss and its three terms, so both trajectories run
-inside the one forward the Trainer calls (under DDP, inside the wrapper). The callback decides what goes into that
-forward, through a data collator that adds those fields to each training batch:
+inside the one forward the Trainer calls (under DDP, inside the wrapper). The callback decides what that forward gets:
+at train start it attaches itself to the model (`model.shortcut_objective`), and each training forward given labels
+asks it for the micro-batch's fields and hands back the three terms:
 
 - full: the training trajectory [1/L] * L (the model's default);
 - short: S ~ U{1..L-1} steps, each a multiple of 1/L drawn uniformly among those that leave at least 1/L for
@@ -18,23 +19,22 @@ forward, through a data collator that adds those fields to each training batch:
   KL(p_full || p_short) of the next-token distributions on the labelled positions;
 - λ1, λ2: grow linearly from 0 over `warmup_steps` optimizer steps.
 
-    callback = ShortcutConsistencyCallback(lambda_short=0.1, lambda_consistency=0.1)
-    trainer = Trainer(model=model, args=args, train_dataset=ds, **callback.trainer_kwargs(default_data_collator))
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[ShortcutConsistencyCallback(lambda_short=0.1, lambda_consistency=0.1)])
 
 Without the callback the Trainer trains the model as a plain looped LM (the model's own CE on the full trajectory).
 
 The sampler is counter-based: the trajectory of the n-th training micro-batch is drawn from
-`random.Random(f"{seed}:{n}")`. Every process of a data-parallel run holds the same seed and collates the same
-micro-batches in the same order, so all processes run the same trajectory each step without communicating. The
-count of trained micro-batches is the sampler's state; it is saved in every checkpoint (`trainer_state.json`,
+`random.Random(f"shortcut-sampler:{seed}:{n}")`. Every process of a data-parallel run holds the same seed and runs
+the same number of training forwards, so all processes run the same trajectory each step without communicating. The
+count of training forwards is the sampler's whole state; it is saved in every checkpoint (`trainer_state.json`,
 `stateful_callbacks`) and restored at `on_train_begin`, so a resumed run draws exactly the trajectories the
-uninterrupted one would have drawn. Batches collated for an evaluation carry no trajectory and draw none.
-The collator runs in the main process: `dataloader_num_workers` must be 0. The model computes the objective from the
-labels, so a Trainer that takes them to compute its own loss (`label_smoothing_factor`) is refused.
+uninterrupted one would have drawn. An evaluation forward (the model in eval mode) draws none. The model computes
+the objective from the labels, so a Trainer that takes them to compute its own loss (`label_smoothing_factor`) is
+refused.
 
 CE_full, CE_short and the consistency term (per-token means over the logging window, on the main process) and the
-current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output); the callback
-reads them from the model's output (a read-only forward hook: the Trainer hands callbacks no outputs).
+current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output).
 """
 
 import json
@@ -43,7 +43,7 @@ import numbers
 import os
 import random
 
-from transformers import TrainerCallback, default_data_collator
+from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 CONSISTENCY_LOSSES = ("mse", "kl")
@@ -69,25 +69,19 @@ def sample_early_exit_trajectory(rng, num_loops):
     return tuple([1.0 / length] * length)
 
 
-class ShortcutCollator:
-    """A data collator that adds the shortcut-consistency fields of `LoopFormerForCausalLM.forward`
-    (`short_step_schedule`, `lambda_short`, `lambda_consistency`, `consistency_loss`) to each training batch that
-    `collator` builds; the callback decides them."""
 
-    def __init__(self, callback, collator=None):
-        self.callback = callback
-        self.collator = default_data_collator if collator is None else collator
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        if self.callback.collating_training_batches:
-            batch.update(self.callback.next_batch_fields())
-        return batch
+def _objective_host(model):
+    """The module of `model` (itself, or the causal LM inside a PEFT or other wrapper) whose forward asks a
+    `shortcut_objective` for the short trajectory, or None."""
+    return next((m for m in model.modules() if hasattr(type(m), "shortcut_objective")), None)
 
 
 class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
     """Decides the per-batch inputs of the shortcut-consistency objective that the model computes (λ1, λ2 and their
     warm-up, the seeded trajectory sampler, the consistency distance) and logs its three terms.
+
+    `Trainer(..., callbacks=[ShortcutConsistencyCallback(), ...])`: nothing else to pass. Training forwards with
+    labels ask it for their fields (`training_forward_kwargs`) and give back their terms (`record_terms`).
 
     Args:
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
@@ -123,19 +117,14 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self.trajectory = trajectory
         self.seed = seed
         self.log_trajectories_dir = log_trajectories_dir
-        self.micro_batches_seen = 0  # the sampler's state: micro-batches trained so far
-        self.sampled = []  # trajectories this process ran, in order (this session only)
-        self.collating_training_batches = False  # set while the Trainer collates training (not evaluation) batches
-        self._next_index = 0  # the micro-batch the collator's next batch will be
-        self._hook = None
+        self.micro_batches_seen = 0  # the sampler's state: training forwards so far
+        self.sampled = []  # (index, trajectory) this process trained, in order (this session only)
+        self._host = None  # the model module this callback is attached to while training
         self._global_step = 0
+        self._accumulation = 1
         self._kind = None
+        self._num_loops = None
         self._reset_window()
-
-    def trainer_kwargs(self, data_collator=None):
-        """`Trainer(..., **callback.trainer_kwargs(data_collator))`: registers the callback and wraps `data_collator`
-        (default: transformers' `default_data_collator`) so that each training batch carries the short trajectory."""
-        return {"callbacks": [self], "data_collator": ShortcutCollator(self, data_collator)}
 
     # ---- sampler -------------------------------------------------------------------------------------------------
 
@@ -152,17 +141,31 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         ramp = 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
         return self.lambda_short * ramp, self.lambda_consistency * ramp
 
-    def next_batch_fields(self):
-        """The forward arguments of the next training micro-batch (called by `ShortcutCollator`, in collation order,
-        which the Trainer keeps equal to training order)."""
-        index = self._next_index
-        self._next_index += 1
+    def training_forward_kwargs(self):
+        """The objective's forward arguments for the next training micro-batch; the model's training forward calls
+        this once per micro-batch, in training order, so the call count is the sampler's state."""
+        index = self.micro_batches_seen
+        self.micro_batches_seen += 1
+        trajectory = self.sample_trajectory(index, self._num_loops, self._kind)
+        self.sampled.append((index, trajectory))
+        if self.log_trajectories_dir:  # one line as each micro-batch trains, so that a killed run loses none
+            with open(self._log_path, "a") as f:
+                f.write(json.dumps({"micro_batch": index, "trajectory": list(trajectory)}) + "\n")
         # a micro-batch belongs to optimizer step index // gradient_accumulation_steps (exact unless an epoch ends
         # with a shorter accumulation step)
         lambda_short, lambda_consistency = self.lambdas(index // self._accumulation)
-        return {"short_step_schedule": list(self.sample_trajectory(index, self._num_loops, self._kind)),
-                "lambda_short": lambda_short, "lambda_consistency": lambda_consistency,
-                "consistency_loss": self.consistency}
+        return {"short_step_schedule": list(trajectory), "lambda_short": lambda_short,
+                "lambda_consistency": lambda_consistency, "consistency_loss": self.consistency}
+
+    def record_terms(self, ce_full, ce_short, consistency, tokens):
+        """Add a training forward's detached terms (per-token CE means over its `tokens` labelled tokens, and D) to
+        the logging window."""
+        w = self._window
+        w["ce_full"] += float(ce_full) * tokens
+        w["ce_short"] += float(ce_short) * tokens
+        w["tokens"] += tokens
+        w["consistency"] += float(consistency)
+        w["micro_batches"] += 1
 
     # ---- Trainer events ------------------------------------------------------------------------------------------
 
@@ -181,26 +184,13 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         }
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is None:
-            raise ValueError("ShortcutConsistencyCallback needs the model at on_train_begin (use the stock Trainer).")
-        config = model.config
-        num_loops = getattr(config, "num_loops", None)
-        if not isinstance(num_loops, int) or num_loops < 2:
+        host = None if model is None else _objective_host(model)
+        if host is None:
             raise ValueError(
-                f"Shortcut consistency samples a short trajectory of 1..L-1 steps and needs a looped model with "
-                f"num_loops >= 2; got num_loops={num_loops!r}. Train such a model without the callback."
+                f"ShortcutConsistencyCallback trains a LoopFormerForCausalLM (whose forward computes the objective); "
+                f"the Trainer's model is {type(model).__name__}."
             )
-        conditioning = getattr(config, "loop_conditioning", None)
-        kind = self.trajectory
-        if kind == "auto":
-            kind = "shortcut" if conditioning == "shortcut" else "early_exit"
-        if kind == "shortcut" and conditioning != "shortcut":
-            raise ValueError(
-                f"trajectory='shortcut' needs a model with loop_conditioning='shortcut'; this model has "
-                f"{conditioning!r}, which only knows step counts: use trajectory='early_exit' or 'auto'."
-            )
-        self._kind = kind
-        self._num_loops = num_loops
+        self._kind, self._num_loops = self._trajectory_kind(host.config)
         saved = (state.stateful_callbacks or {}).get(type(self).__name__)
         if isinstance(saved, dict):  # resuming: continue the sampler where the checkpoint left it
             saved_args = saved.get("args", {})
@@ -210,53 +200,21 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
                     f"{self.seed!r}: resuming would not reproduce the run. Use the checkpoint's seed."
                 )
             self.micro_batches_seen = int(saved.get("attributes", {}).get("micro_batches_seen", 0))
-        if args.dataloader_num_workers:
-            raise ValueError(
-                f"ShortcutConsistencyCallback draws each micro-batch's trajectory in the data collator, counting "
-                f"batches in the main process; got dataloader_num_workers={args.dataloader_num_workers}: use 0."
-            )
         if args.label_smoothing_factor:
             raise ValueError(
                 f"ShortcutConsistencyCallback's objective is computed by the model from the labels, but with "
                 f"label_smoothing_factor={args.label_smoothing_factor} the Trainer takes them and computes a plain "
                 f"loss itself: use label_smoothing_factor=0."
             )
-        collate = getattr(kwargs.get("train_dataloader"), "collate_fn", None)
-        collator = getattr(collate, "data_collator", collate)
-        if collate is not None and not isinstance(collator, ShortcutCollator):
-            raise ValueError(
-                "ShortcutConsistencyCallback passes each micro-batch's trajectory through its data collator: build "
-                "the Trainer with `Trainer(..., **callback.trainer_kwargs(data_collator))`."
-            )
-        if collator is not None:
-            # `restore_callback_states_from_checkpoint` replaces this callback by a new instance: the collator must
-            # ask the one that trains
-            collator.callback = self
         self._global_step = state.global_step
         self._accumulation = args.gradient_accumulation_steps
-        self._next_index = self.micro_batches_seen
         if self.log_trajectories_dir:
             self._open_trajectory_log(int(os.environ.get("RANK", args.process_index)))
-        self.collating_training_batches = not args.eval_on_start
-        self._remove_hook()
-        self._hook = model.register_forward_hook(self._record_terms, with_kwargs=True)
+        self._detach()
+        host.shortcut_objective, self._host = self, host
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step
-
-    def on_substep_end(self, args, state, control, **kwargs):
-        self._trained_one()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._trained_one()
-        # an evaluation follows (DefaultFlowCallback decided it before this callback ran): its batches draw nothing
-        self.collating_training_batches = not control.should_evaluate
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        self.collating_training_batches = not control.should_evaluate  # as on_step_end: `eval_strategy="epoch"`
-
-    def on_evaluate(self, args, state, control, **kwargs):
-        self.collating_training_batches = self._hook is not None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs or self._window["micro_batches"] == 0:
@@ -275,25 +233,34 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self._reset_window()
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._remove_hook()
-        self.collating_training_batches = False
+        self._detach()
 
     # ---- internals -----------------------------------------------------------------------------------------------
 
-    def _trained_one(self):
-        """A training micro-batch went through forward and backward: the sampler's state moves on."""
-        index = self.micro_batches_seen
-        if index >= self._next_index:
-            raise RuntimeError(
-                f"Micro-batch {index} was trained but the collator drew only {self._next_index} trajectories: pass "
-                f"the collator from `trainer_kwargs()` to the Trainer."
+    def _trajectory_kind(self, config):
+        """("shortcut" or "early_exit", L) for a model of `config`, or ValueError for one this objective cannot train."""
+        num_loops = getattr(config, "num_loops", None)
+        if not isinstance(num_loops, int) or num_loops < 2:
+            raise ValueError(
+                f"Shortcut consistency samples a short trajectory of 1..L-1 steps and needs a looped model with "
+                f"num_loops >= 2; got num_loops={num_loops!r}. Train such a model without the callback."
             )
-        trajectory = self.sample_trajectory(index, self._num_loops, self._kind)
-        self.sampled.append((index, trajectory))
-        self.micro_batches_seen += 1
-        if self.log_trajectories_dir:  # one line as each micro-batch trains, so that a killed run loses none
-            with open(self._log_path, "a") as f:
-                f.write(json.dumps({"micro_batch": index, "trajectory": list(trajectory)}) + "\n")
+        conditioning = getattr(config, "loop_conditioning", None)
+        kind = self.trajectory
+        if kind == "auto":
+            kind = "shortcut" if conditioning == "shortcut" else "early_exit"
+        if kind == "shortcut" and conditioning != "shortcut":
+            raise ValueError(
+                f"trajectory='shortcut' needs a model with loop_conditioning='shortcut'; this model has "
+                f"{conditioning!r}, which only knows step counts: use trajectory='early_exit' or 'auto'."
+            )
+        return kind, num_loops
+
+    def _detach(self):
+        """Stop feeding the model: later forwards (after training, or of another Trainer) draw nothing."""
+        if self._host is not None and self._host.shortcut_objective is self:
+            self._host.shortcut_objective = None
+        self._host = None
 
     def _open_trajectory_log(self, rank):
         """Keep the log's lines of the micro-batches the restored sampler has counted (the run's earlier segments)
@@ -314,24 +281,6 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         with open(self._log_path + ".tmp", "w") as f:
             f.writelines(json.dumps(kept[i]) + "\n" for i in sorted(kept))
         os.replace(self._log_path + ".tmp", self._log_path)
-
-    def _record_terms(self, module, args, kwargs, output):
-        """Add the model's objective terms of a training forward to the logging window (reads, never changes)."""
-        labels = kwargs.get("labels")
-        if not module.training or labels is None or getattr(output, "ce_full", None) is None:
-            return
-        tokens = int((labels[:, 1:] != -100).sum())
-        w = self._window
-        w["ce_full"] += output.ce_full.item() * tokens
-        w["ce_short"] += output.ce_short.item() * tokens
-        w["tokens"] += tokens
-        w["consistency"] += output.consistency.item()
-        w["micro_batches"] += 1
-
-    def _remove_hook(self):
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = None
 
     def _reset_window(self):
         self._window = {"ce_full": 0.0, "ce_short": 0.0, "consistency": 0.0, "tokens": 0, "micro_batches": 0}
