@@ -172,12 +172,10 @@ def build_data(data_args):
 
 def build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
                   training_args):
-    """The stock Trainer of a run: the variant's objective callback (which wraps the collator so that each training
-    batch carries its short trajectory) and the learning-rate warm-up of `schedule_args`."""
+    """The stock Trainer of a run: the variant's objective callback (which feeds each training forward its short
+    trajectory) and the learning-rate warm-up of `schedule_args`."""
     callback = build_callback(model_args, shortcut_args, training_args)
-    extra = callback.trainer_kwargs(default_data_collator) if callback is not None else {
-        "data_collator": default_data_collator}
-    callbacks = extra.pop("callbacks", [])
+    callbacks = [] if callback is None else [callback]
     if "shift_labels" in train_dataset.column_names:
         # a forward keyword (as for Llama), not a named argument: the Trainer would drop the column. Every column of
         # these datasets is a forward argument, so there is nothing else to remove.
@@ -190,8 +188,8 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, sho
         train_dataset=train_dataset,
         eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
         processing_class=tokenizer,
+        data_collator=default_data_collator,
         callbacks=callbacks,
-        **extra,
     )
 
 
