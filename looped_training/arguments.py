@@ -7,6 +7,7 @@ dataclass has; a flag on the command line overrides the file's value.
     python -m looped_training.loopformer.train --config looped_training/configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
 """
 
+import errno
 import json
 import os
 import sys
@@ -80,11 +81,13 @@ def parse_args_with_config(parser, argv=None, defaults=None):
 
 def run_command(main, prog):
     """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is) prints one line and exits 2,
-    as argparse does for a bad flag. LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
+    as argparse does for a bad flag; a full disk (`DiskFullError`, errno ENOSPC) prints one line and exits 1.
+    LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
     try:
         return main()
-    except ValueError as err:
-        if os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1":
+    except (ValueError, OSError) as err:
+        disk_full = isinstance(err, OSError) and err.errno == errno.ENOSPC
+        if os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1" or not (disk_full or isinstance(err, ValueError)):
             raise
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        print(f"{prog}: error: {err.strerror if disk_full else err}", file=sys.stderr)
+        sys.exit(1 if disk_full else 2)

@@ -4,7 +4,9 @@ training code: a truncated or corrupt file raises `CheckpointError` naming the f
 `check_resume_config` refuses to resume a checkpoint with flags that build another model config.
 
 `output_dir_lock` keeps a second run from writing into the `output_dir` of a live one, and `finished_run` says when a
-resumed checkpoint is already the end of its run.
+resumed checkpoint is already the end of its run. A disk that fills during a save (torch's writer says only
+"unexpected pos" or "basic_ios::clear") leaves the lock as a `DiskFullError` naming the file, the free space and the
+checkpoint a resume will start from.
 
 `Trainer` writes a checkpoint in place, file by file (weights, optimizer, scheduler, RNG states, `trainer_state.json`
 last), so a run killed during a save leaves a `checkpoint-N` folder that is incomplete. `resolve_resume` makes
@@ -13,10 +15,12 @@ newer one it skips, so a run killed at any point resumes from its last good chec
 """
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import socket
 import struct
 import zipfile
@@ -28,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, truncated or corrupt."""
+
+
+class DiskFullError(OSError):
+    """The disk filled while a run wrote `filename` (errno ENOSPC). The command-line entry points print it as one
+    line; the checkpoint being written is incomplete, and `--resume_from_checkpoint last` skips it."""
 
 
 def _check_safetensors(path):
@@ -230,12 +239,63 @@ def output_dir_lock(output_dir, hold=True):
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     try:
-        yield
+        with _naming_a_full_disk(output_dir):
+            yield
     finally:
         with contextlib.suppress(OSError, ValueError):
             with open(path) as f:
                 if json.load(f) == me:
                     os.remove(path)
+
+
+# torch's zip writer and its C++ streams report a failed write without the reason; safetensors says "os error 28"
+_WRITE_FAILURES = ("unexpected pos", "basic_ios", "file write failed", "os error 28", "No space left on device")
+_FULL_BYTES = 1 << 20  # a write failed and less than this is free: the disk is full
+
+
+def _file_being_written(tb):
+    """The innermost path a frame of `tb` was writing (torch.save's `f`, safetensors' `filename`, ...), or None."""
+    path = None
+    while tb is not None:
+        local = {} if tb.tb_frame.f_code.co_filename == __file__ else tb.tb_frame.f_locals
+        for name in ("filename", "f", "dst", "path", "file", "save_path"):
+            value = local.get(name)
+            if isinstance(value, (str, os.PathLike)):
+                path = os.fspath(value)
+                break
+        tb = tb.tb_next
+    return path
+
+
+def _is_disk_full(err, output_dir):
+    for e in (err, err.__cause__, err.__context__):
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+    if not any(text in str(err) for text in _WRITE_FAILURES):
+        return False
+    try:
+        return shutil.disk_usage(output_dir).free < _FULL_BYTES
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _naming_a_full_disk(output_dir):
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, DiskFullError) or not _is_disk_full(err, output_dir):
+            raise
+        file = _file_being_written(err.__traceback__) or output_dir
+        free = shutil.disk_usage(output_dir).free
+        resume = last_complete_checkpoint(output_dir)
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"No space left on device while writing {file} ({free / 2**20:.1f} MiB free): that checkpoint is incomplete "
+            f"and a resume skips it; {'the last complete one is ' + resume if resume else 'no checkpoint is complete'}. "
+            f"Free space (or give an --output_dir on another disk) and run again with --resume_from_checkpoint last",
+            file,
+        ) from err
 
 
 # config.json keys that training itself (the Trainer turns the cache off) or saving may change
