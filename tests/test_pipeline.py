@@ -87,3 +87,57 @@ def test_pipeline_without_package_with_trust_remote_code(folder, tmp_path):
         text, seen = result[json.dumps(kwargs)]
         assert len(seen) == 6 and all(tuple(s) == expected for s in seen), (kwargs, seen)
         assert text == local(PROMPT, max_new_tokens=6, do_sample=False, **kwargs)[0]["generated_text"]
+
+
+TRAIN_TINY = ["--preset", "synthetic-tiny", "--hidden_size", "32", "--num_attention_heads", "2",
+              "--num_train_problems", "64", "--num_eval_problems", "24", "--per_device_train_batch_size", "8",
+              "--max_steps", "2", "--save_strategy", "no", "--disable_tqdm", "true"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A synthetic-task run of the training command (2 steps): its folder and its record."""
+    from looped_training.loopformer import train
+
+    path = tmp_path_factory.mktemp("trained") / "run"
+    train.main([*TRAIN_TINY, "--output_dir", str(path)])
+    return path, json.loads((path / "loopformer_training.json").read_text())
+
+
+def test_a_trained_run_generates_through_the_pipeline_with_no_extra_argument(trained):
+    from looped_training.loopformer.data import DataArguments, held_out_problems
+
+    path, record = trained
+    pipe = pipeline("text-generation", model=str(path))
+    tokenizer, config = pipe.tokenizer, pipe.model.generation_config
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert len(newline) == 1 and config.eos_token_id == [newline[0], tokenizer.eos_token_id]
+    problems = held_out_problems(DataArguments(**record["data"]))
+    longest = max(problems, key=lambda p: len(tokenizer(p.prompt)["input_ids"])).prompt
+    context = pipe.model.config.max_position_embeddings
+    assert config.max_new_tokens == context - len(tokenizer(longest)["input_ids"]) >= 2  # the answer and its newline
+    assert record["prompt"] == problems[0].prompt and record["generation"]["max_new_tokens"] == config.max_new_tokens
+    # the task's longest prompt and the record's generate inside the context (256 new tokens ran past 12 positions)
+    for prompt in (longest, record["prompt"]):
+        ids = pipe(prompt, return_tensors=True)[0]["generated_token_ids"]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        assert list(ids[:len(prompt_ids)]) == prompt_ids and len(prompt_ids) < len(ids) <= context
+
+
+def test_generation_stops_at_the_answers_newline(trained):
+    path, record = trained
+    pipe = pipeline("text-generation", model=str(path))
+    (newline,) = pipe.tokenizer("\n", add_special_tokens=False)["input_ids"]
+
+    def prefer_newline(module, args, logits):  # a model that has learned to close its answer at once
+        bump = torch.zeros_like(logits)
+        bump[..., newline] = 1e4
+        return logits + bump
+
+    handle = pipe.model.lm_head.register_forward_hook(prefer_newline)
+    try:
+        out = pipe(record["prompt"], return_tensors=True)[0]["generated_token_ids"]
+    finally:
+        handle.remove()
+    prompt_ids = pipe.tokenizer(record["prompt"])["input_ids"]
+    assert list(out) == [*prompt_ids, newline]  # one new token, the stop token, then generation ended

@@ -1,7 +1,19 @@
 """FPRM evaluation: the solver over a test set (cell/exact accuracy, iterations against difficulty, the per-prefix
-curve of state tracking, halting against always running the cap), the printed report and the PNG plots."""
+curve of state tracking, halting against always running the cap), the printed report and the PNG plots.
 
+    python -m looped_training.fprm.evaluate outputs/fprm-s5-cpu                 # a training run's output folder
+    python -m looped_training.fprm.evaluate outputs/fprm-s5-cpu/model --eval_max_loops 64 --output_dir runs/s5-eval
+
+The command evaluates the run again on the test set its `results.json` (the training run's record) describes, rebuilt
+from the same data flags and seed; the evaluation flags (`--eval_max_loops`, `--eval_halt_eps`, `--compare_cap`,
+`--eval_iterations_curve`, ...) default to the run's. It writes `results.json` and the plots (skipped with a note
+without matplotlib) to `--output_dir` (default: `eval/` in the run's folder); `looped_training.publish` reads that
+file (or the run's own) for the card's model-index.
+"""
+
+import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -9,6 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS
+
+RESULTS_FILE = "results.json"  # the training run's record, and what this command writes
+PROG = "python -m looped_training.fprm.evaluate"
 
 
 @torch.no_grad()
@@ -289,3 +304,115 @@ def _save(fig, output_dir, name):
 
     plt.close(fig)
     return path
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+
+
+def find_run(path):
+    """(model folder, the run's record) of a training output folder or of its `model/` folder."""
+    from looped_training.checkpoints import check_checkpoint, check_model_type
+
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder: give an FPRM training output folder (or its model/ folder).")
+    model_dir = os.path.join(path, "model") if os.path.isfile(os.path.join(path, "model", "config.json")) else path
+    check_checkpoint(model_dir)
+    check_model_type(model_dir, "fprm")
+    record_path = os.path.join(os.path.dirname(model_dir), RESULTS_FILE)
+    if not os.path.isfile(record_path):
+        raise ValueError(f"{path!r} has no {RESULTS_FILE} beside its model/ folder (written by python -m "
+                         f"looped_training.fprm.train), so the test set it was trained for is unknown.")
+    with open(record_path) as f:
+        record = json.load(f)
+    if not isinstance(record.get("args"), dict) or "data" not in record["args"]:
+        raise ValueError(f"{record_path} holds no data arguments ('args' -> 'data'): it is not a training run's record.")
+    return model_dir, record
+
+
+def _known(cls, values):
+    """The entries of `values` that are fields of the dataclass `cls` (a record may hold fields of other versions)."""
+    names = {f.name for f in cls.__dataclass_fields__.values()}
+    return {k: v for k, v in (values or {}).items() if k in names}
+
+
+def build_parser(argv):
+    """The command's parser, its evaluation defaults taken from the run's record once the run is known."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    from looped_training.fprm.train import EvalArguments
+
+    parser = HfArgumentParser((EvalArguments,), prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="an FPRM training output folder (holding model/ and results.json)")
+    parser.add_argument("--output_dir", default=None, help="where results.json and the plots go (default: <run>/eval)")
+    parser.add_argument("--num_test", type=int, default=None, help="score the first N test samples (default: all)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the training run's seed, which the test set is drawn with (default: the record's, else 42)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("checkpoint", nargs="?")
+    checkpoint = known.parse_known_args(argv)[0].checkpoint
+    run = None
+    if checkpoint is not None and not checkpoint.startswith("-"):
+        run = find_run(checkpoint)
+        parser.set_defaults(**_known(EvalArguments, run[1]["args"].get("eval")))
+    return parser, run
+
+
+class _OneLineErrors:
+    """A stand-in parser for `check_run_flags`: its error is a ValueError (one line, exit 2), not argparse's usage."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def main(argv=None):
+    import torch
+
+    from transformers import set_seed
+
+    from fprm_hf import FPRMForReasoning
+    from looped_training.fprm.tasks import build_task
+    from looped_training.fprm.train import DataArguments, EvalArguments, _strict_json, check_run_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, run = build_parser(argv)
+    eval_args, extra = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    model_dir, record = run
+    data_args = DataArguments(**_known(DataArguments, record["args"]["data"]))
+    check_run_flags(_OneLineErrors(), data_args, eval_args)
+    if extra.num_test is not None and extra.num_test < 1:
+        raise ValueError(f"--num_test must be >= 1, got {extra.num_test}.")
+    device = extra.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    seed = extra.seed if extra.seed is not None else record["args"].get("seed", 42)
+    if eval_args.torch_threads:
+        torch.set_num_threads(eval_args.torch_threads)
+    set_seed(seed)
+    ds, _, difficulty_columns = build_task(data_args, seed)
+    if extra.num_test is not None:
+        ds["test"] = ds["test"].select(range(min(extra.num_test, len(ds["test"]))))
+    model = FPRMForReasoning.from_pretrained(model_dir).to(device).eval()
+    results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
+    results.update({key: record.get(key) for key in ("preset", "task", "train_seconds", "train_steps", "parameters",
+                                                     "max_train_length") if key in record})
+    results["args"] = {**record["args"], "eval": _known(EvalArguments, vars(eval_args))}
+    results["evaluated"] = {"checkpoint": os.path.basename(os.path.dirname(model_dir)), "seed": seed,
+                            "test_samples": len(ds["test"])}
+    if data_args.task in STATE_TRACKING_TASKS and "max_train_length" not in results:
+        results["max_train_length"] = data_args.train_length
+    print_report(results, record.get("train_seconds") or 0.0)
+    output_dir = extra.output_dir or os.path.join(os.path.dirname(model_dir), "eval")
+    os.makedirs(output_dir, exist_ok=True)
+    plots = write_plots(results, [], output_dir)
+    with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+        json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
+    print(f"wrote {os.path.join(output_dir, RESULTS_FILE)}" + (f" and {', '.join(plots)}" if plots else ""))
+    return results
+
+
+if __name__ == "__main__":
+    from looped_training.arguments import run_command
+
+    run_command(main, PROG)

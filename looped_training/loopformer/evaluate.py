@@ -365,8 +365,14 @@ def _plot_halting(records, metrics, task, path):
 
 def plot(records, output_dir):
     """quality_vs_budget.png (one line per model and schedule), representations.png (each metric per step) and,
-    with a halt_eps sweep, quality_vs_compute.png."""
-    import matplotlib
+    with a halt_eps sweep, quality_vs_compute.png. Without matplotlib (not a dependency of the package: the `train`
+    extra) there are no plots, and a note says so."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plots (pip install matplotlib, or the package's `train` extra); "
+              f"{EVAL_FILE} holds every number.", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     os.makedirs(output_dir, exist_ok=True)

@@ -1,11 +1,13 @@
 """Train LoopFormer or one of its baselines as a causal LM with the stock `Trainer` (in the style of run_clm.py).
 
-    python -m looped_training.loopformer.train --output_dir runs/loopformer --variant loopformer \
-        --task synthetic --max_steps 600 --use_cpu
-    python -m looped_training.loopformer.train --config looped_training/configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
+    python -m looped_training.loopformer.train --preset synthetic-tiny                  # -> outputs/loopformer-synthetic-tiny
+    python -m looped_training.loopformer.train --preset synthetic-tiny --variant base_loop --output_dir runs/bl
+    python -m looped_training.loopformer.train --preset shakespeare-tiny --train_files my_texts/
+    python -m looped_training.loopformer.train --output_dir runs/loopformer --task synthetic --max_steps 600 --use_cpu
 
-A JSON or YAML file of flags (`--config FILE`, or FILE as the first argument; see looped_training/configs/loopformer/) sets
-defaults that the flags given override.
+A preset is a YAML file shipped in looped_training/configs/loopformer/ (`python -m looped_training.configs loopformer`
+lists them); any JSON or YAML file of the same keys goes as `--config FILE` (or FILE as the first argument). Either
+sets defaults that the flags given override.
 
 Variants (all the same model class, different configurations; see `VARIANTS`):
 
@@ -23,16 +25,18 @@ count, the callback's `trajectory="early_exit"`), and the Base-Loop, Naive-Loop-
 with a learnable weight (`block_norm_weight`, their models/base_loop.py and base.py).
 
 Data (`--task`): `synthetic` (the embedded multi-hop variable-binding corpus, no network or files) or `text`
-(`--dataset_name` of Hugging Face datasets, or `--train_files` files/folders such as ../shared/data/shakespeare).
+(`--dataset_name` of Hugging Face datasets, or `--train_files` text files or folders of .txt files).
 A byte-level BPE is trained on the training data and saved with the model. The output folder holds a model that
-`AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, and
-`loopformer_training.json` (variant and data arguments, which the elastic evaluation reads back).
+`AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, its generation config
+(new tokens that fit the context after the task's prompts; the synthetic tasks stop at the answer's newline, so
+`pipeline("text-generation", model=folder)("3+4=")` needs no other argument), and `loopformer_training.json` (the
+run's record: variant, data arguments, a sample prompt; the elastic evaluation and `looped_training.publish` read it).
 
 Several processes (CPU, gloo; accelerate's `--cpu` launcher would start only one without MPI; accelerate's FSDP needs
 GPUs, see docs/distributed.md):
 
-    ACCELERATE_USE_CPU=true accelerate launch --config_file looped_training/configs/accelerate/ddp.yaml \
-        --num_processes 2 -m looped_training.loopformer.train ...
+    ACCELERATE_USE_CPU=true accelerate launch --config_file "$(python -m looped_training.configs accelerate ddp)" \
+        --num_processes 2 -m looped_training.loopformer.train --preset synthetic-tiny ...
 
 Resume a killed run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`: one left
 incomplete by a kill during its save is skipped with a warning) or a path.
@@ -41,6 +45,7 @@ incomplete by a kill during its save is skipped with a warning) or a path.
 import json
 import logging
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 
 import datasets
@@ -52,6 +57,7 @@ import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
 from looped_training.checkpoints import check_resume_config, finished_run, output_dir_lock, resolve_resume
+from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -59,6 +65,9 @@ from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
 
 logger = logging.getLogger(__name__)
+
+# text runs: the record's sample prompt (the card's and the generation config's) is the first held-out row's start
+TEXT_PROMPT_TOKENS = 16
 
 # variant -> (loop_conditioning, looped, callback trajectory or None, default λ2, weighted block norms)
 VARIANTS = {
@@ -207,7 +216,8 @@ def check_sharding(trainer):
             raise ValueError(
                 f"{name} was requested (accelerate config or training arguments) but accelerate set up "
                 f"{trainer.accelerator.distributed_type} without it: accelerate enables {name} only for {needs[name]}. "
-                f"On CPU, launch with looped_training/configs/accelerate/ddp.yaml instead."
+                f"On CPU, launch with the DDP config instead (`python -m looped_training.configs accelerate ddp` "
+                f"prints its path)."
             )
 
 
@@ -247,7 +257,11 @@ def set_chat_template(tokenizer, template, path):
 
 def main(argv=None):
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments))
-    (model_args, data_args, shortcut_args, schedule_args, training_args), _ = parse_args_with_config(parser, argv)
+    argv = with_preset(sys.argv[1:] if argv is None else argv, "loopformer")
+    preset = find_preset(argv)
+    defaults = {"output_dir": f"outputs/loopformer-{preset}"} if preset else None
+    (model_args, data_args, shortcut_args, schedule_args, training_args), _ = parse_args_with_config(
+        parser, argv, defaults)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO if training_args.should_log else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning()
@@ -263,6 +277,24 @@ def main(argv=None):
         training_args.ddp_find_unused_parameters = False
     with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0):
         return train(model_args, data_args, shortcut_args, schedule_args, training_args)
+
+
+def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
+    """(a sample prompt, the generation config's fields) of a run: as many new tokens as the context leaves after the
+    task's longest held-out prompt (learned positions end at block_size), and for the synthetic tasks the answer's
+    newline as a stop token beside <|endoftext|>."""
+    eos = [tokenizer.eos_token_id]
+    if data_args.task == "synthetic":
+        problems = held_out_problems(data_args)
+        prompt = problems[0].prompt
+        longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in problems)
+        newline = tokenizer(synthetic.END_OF_ANSWER, add_special_tokens=False)["input_ids"]
+        if len(newline) == 1:
+            eos = [newline[0], *eos]
+    else:
+        prompt = tokenizer.decode(eval_dataset[0]["input_ids"][:TEXT_PROMPT_TOKENS])
+        longest = len(tokenizer(prompt)["input_ids"])
+    return prompt, {"max_new_tokens": max(1, block_size - longest), "eos_token_id": eos}
 
 
 def train(model_args, data_args, shortcut_args, schedule_args, training_args):
@@ -291,6 +323,8 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
                             training_args)
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
+    prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
+    model.generation_config.update(**generation)  # saved with the model as generation_config.json
     trainer.save_model()
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
@@ -298,6 +332,7 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     if trainer.is_world_process_zero():
         meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
                 "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None, "block_size": block_size,
+                "prompt": prompt, "generation": generation,
                 "train_runtime_s": result.metrics.get("train_runtime"),
                 "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
                               "lr_warmup": schedule_args.lr_warmup}}
