@@ -10,6 +10,7 @@ from .modeling_fprm import (
     FPRMPreTrainedModel,
     FPRMReasoningOutput,
     FPRMSolverState,
+    SolverSettings,
 )
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
@@ -30,6 +31,7 @@ __all__ = [
     "FPRMForReasoning",
     "FPRMPreTrainedModel",
     "FPRMSolverState",
+    "SolverSettings",
     "FPRMModelOutput",
     "FPRMReasoningOutput",
 ]

@@ -16,13 +16,10 @@ tracking uses `causal=True, position_embedding_type="none", num_prefix_tokens=0,
 Ablations and variants of the paper, all options of this one configuration:
 
 - residual scaling: `residual_scaling` = "input_independent" (default) | "fixed" | "input_dependent" | "none",
-  and `outer_only=True` (β2 = 1 − α2, α1 = β1 = 1); `residual_scaling="outer_only"` is read as
-  input_independent + outer_only;
+  and `outer_only=True` (β2 = 1 − α2, α1 = β1 = 1);
 - norms: `norm_type` = "pre" | "post" (TRM style) | "peri", `norm_placement` = "none" | "input" | "output",
   `normalize_input_injection`;
-- choices of earlier versions of this package kept as options (deviations from the authors):
-  `conv_placement="injection"` (u = x + DWConv(RMSNorm(y)), y keeps its identity path), `final_norm=True`
-  (an RMSNorm with weight before the head), `fixed_init=True` (one stored z0 vector, their `L_optimizer.init_vec`).
+- the initial state: `fixed_init=True` (one stored z0 vector, their `L_optimizer.init_vec`).
 """
 
 import math
@@ -38,26 +35,11 @@ RESIDUAL_SCALINGS = ("input_independent", "fixed", "input_dependent", "none")
 NORM_TYPES = ("pre", "post", "peri")
 NORM_PLACEMENTS = ("none", "input", "output")
 CONV_TYPES = ("2d", "causal_1d", "none")
-CONV_PLACEMENTS = ("state", "injection")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
 DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
-
-POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
-                       "max_position_embeddings", "num_puzzle_identifiers")
-BOOL_FIELDS = ("causal", "outer_only", "conv_bias", "normalize_input_injection", "final_norm", "fixed_init",
-               "attention_bias", "mlp_bias", "tie_word_embeddings", "use_q_head")
-CHOICE_FIELDS = {
-    "residual_scaling": RESIDUAL_SCALINGS,
-    "norm_type": NORM_TYPES,
-    "norm_placement": NORM_PLACEMENTS,
-    "conv_type": CONV_TYPES,
-    "conv_placement": CONV_PLACEMENTS,
-    "position_embedding_type": POSITION_EMBEDDING_TYPES,
-}
-POSITIVE_FLOAT_FIELDS = ("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature")
-# Fields whose validity depends on another field; re-checked together whenever one of them is set.
-CROSS_CHECKED_FIELDS = ("hidden_size", "num_attention_heads", "grid_size", "conv_type", "conv_kernel_size",
-                        "position_embedding_type", "num_prefix_tokens", "puzzle_emb_ndim")
+# Options of earlier versions of this package, removed in 0.1.0: a config.json that still sets them computed
+# something else, so it is refused rather than loaded with the key ignored.
+REMOVED_OPTIONS = {"conv_placement": "state", "final_norm": False, "norm_position": None}
 
 
 def swiglu_width(hidden_size, expansion):
@@ -66,7 +48,6 @@ def swiglu_width(hidden_size, expansion):
     return -(width // -256) * 256
 
 
-# Copied from loopformer_hf.configuration_loopformer._is_real_number
 def _is_real_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -74,6 +55,8 @@ def _is_real_number(value):
 def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
+
+# ---- the rules a field's value must follow: check(value, name) returns the value or raises ValueError ----------------
 
 def check_halt_eps(value, name="halt_eps"):
     """τ must be a positive finite number: the solver halts a sample when its relative residual drops below it."""
@@ -97,21 +80,124 @@ def check_unit_interval(value, name, closed_low=False):
     return float(value)
 
 
+def check_min_eta(value, name="min_eta"):
+    return check_unit_interval(value, name, closed_low=True)
+
+
 def check_patience(value, name="patience"):
     if not _is_int(value) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
     return int(value)
 
 
-SOLVER_FIELDS = {
+def _positive_int(value, name):
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return value
+
+
+def _boolean(value, name):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def _one_of(choices):
+    def check(value, name):
+        if value not in choices:
+            raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+        return value
+    return check
+
+
+def _positive_float(value, name):
+    if not (_is_real_number(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+    return value
+
+
+def _optional(check, what):
+    def optional(value, name):
+        if value is None:
+            return None
+        try:
+            return check(value, name)
+        except ValueError:
+            raise ValueError(f"`{name}` must be None or {what}, got {value!r}.") from None
+    return optional
+
+
+def _open_unit(value, name):
+    if not (_is_real_number(value) and 0 < value < 1):
+        raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
+    return value
+
+
+def _dropout(value, name):
+    if not (_is_real_number(value) and 0 <= value < 1):
+        raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
+    return value
+
+
+def _non_negative_int(value, name):
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    return value
+
+
+def _seed(value, name):
+    if not (_is_int(value) and -(2**63) <= value < 2**64):
+        raise ValueError(f"`{name}` must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
+    return value
+
+
+def _grid_size(value, name):
+    """None, a positive int (a square grid) or [height, width]; returned as [height, width]."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value = list(value)
+    elif _is_int(value):
+        value = [int(value), int(value)]
+    if value is not None and not (isinstance(value, list) and len(value) == 2 and all(_is_int(s) and s >= 1
+                                                                                     for s in value)):
+        raise ValueError(f"`{name}` must be None, a positive int or [height, width], got {value!r}.")
+    return value
+
+
+# Every field's rule, declared once. `FPRMConfig.__setattr__` applies it to each value however it arrives (the
+# constructor, config.json, `from_pretrained` kwargs, an attribute set); `validate_architecture` then checks the
+# fields that constrain one another.
+FIELD_CHECKS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+                     "max_position_embeddings", "num_puzzle_identifiers"), _positive_int),
+    **dict.fromkeys(("causal", "outer_only", "conv_bias", "normalize_input_injection", "fixed_init", "attention_bias",
+                     "mlp_bias", "tie_word_embeddings", "use_q_head"), _boolean),
+    **dict.fromkeys(("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature"), _positive_float),
+    "residual_scaling": _one_of(RESIDUAL_SCALINGS),
+    "norm_type": _one_of(NORM_TYPES),
+    "norm_placement": _one_of(NORM_PLACEMENTS),
+    "conv_type": _one_of(CONV_TYPES),
+    "position_embedding_type": _one_of(POSITION_EMBEDDING_TYPES),
+    "alpha1": _open_unit,
+    "alpha2": _open_unit,
+    "num_prefix_tokens": _non_negative_int,
+    "initial_state_seed": _seed,
+    "puzzle_emb_ndim": _optional(_positive_int, "an integer >= 1 (None: all prefix values learned)"),
+    "grid_size": _grid_size,
+    "conv_kernel_size": _optional(_positive_int, "a positive integer"),
+    "initializer_range": _optional(_positive_float, "a positive finite number"),
+    "attention_dropout": _dropout,
+    # the solver's defaults; a forward's own values go through the same rules (`SolverSettings`)
     "halt_eps": check_halt_eps,
     "max_loops": check_max_loops,
     "eta": check_unit_interval,
     "gamma_train": check_unit_interval,
     "gamma_eval": check_unit_interval,
-    "min_eta": lambda value, name: check_unit_interval(value, name, closed_low=True),
+    "min_eta": check_min_eta,
     "patience": check_patience,
 }
+# The fields `validate_architecture` reads: setting one re-runs it (and a refused value is not kept).
+CROSS_CHECKED_FIELDS = ("hidden_size", "num_attention_heads", "grid_size", "conv_type", "conv_kernel_size",
+                        "position_embedding_type", "num_prefix_tokens", "puzzle_emb_ndim")
 
 
 class FPRMConfig(PreTrainedConfig):
@@ -135,9 +221,6 @@ class FPRMConfig(PreTrainedConfig):
             `grid_size`) or `"none"`.
         conv_kernel_size (`int`, *optional*): `None` means 4 for `"causal_1d"` and 3 for `"2d"`.
         conv_bias (`bool`, defaults to `False`): a bias in the conv (the authors' `conv_bias`).
-        conv_placement (`str`, defaults to `"state"`): `"state"` (the authors'): the conv replaces the grid rows of
-            the raw state before the re-injection mix. `"injection"` (earlier versions of this package): the conv of
-            the normalised state is added to the re-injected input, u = x + DWConv(RMSNorm(y)), h = α2·y + β2·u.
         causal (`bool`, defaults to `False`): causal attention (state tracking) instead of bidirectional.
         position_embedding_type (`str`, defaults to `"rope"`): `"rope"` (on q and k), `"learned"` absolute
             positions (x = √d·(emb + pos)/√2), or `"none"`.
@@ -165,8 +248,6 @@ class FPRMConfig(PreTrainedConfig):
         norm_placement (`str`, defaults to `"none"`): an extra weightless RMSNorm of the state, `"input"` (after the
             conv, before the mix) or `"output"` (at the end of f; the authors' maze config).
         normalize_input_injection (`bool`, defaults to `False`): re-inject RMSNorm(x) instead of x.
-        final_norm (`bool`, defaults to `False`): an RMSNorm with weight on the final state before the head (earlier
-            versions of this package); the authors' head reads the raw state.
         softmax_temperature (`float`, defaults to 1.0): attention scores are scaled by 1/(√head_dim · temperature).
         init_std (`float`, defaults to 1.0): std of the truncated normal (cut at ±2 std of the underlying normal,
             rescaled to this std) that z0 is drawn from; their task configs use 6.0.
@@ -188,7 +269,8 @@ class FPRMConfig(PreTrainedConfig):
         mlp_bias (`bool`, defaults to `False`): a bias in the MLP projections.
 
     Every field is validated however it arrives (constructor, `config.json`, `from_pretrained` kwargs, attribute
-    set): bad values raise `ValueError`, booleans must be `True` or `False`.
+    set) by its rule in `FIELD_CHECKS`: bad values raise `ValueError`, booleans must be `True` or `False`. The
+    options of earlier versions (`conv_placement="injection"`, `final_norm=True`, `norm_position`) are refused.
     """
 
     model_type = "fprm"
@@ -207,7 +289,6 @@ class FPRMConfig(PreTrainedConfig):
         conv_type="causal_1d",
         conv_kernel_size=None,
         conv_bias=False,
-        conv_placement="state",
         causal=False,
         position_embedding_type="rope",
         max_position_embeddings=1024,
@@ -223,7 +304,6 @@ class FPRMConfig(PreTrainedConfig):
         norm_type="pre",
         norm_placement="none",
         normalize_input_injection=False,
-        final_norm=False,
         softmax_temperature=1.0,
         init_std=1.0,
         fixed_init=False,
@@ -244,11 +324,13 @@ class FPRMConfig(PreTrainedConfig):
         pad_token_id=0,
         **kwargs,
     ):
-        # names of earlier versions of this package, still read so that older configs and scripts keep working
-        if "norm_position" in kwargs:
-            norm_type = kwargs.pop("norm_position")
-        if residual_scaling == "outer_only":
-            residual_scaling, outer_only = "input_independent", True
+        for name, kept in REMOVED_OPTIONS.items():
+            if name in kwargs and kwargs[name] != kept:
+                raise ValueError(
+                    f"`{name}={kwargs[name]!r}` is an option of earlier versions of this package, removed in 0.1.0 "
+                    f"(the model computes the authors' step, docs/fprm.md): their checkpoints do not load here."
+                )
+            kwargs.pop(name, None)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -261,7 +343,6 @@ class FPRMConfig(PreTrainedConfig):
         self.conv_type = conv_type
         self.conv_kernel_size = DEFAULT_CONV_KERNEL.get(conv_type) if conv_kernel_size is None else conv_kernel_size
         self.conv_bias = conv_bias
-        self.conv_placement = conv_placement
         self.causal = causal
         self.position_embedding_type = position_embedding_type
         self.max_position_embeddings = max_position_embeddings
@@ -277,7 +358,6 @@ class FPRMConfig(PreTrainedConfig):
         self.norm_type = norm_type
         self.norm_placement = norm_placement
         self.normalize_input_injection = normalize_input_injection
-        self.final_norm = final_norm
         self.softmax_temperature = softmax_temperature
         self.init_std = init_std
         self.fixed_init = fixed_init
@@ -295,7 +375,7 @@ class FPRMConfig(PreTrainedConfig):
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
         super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, **kwargs)
-        self._validate_fields()
+        self.validate_architecture()
 
     @property
     def head_dim(self):
@@ -307,64 +387,21 @@ class FPRMConfig(PreTrainedConfig):
         return None if self.grid_size is None else self.grid_size[0] * self.grid_size[1]
 
     def __setattr__(self, name, value):
-        # transformers sets `from_pretrained` kwargs (and users set fields) after `__init__`: check them here too.
-        if name == "residual_scaling" and value == "outer_only":  # the alias `__init__` reads, read the same here
-            self.outer_only = True
-            value = "input_independent"
-        value = self._check_field(name, value)
+        # transformers sets config.json values and `from_pretrained` kwargs as attributes: every path meets the rule
+        if name in FIELD_CHECKS:
+            value = FIELD_CHECKS[name](value, name)
         if name not in CROSS_CHECKED_FIELDS or not all(f in self.__dict__ for f in CROSS_CHECKED_FIELDS):
             return super().__setattr__(name, value)
         old = self.__dict__[name]
         super().__setattr__(name, value)
         try:
-            self._check_cross_fields()
+            self.validate_architecture()
         except ValueError:
-            super().__setattr__(name, old)
+            super().__setattr__(name, old)  # a refused value is not kept
             raise
 
-    @staticmethod
-    def _check_field(name, value):
-        """The checks of one field on its own (cross-field ones are in `_check_cross_fields`); returns the value,
-        `grid_size` normalised to [height, width]."""
-        if name in POSITIVE_INT_FIELDS and (not _is_int(value) or value < 1):
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if name in BOOL_FIELDS and not isinstance(value, bool):
-            raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-        if name in CHOICE_FIELDS and value not in CHOICE_FIELDS[name]:
-            raise ValueError(f"`{name}` must be one of {CHOICE_FIELDS[name]}, got {value!r}.")
-        if name == "num_prefix_tokens" and (not _is_int(value) or value < 0):
-            raise ValueError(f"`num_prefix_tokens` must be an integer >= 0, got {value!r}.")
-        if name == "initial_state_seed" and not (_is_int(value) and -(2**63) <= value < 2**64):
-            raise ValueError(f"`initial_state_seed` must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
-        if name == "puzzle_emb_ndim" and value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(f"`puzzle_emb_ndim` must be None (all prefix values learned) or an integer >= 1, got "
-                             f"{value!r}.")
-        if name == "grid_size":
-            if isinstance(value, (tuple, list)) and len(value) == 2:
-                value = list(value)
-            elif _is_int(value):
-                value = [int(value), int(value)]
-            if value is not None and not (
-                isinstance(value, list) and len(value) == 2 and all(_is_int(s) and s >= 1 for s in value)
-            ):
-                raise ValueError(f"`grid_size` must be None, a positive int or [height, width], got {value!r}.")
-        if name == "conv_kernel_size" and value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(f"`conv_kernel_size` must be a positive integer, got {value!r}.")
-        if name in ("alpha1", "alpha2") and not (_is_real_number(value) and 0 < value < 1):
-            raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
-        if name in POSITIVE_FLOAT_FIELDS and not (_is_real_number(value) and math.isfinite(value) and value > 0):
-            raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-        if name == "initializer_range" and value is not None and not (
-            _is_real_number(value) and math.isfinite(value) and value > 0
-        ):
-            raise ValueError(f"`initializer_range` must be None or a positive finite number, got {value!r}.")
-        if name == "attention_dropout" and not (_is_real_number(value) and 0 <= value < 1):
-            raise ValueError(f"`attention_dropout` must be in [0, 1), got {value!r}.")
-        if name in SOLVER_FIELDS:
-            SOLVER_FIELDS[name](value, name)
-        return value
-
-    def _check_cross_fields(self):
+    def validate_architecture(self):
+        """The rules between fields (each field's own rule is in `FIELD_CHECKS`)."""
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -386,15 +423,8 @@ class FPRMConfig(PreTrainedConfig):
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
 
-    def _validate_fields(self):
-        for name in (*POSITIVE_INT_FIELDS, *BOOL_FIELDS, *CHOICE_FIELDS, *POSITIVE_FLOAT_FIELDS, *SOLVER_FIELDS,
-                     "num_prefix_tokens", "puzzle_emb_ndim", "initial_state_seed", "grid_size", "conv_kernel_size", "alpha1", "alpha2",
-                     "initializer_range", "attention_dropout"):
-            self._check_field(name, getattr(self, name))
-        self._check_cross_fields()
-
 
 __all__ = [
-    "FPRMConfig", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "CONV_PLACEMENTS",
-    "POSITION_EMBEDDING_TYPES", "swiglu_width",
+    "FPRMConfig", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES",
+    "FIELD_CHECKS", "swiglu_width",
 ]

@@ -15,11 +15,14 @@ so the iterates stay bounded (Theorem 1) however many loops run. The solver iter
 random z0; the head reads the final state with no norm in between.
 """
 
+import glob
 import math
+import os
 from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from transformers.modeling_outputs import ModelOutput
@@ -30,6 +33,7 @@ from .configuration_fprm import (
     FPRMConfig,
     check_halt_eps,
     check_max_loops,
+    check_min_eta,
     check_patience,
     check_unit_interval,
 )
@@ -42,12 +46,12 @@ BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
-# Copied from loopformer_hf.modeling_loopformer.rms_norm
-def rms_norm(x, weight=None, eps=None):
-    """RMSNorm in float32; `eps=None` is torch's default (machine epsilon of the input dtype), as the reference."""
+def rms_norm(x, eps=None):
+    """Weightless RMSNorm in float32 (every norm of the loop has no weight, as the authors'); `eps=None` is torch's
+    default (machine epsilon of the input dtype), as the reference."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def truncated_normal_std(std, bound=2.0):
@@ -65,19 +69,6 @@ def sample_truncated_normal(shape, std, generator=None, device=None, dtype=torch
     edge = math.erf(bound / math.sqrt(2))
     u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32) * (2 * edge) - edge
     return (torch.erfinv(u) * (math.sqrt(2) * scale)).clamp(-bound * scale, bound * scale).to(dtype)
-
-
-class FPRMRMSNorm(nn.Module):
-    """The optional final norm before the head (`final_norm=True`, with weight); the norms inside the loop are
-    weightless `rms_norm` calls."""
-
-    def __init__(self, hidden_size, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 class FPRMRotaryEmbedding(nn.Module):
@@ -278,6 +269,20 @@ class FPRMPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`. A weights file that is not safetensors (a pickle renamed
+        `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
+        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as e:
+            raise OSError(
+                f"{_unreadable_safetensors(pretrained_model_name_or_path)} is not a safetensors file (safetensors: "
+                f"{e}). Nothing was loaded from it, and pickles are never unpickled here: re-save the model with "
+                f"`save_pretrained`, or give the folder it was saved to."
+            ) from None
+
     @torch.no_grad()
     def _init_weights(self, module):
         # The authors' initialisation. Their truncated normal (cut at ±2σ of the underlying normal) is rescaled so
@@ -315,8 +320,18 @@ class FPRMPreTrainedModel(PreTrainedModel):
                 trunc_normal(module.z_init, config.init_std)
             if module.prefix is not None:
                 init.zeros_(module.prefix)  # the authors' puzzle embedding starts at zero
-        elif isinstance(module, FPRMRMSNorm):
-            init.ones_(module.weight)
+
+
+def _unreadable_safetensors(path):
+    """The .safetensors files of a local folder that safetensors cannot open, or the name given (a Hub id)."""
+    bad = []
+    for file in sorted(glob.glob(os.path.join(str(path), "*.safetensors"))):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError:
+            bad.append(file)
+    return ", ".join(repr(f) for f in bad) or f"a weights file of {str(path)!r}"
 
 
 def _is_integer_tensor(value):
@@ -378,6 +393,46 @@ class FPRMSolverState:
                                   for f in fields(self)})
 
 
+@dataclass(frozen=True)
+class SolverSettings:
+    """The knobs of one solve (Algorithm 1), each checked by the rule of its config field. `from_config` fills what
+    a call leaves None with the config's defaults."""
+
+    halt_eps: float  # τ: a sample has converged when its relative residual r < τ
+    max_loops: int  # iteration cap of this call
+    eta: float  # η0, the damping step of a sample that starts here
+    gamma: float  # γ, the decay η ← γ·η after `patience` iterations without improvement
+    patience: int  # P
+    min_eta: float  # a sample halts when η < min_eta
+    halting: bool = True  # False: every sample runs `max_loops` iterations (a non-finite residual still stops it)
+
+    def __post_init__(self):
+        checks = (("halt_eps", check_halt_eps), ("max_loops", check_max_loops), ("eta", check_unit_interval),
+                  ("gamma", check_unit_interval), ("patience", check_patience), ("min_eta", check_min_eta))
+        for name, check in checks:
+            object.__setattr__(self, name, check(getattr(self, name), name))
+        if not isinstance(self.halting, bool):
+            raise ValueError(f"`halting` must be True or False, got {self.halting!r} ({type(self.halting).__name__}).")
+
+    @classmethod
+    def from_config(cls, config, training=False, **given):
+        """The settings of a call: each of `given` that is None takes the config's value (`gamma`: `gamma_train`
+        in training mode, `gamma_eval` in evaluation mode)."""
+        defaults = dict(halt_eps=config.halt_eps, max_loops=config.max_loops, eta=config.eta,
+                        gamma=config.gamma_train if training else config.gamma_eval, patience=config.patience,
+                        min_eta=config.min_eta, halting=True)
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise ValueError(f"Unknown solver settings {unknown}; allowed: {sorted(defaults)}.")
+        return cls(**{k: v if given.get(k) is None else given[k] for k, v in defaults.items()})
+
+    def halts(self, residuals, eta):
+        """The halting rule (the one place it is written; the trainer judges its segments by it too): per sample,
+        (converged = r < τ, halts = converged or η < min_eta)."""
+        converged = residuals < self.halt_eps
+        return converged, converged | (eta < self.min_eta)
+
+
 def input_fingerprint(input_ids, puzzle_identifiers=None, inputs_embeds=None):
     """(batch,) int64: a hash of each row's input (its token ids, or the bits of its embeddings, and its puzzle
     identifier, None counted as 0), recorded in the `FPRMSolverState` so that a state is not carried onto other
@@ -397,7 +452,7 @@ def input_fingerprint(input_ids, puzzle_identifiers=None, inputs_embeds=None):
 @dataclass
 class FPRMModelOutput(ModelOutput):
     """
-    last_hidden_state: the final state y, prefix tokens included (after the final RMSNorm when `final_norm=True`).
+    last_hidden_state: the final state y, prefix tokens included.
     iterations: (batch,) iterations of f this call applied to each sample.
     residuals: (batch,) final relative ∞-norm residual per sample (inf where it was not finite).
     converged: (batch,) True where the residual fell below `halt_eps`.
@@ -466,7 +521,6 @@ class FPRMModel(FPRMPreTrainedModel):
         self.conv = FPRMDepthwiseConv(config) if config.conv_type != "none" else None
         self.residual_scaling = FPRMResidualScaling(config)
         self.layers = nn.ModuleList([FPRMBlock(config) for _ in range(config.num_hidden_layers)])
-        self.norm = FPRMRMSNorm(d, config.rms_norm_eps) if config.final_norm else None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -608,17 +662,12 @@ class FPRMModel(FPRMPreTrainedModel):
         eps = config.rms_norm_eps
         if config.normalize_input_injection:
             x = rms_norm(x, eps=eps)
-        u = x
-        if self.conv is not None:
-            p = config.num_prefix_tokens
-            if config.conv_placement == "state":  # the conv replaces the grid rows of the raw state
-                y = torch.cat([y[:, :p], self.conv(y)], dim=1)
-            else:  # "injection": u = x + DWConv(RMSNorm(y)) on the grid rows; y keeps its identity path
-                u = x + F.pad(self.conv(rms_norm(y, eps=eps)), (0, 0, p, 0))
+        if self.conv is not None:  # the conv replaces the grid rows of the raw state
+            y = torch.cat([y[:, : config.num_prefix_tokens], self.conv(y)], dim=1)
         alpha1, beta1, alpha2, beta2 = self.residual_scaling(y)
         if config.norm_placement == "input":
             y = rms_norm(y, eps=eps)
-        h = alpha2 * y + beta2 * u
+        h = alpha2 * y + beta2 * x
         for block in self.layers:
             h = block(h, alpha1, beta1, position_embeddings)
         if config.norm_placement == "output":
@@ -627,9 +676,9 @@ class FPRMModel(FPRMPreTrainedModel):
 
     # ---- the solver (Algorithm 1) ---------------------------------------------------------------------------------
 
-    def solve(self, x, state, max_loops, halt_eps, gamma, patience, min_eta, halting=True, output_residual_trace=False,
-              output_hidden_states=False):
-        """Damped fixed-point iteration y ← η·f(y) + (1 − η)·y with per-sample residuals, step decay and halting.
+    def solve(self, x, state, settings, output_residual_trace=False, output_hidden_states=False):
+        """Damped fixed-point iteration y ← η·f(y) + (1 − η)·y with per-sample residuals, step decay and halting
+        (`settings`: a `SolverSettings`).
 
         Only rows still iterating are evaluated; a halted row is frozen. Gradients flow through every iteration run
         here (the Trainer truncates by running short segments and detaching between them).
@@ -640,13 +689,14 @@ class FPRMModel(FPRMPreTrainedModel):
         # A carried state is judged by this call's rule, as if it had run under it: a row halted under another
         # halt_eps / min_eta / halting is reopened (or halts) here; a diverged row stays frozen at its last finite y.
         diverged = state.diverged.clone()
-        converged = residuals < halt_eps
-        halted = diverged | (converged | (eta < min_eta)) if halting else diverged.clone()
+        converged, stops = settings.halts(residuals, eta)
+        halted = diverged | stops if settings.halting else diverged.clone()
+        patience, gamma = settings.patience, settings.gamma
         position_embeddings = self.position_embeddings(x)
         start_iterations = iterations.clone()
         trace = []
         iterates = [y] if output_hidden_states else None
-        for _ in range(max_loops):
+        for _ in range(settings.max_loops):
             rows = (~halted).nonzero().squeeze(1)
             if rows.numel() == 0:
                 break
@@ -669,16 +719,12 @@ class FPRMModel(FPRMPreTrainedModel):
                 improved = r < best[rows]
                 best[rows] = torch.minimum(best[rows], r)
                 p = torch.where(improved, torch.full_like(pat[rows], patience), pat[rows] - 1)
-                decay = (p <= 0) & (r >= halt_eps)  # stalled: shrink the step η ← γ·η
+                decay = (p <= 0) & (r >= settings.halt_eps)  # stalled: shrink the step η ← γ·η
                 eta[rows] = torch.where(decay, eta[rows] * gamma, eta[rows])
                 pat[rows] = torch.where(decay, torch.full_like(p, patience), p)
-                now_converged = r < halt_eps
-                converged[rows] = now_converged
+                converged[rows], stops = settings.halts(r, eta[rows])
                 diverged[rows] = ~finite
-                stop = ~finite
-                if halting:
-                    stop = stop | now_converged | (eta[rows] < min_eta)
-                halted[rows] = stop
+                halted[rows] = ~finite | stops if settings.halting else ~finite
                 if output_residual_trace:
                     trace.append(residuals.clone())
             if output_hidden_states:
@@ -689,17 +735,6 @@ class FPRMModel(FPRMPreTrainedModel):
         )
         trace = torch.stack(trace, dim=1) if output_residual_trace and trace else None
         return new_state, iterations - start_iterations, trace, None if iterates is None else tuple(iterates)
-
-    def _solver_settings(self, halt_eps, max_loops, eta, gamma, patience, min_eta):
-        config = self.config
-        halt_eps = check_halt_eps(config.halt_eps if halt_eps is None else halt_eps)
-        max_loops = check_max_loops(config.max_loops if max_loops is None else max_loops)
-        eta = check_unit_interval(config.eta if eta is None else eta, "eta")
-        default_gamma = config.gamma_train if self.training else config.gamma_eval
-        gamma = check_unit_interval(default_gamma if gamma is None else gamma, "gamma")
-        patience = check_patience(config.patience if patience is None else patience)
-        min_eta = check_unit_interval(config.min_eta if min_eta is None else min_eta, "min_eta", closed_low=True)
-        return halt_eps, max_loops, eta, gamma, patience, min_eta
 
     @staticmethod
     def check_attention_mask(attention_mask, shape):
@@ -803,13 +838,13 @@ class FPRMModel(FPRMPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
-        for name, value in (("halting", halting), ("output_residual_trace", output_residual_trace),
+        for name, value in (("output_residual_trace", output_residual_trace),
                             ("output_hidden_states", output_hidden_states)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-        halt_eps, max_loops, eta, gamma, patience, min_eta = self._solver_settings(
-            halt_eps, max_loops, eta, gamma, patience, min_eta
-        )
+        settings = SolverSettings.from_config(self.config, self.training, halt_eps=halt_eps, max_loops=max_loops,
+                                              eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
+                                              halting=halting)
         shape = self.check_inputs(input_ids, puzzle_identifiers, inputs_embeds)
         self.check_attention_mask(attention_mask, shape)
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -817,16 +852,15 @@ class FPRMModel(FPRMPreTrainedModel):
         x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
         fingerprint = input_fingerprint(input_ids, puzzle_identifiers, inputs_embeds)
         if solver_state is None:
-            solver_state = self.initial_solver_state(x, eta, generator)
+            solver_state = self.initial_solver_state(x, settings.eta, generator)
         else:
             self.check_solver_state(solver_state, x, fingerprint)
         solver_state = replace(solver_state, fingerprint=fingerprint)
         state, iterations, trace, iterates = self.solve(
-            x, solver_state, max_loops, halt_eps, gamma, patience, min_eta, halting, output_residual_trace,
-            output_hidden_states,
+            x, solver_state, settings, output_residual_trace, output_hidden_states
         )
         output = FPRMModelOutput(
-            last_hidden_state=state.hidden if self.norm is None else self.norm(state.hidden),
+            last_hidden_state=state.hidden,
             iterations=iterations,
             residuals=state.residuals,
             converged=state.converged,
@@ -959,6 +993,7 @@ __all__ = [
     "FPRMModel",
     "FPRMForReasoning",
     "FPRMSolverState",
+    "SolverSettings",
     "input_fingerprint",
     "FPRMModelOutput",
     "FPRMReasoningOutput",

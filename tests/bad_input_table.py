@@ -1,6 +1,9 @@
 """The bad-input registry: each row is an input a user may give (to a model, its config or a command line) and
-the error it must raise. tests/test_bad_inputs.py runs every row; this module renders the rows as
-docs/bad_inputs.md, and a test fails when that file differs from what it would render:
+the error it must raise, the one place a refusal is specified. tests/test_bad_inputs.py runs every row; a config
+row made with `refused_setting` is also run however the value arrives (constructor, attribute set, config.json,
+`from_pretrained` kwargs, the Auto class) by tests/test_fprm_conventions.py and tests/test_loopformer_validation.py.
+`HANDLED` lists inputs and faults that are not errors (what happens instead, and the test that shows it).
+This module renders both as docs/bad_inputs.md, and a test fails when that file differs from what it would render:
 
     python -m tests.bad_input_table            # rewrite docs/bad_inputs.md
 """
@@ -28,6 +31,21 @@ class Case:
     run: Callable  # run(tmp: Path) must raise `error`
     error: type
     message: str  # regex the message must match (searched)
+    setting: tuple | None = None  # (field, value) of a config row that must hold however the value arrives
+
+
+@dataclass
+class Handled:
+    area: str
+    given: str  # the input or fault
+    outcome: str  # what happens instead of an error
+    test: str  # "tests/FILE.py::test_name", the test that asserts it
+
+
+def refused_setting(area, make_config, field, value, message):
+    """A config row: `make_config(field=value)` raises ValueError matching `message`."""
+    return Case(area, f"{field}={value!r}", lambda t: make_config(**{field: value}), ValueError, message,
+                setting=(field, value))
 
 
 # ---- tiny models, built once -------------------------------------------------------------------------------------
@@ -57,11 +75,11 @@ def loopformer():
 
 
 @lru_cache(maxsize=None)
-def fprm():
+def fprm(**overrides):
     from fprm_hf import FPRMForReasoning
 
     torch.manual_seed(0)
-    return FPRMForReasoning(fprm_config()).eval()
+    return FPRMForReasoning(fprm_config(**overrides)).eval()
 
 
 IDS = torch.tensor([[3, 4, 5]])
@@ -95,6 +113,19 @@ def file_in(tmp, name, content=b"x"):
     return path
 
 
+def pickle_as_safetensors(tmp):
+    """A saved FPRM folder whose model.safetensors is really a pickle (torch.save), as a renamed file or a
+    malicious upload would be."""
+    folder = Path(tmp) / "model"
+    fprm().save_pretrained(folder)
+    torch.save({"weight": torch.zeros(2)}, folder / "model.safetensors")
+    return folder
+
+
+# a config file with a Python-object tag: yaml.safe_load constructs nothing (the command must not run)
+PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
+
+
 def locked(tmp):
     """An output_dir whose training.lock names a run on another host (taken as alive: its pid says nothing here), as
     a running run's does; fixed values keep the table the same on every machine."""
@@ -118,15 +149,17 @@ FP_CONVERT = cli("fprm_hf.convert_reference")
 
 CASES = [
     # LoopFormer configuration (the same check runs for config.json, from_pretrained kwargs and attribute sets)
-    Case(f"{LF} config", "default_loop_budget=-3", lambda t: loopformer_config(default_loop_budget=-3), ValueError,
-         r"default_loop_budget.*got -3"),
-    Case(f"{LF} config", "halt_kv_fill='bogus'", lambda t: loopformer_config(halt_kv_fill="bogus"), ValueError,
-         r"halt_kv_fill.*got 'bogus'"),
-    Case(f"{LF} config", "tie_word_embeddings='no'", lambda t: loopformer_config(tie_word_embeddings="no"),
-         ValueError, r"tie_word_embeddings.*True or False, got 'no'"),
-    Case(f"{LF} config", "attention_bias='no'", lambda t: loopformer_config(attention_bias="no"), ValueError,
-         r"attention_bias.*True or False, got 'no'"),
-    Case(f"{LF} config", "num_loops=0", lambda t: loopformer_config(num_loops=0), ValueError, r"num_loops.*got 0"),
+    *(refused_setting(f"{LF} config", loopformer_config, field, value, message) for field, value, message in (
+        ("default_loop_budget", -3, r"default_loop_budget.*got -3"),
+        ("default_loop_budget", 0, r"default_loop_budget.*got 0"),
+        ("default_loop_budget", 2.5, r"default_loop_budget.*got 2\.5"),
+        ("halt_kv_fill", "bogus", r"halt_kv_fill.*\('recompute', 'reuse'\), got 'bogus'"),
+        ("tie_word_embeddings", "no", r"tie_word_embeddings.*True or False, got 'no'"),
+        ("attention_bias", "no", r"attention_bias.*True or False, got 'no'"),
+        ("mlp_bias", "no", r"mlp_bias.*True or False, got 'no'"),
+        ("use_cache", "no", r"use_cache.*True or False, got 'no'"),
+        ("num_loops", 0, r"num_loops.*got 0"),
+    )),
     Case(f"{LF} config", "hidden_size=30, num_attention_heads=4",
          lambda t: loopformer_config(hidden_size=30), ValueError, r"divisible by `num_attention_heads`"),
     Case(f"{LF} config", "config.max_loop_budget_factor = 0 (attribute set)",
@@ -173,18 +206,30 @@ CASES = [
         IDS[:, :1], cache=loopformer()(IDS.expand(2, 3), use_cache=True).cache), ValueError,
          r"cache holds 2 sequences; this call gives 1"),
     # FPRM configuration
-    Case(f"{FP} config", "causal='no'", lambda t: fprm_config(causal="no"), ValueError,
-         r"`causal` must be True or False, got 'no'"),
-    Case(f"{FP} config", "tie_word_embeddings='no'", lambda t: fprm_config(tie_word_embeddings="no"), ValueError,
-         r"`tie_word_embeddings` must be True or False, got 'no'"),
-    Case(f"{FP} config", "norm_type='bogus'", lambda t: fprm_config(norm_type="bogus"), ValueError,
-         r"`norm_type` must be one of .* got 'bogus'"),
-    Case(f"{FP} config", "conv_type='2d', grid_size=None", lambda t: fprm_config(grid_size=None), ValueError,
-         r"conv_type='2d'.*needs `grid_size`"),
-    Case(f"{FP} config", "alpha1=1.0", lambda t: fprm_config(alpha1=1.0), ValueError,
-         r"`alpha1` must lie strictly between 0 and 1"),
-    Case(f"{FP} config", "config.fixed_init = 1 (attribute set)", lambda t: setattr(fprm_config(), "fixed_init", 1),
-         ValueError, r"`fixed_init` must be True or False, got 1"),
+    *(refused_setting(f"{FP} config", fprm_config, field, value, message) for field, value, message in (
+        ("causal", "no", r"`causal` must be True or False, got 'no'"),
+        ("outer_only", "no", r"`outer_only` must be True or False, got 'no'"),
+        ("fixed_init", 1, r"`fixed_init` must be True or False, got 1 \(int\)"),
+        ("tie_word_embeddings", "no", r"`tie_word_embeddings` must be True or False, got 'no'"),
+        ("attention_bias", "no", r"`attention_bias` must be True or False, got 'no'"),
+        ("mlp_bias", "false", r"`mlp_bias` must be True or False, got 'false'"),
+        ("norm_type", "bogus", r"`norm_type` must be one of \('pre', 'post', 'peri'\), got 'bogus'"),
+        ("residual_scaling", "bogus", r"`residual_scaling` must be one of .*'input_independent'.* got 'bogus'"),
+        ("residual_scaling", "outer_only", r"`residual_scaling` must be one of .* got 'outer_only'"),
+        ("halt_eps", 0, r"`halt_eps` must be a positive finite number .* got 0"),
+        ("halt_eps", -1, r"`halt_eps` must be a positive finite number .* got -1"),
+        ("max_loops", 0, r"`max_loops` must be an integer >= 1, got 0"),
+        ("alpha1", 1.0, r"`alpha1` must lie strictly between 0 and 1, got 1\.0"),
+        ("grid_size", [3, 3, 3], r"`grid_size` must be None, a positive int or \[height, width\], got \[3, 3, 3\]"),
+        ("grid_size", None, r"conv_type='2d'.*needs `grid_size`"),
+        ("conv_kernel_size", 2, r"2-D conv needs an odd `conv_kernel_size`.*got 2"),
+        ("num_attention_heads", 3, r"`hidden_size` \(32\) must be divisible by `num_attention_heads` \(3\)"),
+        ("initializer_range", float("inf"), r"`initializer_range` must be None or a positive finite number, got inf"),
+        ("initial_state_seed", 2**70, r"`initial_state_seed` must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    )),
+    *(Case(f"{FP} config", f"{field}={value!r} (removed in 0.1.0)", lambda t, kw={field: value}: fprm_config(**kw),
+           ValueError, rf"`{field}={value!r}` is an option of earlier versions of this package, removed in 0\.1\.0")
+      for field, value in (("conv_placement", "injection"), ("final_norm", True), ("norm_position", "post"))),
     # FPRM forward
     Case(f"{FP} forward", "solver_state of another input of the same shape", lambda t: fprm()(
         GRID + 1, solver_state=fprm()(GRID, max_loops=1).solver_state), ValueError,
@@ -192,24 +237,54 @@ CASES = [
     Case(f"{FP} forward", "bf16 solver_state into an fp32 model", lambda t: fprm()(GRID, solver_state=replace(
         fprm()(GRID, max_loops=1).solver_state, hidden=fprm()(GRID, max_loops=1).solver_state.hidden.bfloat16())),
          ValueError, r"solver_state.hidden` is torch.bfloat16, this model computes in torch.float32"),
-    Case(f"{FP} forward", "halting='no'", lambda t: fprm()(GRID, halting="no"), ValueError,
-         r"`halting` must be True or False, got 'no'"),
+    *(Case(f"{FP} forward", f"{flag}='no'", lambda t, kw={flag: "no"}: fprm()(GRID, **kw), ValueError,
+           rf"`{flag}` must be True or False, got 'no' \(str\)")
+      for flag in ("halting", "output_residual_trace", "output_hidden_states")),
+    *(Case(f"{FP} forward", ", ".join(f"{k}={v!r}" for k, v in kw.items()), lambda t, kw=kw: fprm()(GRID, **kw),
+           ValueError, message) for kw, message in (
+        (dict(halt_eps=0.0), r"`halt_eps` must be a positive finite number .* got 0\.0"),
+        (dict(halt_eps=-1e-3), r"`halt_eps` must be a positive finite number .* got -0\.001"),
+        (dict(halt_eps=float("nan")), r"`halt_eps` must be a positive finite number .* got nan"),
+        (dict(max_loops=2.5), r"`max_loops` must be an integer >= 1, got 2\.5"),
+        (dict(gamma=0), r"`gamma` must be a number in \(0, 1\], got 0"),
+        (dict(patience=0), r"`patience` must be an integer >= 1, got 0"),
+        (dict(generator=123), r"`generator` must be a torch\.Generator or None, got int"),
+        (dict(solver_state="nope"), r"`solver_state` must be the FPRMSolverState"),
+    )),
     Case(f"{FP} forward", "attention_mask with padding", lambda t: fprm()(GRID, attention_mask=padded_mask()),
          ValueError, r"cannot honour a padded `attention_mask`"),
     Case(f"{FP} forward", "9 tokens for a 4x4 grid", lambda t: fprm()(torch.zeros(1, 9, dtype=torch.long)),
          ValueError, r"reads 4x4 grids, i\.e\. 16 tokens per sample; got 9"),
     Case(f"{FP} forward", "a token id >= vocab_size", lambda t: fprm()(GRID + 7), ValueError,
-         r"`input_ids` must lie in \[0, 6\]"),
+         r"`input_ids` must lie in \[0, 6\] \(vocab_size=7\), got values in \[7, 7\]"),
+    Case(f"{FP} forward", "a token id -1", lambda t: fprm()(GRID - 1), ValueError, r"got values in \[-1, "),
+    Case(f"{FP} forward", "bool input_ids", lambda t: fprm()(GRID.bool()), ValueError,
+         r"`input_ids` must be an integer tensor.*torch\.bool"),
+    Case(f"{FP} forward", "puzzle_identifiers=[0, 5] (num_puzzle_identifiers=2)",
+         lambda t: fprm(num_puzzle_identifiers=2)(GRID.expand(2, 16), puzzle_identifiers=torch.tensor([0, 5])),
+         ValueError, r"`puzzle_identifiers` must lie in \[0, 1\].*got values in \[0, 5\]"),
+    Case(f"{FP} forward", "float puzzle_identifiers", lambda t: fprm()(GRID, puzzle_identifiers=torch.zeros(1)),
+         ValueError, r"`puzzle_identifiers` must be an integer tensor.*float32"),
     Case(f"{FP} forward", "max_loops=0", lambda t: fprm()(GRID, max_loops=0), ValueError,
          r"`max_loops` must be an integer >= 1, got 0"),
     Case(f"{FP} forward", "eta=1.5", lambda t: fprm()(GRID, eta=1.5), ValueError,
          r"`eta` must be a number in \(0, 1\], got 1\.5"),
     Case(f"{FP} forward", "labels with a token id >= vocab_size", lambda t: fprm()(GRID, labels=GRID + 7), ValueError,
-         r"`labels` must lie in \[0, 6\] \(vocab_size=7\) or be -100"),
+         r"`labels` must lie in \[0, 6\] \(vocab_size=7\) or be -100 \(ignored\), got \[7\]"),
+    Case(f"{FP} forward", "labels=-5 everywhere", lambda t: fprm()(GRID, labels=GRID - 5), ValueError,
+         r"`labels` must lie in .*got \[-5\]"),
+    Case(f"{FP} forward", "labels of shape (1, 15)", lambda t: fprm()(GRID, labels=GRID[:, :15]), ValueError,
+         r"`labels` must be an integer tensor of the shape of `input_ids` \(1, 16\), got Tensor \(1, 15\)"),
+    Case(f"{FP} forward", "labels as a list", lambda t: fprm()(GRID, labels=[[0] * 16]), ValueError,
+         r"`labels` must be an integer tensor.*got list"),
     Case(f"{FP} forward", "float labels", lambda t: fprm()(GRID, labels=GRID.float()), ValueError,
          r"`labels` must be an integer tensor of the shape of `input_ids`"),
     Case(f"{FP} forward", "output_attentions=True", lambda t: fprm()(GRID, output_attentions=True), ValueError,
          r"`output_attentions` must be None or False, got True"),
+    # FPRM loading
+    Case(f"{FP} from_pretrained", "a folder whose model.safetensors is a pickle",
+         lambda t: fprm().from_pretrained(pickle_as_safetensors(t)), OSError,
+         r"model/model\.safetensors' is not a safetensors file \(safetensors: .*\)\. Nothing was loaded"),
     # command lines (each refuses before any work)
     Case("loopformer.train", "--variant bogus", TRAIN("--output_dir", "{tmp}/run", "--variant", "bogus"),
          ValueError, r"`variant` must be one of .* got 'bogus'"),
@@ -218,6 +293,11 @@ CASES = [
          r"--chat_template .* is not a file"),
     Case("loopformer.train", "--config file.txt", TRAIN("--config", "{tmp}/file.txt"), ValueError,
          r"config file must end in one of"),
+    Case("loopformer.train", "--config broken.json", lambda t: TRAIN("--config", str(file_in(
+        t, "broken.json", b'{"num_loops": 3,')))(t), ValueError, r"broken\.json' is not plain JSON"),
+    Case("loopformer.train", "--config tagged.yaml (a !!python/object tag)",
+         lambda t: TRAIN("--config", str(file_in(t, "tagged.yaml", PYTHON_TAG_YAML)))(t), ValueError,
+         r"tagged\.yaml' is not plain YAML .*could not determine a constructor for the tag .*python/object"),
     Case("loopformer.evaluate", "--generate_budgets 0", EVALUATE("{tmp}/ckpt", "--output_dir", "{tmp}/out",
                                                                  "--generate_budgets", "0"), ValueError,
          r"--generate_budgets \[0\].*>= 1"),
@@ -242,7 +322,10 @@ CASES = [
     Case("fprm.train", "--output_dir of a running run", lambda t: FPRM_TRAIN("--output_dir", str(locked(t)))(t),
          ValueError, r"is being written by another run \(process \d+ on "),
     Case("fprm.train", "--preset bogus", FPRM_TRAIN("--preset", "bogus"), ValueError,
-         r"`--preset` must be one of .* got 'bogus'"),
+         r"`--preset` must be one of .*'s5-cpu'.* got 'bogus'"),
+    Case("fprm.train", "--config tagged.yaml (a !!python/object tag)",
+         lambda t: FPRM_TRAIN("--config", str(file_in(t, "tagged.yaml", PYTHON_TAG_YAML)))(t), ValueError,
+         r"tagged\.yaml' is not plain YAML .*could not determine a constructor for the tag .*python/object"),
     Case("fprm.train", "--task bogus", FPRM_TRAIN("--task", "bogus", "--output_dir", "{tmp}/run"), ValueError,
          r"`--task` must be one of .* got 'bogus'"),
     Case("publish", "--repo_id without an owner", PUBLISH("--checkpoint", "{tmp}", "--repo_id", "name"), SystemExit,
@@ -261,6 +344,24 @@ CASES = [
     Case("fprm_hf.convert_reference", "--checkpoint MISSING_FILE",
          lambda t: FP_CONVERT("--checkpoint", "{tmp}/missing.pt", "--config", str(file_in(t, "arch.yaml", b"{}")),
                               "--output", "{tmp}/out")(t), SystemExit, r"--checkpoint .*missing\.pt.* is not a file"),
+]
+
+QUANT = "tests/test_quantization.py::"
+HANDLED = [
+    Handled(f"{FP} quantised", "torch dynamic int8 (`torch.ao.quantization.quantize_dynamic`)",
+            "solves; the logit error of one solver iteration is within that of a Llama of the same width, weight "
+            "scale and layer applications under the same scheme (the test prints both)",
+            QUANT + "test_dynamic_int8_fprm_solves_within_the_error_of_a_same_size_llama"),
+    Handled(f"{FP} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
+            "loads and solves where bitsandbytes runs (skipped where it has no backend); the logit error of one "
+            "iteration is printed beside the Llama's",
+            QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
+    Handled(f"{LF} quantised", "torch dynamic int8",
+            "loads and generates (fixed budget and halting); logit error within a same-size Llama's",
+            QUANT + "test_dynamic_int8_loopformer_loads_and_generates_within_a_llamas_error"),
+    Handled(f"{LF} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
+            "loads and generates where bitsandbytes runs; logit error within a same-size Llama's",
+            QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
 ]
 
 
@@ -293,7 +394,10 @@ def render():
     rows = ["# Bad inputs and the errors they raise", "",
             "Generated from the registry in tests/bad_input_table.py (`python -m tests.bad_input_table`); "
             "tests/test_bad_inputs.py runs every row and fails when this file is out of date. Messages are "
-            "shortened to 220 characters; `<tmp>` stands for the folder a case ran in.", "",
+            "shortened to 220 characters; `<tmp>` stands for the folder a case ran in. A config row holds however "
+            "the value arrives: the constructor, an attribute set (the old value is kept), config.json, "
+            "`from_pretrained` kwargs and the Auto class (tests/test_fprm_conventions.py, "
+            "tests/test_loopformer_validation.py).", "",
             "| where | input | error | message |", "|---|---|---|---|"]
     for case in CASES:
         with tempfile.TemporaryDirectory() as tmp:
@@ -302,6 +406,9 @@ def render():
             if isinstance(error, SystemExit):
                 name = f"SystemExit({error.code})"
             rows.append(f"| {case.area} | `{case.given}` | {name} | {clean(message or '', tmp)} |")
+    rows += ["", "## Inputs and faults handled without an error", "",
+             "| where | input or fault | what happens | test |", "|---|---|---|---|"]
+    rows += [f"| {h.area} | {h.given} | {h.outcome} | `{h.test}` |" for h in HANDLED]
     return "\n".join(rows) + "\n"
 
 

@@ -134,7 +134,7 @@ def test_fprm_train_rejects_a_bad_time_budget_before_any_work(tmp_path, capsys, 
 def test_fprm_train_takes_a_zero_time_budget_as_none_over_a_presets():
     from looped_training.fprm import train as train_fprm
 
-    eval_args = train_fprm.parse_args(["--preset", "sudoku4-quick", "--time_budget_minutes", "0"])[2]
+    eval_args = train_fprm.parse_args(["--preset", "sudoku-cpu", "--time_budget_minutes", "0"])[2]
     assert eval_args.time_budget_minutes == 0  # `main` adds no TimeBudgetCallback for it
 
 

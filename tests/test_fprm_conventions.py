@@ -8,6 +8,7 @@ from transformers import AutoModelForTokenClassification
 from fprm_hf import FPRMConfig, FPRMForReasoning
 
 from _config_helpers import assert_refused_however_it_arrives
+from bad_input_table import CASES
 from fprm_fixtures import grid_inputs, one_thread  # noqa: F401  (one_thread: autouse fixture)
 from fprm_fixtures import sequence_fprm_config, tiny_fprm, tiny_fprm_config
 
@@ -21,20 +22,8 @@ def checkpoint(tmp_path_factory):
 
 # ---- config: every value validated however it arrives -----------------------------------------------------------
 
-BAD_VALUES = [
-    ("causal", "no", r"`causal` must be True or False, got 'no'"),
-    ("outer_only", "no", r"`outer_only` must be True or False, got 'no'"),
-    ("fixed_init", 1, r"`fixed_init` must be True or False, got 1 \(int\)"),
-    ("tie_word_embeddings", "no", r"`tie_word_embeddings` must be True or False, got 'no'"),
-    ("attention_bias", "no", r"`attention_bias` must be True or False, got 'no'"),
-    ("mlp_bias", "false", r"`mlp_bias` must be True or False, got 'false'"),
-    ("norm_type", "bogus", r"`norm_type` must be one of \('pre', 'post', 'peri'\), got 'bogus'"),
-    ("halt_eps", -1, r"`halt_eps` must be a positive finite number .* got -1"),
-    ("max_loops", 0, r"`max_loops` must be an integer >= 1, got 0"),
-    ("grid_size", [3, 3, 3], r"`grid_size` must be None, a positive int or \[height, width\], got \[3, 3, 3\]"),
-    ("conv_kernel_size", 2, r"2-D conv needs an odd `conv_kernel_size`.*got 2"),
-    ("num_attention_heads", 3, r"`hidden_size` \(32\) must be divisible by `num_attention_heads` \(3\)"),
-]
+# the FPRM config rows of the refusal table (tests/bad_input_table.py), each run however the value arrives
+BAD_VALUES = [(*case.setting, case.message) for case in CASES if case.area == "FPRM config" and case.setting]
 
 
 @pytest.mark.parametrize("field,value,message", BAD_VALUES)
@@ -51,15 +40,6 @@ def test_good_values_still_set_and_grid_size_normalised(checkpoint):
     assert config.causal is True
     model = FPRMForReasoning.from_pretrained(checkpoint, max_loops=3)
     assert model.config.max_loops == 3
-
-
-# ---- forward flags -----------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("flag", ["halting", "output_residual_trace", "output_hidden_states"])
-def test_forward_flags_are_strict(flag):
-    # `halting="no"` used to be read as True
-    with pytest.raises(ValueError, match=rf"`{flag}` must be True or False, got 'no' \(str\)"):
-        tiny_fprm()(grid_inputs(1), **{flag: "no"})
 
 
 # ---- output_hidden_states ------------------------------------------------------------------------------------------

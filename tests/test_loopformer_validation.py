@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from _config_helpers import assert_refused_however_it_arrives
+from bad_input_table import CASES
 from conftest import randomize_modulation, tiny_loopformer_config
 from loopformer_hf import LoopFormerForCausalLM
 
@@ -24,17 +25,8 @@ def checkpoint(tmp_path_factory):
 
 # ---- 1. every config value validated however it arrives -----------------------------------------------------------
 
-BAD_VALUES = [
-    ("default_loop_budget", -3, r"default_loop_budget.*got -3"),
-    ("default_loop_budget", 0, r"default_loop_budget.*got 0"),
-    ("default_loop_budget", 2.5, r"default_loop_budget.*got 2\.5"),
-    ("halt_kv_fill", "bogus", r"halt_kv_fill.*\('recompute', 'reuse'\), got 'bogus'"),
-    ("tie_word_embeddings", "no", r"tie_word_embeddings.*True or False, got 'no'"),
-    ("attention_bias", "no", r"attention_bias.*True or False, got 'no'"),
-    ("mlp_bias", "no", r"mlp_bias.*True or False, got 'no'"),
-    ("use_cache", "no", r"use_cache.*True or False, got 'no'"),
-    ("num_loops", 0, r"num_loops.*got 0"),
-]
+# the LoopFormer config rows of the refusal table (tests/bad_input_table.py), each run however the value arrives
+BAD_VALUES = [(*case.setting, case.message) for case in CASES if case.area == "LoopFormer config" and case.setting]
 
 
 @pytest.mark.parametrize("field,value,message", BAD_VALUES)

@@ -32,29 +32,19 @@ def test_config_file_sets_values_and_flags_override_them(tmp_path, suffix):
 
 
 def test_config_file_errors_name_the_file_and_the_problem(tmp_path):
+    # a suffix, a Python-object tag and broken JSON are rows of tests/bad_input_table.py
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_loops: 3\nnot_an_argument: 1\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*not_an_argument"):
         parse_args_with_config(loopformer_parser(), ["--config", str(bad)])
     with pytest.raises(ValueError, match=r"does not exist"):
         parse_args_with_config(loopformer_parser(), ["--config", str(tmp_path / "missing.yaml")])
-    with pytest.raises(ValueError, match=r"must end in one of"):
-        parse_args_with_config(loopformer_parser(), ["--config", str(tmp_path / "run.txt")])
     with pytest.raises(ValueError, match=r"one config file"):
         split_config_file(["a.yaml", "--config", "b.yaml"])
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match=r"must map argument names to values, got a list"):
         parse_args_with_config(loopformer_parser(), [str(listing)])
-    # a Python object tag (safe_load constructs nothing) and broken JSON: named, not a raw parser traceback
-    tagged = tmp_path / "tagged.yaml"
-    tagged.write_text("num_loops: !!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(ValueError, match=r"tagged\.yaml' is not plain YAML .*python/object"):
-        parse_args_with_config(loopformer_parser(), [str(tagged)])
-    broken = tmp_path / "broken.json"
-    broken.write_text('{"num_loops": 3,')
-    with pytest.raises(ValueError, match=r"broken\.json' is not plain JSON"):
-        parse_args_with_config(loopformer_parser(), [str(broken)])
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "looped_training", "configs", "loopformer", "*.yaml"))))
@@ -67,7 +57,7 @@ def test_every_fprm_preset_parses_with_its_name_as_output_dir():
     from looped_training.fprm.train import parse_args, preset_names
 
     names = preset_names()
-    assert {"s5-quick", "sudoku4-quick", "sudoku6-quick", "maze15-quick", "arc-tiny"} <= set(names)
+    assert {"s5-cpu", "a5-cpu", "sudoku-cpu", "maze-cpu", "s5-gpu", "sudoku"} <= set(names)
     for name in names:
         _, data, _, train = parse_args(["--preset", name])
         assert data.preset == name and train.output_dir == f"outputs/fprm-{name}" and train.max_steps > 0

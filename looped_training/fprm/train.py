@@ -4,10 +4,8 @@ the main one alone saves `model/`, evaluates and writes `results.json` (strict J
 
     python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
     python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
-    python -m looped_training.fprm.train --preset s5-quick            # the recipe of earlier versions, ~15 min on 2 cores
-    python -m looped_training.fprm.train --preset sudoku4-quick       # ~10 min on a 2-core CPU
-    python -m looped_training.fprm.train --preset sudoku6-quick --max_steps 500 --output_dir outputs/s6
-    python -m looped_training.fprm.train looped_training/configs/fprm/maze15-quick.yaml --torch_threads 2
+    python -m looped_training.fprm.train --preset sudoku-cpu --max_steps 500 --output_dir outputs/sudoku
+    python -m looped_training.fprm.train looped_training/configs/fprm/maze-cpu.yaml --torch_threads 2
 
 A preset is a YAML file of looped_training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
 the first argument). It only sets defaults: any flag given on the command line wins.
@@ -64,9 +62,7 @@ class ModelArguments:
     norm_placement: str = field(default="none", metadata={"help": "none, input or output (the authors' maze)"})
     alpha1: float = field(default=0.5, metadata={"help": "initial α1 (0.75 in the authors' Sudoku/maze configs)"})
     alpha2: float = field(default=0.5, metadata={"help": "initial α2 (0.25 in the authors' Sudoku/maze configs)"})
-    conv_placement: str = field(default="state", metadata={"help": "state (the authors') or injection (earlier versions)"})
     fixed_init: bool = field(default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"})
-    final_norm: bool = field(default=False, metadata={"help": "an RMSNorm with weight before the head (earlier versions)"})
     num_prefix_tokens: int = field(default=0)
     init_std: float = field(default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"})
     conv_kernel_size: int | None = field(
@@ -85,8 +81,8 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     preset: str | None = field(
-        default=None, metadata={"help": "a file of looped_training/configs/fprm/ by name: `--preset s5-quick` reads "
-                                        "looped_training/configs/fprm/s5-quick.yaml (the same as `--config` with that file)"})
+        default=None, metadata={"help": "a file of looped_training/configs/fprm/ by name: `--preset s5-cpu` reads "
+                                        "looped_training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"})
     task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
     num_train: int = field(default=2000)
     num_test: int = field(default=200)
@@ -271,7 +267,7 @@ def train(model_args, data_args, eval_args, train_args):
         intermediate_size=model_args.intermediate_size, num_hidden_layers=model_args.num_hidden_layers,
         residual_scaling=model_args.residual_scaling, outer_only=model_args.outer_only, norm_type=model_args.norm_type,
         norm_placement=model_args.norm_placement, alpha1=model_args.alpha1, alpha2=model_args.alpha2,
-        conv_placement=model_args.conv_placement, fixed_init=model_args.fixed_init, final_norm=model_args.final_norm,
+        fixed_init=model_args.fixed_init,
         num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
         init_std=model_args.init_std, halt_eps=model_args.halt_eps, patience=model_args.patience,
         conv_kernel_size=model_args.conv_kernel_size, use_q_head=model_args.use_q_head,

@@ -2,9 +2,10 @@
 
 Every Trainer step is one *segment*: `n_backward` solver iterations with gradient, starting from the state the
 previous segment left (detached), then one loss and one optimizer step. A sample stays in the batch ("carry") for
-up to `max_segments` segments or until it halts (the authors': after a segment, residual < τ or η < min_eta;
-`segment_halting`); its slot is then refilled from the next batch of the data loader. So the number of loops a sample sees grows with `max_segments` while the autograd graph, hence peak
-memory, only ever spans `n_backward` iterations (the truncated Neumann series of (I − J)⁻¹ of the paper).
+up to `max_segments` segments or until it halts (the authors': every segment runs its `n_backward` iterations,
+then the model's halting rule, `SolverSettings.halts`, judges the sample: residual < τ or η < min_eta); its slot
+is then refilled from the next batch of the data loader. So the number of loops a sample sees grows with
+`max_segments` while the autograd graph, hence peak memory, only ever spans `n_backward` iterations (the truncated Neumann series of (I − J)⁻¹ of the paper).
 
 `n_backward = max_segments × n_backward` loops in one segment (`max_segments=1`) is full BPTT, for contrast.
 
@@ -23,13 +24,12 @@ from safetensors.torch import load_file, save_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from fprm_hf import FPRMSolverState
+from fprm_hf import FPRMSolverState, SolverSettings
 
 logger = logging.getLogger(__name__)
 
 
 LOSS_TYPES = ("softmax", "stablemax")
-SEGMENT_HALTINGS = ("after_segment", "per_iteration")
 LR_SCHEDULES = ("trainer", "authors")
 LOSS_NORMALIZATIONS = ("sample", "token")
 PUZZLE_EMB_OPTIMIZERS = ("adamw", "signsgd")
@@ -53,12 +53,6 @@ class FPRMTrainingArguments(TrainingArguments):
     )
     loss_type: str = field(
         default="softmax", metadata={"help": f"Cross-entropy over {LOSS_TYPES}; the reference uses stablemax."}
-    )
-    segment_halting: str = field(
-        default="after_segment",
-        metadata={"help": "after_segment (the authors'): every segment runs its n_backward iterations, then a sample "
-                          "halts when its residual < train_halt_eps or η < min_eta; per_iteration (earlier versions): "
-                          "the solver freezes a sample inside the segment as soon as it halts."},
     )
     max_grad_norm: float = _option(
         0.0, "Gradient clipping; 0 (default) is off, as the authors' pretrain.py (Trainer's default is 1.0: pass it "
@@ -91,8 +85,6 @@ class FPRMTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if self.segment_halting not in SEGMENT_HALTINGS:
-            raise ValueError(f"`segment_halting` must be one of {SEGMENT_HALTINGS}, got {self.segment_halting!r}.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         choices = (("lr_schedule", LR_SCHEDULES), ("loss_normalization", LOSS_NORMALIZATIONS),
@@ -402,9 +394,8 @@ class FPRMTrainer(Trainer):
 
     def get_decay_parameter_names(self, model):
         """The authors' groups: every parameter decays (biases and the Q-head included) except the α logits of the
-        input-independent residual scaling (their `_no_weight_decay` tag) and the weight of the optional final norm
-        (not theirs)."""
-        return [n for n, p in model.named_parameters() if not n.endswith("_logit") and not n.endswith("norm.weight")]
+        input-independent residual scaling (their `_no_weight_decay` tag)."""
+        return [n for n, p in model.named_parameters() if not n.endswith("_logit")]
 
     def _core(self, model):
         return self.accelerator.unwrap_model(model).model
@@ -440,14 +431,9 @@ class FPRMTrainer(Trainer):
         carry = self.carry
         labels = carry.inputs["labels"]
         model_inputs = {k: v for k, v in carry.inputs.items() if k != "labels"}
-        after_segment = self.args.segment_halting == "after_segment"
-        outputs = model(
-            **model_inputs,
-            max_loops=self.args.n_backward,
-            halt_eps=self.args.train_halt_eps,
-            halting=not after_segment,
-            solver_state=carry.state,
-        )
+        # every segment runs its n_backward iterations; the halting rule judges each sample after it (below)
+        outputs = model(**model_inputs, max_loops=self.args.n_backward, halt_eps=self.args.train_halt_eps,
+                        halting=False, solver_state=carry.state)
         loss = token_loss(outputs.logits, labels, self.args.loss_type, self.args.loss_normalization)
         q_coefficient = self.args.q_loss_coefficient
         if outputs.q_halt_logits is not None:
@@ -463,13 +449,10 @@ class FPRMTrainer(Trainer):
                 prefix.signsgd_rows = None  # gradient reaches (the same on every rank)
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
         state = outputs.solver_state.detach()
-        if after_segment:  # the authors' training halting: per sample, on the segment's last iteration
-            config = self._core(model).config
-            tau = config.halt_eps if self.args.train_halt_eps is None else self.args.train_halt_eps
-            converged = state.residuals < tau
-            state = replace(state, converged=converged,
-                            halted=state.halted | converged | (state.eta < config.min_eta))
-        carry.state = state
+        settings = SolverSettings.from_config(self._core(model).config, training=True,
+                                              halt_eps=self.args.train_halt_eps)
+        converged, stops = settings.halts(state.residuals, state.eta)
+        carry.state = replace(state, converged=converged, halted=state.halted | stops)
         carry.segments = carry.segments + 1
         stats = self._segment_stats
         stats["iterations"].append(float(outputs.iterations.float().mean()))
@@ -486,5 +469,5 @@ class FPRMTrainer(Trainer):
 
 
 __all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "stablemax_token_losses", "token_loss",
-           "q_halt_loss", "SignSGDAdamW", "EMACallback", "SEGMENT_HALTINGS", "LR_SCHEDULES", "LOSS_NORMALIZATIONS",
+           "q_halt_loss", "SignSGDAdamW", "EMACallback", "LR_SCHEDULES", "LOSS_NORMALIZATIONS",
            "PUZZLE_EMB_OPTIMIZERS"]
