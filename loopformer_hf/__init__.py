@@ -4,8 +4,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
-from .modeling_loopformer import (LoopFormerForCausalLM, LoopFormerGenerateBeamDecoderOnlyOutput,
-                                  LoopFormerGenerateDecoderOnlyOutput, LoopFormerModel, LoopFormerPreTrainedModel)
+from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
+from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)

@@ -7,7 +7,6 @@ preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per 
 than the one that filled it.
 """
 
-import functools
 import math
 import numbers
 import warnings
@@ -18,15 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers.activations import ACT2FN
-from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
-                                     UnbatchedClassifierFreeGuidanceLogitsProcessor)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
-from .configuration_loopformer import HALT_CRITERIA, LoopFormerConfig, check_halt_eps
+from .configuration_loopformer import LoopFormerConfig, check_halt_eps
+from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
+from .halting_loopformer import LoopFormerHaltingState, _halt_criterion
 
 
 logger = logging.get_logger(__name__)
@@ -140,42 +139,36 @@ class LoopFormerAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.o_proj.residual_projection = True  # scaled init (see `_init_weights`)
 
-    def project_kv(self, hidden_states, position_embeddings, reuse_kv=None, active=None):
-        """Keys and values of `hidden_states`; rows where `reuse_kv=(halted, k, v)` is halted take the given ones
-        (with `active`, only the active tokens are projected and written into a copy of those)."""
-        if active is not None and reuse_kv is not None:
-            k, v = self.project_kv(active.gather(hidden_states), active.gather_positions(position_embeddings))
-            return active.scatter_heads(reuse_kv[1], k), active.scatter_heads(reuse_kv[2], v)
+    def project_kv(self, hidden_states, position_embeddings):
+        """Keys (rotated) and values of `hidden_states`, (batch, kv heads, seq, head_dim)."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
             k = k * cos + rotate_half(k) * sin
-        if reuse_kv is not None:
-            halted, old_k, old_v = reuse_kv
-            k = torch.where(halted[:, None, :, None], old_k, k)
-            v = torch.where(halted[:, None, :, None], old_v, v)
         return k, v
 
     def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
-                output_attentions=False, reuse_kv=None, active=None):
-        """Returns the attention output, its weights (eager only) and this call's own (keys, values). With `active`
-        (a [`LoopFormerActiveTokens`]), only the active tokens query (the output is theirs, gathered); every token
-        still gets its keys and values."""
-        queries = hidden_states if active is None else active.gather(hidden_states)
-        query_positions = position_embeddings if active is None else active.gather_positions(position_embeddings)
+                output_attentions=False, halting=None):
+        """Returns the attention output, its weights (eager only) and this call's own (keys, values). With `halting`
+        (a [`LoopFormerHaltingStep`]), only the tokens it computes query (the output is theirs); every token still
+        gets its keys and values."""
+        queries = hidden_states if halting is None else halting.gather(hidden_states)
+        query_positions = position_embeddings if halting is None else halting.gather_positions(position_embeddings)
         input_shape = queries.shape[:-1]
         q = self.q_proj(queries).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if query_positions is not None:
             cos, sin = query_positions
             q = q * cos + rotate_half(q) * sin
-        new_kv = k, v = self.project_kv(hidden_states, position_embeddings, reuse_kv, active)
+        if halting is None:
+            new_kv = k, v = self.project_kv(hidden_states, position_embeddings)
+        else:
+            new_kv = k, v = halting.keys_values(self.project_kv, hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, cache_slot)
-        if active is not None:
-            k, v = active.gather_rows(k), active.gather_rows(v)
-            attention_mask = active.gather_mask(attention_mask, hidden_states.shape[1], k.shape[2])
+        if halting is not None:
+            k, v, attention_mask = halting.attended(k, v, attention_mask, hidden_states.shape[1])
 
         attention_interface = eager_attention_forward
         if self.config._attn_implementation not in (None, "eager") and not output_attentions:
@@ -290,12 +283,11 @@ class LoopFormerBlock(GradientCheckpointingLayer):
                 self.post_attention_layernorm.modulated_weight(scale_mlp))
 
     def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False, halted=None, reuse_kv=None, adaln=None, active=None):
+                cache_slot=0, output_attentions=False, adaln=None, halting=None):
         """One block at the loop step whose conditioning vector is `conditioning` (d,). `adaln` is `self.adaln` of
         that step when the caller has it already (at inference the loop computes every step's once). With per-token
-        halting (`halted`, a (batch, seq) bool mask), halted tokens keep their state; their keys/values for this slot
-        come from that frozen state, or from `reuse_kv` (their last computed slot). With `active` (a
-        [`LoopFormerActiveTokens`]), only the active tokens are computed.
+        halting, `halting` (a [`LoopFormerHaltingStep`]) says which tokens are frozen: they keep their state, and
+        only the others are computed.
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
@@ -307,19 +299,17 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         normed = self.input_layernorm(hidden_states, weight_attn)
         attn_out, attn_weights, kv = self.self_attn(
             normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
-            output_attentions=output_attentions, reuse_kv=reuse_kv, active=active,
+            output_attentions=output_attentions, halting=halting,
         )
         residual = hidden_states
-        if active is not None:
-            hidden_states = active.gather(hidden_states)
+        if halting is not None:
+            hidden_states = halting.gather(hidden_states)
         # x + gate·f(x) as one addcmul
         hidden_states = hidden_states + attn_out if adaln is None else hidden_states.addcmul(gate_attn, attn_out)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states, weight_mlp))
         hidden_states = hidden_states + mlp_out if adaln is None else hidden_states.addcmul(gate_mlp, mlp_out)
-        if active is not None:
-            hidden_states = active.scatter(residual, hidden_states)
-        elif halted is not None:
-            hidden_states = torch.where(halted[..., None], residual, hidden_states)
+        if halting is not None:
+            hidden_states = halting.merge(residual, hidden_states)
         return hidden_states, attn_weights, kv
 
     def frozen_kv(self, frozen, position_embeddings, adaln, num_steps):
@@ -378,195 +368,6 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
-# Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
-# below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
-GATHER_ACTIVE_FRACTION = 0.75
-# ... and only in a grid of at least this many (tokens x hidden_size) elements: the gather/scatter adds ~20 tensor
-# ops per block and step whatever the size, which small grids do not win back (on CPU, widths 64-1024, it cost
-# 5-34 % up to 8192 elements and saved 6-21 % from 16384 on: `python -m benchmarks.bench_halting --gather`).
-GATHER_MIN_GRID = 64 * 256
-
-
-class LoopFormerActiveTokens:
-    """The tokens a loop step still computes under halting: row `rows[r]`'s active positions `index[r]`, padded to
-    the longest row with halted positions (`valid` False; their results are dropped). Rows without an active token
-    are left out, so batched decoding skips halted rows."""
-
-    def __init__(self, active):
-        counts = active.sum(-1)
-        self.batch_size = active.shape[0]
-        self.rows = counts.nonzero().squeeze(-1)
-        width = int(counts.max())
-        # a stable sort of "halted" puts each row's active positions first, in order
-        self.index = torch.argsort((~active[self.rows]).to(torch.uint8), dim=-1, stable=True)[:, :width]
-        self.valid = torch.arange(width, device=active.device) < counts[self.rows, None]
-        self.flat_rows = self.rows[:, None].expand_as(self.index)[self.valid]
-        self.flat_index = self.index[self.valid]
-
-    @classmethod
-    def worth_gathering(cls, active, num_active, hidden_size):
-        """The gather plan for `active` ((batch, seq) bool, `num_active` of them True, states of width `hidden_size`)
-        when it saves work, else None."""
-        if active.numel() * hidden_size < GATHER_MIN_GRID:
-            return None
-        if num_active > GATHER_ACTIVE_FRACTION * active.numel():
-            return None  # the padded plan holds at least every active token: not worth building it
-        plan = cls(active)
-        return plan if plan.index.numel() <= GATHER_ACTIVE_FRACTION * active.numel() else None
-
-    def gather(self, x):
-        """(batch, seq, ...) -> (rows, width, ...)."""
-        return x[self.rows[:, None], self.index]
-
-    def gather_positions(self, position_embeddings):
-        """Rotary (cos, sin), (batch, 1, seq, head_dim) -> (rows, 1, width, head_dim)."""
-        return None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
-
-    def gather_rows(self, x):
-        return x if len(self.rows) == self.batch_size else x[self.rows]
-
-    def gather_mask(self, attention_mask, q_len, kv_len):
-        """The rows of the (batch, 1, q_len, kv_len) mask the gathered queries use; None stands for plain causal."""
-        if attention_mask is None:
-            query_positions = kv_len - q_len + self.index  # the queries are the last q_len of the kv positions
-            return (torch.arange(kv_len, device=self.index.device) <= query_positions[..., None])[:, None]
-        attention_mask = attention_mask.expand(self.batch_size, *attention_mask.shape[1:])  # a 4D mask may broadcast
-        return attention_mask[self.rows[:, None], 0, self.index][:, None]
-
-    def scatter(self, x, part):
-        """A copy of `x` (batch, seq, ...) with the valid entries of `part` (rows, width, ...) written back."""
-        out = x.clone()
-        out[self.flat_rows, self.flat_index] = part[self.valid]
-        return out
-
-    def scatter_heads(self, x, part):
-        """As `scatter` for (batch, heads, seq, head_dim) tensors."""
-        out = x.clone()
-        out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
-        return out
-
-
-def state_change_score(previous, hidden_states):
-    """‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) per token, in float32: the "state_change" halting criterion."""
-    delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
-    if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
-        delta, norm = delta.float(), norm.float()
-    return delta / (norm + 1e-8)
-
-
-def _halt_criterion(value):
-    if value not in HALT_CRITERIA:
-        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {value!r}.")
-    return value
-
-
-@dataclass
-class LoopFormerHaltingState:
-    """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
-
-    `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
-    (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
-    thresholds (see `update`). Updated in place, one loop step at a time.
-    """
-
-    halt_eps: float
-    reuse_kv: bool  # halt_kv_fill == "reuse": skipped slots repeat the token's last computed keys/values
-    active: torch.BoolTensor  # (batch, seq)
-    num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
-    last_kv: list  # per block: the (keys, values) of the last step each token computed
-    criterion: str = "state_change"
-    readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
-    log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
-    # Loop steps every token ran (counted in Python while no token has halted), plus `partial_counts` (batch, seq):
-    # the steps run since (decoding one token never needs a tensor for its count).
-    steps_all_ran: int = 0
-    partial_counts: torch.LongTensor | None = None
-
-    @classmethod
-    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
-        batch_seq, device = hidden_states.shape[:2], hidden_states.device
-        if criterion != "state_change" and readout is None:
-            raise ValueError(
-                f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
-                f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
-            )
-        return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                   batch_seq.numel(), [None] * config.num_hidden_layers, criterion, readout,
-                   readout(hidden_states) if criterion == "kl" else None)
-
-    @property
-    def loop_counts(self):
-        """(batch, seq) loop steps each token ran."""
-        counts = torch.full(self.active.shape, self.steps_all_ran, dtype=torch.long, device=self.active.device)
-        return counts if self.partial_counts is None else counts + self.partial_counts
-
-    def all_active(self):
-        return self.num_active == self.active.numel()
-
-    def halted(self):
-        """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
-        return None if self.all_active() else ~self.active
-
-    def all_halted(self):
-        return self.num_active == 0
-
-    def block_kwargs(self, block, halted):
-        """What block `block` needs to keep halted tokens frozen at this step."""
-        reuse = (halted, *self.last_kv[block]) if self.reuse_kv and halted is not None else None
-        return {"halted": halted, "reuse_kv": reuse}
-
-    def update(self, previous, hidden_states, final=False):
-        """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once
-        - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
-        - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
-        - "entropy": H(p_i) < halt_eps.
-        After the `final` step of the budget no score is needed: only the counts advance."""
-        if final:
-            self._count_step()
-            return self
-        if self.criterion == "state_change":
-            score = state_change_score(previous, hidden_states)
-        else:
-            log_probs = self.readout(hidden_states)
-            if self.criterion == "kl":
-                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
-                self.log_probs = log_probs
-            else:
-                score = -(log_probs.exp() * log_probs).sum(-1)
-        self._count_step()
-        if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
-            if score.item() < self.halt_eps:
-                self.active, self.num_active = torch.zeros_like(self.active), 0
-            return self
-        still = ~(score < self.halt_eps)  # a NaN score keeps looping
-        if not self.all_active():
-            still &= self.active
-        self.active = still
-        self.num_active = int(still.sum())  # one sync per step
-        return self
-
-    def _count_step(self):
-        """The active tokens ran one more step."""
-        if self.all_active():
-            self.steps_all_ran += 1
-        else:
-            self.partial_counts = self.active.long() if self.partial_counts is None else self.partial_counts + self.active
-
-    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
-        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
-        if cache is None:
-            return
-        steps = range(first_step, len(cache.spec.trajectory))
-        for j, block in enumerate(blocks):
-            if self.reuse_kv:
-                per_step = [self.last_kv[j]] * len(steps)
-            else:
-                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
-            for step, (k, v) in zip(steps, per_step):
-                cache.write(k, v, cache.slot(step, j))
-
-
 @dataclass
 class LoopFormerModelOutput(BaseModelOutputWithPast):
     """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`; otherwise every token runs M)."""
@@ -587,24 +388,6 @@ class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
     ce_full: torch.FloatTensor | None = None
     ce_short: torch.FloatTensor | None = None
     consistency: torch.FloatTensor | None = None
-
-
-@dataclass
-class LoopFormerGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """`generate(..., return_dict_in_generate=True)` output; `loop_counts` (batch, length - 1): with `halt_eps`, the
-    loop steps spent on each input position (position i produced token i + 1)."""
-
-    loop_counts: torch.LongTensor | None = None
-
-
-@dataclass
-class LoopFormerGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
-    """Beam-search `generate(..., return_dict_in_generate=True)` output; `loop_counts` (returned sequences,
-    length - 1): with `halt_eps`, the loop steps spent on each position of each returned sequence, taken from the
-    beam that held the sequence when the position was processed (position i produced token i + 1); 0 after a
-    sequence that finished early."""
-
-    loop_counts: torch.LongTensor | None = None
 
 
 class LoopFormerModel(LoopFormerPreTrainedModel):
@@ -782,11 +565,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                    output_attentions, final=False):
         """Loop step `step` (the budget's last if `final`) through the k blocks: (new state, the step's attention maps,
         halting state after it)."""
-        halted = None if halting is None else halting.halted()
-        active = None
-        if halted is not None and not output_attentions:
-            active = LoopFormerActiveTokens.worth_gathering(
-                halting.active, halting.num_active, hidden_states.shape[-1])
+        halted, active = (None, None) if halting is None else halting.next_step(
+            hidden_states.shape[-1], gather=not output_attentions)
         c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
@@ -798,8 +578,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 cache=cache,
                 cache_slot=cache.slot(step, j) if cache is not None else 0,
                 output_attentions=output_attentions,
-                active=active,
-                **(halting.block_kwargs(j, halted) if halting is not None else {}),
+                halting=None if halting is None else halting.block_step(j, halted, active),
             )
             if halting is not None:
                 halting.last_kv[j] = kv
@@ -911,8 +690,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
 
 CONSISTENCY_LOSSES = ("mse", "kl")
-# Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
-GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index")  # what `forward` hands to `loss_function`
 
 
@@ -940,19 +717,7 @@ def _check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
         raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
 
 
-def _loop_counts_unsupported(kwargs, generation_config):
-    """The decoding mode under which per-position loop counts cannot be gathered, or None."""
-    config = kwargs.get("generation_config") or generation_config
-
-    def get(name):
-        return kwargs[name] if name in kwargs else getattr(config, name, None)
-
-    if get("prefill_chunk_size") is not None:
-        return "chunked prefill (prefill_chunk_size)"
-    return None
-
-
-class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
+class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # While a Trainer trains with looped_training's ShortcutConsistencyCallback: what a training forward with labels
     # and no `short_step_schedule` asks for its shortcut-consistency fields, and gives its terms to (for the logs).
@@ -1077,6 +842,18 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
         )
         return output if return_dict else output.to_tuple()
 
+    def save_pretrained(self, *args, **kwargs):
+        """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
+        generation_config.json and come back on load."""
+        generation_config = getattr(self, "generation_config", None)
+        if generation_config is not None and any(
+            getattr(generation_config, name, None) is not None for name in GENERATION_LOOP_KNOBS
+        ):
+            # A generation config marked as derived from the model config loses its custom fields when loaded.
+            generation_config._from_model_config = False
+        return super().save_pretrained(*args, **kwargs)
+
+
     @staticmethod
     def _shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
                                    consistency_loss, num_items_in_batch=None, shift_labels=None):
@@ -1104,180 +881,5 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, GenerationMixin):
                  "consistency": consistency.detach()}
         return loss, terms, n_local
 
-    # ---- generation ----------------------------------------------------------------------------------------------
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with
-        `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
-        (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
-        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps)
-
-    def init_continuous_batching(self, *args, **kwargs):
-        """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has
-        one slot per layer, where a looped model needs one per (loop step, block)."""
-        raise NotImplementedError(
-            "LoopFormer does not support continuous batching (generate_batch / init_continuous_batching): its paged "
-            "cache has no slot per (loop step, block). Use `generate` with a padded batch (and "
-            "`cache_implementation=\"static\"` for compiled decoding)."
-        )
-
-    def _get_logits_processor(self, *args, **kwargs):
-        """transformers' hook that builds the logits processors. Classifier-free guidance (`guidance_scale`) runs a
-        second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
-        that both forwards run the same loop budget, schedule and halting."""
-        processors = super()._get_logits_processor(*args, **kwargs)
-        knobs = {name: value for name, value in (kwargs.get("model_kwargs") or {}).items()
-                 if name in GENERATION_LOOP_KNOBS}
-        for processor in processors:
-            if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor) and processor.model is self:
-                processor.model = functools.partial(self, **knobs)
-        return processors
-
-    def _get_candidate_generator(self, *args, **kwargs):
-        """transformers' hook that builds assisted decoding's drafter, which copies the call's model kwargs for an
-        assistant model. The loop knobs (and this call's loop-count record) belong to this model: the assistant runs
-        under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
-        assistant = kwargs.get("assistant_model")
-        if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
-            kwargs["model_kwargs"] = {name: value for name, value in kwargs["model_kwargs"].items()
-                                      if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"}
-        return super()._get_candidate_generator(*args, **kwargs)
-
-    def save_pretrained(self, *args, **kwargs):
-        """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
-        generation_config.json and come back on load."""
-        generation_config = getattr(self, "generation_config", None)
-        if generation_config is not None and any(
-            getattr(generation_config, name, None) is not None for name in GENERATION_LOOP_KNOBS
-        ):
-            # A generation config marked as derived from the model config loses its custom fields when loaded.
-            generation_config._from_model_config = False
-        return super().save_pretrained(*args, **kwargs)
-
-    def _prepare_generation_config(self, generation_config, *args, **kwargs):
-        """transformers' hook that merges `generation_config` (the call's, then `self.generation_config`) with the call
-        kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
-        `forward`; a call kwarg of the same name is absorbed into the config. Hand the merged value on to `forward`."""
-        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
-        for name in GENERATION_LOOP_KNOBS:
-            value = getattr(generation_config, name, None)
-            if name not in model_kwargs and value is not None:
-                model_kwargs[name] = value
-        return generation_config, model_kwargs
-
-    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
-        """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
-        input: each forward adds an entry with the length of the sequence it is asked about (drafted tokens included)
-        and, in `_update_model_kwargs_for_generation`, its loop counts and how many tokens were accepted."""
-        if loop_counts_log is not None:
-            loop_counts_log.append({"length": input_ids.shape[1]})
-        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
-
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
-        log = model_kwargs.get("loop_counts_log")
-        if log and getattr(outputs, "loop_counts", None) is not None:
-            log[-1].update(counts=outputs.loop_counts, new_tokens=num_new_tokens)
-        return super()._update_model_kwargs_for_generation(
-            outputs, model_kwargs, *args, num_new_tokens=num_new_tokens, **kwargs
-        )
-
-    @staticmethod
-    def _gather_loop_counts(log, out, assisted):
-        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`. Positions
-        that a cache passed to `generate` already held count 0: this call ran no loop step for them."""
-        log = [entry for entry in log if "counts" in entry]
-        if not log:
-            return None
-        # positions before the first forward's first column (none for a prompt given as inputs_embeds: no ids)
-        held = max(log[0]["length"] - log[0]["counts"].shape[1], 0)
-        counts = LoopFormerForCausalLM._gathered_counts(log, out, assisted, held)
-        return torch.cat([counts.new_zeros(counts.shape[0], held), counts], dim=1) if held else counts
-
-    @staticmethod
-    def _gathered_counts(log, out, assisted, held):
-        """`_gather_loop_counts` from the first forward's first column on."""
-        beam_indices = out.get("beam_indices") if not isinstance(out, torch.Tensor) else None
-        if beam_indices is not None:
-            # Beam search: the forward of step s ran on the beams as reordered after step s - 1; the token of step s
-            # of a returned sequence came from beam row beam_indices[:, s] (-1 after the sequence finished).
-            rows = beam_indices.long()
-            columns = [log[0]["counts"][rows[:, 0].clamp(min=0)]]
-            for step in range(1, rows.shape[1]):
-                counts = log[step]["counts"][rows[:, step].clamp(min=0), -1]
-                columns.append(torch.where(rows[:, step] >= 0, counts, torch.zeros_like(counts))[:, None])
-            return torch.cat(columns, dim=1)
-        if not assisted:
-            # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
-            return torch.cat([log[0]["counts"]] + [entry["counts"][:, -1:] for entry in log[1:]], dim=1)
-        # Assisted / prompt-lookup decoding: a forward scores the drafted tokens too; keep the columns of the
-        # positions whose next token was accepted (the cache is cropped to the same positions).
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        length = sequences.shape[1] - sum(entry["new_tokens"] for entry in log)  # the prompt
-        done, columns = held, []
-        for entry in log:
-            first = entry["length"] - entry["counts"].shape[1]  # position of the forward's first column
-            last = length + entry["new_tokens"] - 2  # last position whose next token is now in the sequence
-            columns.append(entry["counts"][:, done - first : last - first + 1])
-            done, length = last + 1, length + entry["new_tokens"]
-        return torch.cat(columns, dim=1)
-
-    def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs. The same three fields
-        set on `generation_config` (or on `model.generation_config`, which `save_pretrained` writes to
-        generation_config.json) are used when the call does not give them.
-
-        With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`], or
-        [`LoopFormerGenerateBeamDecoderOnlyOutput`] for beam search) carries `loop_counts`, a (returned sequences,
-        length - 1) tensor: the loop steps spent on each position of each returned sequence (position i produced
-        token i + 1). Greedy decoding, sampling, beam search (the counts follow the beams' reordering), assisted and
-        prompt-lookup decoding (the counts of accepted tokens only); chunked prefill raises `ValueError` with
-        `halt_eps`.
-        """
-        log = None
-        given = kwargs.get("generation_config") or self.generation_config
-        halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
-        if halt_eps is None and kwargs.get("generation_config") is not None:
-            halt_eps = getattr(self.generation_config, "halt_eps", None)
-        if halt_eps is not None:
-            unsupported = _loop_counts_unsupported(kwargs, self.generation_config)
-            if unsupported is not None:
-                raise ValueError(
-                    f"`halt_eps` with {unsupported} is not supported: the loop counts of each position are gathered "
-                    f"for whole-prompt prefills only. Drop `prefill_chunk_size`, or drop `halt_eps`."
-                )
-            log = []  # local to this call: concurrent generate calls on one model each keep their own counts
-        out = super().generate(*args, loop_counts_log=log, **kwargs)
-        assisted = kwargs.get("assistant_model") is not None or (
-            kwargs["prompt_lookup_num_tokens"] if "prompt_lookup_num_tokens" in kwargs
-            else getattr(given, "prompt_lookup_num_tokens", None)
-        ) is not None
-        counts = self._gather_loop_counts(log, out, assisted) if log else None
-        self._last_loop_counts = counts
-        if counts is None or isinstance(out, torch.Tensor):
-            return out
-        if isinstance(out, GenerateBeamDecoderOnlyOutput):
-            return LoopFormerGenerateBeamDecoderOnlyOutput(**out, loop_counts=counts)
-        return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
-
-    @property
-    def last_loop_counts(self):
-        """Deprecated: the loop counts of this model's latest `generate` call (shared by every caller of the model).
-        Use `generate(..., return_dict_in_generate=True).loop_counts`."""
-        warnings.warn(
-            "`last_loop_counts` is deprecated: use `generate(..., halt_eps=..., return_dict_in_generate=True)` and "
-            "read `.loop_counts` from its output.", FutureWarning, stacklevel=2,
-        )
-        return getattr(self, "_last_loop_counts", None)
-
-
-__all__ = [
-    "LoopFormerPreTrainedModel",
-    "LoopFormerModel",
-    "LoopFormerForCausalLM",
-    "LoopFormerGenerateDecoderOnlyOutput",
-    "LoopFormerGenerateBeamDecoderOnlyOutput",
-    "LoopFormerHaltingState",
-    "LoopFormerActiveTokens",
-]
+__all__ = ["LoopFormerPreTrainedModel", "LoopFormerModel", "LoopFormerForCausalLM"]

@@ -118,13 +118,6 @@ def test_sampling_reports_the_counts_of_the_sampled_tokens(model):
     torch.testing.assert_close(out.loop_counts, model(out.sequences[:, :-1], halt_eps=EPS).loop_counts)
 
 
-def test_last_loop_counts_is_a_deprecated_alias(model):
-    ids = torch.randint(3, 97, (1, 5))
-    out = model.generate(ids, max_new_tokens=3, do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
-    with pytest.warns(FutureWarning, match="return_dict_in_generate"):
-        assert torch.equal(model.last_loop_counts, out.loop_counts)
-
-
 def test_two_threads_generating_on_one_model_keep_their_own_counts(model):
     """Each generate call keeps its counts to itself: two threads decoding in lock step (a barrier in a logits
     processor interleaves their steps) with different budgets get what each gets alone."""

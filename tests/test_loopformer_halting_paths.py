@@ -7,7 +7,7 @@ import torch
 from benchmarks import CountOps
 from conftest import cache_of
 import loopformer_hf
-from loopformer_hf import modeling_loopformer
+from loopformer_hf import halting_loopformer
 
 EPS = 0.5  # as in test_loopformer_halting.py: with the tiny random model, tokens halt after 1-4 steps
 
@@ -19,8 +19,8 @@ def model(tiny_model):
 
 def run(model, gather, monkeypatch, *args, **kwargs):
     """The model's output with halted tokens gathered out (`gather`) or computed and discarded (the dense path)."""
-    monkeypatch.setattr(modeling_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
-    monkeypatch.setattr(modeling_loopformer, "GATHER_MIN_GRID", 0)  # the tests' grids are small
+    monkeypatch.setattr(halting_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
+    monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", 0)  # the tests' grids are small
     return model(*args, **kwargs)
 
 
@@ -75,7 +75,7 @@ def test_small_grids_compute_every_token_instead_of_gathering(model, monkeypatch
     grid = ids.numel() * model.config.hidden_size
     seen, seen_by_threshold = mlp_tokens(model), {}
     for threshold in (grid + 1, grid):
-        monkeypatch.setattr(modeling_loopformer, "GATHER_MIN_GRID", threshold)
+        monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", threshold)
         before = len(seen)
         counts = model(ids, halt_eps=EPS).loop_counts
         seen_by_threshold[threshold] = seen[before:]

@@ -1,0 +1,201 @@
+"""LoopFormer's part of `generate`: [`LoopFormerGenerationMixin`] overrides transformers' generation hooks so that a
+looped model gets its own cache (one slot per (loop step, block)), the loop knobs (`loop_budget`, `step_schedule`,
+`halt_eps`, `halt_criterion`) reach every forward (from the call or from `generation_config`), classifier-free
+guidance and assisted decoding run the right loop, and with `halt_eps` each returned position's loop count is
+gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
+
+Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
+                                     UnbatchedClassifierFreeGuidanceLogitsProcessor)
+
+from .cache_loopformer import LoopFormerCache
+
+
+# Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
+GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")
+
+
+@dataclass
+class LoopFormerGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """`generate(..., return_dict_in_generate=True)` output; `loop_counts` (batch, length - 1): with `halt_eps`, the
+    loop steps spent on each input position (position i produced token i + 1)."""
+
+    loop_counts: torch.LongTensor | None = None
+
+
+@dataclass
+class LoopFormerGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
+    """Beam-search `generate(..., return_dict_in_generate=True)` output; `loop_counts` (returned sequences,
+    length - 1): with `halt_eps`, the loop steps spent on each position of each returned sequence, taken from the
+    beam that held the sequence when the position was processed (position i produced token i + 1); 0 after a
+    sequence that finished early."""
+
+    loop_counts: torch.LongTensor | None = None
+
+
+def _loop_counts_unsupported(kwargs, generation_config):
+    """The decoding mode under which per-position loop counts cannot be gathered, or None."""
+    config = kwargs.get("generation_config") or generation_config
+
+    def get(name):
+        return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+    if get("prefill_chunk_size") is not None:
+        return "chunked prefill (prefill_chunk_size)"
+    return None
+
+
+class LoopFormerGenerationMixin(GenerationMixin):
+    """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with
+        `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
+        (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
+        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has
+        one slot per layer, where a looped model needs one per (loop step, block)."""
+        raise NotImplementedError(
+            "LoopFormer does not support continuous batching (generate_batch / init_continuous_batching): its paged "
+            "cache has no slot per (loop step, block). Use `generate` with a padded batch (and "
+            "`cache_implementation=\"static\"` for compiled decoding)."
+        )
+
+    def _get_logits_processor(self, *args, **kwargs):
+        """transformers' hook that builds the logits processors. Classifier-free guidance (`guidance_scale`) runs a
+        second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
+        that both forwards run the same loop budget, schedule and halting."""
+        processors = super()._get_logits_processor(*args, **kwargs)
+        knobs = {name: value for name, value in (kwargs.get("model_kwargs") or {}).items()
+                 if name in GENERATION_LOOP_KNOBS}
+        for processor in processors:
+            if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor) and processor.model is self:
+                processor.model = functools.partial(self, **knobs)
+        return processors
+
+    def _get_candidate_generator(self, *args, **kwargs):
+        """transformers' hook that builds assisted decoding's drafter, which copies the call's model kwargs for an
+        assistant model. The loop knobs (and this call's loop-count record) belong to this model: the assistant runs
+        under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
+        assistant = kwargs.get("assistant_model")
+        if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
+            kwargs["model_kwargs"] = {name: value for name, value in kwargs["model_kwargs"].items()
+                                      if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"}
+        return super()._get_candidate_generator(*args, **kwargs)
+
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        """transformers' hook that merges `generation_config` (the call's, then `self.generation_config`) with the call
+        kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
+        `forward`; a call kwarg of the same name is absorbed into the config. Hand the merged value on to `forward`."""
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for name in GENERATION_LOOP_KNOBS:
+            value = getattr(generation_config, name, None)
+            if name not in model_kwargs and value is not None:
+                model_kwargs[name] = value
+        return generation_config, model_kwargs
+
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
+        """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
+        input: each forward adds an entry with the length of the sequence it is asked about (drafted tokens included)
+        and, in `_update_model_kwargs_for_generation`, its loop counts and how many tokens were accepted."""
+        if loop_counts_log is not None:
+            loop_counts_log.append({"length": input_ids.shape[1]})
+        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
+        log = model_kwargs.get("loop_counts_log")
+        if log and getattr(outputs, "loop_counts", None) is not None:
+            log[-1].update(counts=outputs.loop_counts, new_tokens=num_new_tokens)
+        return super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, *args, num_new_tokens=num_new_tokens, **kwargs
+        )
+
+    @staticmethod
+    def _gather_loop_counts(log, out, assisted):
+        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`. Positions
+        that a cache passed to `generate` already held count 0: this call ran no loop step for them."""
+        log = [entry for entry in log if "counts" in entry]
+        if not log:
+            return None
+        # positions before the first forward's first column (none for a prompt given as inputs_embeds: no ids)
+        held = max(log[0]["length"] - log[0]["counts"].shape[1], 0)
+        counts = LoopFormerGenerationMixin._gathered_counts(log, out, assisted, held)
+        return torch.cat([counts.new_zeros(counts.shape[0], held), counts], dim=1) if held else counts
+
+    @staticmethod
+    def _gathered_counts(log, out, assisted, held):
+        """`_gather_loop_counts` from the first forward's first column on."""
+        beam_indices = out.get("beam_indices") if not isinstance(out, torch.Tensor) else None
+        if beam_indices is not None:
+            # Beam search: the forward of step s ran on the beams as reordered after step s - 1; the token of step s
+            # of a returned sequence came from beam row beam_indices[:, s] (-1 after the sequence finished).
+            rows = beam_indices.long()
+            columns = [log[0]["counts"][rows[:, 0].clamp(min=0)]]
+            for step in range(1, rows.shape[1]):
+                counts = log[step]["counts"][rows[:, step].clamp(min=0), -1]
+                columns.append(torch.where(rows[:, step] >= 0, counts, torch.zeros_like(counts))[:, None])
+            return torch.cat(columns, dim=1)
+        if not assisted:
+            # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
+            return torch.cat([log[0]["counts"]] + [entry["counts"][:, -1:] for entry in log[1:]], dim=1)
+        # Assisted / prompt-lookup decoding: a forward scores the drafted tokens too; keep the columns of the
+        # positions whose next token was accepted (the cache is cropped to the same positions).
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        length = sequences.shape[1] - sum(entry["new_tokens"] for entry in log)  # the prompt
+        done, columns = held, []
+        for entry in log:
+            first = entry["length"] - entry["counts"].shape[1]  # position of the forward's first column
+            last = length + entry["new_tokens"] - 2  # last position whose next token is now in the sequence
+            columns.append(entry["counts"][:, done - first : last - first + 1])
+            done, length = last + 1, length + entry["new_tokens"]
+        return torch.cat(columns, dim=1)
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs. The same three fields
+        set on `generation_config` (or on `model.generation_config`, which `save_pretrained` writes to
+        generation_config.json) are used when the call does not give them.
+
+        With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`], or
+        [`LoopFormerGenerateBeamDecoderOnlyOutput`] for beam search) carries `loop_counts`, a (returned sequences,
+        length - 1) tensor: the loop steps spent on each position of each returned sequence (position i produced
+        token i + 1). Greedy decoding, sampling, beam search (the counts follow the beams' reordering), assisted and
+        prompt-lookup decoding (the counts of accepted tokens only); chunked prefill raises `ValueError` with
+        `halt_eps`.
+        """
+        log = None
+        given = kwargs.get("generation_config") or self.generation_config
+        halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
+        if halt_eps is None and kwargs.get("generation_config") is not None:
+            halt_eps = getattr(self.generation_config, "halt_eps", None)
+        if halt_eps is not None:
+            unsupported = _loop_counts_unsupported(kwargs, self.generation_config)
+            if unsupported is not None:
+                raise ValueError(
+                    f"`halt_eps` with {unsupported} is not supported: the loop counts of each position are gathered "
+                    f"for whole-prompt prefills only. Drop `prefill_chunk_size`, or drop `halt_eps`."
+                )
+            log = []  # local to this call: concurrent generate calls on one model each keep their own counts
+        out = super().generate(*args, loop_counts_log=log, **kwargs)
+        assisted = kwargs.get("assistant_model") is not None or (
+            kwargs["prompt_lookup_num_tokens"] if "prompt_lookup_num_tokens" in kwargs
+            else getattr(given, "prompt_lookup_num_tokens", None)
+        ) is not None
+        counts = self._gather_loop_counts(log, out, assisted) if log else None
+        if counts is None or isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, GenerateBeamDecoderOnlyOutput):
+            return LoopFormerGenerateBeamDecoderOnlyOutput(**out, loop_counts=counts)
+        return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
+
+
+__all__ = ["LoopFormerGenerationMixin", "LoopFormerGenerateDecoderOnlyOutput", "LoopFormerGenerateBeamDecoderOnlyOutput"]

@@ -1,0 +1,262 @@
+"""Per-token halting of LoopFormer's loop (`halt_eps`): a token stops looping once its halting score falls below
+`halt_eps`; its state is frozen, and the cache slots of the steps it skips are filled so that later tokens can still
+attend to every (loop step, block).
+
+- [`LoopFormerHaltingState`]: the halting carried through one forward's loop (which tokens are active, their loop
+  counts, the scores of `halt_criterion`), as `FPRMSolverState` is for FPRM's solver.
+- [`LoopFormerHaltingStep`]: what one block needs at one loop step (the one object a block takes).
+- [`LoopFormerActiveTokens`]: the gather plan that leaves halted tokens out of a step's computation.
+
+Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .configuration_loopformer import HALT_CRITERIA
+
+
+# Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
+# below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
+GATHER_ACTIVE_FRACTION = 0.75
+# ... and only in a grid of at least this many (tokens x hidden_size) elements: the gather/scatter adds ~20 tensor
+# ops per block and step whatever the size, which small grids do not win back (on CPU, widths 64-1024, it cost
+# 5-34 % up to 8192 elements and saved 6-21 % from 16384 on: `python -m benchmarks.bench_halting --gather`).
+GATHER_MIN_GRID = 64 * 256
+
+
+class LoopFormerActiveTokens:
+    """The tokens a loop step still computes under halting: row `rows[r]`'s active positions `index[r]`, padded to
+    the longest row with halted positions (`valid` False; their results are dropped). Rows without an active token
+    are left out, so batched decoding skips halted rows."""
+
+    def __init__(self, active):
+        counts = active.sum(-1)
+        self.batch_size = active.shape[0]
+        self.rows = counts.nonzero().squeeze(-1)
+        width = int(counts.max())
+        # a stable sort of "halted" puts each row's active positions first, in order
+        self.index = torch.argsort((~active[self.rows]).to(torch.uint8), dim=-1, stable=True)[:, :width]
+        self.valid = torch.arange(width, device=active.device) < counts[self.rows, None]
+        self.flat_rows = self.rows[:, None].expand_as(self.index)[self.valid]
+        self.flat_index = self.index[self.valid]
+
+    @classmethod
+    def worth_gathering(cls, active, num_active, hidden_size):
+        """The gather plan for `active` ((batch, seq) bool, `num_active` of them True, states of width `hidden_size`)
+        when it saves work, else None."""
+        if active.numel() * hidden_size < GATHER_MIN_GRID:
+            return None
+        if num_active > GATHER_ACTIVE_FRACTION * active.numel():
+            return None  # the padded plan holds at least every active token: not worth building it
+        plan = cls(active)
+        return plan if plan.index.numel() <= GATHER_ACTIVE_FRACTION * active.numel() else None
+
+    def gather(self, x):
+        """(batch, seq, ...) -> (rows, width, ...)."""
+        return x[self.rows[:, None], self.index]
+
+    def gather_positions(self, position_embeddings):
+        """Rotary (cos, sin), (batch, 1, seq, head_dim) -> (rows, 1, width, head_dim)."""
+        return None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
+
+    def gather_rows(self, x):
+        return x if len(self.rows) == self.batch_size else x[self.rows]
+
+    def gather_mask(self, attention_mask, q_len, kv_len):
+        """The rows of the (batch, 1, q_len, kv_len) mask the gathered queries use; None stands for plain causal."""
+        if attention_mask is None:
+            query_positions = kv_len - q_len + self.index  # the queries are the last q_len of the kv positions
+            return (torch.arange(kv_len, device=self.index.device) <= query_positions[..., None])[:, None]
+        attention_mask = attention_mask.expand(self.batch_size, *attention_mask.shape[1:])  # a 4D mask may broadcast
+        return attention_mask[self.rows[:, None], 0, self.index][:, None]
+
+    def scatter(self, x, part):
+        """A copy of `x` (batch, seq, ...) with the valid entries of `part` (rows, width, ...) written back."""
+        out = x.clone()
+        out[self.flat_rows, self.flat_index] = part[self.valid]
+        return out
+
+    def scatter_heads(self, x, part):
+        """As `scatter` for (batch, heads, seq, head_dim) tensors."""
+        out = x.clone()
+        out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
+        return out
+
+
+class LoopFormerHaltingStep(NamedTuple):
+    """What one block needs at one loop step to keep halted tokens frozen: the (batch, seq) `halted` mask, the
+    `active` tokens' gather plan (None: compute every token and restore the halted ones), and with
+    `halt_kv_fill="reuse"` the (keys, values) of the block's last computed step (`reuse`), which halted tokens repeat
+    in this step's cache slot."""
+
+    halted: torch.BoolTensor
+    active: LoopFormerActiveTokens | None = None
+    reuse: tuple | None = None
+
+    def gather(self, x):
+        """The (batch, seq, ...) rows this step computes: all of `x`, or the active tokens'."""
+        return x if self.active is None else self.active.gather(x)
+
+    def gather_positions(self, position_embeddings):
+        return position_embeddings if self.active is None else self.active.gather_positions(position_embeddings)
+
+    def keys_values(self, project, hidden_states, position_embeddings):
+        """This step's (keys, values) of every token, `project(hidden_states, position_embeddings)` giving those of
+        the tokens it computes; halted tokens take `reuse`'s when given (else their frozen state's projection)."""
+        if self.reuse is None:
+            return project(hidden_states, position_embeddings)
+        if self.active is not None:  # project only the active tokens, into a copy of the reused keys/values
+            k, v = project(self.active.gather(hidden_states), self.active.gather_positions(position_embeddings))
+            return self.active.scatter_heads(self.reuse[0], k), self.active.scatter_heads(self.reuse[1], v)
+        k, v = project(hidden_states, position_embeddings)
+        halted = self.halted[:, None, :, None]
+        return torch.where(halted, self.reuse[0], k), torch.where(halted, self.reuse[1], v)
+
+    def attended(self, keys, values, attention_mask, q_len):
+        """(keys, values, mask) for the gathered queries: the rows of the computed sequences."""
+        if self.active is None:
+            return keys, values, attention_mask
+        keys, values = self.active.gather_rows(keys), self.active.gather_rows(values)
+        return keys, values, self.active.gather_mask(attention_mask, q_len, keys.shape[2])
+
+    def merge(self, frozen, computed):
+        """The block's output: `computed` for the tokens that ran, `frozen` (the input) for the halted ones."""
+        if self.active is not None:
+            return self.active.scatter(frozen, computed)
+        return torch.where(self.halted[..., None], frozen, computed)
+
+
+def state_change_score(previous, hidden_states):
+    """‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) per token, in float32: the "state_change" halting criterion."""
+    delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
+    if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
+        delta, norm = delta.float(), norm.float()
+    return delta / (norm + 1e-8)
+
+
+def _halt_criterion(value):
+    if value not in HALT_CRITERIA:
+        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {value!r}.")
+    return value
+
+
+@dataclass
+class LoopFormerHaltingState:
+    """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
+
+    `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
+    (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
+    thresholds (see `update`). Updated in place, one loop step at a time.
+    """
+
+    halt_eps: float
+    reuse_kv: bool  # halt_kv_fill == "reuse": skipped slots repeat the token's last computed keys/values
+    active: torch.BoolTensor  # (batch, seq)
+    num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
+    last_kv: list  # per block: the (keys, values) of the last step each token computed
+    criterion: str = "state_change"
+    readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
+    log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
+    # Loop steps every token ran (counted in Python while no token has halted), plus `partial_counts` (batch, seq):
+    # the steps run since (decoding one token never needs a tensor for its count).
+    steps_all_ran: int = 0
+    partial_counts: torch.LongTensor | None = None
+
+    @classmethod
+    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
+        batch_seq, device = hidden_states.shape[:2], hidden_states.device
+        if criterion != "state_change" and readout is None:
+            raise ValueError(
+                f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
+                f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
+            )
+        return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
+                   batch_seq.numel(), [None] * config.num_hidden_layers, criterion, readout,
+                   readout(hidden_states) if criterion == "kl" else None)
+
+    @property
+    def loop_counts(self):
+        """(batch, seq) loop steps each token ran."""
+        counts = torch.full(self.active.shape, self.steps_all_ran, dtype=torch.long, device=self.active.device)
+        return counts if self.partial_counts is None else counts + self.partial_counts
+
+    def all_active(self):
+        return self.num_active == self.active.numel()
+
+    def halted(self):
+        """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
+        return None if self.all_active() else ~self.active
+
+    def all_halted(self):
+        return self.num_active == 0
+
+    def next_step(self, hidden_size, gather=True):
+        """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
+        (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
+        halted = self.halted()
+        if halted is None or not gather:
+            return halted, None
+        return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
+
+    def block_step(self, block, halted, active):
+        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (None: nothing halted)."""
+        if halted is None:
+            return None
+        return LoopFormerHaltingStep(halted, active, self.last_kv[block] if self.reuse_kv else None)
+
+    def update(self, previous, hidden_states, final=False):
+        """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once
+        - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
+        - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
+        - "entropy": H(p_i) < halt_eps.
+        After the `final` step of the budget no score is needed: only the counts advance."""
+        if final:
+            self._count_step()
+            return self
+        if self.criterion == "state_change":
+            score = state_change_score(previous, hidden_states)
+        else:
+            log_probs = self.readout(hidden_states)
+            if self.criterion == "kl":
+                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
+                self.log_probs = log_probs
+            else:
+                score = -(log_probs.exp() * log_probs).sum(-1)
+        self._count_step()
+        if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
+            if score.item() < self.halt_eps:
+                self.active, self.num_active = torch.zeros_like(self.active), 0
+            return self
+        still = ~(score < self.halt_eps)  # a NaN score keeps looping
+        if not self.all_active():
+            still &= self.active
+        self.active = still
+        self.num_active = int(still.sum())  # one sync per step
+        return self
+
+    def _count_step(self):
+        """The active tokens ran one more step."""
+        if self.all_active():
+            self.steps_all_ran += 1
+        else:
+            self.partial_counts = self.active.long() if self.partial_counts is None else self.partial_counts + self.active
+
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
+        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
+        if cache is None:
+            return
+        steps = range(first_step, len(cache.spec.trajectory))
+        for j, block in enumerate(blocks):
+            if self.reuse_kv:
+                per_step = [self.last_kv[j]] * len(steps)
+            else:
+                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
+            for step, (k, v) in zip(steps, per_step):
+                cache.write(k, v, cache.slot(step, j))
+
+
+__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "state_change_score"]
