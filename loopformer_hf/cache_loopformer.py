@@ -47,6 +47,27 @@ class LoopFormerCacheSpec(NamedTuple):
         return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
 
 
+class LoopFormerPlan(NamedTuple):
+    """One forward call's loop, resolved and validated once: the call's knobs as given (`request`) and what they
+    resolve to, the trajectory and halting rule in `spec`. A cache keeps the plan of the calls that fill it
+    (`bind`), so the decode steps of a `generate` call reuse it instead of resolving the budget and schedule again."""
+
+    request: tuple | None  # None: knobs that cannot be compared as values (e.g. a tensor schedule), never reused
+    spec: LoopFormerCacheSpec
+
+    @property
+    def trajectory(self):
+        return self.spec.trajectory
+
+    @property
+    def halt_eps(self):
+        return self.spec.halt_eps
+
+    @property
+    def halt_criterion(self):
+        return self.spec.halt_criterion
+
+
 def _mismatch_message(was, now):
     if was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
@@ -133,20 +154,36 @@ class LoopFormerCacheMixin:
     (loop step, block)."""
 
     spec = None
+    plan = None  # the `LoopFormerPlan` of the latest call that bound the cache (its spec is `spec`)
+    # (key, per-block adaLN vectors of every loop step): they depend on the trajectory alone, so an inference run
+    # computes them once and its later decode steps read them here (see `LoopFormerModel._loop_adaln`)
+    adaln_memo = None
 
     def slot(self, step, block):
         """The index `update` takes for loop step `step` (0-based) and block `block`."""
         return step * self.spec.num_blocks + block
 
     def bind(self, spec):
-        """Record `spec` on an empty cache; a filled cache only accepts the spec it was filled under."""
+        """Record `spec` (a `LoopFormerCacheSpec`, or a `LoopFormerPlan` with its spec) on an empty cache; a filled
+        cache only accepts the spec it was filled under."""
+        plan = spec if isinstance(spec, LoopFormerPlan) else None
+        spec = spec.spec if plan is not None else spec
         # Compared first, as plain values: a compiled forward guards on them instead of reading a (static) length.
-        if self.spec == spec:
-            return self
-        if self.spec is not None and not self._is_empty():
-            raise ValueError(_mismatch_message(self.spec, spec))
-        self.spec = spec
+        if self.spec != spec:
+            if self.spec is not None and not self._is_empty():
+                raise ValueError(_mismatch_message(self.spec, spec))
+            self.spec, self.adaln_memo = spec, None
+        if plan is not None:
+            self.plan = plan
         return self
+
+    def kept_adaln(self, key):
+        """The adaLN vectors `keep_adaln` stored under `key`, or None."""
+        memo = self.adaln_memo
+        return memo[1] if memo is not None and memo[0] == key else None
+
+    def keep_adaln(self, key, loop_adaln):
+        self.adaln_memo = (key, loop_adaln)
 
     def _is_empty(self):
         return self.get_seq_length() == 0
@@ -199,19 +236,21 @@ class LoopFormerCacheMixin:
 
     def reset(self):
         super().reset()
-        self.spec = None
+        self.spec = self.plan = self.adaln_memo = None
 
     @classmethod
     def for_call(cls, cache, spec):
-        """The cache a forward call under `spec` uses: `cache` itself if it is a LoopFormer cache (checked against
-        `spec`), a new `LoopFormerCache` for `None` or for an empty `DynamicCache` (e.g. one built with a config,
-        whose `num_hidden_layers` slots never grow). Anything else raises `ValueError`."""
+        """The cache a forward call under `spec` (a spec or a `LoopFormerPlan`) uses: `cache` itself if it is a
+        LoopFormer cache (checked against `spec`), a new `LoopFormerCache` for `None` or for an empty `DynamicCache`
+        (e.g. one built with a config, whose `num_hidden_layers` slots never grow). Anything else raises
+        `ValueError`."""
         if cache is None:
-            return LoopFormerCache(spec)
+            return LoopFormerCache().bind(spec)
         if isinstance(cache, LoopFormerCacheMixin):
             return cache.bind(spec)
         if not isinstance(cache, Cache):
             raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
+        plan, spec = (spec, spec.spec) if isinstance(spec, LoopFormerPlan) else (None, spec)
         if cache.get_seq_length() > 0:
             raise ValueError(_mismatch_message(None, spec))
         if type(cache) is not DynamicCache:
@@ -225,7 +264,7 @@ class LoopFormerCacheMixin:
             "LoopFormer replaced the empty DynamicCache it was given by a LoopFormerCache (one slot per loop step "
             "and block): read the cache from the output, or pass `cache=LoopFormerCache()` to have it filled in place."
         )
-        return LoopFormerCache(spec, **_offloading_of(cache))
+        return LoopFormerCache(**_offloading_of(cache)).bind(spec if plan is None else plan)
 
     @staticmethod
     def replace_generate_default(model_kwargs, config, num_steps):
@@ -297,11 +336,12 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         self.max_loop_budget = int(max_loop_budget) if max_loop_budget is not None else None
 
     def bind(self, spec):
-        if spec.num_slots > len(self.layers):
+        needed = spec.spec if isinstance(spec, LoopFormerPlan) else spec
+        if needed.num_slots > len(self.layers):
             raise ValueError(
-                f"This LoopFormerStaticCache holds {len(self.layers)} slots, but {spec.describe()} needs "
-                f"{spec.num_slots} ({spec.num_steps} loop steps x {spec.num_blocks} blocks): build it with "
-                f"`max_loop_budget={len(spec.trajectory)}` or more."
+                f"This LoopFormerStaticCache holds {len(self.layers)} slots, but {needed.describe()} needs "
+                f"{needed.num_slots} ({needed.num_steps} loop steps x {needed.num_blocks} blocks): build it with "
+                f"`max_loop_budget={len(needed.trajectory)}` or more."
             )
         return super().bind(spec)
 
@@ -323,4 +363,4 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         return past, max_len
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerDynamicLayer", "LoopFormerStaticCache"]
+__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer", "LoopFormerStaticCache"]

@@ -22,7 +22,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
-from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec, LoopFormerPlan
 from .configuration_loopformer import LoopFormerConfig, check_halt_eps
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
 from .halting_loopformer import LoopFormerHaltingState, _halt_criterion
@@ -390,6 +390,21 @@ class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
     consistency: torch.FloatTensor | None = None
 
 
+def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
+    """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
+    can be compared with (None when a knob is not such a value, e.g. a tensor: that call resolves its own plan)."""
+    if step_schedule is not None and not isinstance(step_schedule, str):
+        if not isinstance(step_schedule, (list, tuple)) or not all(type(s) in (int, float) for s in step_schedule):
+            return None
+        step_schedule = tuple(step_schedule)
+    knobs = (loop_budget, halt_eps)
+    if not all(k is None or type(k) in (int, float) for k in knobs) or not isinstance(halt_criterion, (str, type(None))):
+        return None
+    return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
+            config.default_step_schedule, config.halt_criterion, config.halt_kv_fill, config.cache_sharing,
+            config.cache_share_n, config.loop_conditioning, config.max_loop_budget_factor)
+
+
 class LoopFormerModel(LoopFormerPreTrainedModel):
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -536,29 +551,39 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             )
         return inputs_embeds + self.embed_positions(position_ids), None
 
-    def _cache_spec(self, trajectory, halt_eps, halt_criterion):
+    def _plan(self, cache, loop_budget, step_schedule, halt_eps, halt_criterion):
+        """The call's [`LoopFormerPlan`]: the one `cache` holds if this call asks the same (a decode step of the
+        call that filled it), else the knobs resolved and validated here."""
+        request = _plan_request(self.config, loop_budget, step_schedule, halt_eps, halt_criterion)
+        kept = getattr(cache, "plan", None)
+        if request is not None and kept is not None and kept.request == request:
+            return kept
+        trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
+        halt_eps = check_halt_eps(halt_eps)
+        halt_criterion = _halt_criterion(self.config.halt_criterion if halt_criterion is None else halt_criterion)
         halting = halt_eps is not None
         share_n = self.config.cache_share_n if self.config.cache_sharing == "modulo" else None
-        return LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps,
+        spec = LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps,
                                    self.config.halt_kv_fill if halting else None, share_n,
                                    halt_criterion if halting else None)
+        return LoopFormerPlan(request, spec)
 
     def _loop_adaln(self, trajectory, dtype, device, cache):
         """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning). They depend on
         the trajectory alone (c_i is a function of t and Δ), so they are computed once per call, for all steps at
-        once, and kept on the cache for the later decode steps of an inference run."""
+        once, and kept on the cache (`adaln_memo`) for the later decode steps of an inference run."""
         keep = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
         key = (tuple(trajectory), dtype, str(device))
-        kept = getattr(cache, "loop_adaln", None) if keep else None
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        kept = cache.kept_adaln(key) if keep else None
+        if kept is not None:
+            return kept
         conditioning = self.loop_conditioning(trajectory, device, dtype)
         loop_adaln = None
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
             loop_adaln = [[tuple(v[i] for v in vectors) for i in range(len(trajectory))] for vectors in per_block]
         if keep:
-            cache.loop_adaln = (key, loop_adaln)
+            cache.keep_adaln(key, loop_adaln)
         return loop_adaln
 
     def _loop_step(self, step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
@@ -586,6 +611,53 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if halting is not None:
             halting = halting.update(previous, hidden_states, final)
         return hidden_states, attentions, halting
+
+    def _prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache):
+        """(hidden states with learned positions added, rotary (cos, sin) or None, attention mask) of a call whose
+        inputs and mask are checked against the cache's length."""
+        (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
+        if cache is not None and not torch.compiler.is_compiling():
+            cache.check_batch_size(batch)
+        past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
+        self._check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
+        if position_ids is None:
+            position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
+        position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
+        mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
+        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
+        return hidden_states, position_embeddings, mask
+
+    def _loop(self, plan, hidden_states, mask, position_embeddings, cache, halting, output_attentions,
+              output_hidden_states):
+        """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None)."""
+        trajectory = plan.trajectory
+        # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
+        # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
+        # positional tensors. At inference they are computed once for every step (and kept on the cache).
+        dtype, device = hidden_states.dtype, hidden_states.device
+        conditioning = self.loop_conditioning(trajectory, device, dtype) if torch.is_grad_enabled() else None
+        loop_adaln = None
+        if conditioning is None or halting is not None:  # halting fills skipped slots from the per-block vectors
+            loop_adaln = self._loop_adaln(trajectory, dtype, device, cache)
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for step in range(len(trajectory)):
+            if halting is not None and halting.all_halted():  # no block runs any more
+                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,) * (len(trajectory) - step)
+                break
+            hidden_states, attentions, halting = self._loop_step(
+                step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
+                output_attentions, final=step == len(trajectory) - 1,
+            )
+            if output_attentions:
+                all_attentions += attentions
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        return hidden_states, all_hidden_states, all_attentions
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
@@ -628,60 +700,24 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        checkpointing = self.gradient_checkpointing and self.training
-        trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
-        halt_eps = check_halt_eps(halt_eps)
-        halt_criterion = _halt_criterion(self.config.halt_criterion if halt_criterion is None else halt_criterion)
-
-        inputs_embeds = self._embed(input_ids, inputs_embeds)
-        (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
         cache = _cache_argument(cache, past_key_values, type(self).__name__)
+        plan = self._plan(cache, loop_budget, step_schedule, halt_eps, halt_criterion)
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
         # checkpointing in training uses none: recomputed blocks would write it twice).
+        checkpointing = self.gradient_checkpointing and self.training
         cache = None if checkpointing or not (use_cache or cache is not None) else (
-            LoopFormerCache.for_call(cache, self._cache_spec(trajectory, halt_eps, halt_criterion)))
-        if cache is not None and not torch.compiler.is_compiling():
-            cache.check_batch_size(batch)
-        past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
-        self._check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
-        if position_ids is None:
-            position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
-        position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
-        mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
-        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
-
-        # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
-        # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
-        # positional tensors. At inference they are computed once for every step (and kept on the cache).
-        conditioning = self.loop_conditioning(trajectory, device, hidden_states.dtype) if torch.is_grad_enabled() else (
-            None)
-        loop_adaln = None
-        if conditioning is None or halt_eps is not None:  # halting fills skipped slots from the per-block vectors
-            loop_adaln = self._loop_adaln(trajectory, hidden_states.dtype, device, cache)
+            LoopFormerCache.for_call(cache, plan))
+        hidden_states, position_embeddings, mask = self._prepare_inputs(inputs_embeds, attention_mask, position_ids,
+                                                                        cache)
         halting = None
-        if halt_eps is not None:
+        if plan.halt_eps is not None:
             readout = None if halt_head is None else (
                 lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-            halting = LoopFormerHaltingState.start(halt_eps, self.config, hidden_states, halt_criterion, readout)
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        for step in range(len(trajectory)):
-            if halting is not None and halting.all_halted():  # no block runs any more
-                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,) * (len(trajectory) - step)
-                break
-            hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                output_attentions, final=step == len(trajectory) - 1,
-            )
-            if output_attentions:
-                all_attentions += attentions
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-
+            halting = LoopFormerHaltingState.start(plan.halt_eps, self.config, hidden_states, plan.halt_criterion,
+                                                   readout)
+        hidden_states, all_hidden_states, all_attentions = self._loop(
+            plan, hidden_states, mask, position_embeddings, cache, halting, output_attentions, output_hidden_states)
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
             loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},

@@ -201,3 +201,22 @@ def test_an_offloading_cache_keeps_offloading_when_replaced():
     replaced = LoopFormerCache.for_call(DynamicCache(offloading=True), LoopFormerCacheSpec((0.5, 0.5), 1))
     assert type(replaced) is LoopFormerCache and replaced.offloading
     assert not LoopFormerCache.for_call(DynamicCache(), LoopFormerCacheSpec((1.0,), 1)).offloading
+
+
+def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_plan(tiny_model, monkeypatch):
+    """The plan (trajectory, cache spec, halting) is bound to the cache by the first forward: the decode steps of
+    the same call read it instead of validating the budget and schedule again."""
+    resolved = []
+    resolve = type(tiny_model.config).resolve_trajectory
+    monkeypatch.setattr(type(tiny_model.config), "resolve_trajectory",
+                        lambda self, *a, **k: resolved.append(a) or resolve(self, *a, **k))
+    ids = torch.randint(3, 97, (2, 5))
+    out = tiny_model.generate(ids, max_new_tokens=6, do_sample=False, loop_budget=2, step_schedule=[0.75, 0.25],
+                              halt_eps=0.5, return_dict_in_generate=True)
+    cache = cache_of(out)
+    assert cache.plan.trajectory == (0.75, 0.25) and cache.plan.halt_eps == 0.5 and cache.spec is cache.plan.spec
+    # one resolution to size the cache (generate's hook) and one by the prefill; none by the 5 decode steps
+    assert len(resolved) == 2
+    resolved.clear()
+    tiny_model(ids[:, :1], cache=LoopFormerCache(), loop_budget=2)  # another call, another plan
+    assert len(resolved) == 1
