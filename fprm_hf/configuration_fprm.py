@@ -116,14 +116,17 @@ def _positive_float(value, name):
     return value
 
 
-def _optional(check, what):
+def _optional(check, allowed=None):
+    """None, or what `check` allows (then its message, or "`name` must be {allowed}, got ...")."""
     def optional(value, name):
         if value is None:
             return None
         try:
             return check(value, name)
         except ValueError:
-            raise ValueError(f"`{name}` must be None or {what}, got {value!r}.") from None
+            if allowed is None:
+                raise
+            raise ValueError(f"`{name}` must be {allowed}, got {value!r}.") from None
     return optional
 
 
@@ -181,10 +184,10 @@ FIELD_CHECKS = {
     "alpha2": _open_unit,
     "num_prefix_tokens": _non_negative_int,
     "initial_state_seed": _seed,
-    "puzzle_emb_ndim": _optional(_positive_int, "an integer >= 1 (None: all prefix values learned)"),
+    "puzzle_emb_ndim": _optional(_positive_int, "None (all prefix values learned) or an integer >= 1"),
     "grid_size": _grid_size,
-    "conv_kernel_size": _optional(_positive_int, "a positive integer"),
-    "initializer_range": _optional(_positive_float, "a positive finite number"),
+    "conv_kernel_size": _optional(_positive_int),
+    "initializer_range": _optional(_positive_float, "None or a positive finite number"),
     "attention_dropout": _dropout,
     # the solver's defaults; a forward's own values go through the same rules (`SolverSettings`)
     "halt_eps": check_halt_eps,

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
+from .hub import FPRMHubMixin
 from .configuration_fprm import (
     FPRMConfig,
     check_halt_eps,
@@ -259,7 +260,7 @@ class FPRMBlock(nn.Module):
         return self._sublayer(h, self.mlp, alpha1, beta1)
 
 
-class FPRMPreTrainedModel(PreTrainedModel):
+class FPRMPreTrainedModel(FPRMHubMixin, PreTrainedModel):  # the mixin: push_to_hub writes this package's card
     config_class = FPRMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
@@ -340,14 +341,21 @@ def _is_integer_tensor(value):
                                            or value.dtype == torch.bool)
 
 
-def check_output_attentions(output_attentions):
-    """`output_attentions` is taken (transformers callers such as PEFT's token-classification wrapper pass it) at
-    None / False only: the attention maps change at every solver iteration and none is returned."""
+def check_call_flags(output_attentions, output_residual_trace, output_hidden_states, generator):
+    """The flags of a forward. `output_attentions` is taken (transformers callers such as PEFT's
+    token-classification wrapper pass it) at None / False only: the attention maps change at every solver iteration
+    and none is returned."""
     if output_attentions not in (None, False):
         raise ValueError(
             f"FPRM does not return attention maps (they change at every solver iteration); `output_attentions` must "
             f"be None or False, got {output_attentions!r}."
         )
+    for name, value in (("output_residual_trace", output_residual_trace),
+                        ("output_hidden_states", output_hidden_states)):
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"`generator` must be a torch.Generator or None, got {type(generator).__name__}.")
 
 
 def _logit(p):
@@ -832,23 +840,17 @@ class FPRMModel(FPRMPreTrainedModel):
         inputs_embeds (`torch.FloatTensor` of shape `(batch, tokens, hidden_size)`, *optional*): instead of
             `input_ids`, the token embeddings (what `get_input_embeddings()(input_ids)` gives); scaled, prefixed and
             re-injected as those are.
-        output_attentions (`bool`, *optional*): None or False only (see `check_output_attentions`).
+        output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
         """
-        check_output_attentions(output_attentions)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
-        for name, value in (("output_residual_trace", output_residual_trace),
-                            ("output_hidden_states", output_hidden_states)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+        check_call_flags(output_attentions, output_residual_trace, output_hidden_states, generator)
         settings = SolverSettings.from_config(self.config, self.training, halt_eps=halt_eps, max_loops=max_loops,
                                               eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
                                               halting=halting)
         shape = self.check_inputs(input_ids, puzzle_identifiers, inputs_embeds)
         self.check_attention_mask(attention_mask, shape)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"`generator` must be a torch.Generator or None, got {type(generator).__name__}.")
         x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
         fingerprint = input_fingerprint(input_ids, puzzle_identifiers, inputs_embeds)
         if solver_state is None:
@@ -860,13 +862,8 @@ class FPRMModel(FPRMPreTrainedModel):
             x, solver_state, settings, output_residual_trace, output_hidden_states
         )
         output = FPRMModelOutput(
-            last_hidden_state=state.hidden,
-            iterations=iterations,
-            residuals=state.residuals,
-            converged=state.converged,
-            diverged=state.diverged,
-            residual_trace=trace,
-            solver_state=state,
+            last_hidden_state=state.hidden, iterations=iterations, residuals=state.residuals,
+            converged=state.converged, diverged=state.diverged, residual_trace=trace, solver_state=state,
             hidden_states=iterates,
         )
         return output if return_dict else output.to_tuple()
@@ -947,23 +944,11 @@ class FPRMForReasoning(FPRMPreTrainedModel):
             inputs = input_ids if inputs_embeds is None else inputs_embeds
             self.check_labels(labels, tuple(getattr(inputs, "shape", ()))[:2])
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            puzzle_identifiers=puzzle_identifiers,
-            halt_eps=halt_eps,
-            max_loops=max_loops,
-            eta=eta,
-            gamma=gamma,
-            patience=patience,
-            min_eta=min_eta,
-            halting=halting,
-            solver_state=solver_state,
-            output_residual_trace=output_residual_trace,
-            generator=generator,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            inputs_embeds=inputs_embeds,
-            output_attentions=output_attentions,
+            input_ids=input_ids, attention_mask=attention_mask, puzzle_identifiers=puzzle_identifiers,
+            halt_eps=halt_eps, max_loops=max_loops, eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
+            halting=halting, solver_state=solver_state, output_residual_trace=output_residual_trace,
+            generator=generator, output_hidden_states=output_hidden_states, return_dict=True,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
         logits = self.lm_head(hidden)
@@ -973,18 +958,9 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)
-        output = FPRMReasoningOutput(
-            loss=loss,
-            logits=logits,
-            iterations=outputs.iterations,
-            residuals=outputs.residuals,
-            converged=outputs.converged,
-            diverged=outputs.diverged,
-            residual_trace=outputs.residual_trace,
-            solver_state=outputs.solver_state,
-            hidden_states=outputs.hidden_states,
-            q_halt_logits=q_halt_logits,
-        )
+        solved = {k: getattr(outputs, k) for k in ("iterations", "residuals", "converged", "diverged",
+                                                   "residual_trace", "solver_state", "hidden_states")}
+        output = FPRMReasoningOutput(loss=loss, logits=logits, q_halt_logits=q_halt_logits, **solved)
         return output if return_dict else output.to_tuple()
 
 
