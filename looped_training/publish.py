@@ -209,10 +209,11 @@ def _fprm_results(data, record):
 
 
 def _flat(task, dataset, row):
+    """One model-index result (huggingface_hub's EvalResult fields) of a task, a dataset and a metric row."""
+    name = row.get("name") or (f"{row['metric']} ({row['config']})" if row["config"] else row["metric"])
     return {"task_type": task["type"], "task_name": task.get("name"), "dataset_type": dataset["type"],
             "dataset_name": dataset["name"], "dataset_split": dataset.get("split"), "metric_type": row["metric"],
-            "metric_value": float(row["value"]), "metric_config": row["config"],
-            "metric_name": f"{row['metric']} ({row['config']})"}
+            "metric_value": float(row["value"]), "metric_config": row["config"], "metric_name": name}
 
 
 def load_eval_results(path, default_task_type="text-generation", *, checkpoint=None, record=None):
@@ -261,13 +262,10 @@ def load_eval_results(path, default_task_type="text-generation", *, checkpoint=N
             if item.get("step_schedule") is not None:
                 config_parts.append(f"step_schedule={item['step_schedule']}")
             config = ",".join(config_parts) or None
-            metric = str(item["metric"])
-            flat.append({
-                "task_type": t.get("type", default_task_type), "task_name": t.get("name"),
-                "dataset_type": d.get("type", d["name"]), "dataset_name": d["name"], "dataset_split": d.get("split"),
-                "metric_type": metric, "metric_value": float(item["value"]), "metric_config": config,
-                "metric_name": item.get("metric_name") or (f"{metric} ({config})" if config else metric),
-            })
+            flat.append(_flat({"type": t.get("type", default_task_type), "name": t.get("name")},
+                              {"name": d["name"], "type": d.get("type", d["name"]), "split": d.get("split")},
+                              {"metric": str(item["metric"]), "value": item["value"], "config": config,
+                               "name": item.get("metric_name")}))
     elif isinstance(results, dict):  # lm-eval-harness
         model_args = str((data.get("config") or {}).get("model_args") or "") or None
         for task_name, metrics in sorted(results.items()):

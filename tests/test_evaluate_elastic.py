@@ -3,6 +3,7 @@ representation metrics themselves."""
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -174,3 +175,14 @@ def test_budget_claims_hold_and_fail_at_their_thresholds():
     assert bad["a_improves_with_budget"]["worst_step_back"] == pytest.approx(0.03)
     lines = evaluate_elastic.claims_text(bad)
     assert len(lines) == 3 and all("does not hold" in line for line in lines)
+
+
+def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plots(checkpoints, tmp_path, capsys,
+                                                                                 monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # a plain install: the `train` extra is not there
+    records = evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--max_rows", "8",
+                                     "--repr_rows", "4", "--schedules", "uniform"])
+    captured = capsys.readouterr()
+    assert "matplotlib is not installed: no plots" in captured.err and "| loopformer |" in captured.out
+    saved = json.loads((tmp_path / "elastic_eval.json").read_text())["models"]
+    assert saved[0]["results"] == records[0]["results"] and not list(tmp_path.glob("*.png"))

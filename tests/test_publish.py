@@ -33,6 +33,17 @@ EVAL = {
     ],
 }
 INPUT_IDS = [[5, 17, 42, 9, 100, 3, 77]]
+# the record `python -m looped_training.loopformer.train` writes beside the model (text task, files on the user's disk)
+RECORD = {
+    "variant": "loopformer", "block_size": 128, "train_runtime_s": 12.5, "prompt": "the cat sat",
+    "model": {"num_blocks": 2, "num_loops": 4, "hidden_size": 32},
+    "data": {"task": "text", "train_files": ["/home/someone/private/corpus.txt"], "max_train_chars": 5000},
+    "shortcut": {"lambda_short": 0.1, "lambda_consistency": None, "consistency": "mse"},
+    "optimizer": {"learning_rate": 0.001, "lr_scheduler_type": "cosine_with_min_lr", "warmup_steps": 10.0,
+                  "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "max_grad_norm": 1.0,
+                  "max_steps": 300, "per_device_train_batch_size": 32, "gradient_accumulation_steps": 1,
+                  "seed": 0, "lr_warmup": "reference"},
+}
 
 
 def _digest(folder):
@@ -63,6 +74,7 @@ def checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     (path / "eval_results.json").write_text(json.dumps(EVAL))
+    (path / "loopformer_training.json").write_text(json.dumps(RECORD))
     return path, model
 
 
@@ -103,16 +115,17 @@ def test_fprm_push_has_auto_map_code_and_card(hub, pushed_fprm):
     assert "fprm" in meta["tags"] and "custom_code" in meta["tags"]
 
 
-def test_push_uploads_weights_config_code_tokenizer_generation_config_card(hub, pushed):
+def test_push_uploads_weights_config_code_tokenizer_generation_config_card(hub, pushed, tmp_path):
     files = hub.files(REPO)
-    assert set(files) == {
-        "model.safetensors", "config.json", "configuration_loopformer.py", "modeling_loopformer.py",
-        "cache_loopformer.py", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
-    }
+    pushed.save_pretrained(tmp_path)  # the code files: the modeling file and what it imports relatively
+    code_files = {p.name for p in tmp_path.glob("*.py")}
+    assert {"configuration_loopformer.py", "modeling_loopformer.py", "cache_loopformer.py"} <= code_files
+    assert set(files) == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                          "generation_config.json", "README.md", *code_files}
     config = json.loads(files["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_loopformer.LoopFormerForCausalLM"
     assert config["auto_map"]["AutoConfig"] == "configuration_loopformer.LoopFormerConfig"
-    for code in ("modeling_loopformer.py", "cache_loopformer.py"):  # the modeling file imports the cache relatively
+    for code in code_files:
         assert files[code] == (REPO_ROOT / "loopformer_hf" / code).read_bytes()
 
 
@@ -322,3 +335,103 @@ def test_push_replaces_stale_weight_shards_but_keeps_the_users_other_files(hub, 
     assert {p: files.get(p) for p in user_files} == {p: p.encode() for p in user_files}  # untouched
     assert not set(stale) & set(files)  # the previous model's weights are gone
     assert "model.safetensors" in files and files["model.safetensors"] != b"model.safetensors"
+
+
+def test_the_card_takes_its_prompt_and_training_section_from_the_runs_record(checkpoint, tmp_path):
+    path, _ = checkpoint
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(path), "--repo_id", REPO, "--dry_run", "--stage_dir", str(stage)]) == 0
+    card = (stage / "README.md").read_text()
+    assert 'tokenizer(["the cat sat"]' in card and 'generator("the cat sat"' in card  # the record's prompt
+    training = card.split("## Training", 1)[1].split("##", 1)[0]
+    assert "`python -m looped_training.loopformer.train` (variant `loopformer`" in training
+    assert "text files: corpus.txt" in training and "300 optimizer steps of 32 × 1 rows of 128 tokens" in training
+    assert "λ2 = 0.1 × MSE" in training and "Training took 12 s." in training  # the variant's default λ2
+    assert "/home/someone" not in card and "See the repository" not in card and '"The"' not in card
+
+
+def test_without_a_record_the_card_says_so_and_starts_from_the_start_of_text_token(tmp_path):
+    from looped_training.publish import NO_RECORD_TEXT
+
+    checkpoint = tmp_path / "bare"
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", REPO, "--dry_run", "--stage_dir", str(stage)]) == 0
+    card = (stage / "README.md").read_text()
+    assert NO_RECORD_TEXT in card and 'tokenizer(["<|endoftext|>"]' in card
+
+
+def _elastic_eval(paths):
+    rows = [{"budget": m, "schedule": s, "em": 0.1 * m, "ppl": 10.0 / m} for m in (1, 2) for s in ("uniform", "coarse_to_fine")]
+    return {"models": [{"name": f"run{i}", "path": str(p), "variant": "loopformer", "task": "synthetic",
+                        "results": [{**r, "em": r["em"] + i} for r in rows]} for i, p in enumerate(paths)]}
+
+
+def test_elastic_eval_json_gives_exact_match_and_perplexity_per_budget_of_this_checkpoint(tmp_path):
+    record = {"data": {"task": "synthetic", "synthetic_kind": "arithmetic", "min_depth": 1, "max_depth": 4}}
+    path = tmp_path / "elastic_eval.json"
+    path.write_text(json.dumps(_elastic_eval([tmp_path / "a", tmp_path / "b"])))
+    results = load_eval_results(path, checkpoint=tmp_path / "b", record=record)
+    got = {(r["metric_type"], r["metric_config"]): r["metric_value"] for r in results}
+    assert got == {("exact_match", "loop_budget=1"): 1.1, ("perplexity", "loop_budget=1"): 10.0,
+                   ("exact_match", "loop_budget=2"): pytest.approx(1.2), ("perplexity", "loop_budget=2"): 5.0}
+    assert {r["dataset_name"] for r in results} == {"synthetic arithmetic chains mod 10, depth 1..4"}
+    with pytest.raises(ValueError, match=r"evaluates 2 models \(\['run0', 'run1'\]\), none of them from"):
+        load_eval_results(path, checkpoint=tmp_path / "elsewhere")
+
+
+def test_an_fprm_run_folder_publishes_its_results_json_as_the_model_index(tmp_path):
+    run = tmp_path / "fprm-run"
+    make_fprm(seed=0).save_pretrained(run / "model")
+    results = {"preset": "s5-cpu", "task": "s5", "train_seconds": 90.0, "train_steps": 40,
+               "solver": {"max_loops": 4}, "halting": {"cell_accuracy": 0.75, "exact_accuracy": 0.5, "mean_iterations": 3.5},
+               "always_cap": {"cell_accuracy": 0.74, "exact_accuracy": 0.5, "mean_iterations": 4.0},
+               "args": {"data": {"task": "s5", "train_length": 8, "test_length": 16, "num_train": 64, "num_test": 16},
+                        "n_backward": 4, "max_segments": 16, "batch_size": 16, "learning_rate": 0.001}}
+    (run / "results.json").write_text(json.dumps(results))
+    stage = tmp_path / "stage"
+    assert publish_main(["--checkpoint", str(run / "model"), "--repo_id", FPRM_REPO, "--dry_run",
+                         "--stage_dir", str(stage)]) == 0
+    card = (stage / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    (entry,) = meta["model-index"][0]["results"]
+    assert entry["dataset"]["name"] == "S5 state tracking (generated; training length 8, test length 16)"
+    got = {(m["type"], m["config"]): m["value"] for m in entry["metrics"]}
+    assert got[("exact_accuracy", "halting,max_loops=4")] == 0.5 and got[("mean_iterations", "halting=False,max_loops=4")] == 4.0
+    training = card.split("## Training", 1)[1]
+    assert "(preset `s5-cpu`) on S5 state tracking" in training and "40 optimizer steps (segments) of 16" in training
+
+
+def test_push_to_hub_writes_the_packages_card(hub, checkpoint, tmp_path):
+    # transformers' push_to_hub wrote its generic card ("This is the model card of a 🤗 transformers model ...")
+    path, _ = checkpoint
+    code = f"""
+    import torch
+    from loopformer_hf import LoopFormerForCausalLM
+    from loopformer_hf.hub import LoopFormerHubMixin
+    from fprm_fixtures import sequence_fprm_config, tiny_fprm
+    from fprm_hf import FPRMForReasoning
+    from fprm_hf.hub import FPRMHubMixin
+
+    def with_hub(cls, mixin):  # the class as the lead wires it: the mixin before PreTrainedModel
+        if issubclass(cls, mixin):
+            return cls
+        return type(cls.__name__, (mixin, cls), {{"_auto_class": None}})
+
+    with_hub(LoopFormerForCausalLM, LoopFormerHubMixin).from_pretrained(r"{path}").push_to_hub(
+        "org/pushed-lf", token="{TOKEN}", tags=["mine"])
+    fprm = tiny_fprm(0, config=sequence_fprm_config(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4))
+    with_hub(FPRMForReasoning, FPRMHubMixin)(fprm.config).push_to_hub("org/pushed-fprm", token="{TOKEN}")
+    """
+    run_python(code, env={**hf_env(tmp_path, hub.endpoint), "PYTHONPATH": str(REPO_ROOT / "tests")},
+               block_packages=False)
+    card = hub.files("org/pushed-lf")["README.md"].decode()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert "is a **LoopFormer**" in card and 'tokenizer(["the cat sat"]' in card and "text files: corpus.txt" in card
+    assert {"loopformer", "mine"} <= set(meta["tags"]) and meta["model-index"][0]["results"][0]["metrics"]
+    assert "This is the model card of a" not in card
+    assert {"model.safetensors", "config.json", "README.md"} <= set(hub.files("org/pushed-lf"))
+    fprm_card = hub.files("org/pushed-fprm")["README.md"].decode()
+    assert "is an **FPRM**" in fprm_card and "without its training run's record" in fprm_card
