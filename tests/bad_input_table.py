@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -135,6 +136,18 @@ def locked(tmp):
     folder.mkdir()
     (folder / LOCK_FILE).write_text(json.dumps({"pid": 4321, "host": "another-host"}))
     return folder
+
+
+# a tiny FPRM run: a refused flag must stop it before any work (tests/test_cli_faults.py checks that too)
+FPRM_TINY = ["--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
+             "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
+             "--disable_tqdm", "true", "--torch_threads", "1"]
+
+
+def refused_fprm_flag(flag, value, message):
+    """A row of `python -m looped_training.fprm.train FPRM_TINY... FLAG VALUE`: one line, exit 2, no work done."""
+    return Case("fprm.train", f"{flag} {value}", FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", flag, value),
+                SystemExit, message, setting=(flag, value))
 
 
 LF, FP = "LoopFormer", "FPRM"
@@ -328,6 +341,21 @@ CASES = [
          r"tagged\.yaml' is not plain YAML .*could not determine a constructor for the tag .*python/object"),
     Case("fprm.train", "--task bogus", FPRM_TRAIN("--task", "bogus", "--output_dir", "{tmp}/run"), ValueError,
          r"`--task` must be one of .* got 'bogus'"),
+    *(refused_fprm_flag(flag, value, message) for flag, value, message in (
+        ("--eval_halt_eps", "0", r"`--eval_halt_eps` must be a positive finite number .*got 0\.0"),
+        ("--eval_halt_eps", "nan", r"`--eval_halt_eps` must be a positive finite number .*got nan"),
+        ("--eval_gamma", "2", r"`--eval_gamma` must be a number in \(0, 1\], got 2\.0"),
+        ("--eval_batch_size", "0", r"`--eval_batch_size` must be an integer >= 1, got 0"),  # was a range() error
+        ("--eval_max_loops", "0", r"`--eval_max_loops` must be an integer >= 1, got 0"),
+        ("--num_test", "0", r"`--num_test` must be an integer >= 1, got 0"),
+        ("--torch_threads", "0", r"`--torch_threads` must be an integer >= 1, got 0"),  # was ignored
+        ("--curriculum_check_steps", "0", r"`--curriculum_check_steps` must be an integer >= 1, got 0"),
+        ("--time_budget_minutes", "-1", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got -1\.0"),
+        ("--time_budget_minutes", "inf", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got inf"),
+        ("--time_budget_decay_fraction", "2", r"`time_budget_decay_fraction` must lie in \[0, 1\], got 2\.0"),
+        ("--num_train", "8", r"`--num_train` must be >= 16 .*got 8"),  # trained 0 steps, then "succeeded"
+        ("--num_train", "0", r"`--num_train` must be >= 16 .*got 0"),  # was the sampler's error
+    )),
     Case("publish", "--repo_id without an owner", PUBLISH("--checkpoint", "{tmp}", "--repo_id", "name"), SystemExit,
          r"--repo_id must be 'owner/name', got 'name'"),
     Case("publish", "--checkpoint a folder with no config.json", PUBLISH("--checkpoint", "{tmp}", "--repo_id", "o/n"),
@@ -383,6 +411,8 @@ def raise_of(case, tmp):
 
 
 def clean(message, tmp):
+    # argparse names the program by sys.argv[0] (pytest, this module, ...): the table says `error:` alone
+    message = re.sub(r"^[\w.\-]+: error: ", "error: ", message)
     message = message.replace(os.path.realpath(tmp), "<tmp>").replace(str(tmp), "<tmp>")
     message = " ".join(message.split())
     if len(message) > 220:

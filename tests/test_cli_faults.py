@@ -13,6 +13,7 @@ from loopformer_hf.convert_reference import main as convert_main
 from looped_training.loopformer import evaluate as evaluate_elastic
 from looped_training.loopformer import train as train_loopformer
 
+from bad_input_table import CASES, FPRM_TINY  # the tiny FPRM run of the table's fprm.train rows
 from test_evaluate_elastic import TINY  # the tiny training run both files train checkpoints with
 
 
@@ -88,9 +89,6 @@ def test_report_no_train_without_runs_refuses_and_keeps_the_docs(tmp_path, task_
 
 
 # FPRM training: a flag read only by the evaluation or a callback failed after the whole run, or was ignored
-FPRM_TINY = ["--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
-             "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
-             "--disable_tqdm", "true", "--torch_threads", "1"]
 
 
 def _fprm_train_refuses(tmp_path, capsys, flag, value):
@@ -104,31 +102,15 @@ def _fprm_train_refuses(tmp_path, capsys, flag, value):
     return captured.err
 
 
-@pytest.mark.parametrize("flag, value, allowed", [
-    ("--eval_halt_eps", "0", r"positive finite number .*got 0\.0"),
-    ("--eval_halt_eps", "nan", r"positive finite number .*got nan"),
-    ("--eval_gamma", "2", r"number in \(0, 1\], got 2\.0"),
-    ("--eval_batch_size", "0", r"integer >= 1, got 0"),  # was "range() arg 3 must not be zero"
-    ("--eval_max_loops", "0", r"integer >= 1, got 0"),
-    ("--num_test", "0", r"integer >= 1, got 0"),
-    ("--torch_threads", "0", r"integer >= 1, got 0"),  # was ignored
-    ("--curriculum_check_steps", "0", r"integer >= 1, got 0"),  # checked with or without a curriculum
-])
-def test_fprm_train_rejects_a_bad_evaluation_or_data_flag_before_any_work(tmp_path, capsys, flag, value, allowed):
-    # the run trained to the end, then the evaluation raised and --output_dir was left empty
-    err = _fprm_train_refuses(tmp_path, capsys, flag, value)
-    assert re.search(rf"error: `{flag}` must be (a |an )?{allowed}", err)
+# the refused flags of fprm.train are rows of the refusal table (tests/bad_input_table.py); here each must also stop
+# the run before any work (it used to train to the end, then fail in the evaluation, or train 0 steps and succeed)
+FPRM_FLAG_ROWS = [case for case in CASES if case.area == "fprm.train" and case.setting]
 
 
-@pytest.mark.parametrize("flag, value, allowed", [
-    ("--time_budget_minutes", "-1", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got -1\.0"),
-    ("--time_budget_minutes", "inf", r"`--time_budget_minutes` must be a finite number of minutes >= 0 .*got inf"),
-    ("--time_budget_decay_fraction", "2", r"`time_budget_decay_fraction` must lie in \[0, 1\], got 2\.0"),  # no budget
-])
-def test_fprm_train_rejects_a_bad_time_budget_before_any_work(tmp_path, capsys, flag, value, allowed):
-    # -1 trained one step and reported success; a fraction without a budget was never checked
-    err = _fprm_train_refuses(tmp_path, capsys, flag, value)
-    assert re.search(rf"error: {allowed}", err)
+@pytest.mark.parametrize("case", FPRM_FLAG_ROWS, ids=[case.given for case in FPRM_FLAG_ROWS])
+def test_fprm_train_rejects_a_bad_flag_before_any_work(tmp_path, capsys, case):
+    err = _fprm_train_refuses(tmp_path, capsys, *case.setting)
+    assert re.search(rf"error: .*{case.message}", err)
 
 
 def test_fprm_train_takes_a_zero_time_budget_as_none_over_a_presets():
@@ -257,15 +239,6 @@ def test_fprm_train_resumes_with_another_evaluation_cap(fprm_checkpoint, tmp_pat
     finally:
         torch.set_num_threads(threads)
     assert results["train_steps"] == 3 and results["halting"]["mean_iterations"] <= 3
-
-
-@pytest.mark.parametrize("num_train, allowed", [
-    ("8", r">= 16 .*got 8"),  # trained 0 steps ("not a single sample in your epoch_iterator"), then "succeeded"
-    ("0", r">= 16 .*got 0"),  # was "num_samples should be a positive integer value" from the sampler
-])
-def test_fprm_train_rejects_a_training_set_smaller_than_a_batch_before_any_work(tmp_path, capsys, num_train, allowed):
-    err = _fprm_train_refuses(tmp_path, capsys, "--num_train", num_train)
-    assert re.search(rf"error: `--num_train` must be {allowed}", err)
 
 
 def test_fprm_results_are_strict_json():
