@@ -26,7 +26,7 @@ def config_path(kind, name):
     """The absolute path of the shipped file `kind/name.yaml`; an unknown name is a ValueError listing the names."""
     names = config_names(kind)
     if name not in names:
-        flag = "--preset" if kind != "accelerate" else "the accelerate config"
+        flag = "`--preset`" if kind != "accelerate" else "The accelerate config"
         raise ValueError(f"{flag} must be one of {names}, got {name!r}.")
     return os.path.join(CONFIGS_DIR, kind, f"{name}.yaml")
 
