@@ -19,8 +19,8 @@ defaults; `--scale` multiplies every time budget):
 4. (`--part sudoku_adaptivity`) the paper's adaptivity claim: 4x4 Sudoku (`--preset sudoku4-evidence`, the
    authors' recipe), then on its test puzzles exact accuracy and the Spearman rho between blanks and iterations to
    halt over the puzzles solved (targets: exact >= 0.9, rho >= 0.5), the same for every saved checkpoint (how both
-   move with training), and `docs/plots/fprm_sudoku_iterations_vs_blanks.png`; writes
-   `benchmarks/results/fprm_sudoku_adaptivity.{json,md}`.
+   move with training), and `docs/plots/fprm_sudoku_iterations_vs_blanks_seed<S>.png`; writes
+   `benchmarks/results/fprm_sudoku_adaptivity_seed<S>.{json,md}` (one set per `--seed`).
 
     python -m benchmarks.fprm_evidence --part sudoku_adaptivity
 
@@ -318,7 +318,7 @@ def sudoku_point(model, test, max_loops):
 
 
 def sudoku_adaptivity(a):
-    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", "sudoku4")
+    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-seed{a.seed}")
     test = test_split(results, a.seed)
     cap = results["solver"]["max_loops"]
     curve = []
@@ -329,7 +329,7 @@ def sudoku_adaptivity(a):
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part sudoku_adaptivity --seed {a.seed} "
                    f"--save_steps {a.save_steps}",
-        "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seed": a.seed,
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
         "wall_seconds": seconds, "test_puzzles": len(test), "halt_eps": model_halt_eps(out_dir), "max_loops": cap,
         "targets": SUDOKU_TARGETS,
@@ -339,7 +339,7 @@ def sudoku_adaptivity(a):
         "over_training": curve,
     }
     evidence["plot"] = plot_sudoku(final, evidence, a.plots_dir)
-    write_evidence(evidence, sudoku_markdown(evidence), a.results_dir, "fprm_sudoku_adaptivity")
+    write_evidence(evidence, sudoku_markdown(evidence), a.results_dir, f"fprm_sudoku_adaptivity_seed{a.seed}")
     return evidence
 
 
@@ -409,7 +409,7 @@ def plot_sudoku(point, e, plots_dir):
     ax.legend(loc="upper left", fontsize=8)
     return save_captioned(fig, f"Spearman ρ over solved = {_fmt(point['spearman_rho'])} (target ≥ 0.5); halting "
                                f"at τ = {e['halt_eps']:g}; {e['test_puzzles']} test puzzles",
-                          plots_dir, "fprm_sudoku_iterations_vs_blanks.png")
+                          plots_dir, f"fprm_sudoku_iterations_vs_blanks_seed{e['seed']}.png")
 
 
 def save_captioned(fig, caption, plots_dir, name):
