@@ -337,9 +337,7 @@ def _known(cls, values):
 
 
 def build_parser(argv):
-    """The command's parser, its evaluation defaults taken from the run's record once the run is known."""
-    import argparse
-
+    """The command's parser, its evaluation defaults taken from the run's record, and the run (model folder, record)."""
     from transformers import HfArgumentParser
 
     from looped_training.fprm.train import EvalArguments
@@ -351,13 +349,8 @@ def build_parser(argv):
     parser.add_argument("--seed", type=int, default=None,
                         help="the training run's seed, which the test set is drawn with (default: the record's, else 42)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    known = argparse.ArgumentParser(add_help=False)
-    known.add_argument("checkpoint", nargs="?")
-    checkpoint = known.parse_known_args(argv)[0].checkpoint
-    run = None
-    if checkpoint is not None and not checkpoint.startswith("-"):
-        run = find_run(checkpoint)
-        parser.set_defaults(**_known(EvalArguments, run[1]["args"].get("eval")))
+    run = find_run(parser.parse_known_args(argv)[0].checkpoint)  # argparse's usage error without one
+    parser.set_defaults(**_known(EvalArguments, run[1]["args"].get("eval")))
     return parser, run
 
 
