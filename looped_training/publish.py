@@ -635,7 +635,8 @@ def model_card_for(model, repo_id, tags=None):
 
     kind = _model_kinds().get(model.config.model_type)
     if kind is None:
-        raise ValueError(f"model_type {model.config.model_type!r} has no card in this package; it has {sorted(_model_kinds())}.")
+        raise ValueError(f"model_type {model.config.model_type!r} has no card in this package; it has "
+                         f"{sorted(_model_kinds())}.")
     folder = Path(model.name_or_path) if model.name_or_path and Path(model.name_or_path).is_dir() else None
     tokenizer = AutoTokenizer.from_pretrained(folder) if folder is not None and _has_tokenizer(folder) else None
     # a model in memory with no tokenizer beside it: the start-of-text token of this package's tokenizers
