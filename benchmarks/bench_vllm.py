@@ -1,0 +1,180 @@
+"""Throughput of LoopFormer served by vLLM against batched `generate`, side by side in one run.
+
+    .venv-vllm/bin/python -m benchmarks.bench_vllm [--prompts 64] [--new_tokens 64] [--output benchmarks/results/bench_vllm.json]
+
+(the environment scripts/test_vllm.sh builds). One random LoopFormer (opened adaLN gates; hidden 256, 4 heads, k = 2
+blocks, L = 4 loops) decodes `--prompts` prompts of 8..32 tokens, `--new_tokens` new tokens each, greedy, no EOS, at
+M = 1 and M = L, three ways:
+
+- `generate`, dynamic cache: one left-padded batch of every prompt (a `LoopFormerCache`);
+- `generate`, static cache + `torch.compile(model.forward, fullgraph=True)`, the batch as above
+  (benchmarks/bench_compile.py's recipe; its set-up is the first call, which compiles);
+- vLLM offline (`LLM.generate`, continuous batching, paged attention, one cache per (loop step, block)), a fresh
+  process per budget (the budget is fixed per server); set-up is `LLM(...)` construction.
+
+Every side runs on the same `--threads` cores (vLLM: VLLM_CPU_OMP_THREADS_BIND). Tokens/s = all new tokens / wall
+time of the timed call (prefill included), median of `--repeats` calls after one warm-up call. The greedy tokens
+of the three sides are compared (`same_tokens`).
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks import write_json
+
+
+def build_model(path, num_loops=4, seed=0):
+    import loopformer_hf
+
+    torch.manual_seed(seed)
+    config = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=256, num_attention_heads=4,
+                                            intermediate_size=1024, num_hidden_layers=2, num_loops=num_loops,
+                                            max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
+    model = loopformer_hf.LoopFormerForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # open the adaLN gates: every loop step then changes the state
+        for name, p in model.named_parameters():
+            if "adaLN_modulation" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (0.5 if name.endswith("bias") else 0.0))
+    model.save_pretrained(path)
+    return model
+
+
+def make_prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 33, (n,), generator=g).tolist()
+    return [torch.randint(1, 512, (length,), generator=g).tolist() for length in lengths]
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+def bench_generate(model, prompts, budget, new_tokens, repeats, **kwargs):
+    """(set-up s = the warm-up call, tokens/s per timed call, new tokens per prompt)."""
+    ids, mask = left_padded(prompts)
+
+    def call():
+        started = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, loop_budget=budget, pad_token_id=0, **kwargs)
+        return time.perf_counter() - started, out[:, ids.shape[1]:].tolist()
+
+    setup, tokens = call()
+    speeds = [len(prompts) * new_tokens / call()[0] for _ in range(repeats)]
+    return setup, speeds, tokens
+
+
+def vllm_side(spec_path, out_path):
+    """In its own process: build one LLM for the spec's budget, time `LLM.generate` on every prompt."""
+    spec = json.load(open(spec_path))
+    started = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["checkpoint"], dtype="float32", max_model_len=256, enforce_eager=spec["enforce_eager"],
+              skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0,
+              hf_overrides={"loop_budget": spec["budget"], "step_schedule": "uniform"})
+    setup = time.perf_counter() - started
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
+
+    def call():
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - started, [list(o.outputs[0].token_ids) for o in outs]
+
+    call()  # warm-up
+    timed = [call() for _ in range(spec["repeats"])]
+    speeds = [len(prompts) * spec["new_tokens"] / t for t, _ in timed]
+    json.dump({"setup_s": setup, "tokens_per_s": speeds, "tokens": timed[-1][1]}, open(out_path, "w"))
+
+
+def run_vllm(checkpoint, prompts, budget, args, workdir):
+    spec = {"checkpoint": checkpoint, "prompts": prompts, "budget": budget, "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "enforce_eager": not args.vllm_compile}
+    spec_path, out_path = os.path.join(workdir, f"spec{budget}.json"), os.path.join(workdir, f"out{budget}.json")
+    json.dump(spec, open(spec_path, "w"))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--vllm_side", spec_path, out_path],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"vLLM side failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    result = json.load(open(out_path))
+    result["process_s"] = time.perf_counter() - started  # with the import of vllm and the process start
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--num_loops", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm_compile", action="store_true", help="let vLLM compile (no enforce_eager)")
+    parser.add_argument("--skip_compile", action="store_true", help="leave out the static cache + compile side")
+    parser.add_argument("--vllm_side", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--output", default="benchmarks/results/bench_vllm.json")
+    args = parser.parse_args(argv)
+    if args.vllm_side:
+        return vllm_side(*args.vllm_side)
+    torch.set_num_threads(args.threads)
+    workdir = tempfile.mkdtemp(prefix="bench_vllm_")
+    checkpoint = os.path.join(workdir, "loopformer")
+    model = build_model(checkpoint, args.num_loops)
+    prompts = make_prompts(args.prompts)
+    results = {"config": {"prompts": args.prompts, "new_tokens": args.new_tokens, "num_loops": args.num_loops,
+                          "threads": args.threads, "repeats": args.repeats, "hidden_size": 256, "blocks": 2,
+                          "vllm_enforce_eager": not args.vllm_compile, "torch": torch.__version__},
+               "budgets": {}}
+    for budget in (1, args.num_loops):
+        row = {}
+        setup, speeds, tokens = bench_generate(model, prompts, budget, args.new_tokens, args.repeats)
+        row["generate dynamic"] = {"setup_s": setup, "tokens_per_s": statistics.median(speeds)}
+        reference = tokens
+        if not args.skip_compile:
+            compiled = copy.deepcopy(model)
+            compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+            setup, speeds, tokens = bench_generate(compiled, prompts, budget, args.new_tokens, args.repeats,
+                                                   cache_implementation="static", disable_compile=True)
+            row["generate static+compile"] = {"setup_s": setup, "tokens_per_s": statistics.median(speeds),
+                                              "same_tokens": tokens == reference}
+        served = run_vllm(checkpoint, prompts, budget, args, workdir)
+        row["vllm offline"] = {"setup_s": served["setup_s"], "process_s": served["process_s"],
+                               "tokens_per_s": statistics.median(served["tokens_per_s"]),
+                               "same_tokens": served["tokens"] == reference}
+        base = row["generate dynamic"]["tokens_per_s"]
+        for side in row.values():
+            side["over_generate_dynamic"] = side["tokens_per_s"] / base
+        results["budgets"][str(budget)] = row
+        print(f"M={budget}")
+        for name, side in row.items():
+            print(f"  {name:>24}: {side['tokens_per_s']:8.1f} tok/s  {side['over_generate_dynamic']:5.2f}x  "
+                  f"set-up {side['setup_s']:6.1f} s  same tokens {side.get('same_tokens', True)}")
+    import vllm  # noqa: F401  (only for its version)
+
+    results["config"]["vllm"] = vllm.__version__
+    write_json(args.output, results)
+    print(f"wrote {args.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

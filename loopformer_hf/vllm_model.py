@@ -1,0 +1,304 @@
+"""LoopFormer for vLLM: k shared blocks looped along a fixed trajectory of M steps, as `LoopFormerForCausalLM`
+computes it, on vLLM's layers (paged attention, continuous batching, tensor-parallel linears).
+
+Follows vLLM's `llama.py` for the layers and its looped `iquest_loopcoder.py` for the cache: every (loop step i,
+block j) pair gets its own `Attention` layer, hence its own paged KV cache, named `model.layers.{i*k + j}.self_attn
+.attn` (the slot `LoopFormerCache` gives the pair). The projections are shared by the M attention layers of a block.
+
+The trajectory (loop budget M, step sizes Δ_1..Δ_M) is fixed when the model is built, because the number of cache
+layers depends on M. It is resolved once per server by `server_trajectory`: vLLM's `--hf-overrides` (`loop_budget`,
+`step_schedule`), else the checkpoint's generation_config.json, else its config (`default_loop_budget`,
+`default_step_schedule`). What vLLM cannot express is refused there (see `server_trajectory`).
+
+Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_attn.q_proj.weight`, ...). This file
+takes the loop conditioning module (t, Δ → c_i) from `modeling_loopformer.py`; the rest is vLLM's layers.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                               RowParallelLinear)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+# c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
+# module, replicated on every rank (one small vector per step), so the conditioning is the same computation
+from .modeling_loopformer import LoopFormerLoopConditioning
+
+
+# `rms_norm_eps=None`: float32's eps whatever the dtype, as `LoopFormerRMSNorm` (the reference's norms see float32).
+DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
+# Knobs of `LoopFormerForCausalLM.generate` that a LoopFormer server reads (--hf-overrides, generation_config.json).
+SERVER_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
+
+
+def server_trajectory(hf_config, generation_config=None):
+    """The step sizes (Δ_1, ..., Δ_M) this server runs every request with.
+
+    Each knob comes from the first of: an attribute of `hf_config` set by vLLM's `--hf-overrides`
+    (`loop_budget`, `step_schedule`), the checkpoint's generation_config.json (`generation_config`, a dict), the
+    config's own defaults. Validated by `LoopFormerConfig.resolve_trajectory` (the checks `generate` makes).
+    Raises `ValueError` for what a vLLM server cannot run exactly:
+    - `halt_eps` (per-token halting): a token's depth would depend on its values, while vLLM batches every request's
+      tokens through one fixed stack of cache layers;
+    - `cache_sharing="modulo"`: the shared slots are overwritten across decode steps in `generate`'s order, which
+      paged attention does not reproduce.
+    """
+    generation_config = generation_config or {}
+    knobs = {}
+    for name in SERVER_KNOBS:
+        value = getattr(hf_config, name, None)
+        knobs[name] = generation_config.get(name) if value is None else value
+    if knobs["halt_eps"] is not None:
+        raise ValueError(
+            f"halt_eps={knobs['halt_eps']!r} (per-token halting) is not supported by the vLLM LoopFormer model: vLLM "
+            f"runs every token through one fixed stack of (loop step, block) cache layers. Serve a fixed budget "
+            f"(remove halt_eps from the checkpoint's generation_config.json), or use "
+            f"`model.generate(..., halt_eps=...)`."
+        )
+    if getattr(hf_config, "cache_sharing", "none") != "none":
+        raise ValueError(
+            f"cache_sharing={hf_config.cache_sharing!r} is not supported by the vLLM LoopFormer model (its slots are "
+            f"shared across decode steps in generate's order); serve with --hf-overrides "
+            f"'{{\"cache_sharing\": \"none\"}}' (exact: one cache per loop step and block)."
+        )
+    return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in float32 (weight optional), as the checkpoint's `rms_norm`."""
+    eps = DEFAULT_RMS_NORM_EPS if eps is None else eps
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
+
+
+class LoopFormerMLP(nn.Module):
+    """GELU MLP (or any `ACT2FN` activation) or, with `hidden_act="swiglu"`, a gated SiLU MLP."""
+
+    def __init__(self, config, quant_config=None, prefix=""):
+        super().__init__()
+        bias = config.mlp_bias
+        self.gated = config.hidden_act == "swiglu"
+        if self.gated:
+            self.gate_up_proj = MergedColumnParallelLinear(
+                config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_config=quant_config,
+                prefix=f"{prefix}.gate_up_proj")
+            self.act_fn = SiluAndMul()
+        else:
+            self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias,
+                                                quant_config=quant_config, prefix=f"{prefix}.up_proj")
+            self.act_fn = ACT2FN[config.hidden_act]  # elementwise: exact on a column shard
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x):
+        x, _ = (self.gate_up_proj if self.gated else self.up_proj)(x)
+        x, _ = self.down_proj(self.act_fn(x))
+        return x
+
+
+class LoopFormerAttention(nn.Module):
+    """The projections of block j, shared by its M loop steps; `attn[i]` is the paged attention (and KV cache) of
+    loop step i."""
+
+    def __init__(self, config, block, num_steps, cache_config=None, quant_config=None, prefix="", model_prefix=""):
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias, quant_config=quant_config,
+                                          prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
+                                       is_neox_style=True,  # rotate_half, as the checkpoint's model
+                                       rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+        k = config.num_hidden_layers
+        self.attn = nn.ModuleList(
+            Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+                      cache_config=cache_config, quant_config=quant_config,
+                      # one cache layer per (step, block), numbered as LoopFormerCache's slots
+                      prefix=f"{model_prefix}.layers.{step * k + block}.self_attn.attn")
+            for step in range(num_steps)
+        )
+
+    def forward(self, positions, hidden_states, step):
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        output, _ = self.o_proj(self.attn[step](q, k, v))
+        return output
+
+
+class LoopFormerBlock(nn.Module):
+    """x = x + gate_attn·Attn(RMSNorm(x)·(1 + scale_attn)); x = x + gate_mlp·MLP(RMSNorm(x)·(1 + scale_mlp))."""
+
+    def __init__(self, config, block, num_steps, cache_config=None, quant_config=None, prefix="", model_prefix=""):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        if config.block_norm_weight:
+            self.input_layernorm = _NormWeight(config.hidden_size)
+            self.post_attention_layernorm = _NormWeight(config.hidden_size)
+        self.block_norm_weight = config.block_norm_weight
+        self.self_attn = LoopFormerAttention(config, block, num_steps, cache_config, quant_config,
+                                             f"{prefix}.self_attn", model_prefix)
+        self.mlp = LoopFormerMLP(config, quant_config, f"{prefix}.mlp")
+        if config.loop_conditioning != "none":
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 4 * config.hidden_size))
+
+    def adaln(self, conditioning, dtype):
+        """(gate_attn, gate_mlp, attention norm weight, MLP norm weight): with conditioning, (M, d) rows of every loop
+        step, the scales folded into the norms' weights; without, no gates and the norms' own weights (or None)."""
+        if conditioning is None:
+            weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight) if (
+                self.block_norm_weight) else (None, None)
+            return None, None, *weights
+        gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(dtype).chunk(4, dim=-1)
+        if self.block_norm_weight:
+            return (gate_attn, gate_mlp, self.input_layernorm.weight * (1 + scale_attn),
+                    self.post_attention_layernorm.weight * (1 + scale_mlp))
+        return gate_attn, gate_mlp, 1 + scale_attn, 1 + scale_mlp
+
+    def forward(self, positions, hidden_states, step, adaln):
+        gate_attn, gate_mlp, weight_attn, weight_mlp = adaln
+        if gate_attn is not None:  # conditioned: this step's row of each
+            gate_attn, gate_mlp, weight_attn, weight_mlp = (v[step] for v in adaln)
+        attn_out = self.self_attn(positions, rms_norm(hidden_states, weight_attn, self.eps), step)
+        hidden_states = hidden_states + attn_out if gate_attn is None else hidden_states.addcmul(gate_attn, attn_out)
+        mlp_out = self.mlp(rms_norm(hidden_states, weight_mlp, self.eps))
+        return hidden_states + mlp_out if gate_mlp is None else hidden_states.addcmul(gate_mlp, mlp_out)
+
+
+class _NormWeight(nn.Module):
+    """The learnable weight of a block norm (`block_norm_weight`), under the checkpoint's name `...layernorm.weight`."""
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+
+class LoopFormerModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.trajectory = server_trajectory(config, vllm_config.model_config.try_get_generation_config())
+        quant_config, cache_config = vllm_config.quant_config, vllm_config.cache_config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
+        if config.position_embedding_type == "learned":
+            self.embed_positions = VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size,
+                                                          prefix=f"{prefix}.embed_positions")
+        self.loop_conditioning = LoopFormerLoopConditioning(config)
+        self.layers = nn.ModuleList(
+            LoopFormerBlock(config, j, len(self.trajectory), cache_config, quant_config, f"{prefix}.layers.{j}",
+                            prefix)
+            for j in range(config.num_hidden_layers)
+        )
+        self.norm = _NormWeight(config.hidden_size)
+
+    def embed_input_ids(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(positions)
+        conditioning = self.loop_conditioning(self.trajectory, hidden_states.device, hidden_states.dtype)
+        # every step's adaLN vectors at once: they depend on the trajectory alone
+        adaln = [block.adaln(conditioning, hidden_states.dtype) for block in self.layers]
+        for step in range(len(self.trajectory)):
+            for block, block_adaln in zip(self.layers, adaln):
+                hidden_states = block(positions, hidden_states, step, block_adaln)
+        return rms_norm(hidden_states, self.norm.weight, self.config.rms_norm_eps)
+
+
+class LoopFormerForCausalLM(nn.Module):
+    """vLLM's model for config.json's `"architectures": ["LoopFormerForCausalLM"]` (registered by
+    `loopformer_hf.vllm_plugin`)."""
+
+    # checkpoint name -> (vLLM parameter, shard): the fused projections vLLM's Llama uses
+    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+                              (".qkv_proj", ".v_proj", "v")]
+    gated_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = LoopFormerModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+                                      prefix=_join(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @property
+    def trajectory(self):
+        return self.model.trajectory
+
+    def embed_input_ids(self, input_ids):
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds=None):
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states):
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        mapping = self.stacked_params_mapping + (self.gated_params_mapping if self.config.hidden_act == "swiglu" else [])
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue  # the tied copy of model.embed_tokens.weight
+            for param_name, shard_name, shard_id in mapping:
+                if shard_name in name:
+                    name = name.replace(shard_name, param_name)
+                    param = _param(params, name)
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                param = _param(params, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        return loaded
+
+
+def _param(params, name):
+    if name not in params:
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has no parameter in the vLLM LoopFormer model (is this a checkpoint of "
+            f"loopformer_hf's LoopFormerForCausalLM?); it has {sorted(params)[:8]}..."
+        )
+    return params[name]
+
+
+def _join(prefix, name):
+    return name if not prefix else f"{prefix}.{name}"
+
+
+__all__ = ["LoopFormerForCausalLM", "server_trajectory"]
