@@ -10,7 +10,7 @@
    looped_training/fprm/train.py).
 
     python -m benchmarks.bench_fprm_memory                       # memory table, JSON to benchmarks/results/
-    python -m benchmarks.bench_fprm_memory --halting_model outputs/fprm-sudoku4-quick/model --task sudoku4
+    python -m benchmarks.bench_fprm_memory --halting_model outputs/fprm-sudoku-cpu/model --task sudoku6
 """
 
 import argparse

@@ -6,7 +6,6 @@ per-prefix accuracy at k = 1..12 on held-out length-128 sequences; at the end, t
 
     python -m benchmarks.s5_recipe_probe --kernel 4 --init_std 6 --minutes 7   # the authors' computation, kernel 4
     python -m benchmarks.s5_recipe_probe --kernel 2 --init_std 6 --minutes 7   # ... kernel 2
-    python -m benchmarks.s5_recipe_probe --legacy --kernel 2 --curriculum 0.9 --minutes 11   # earlier versions
 
 Flags for the other recipes tried there: --tie (tied head and embeddings), --layers 1, --bos (a start token whose
 state the first element composes with), --reach (no loss on positions a segment cannot have reached yet),
@@ -43,9 +42,6 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kernel", type=int, default=2)
     p.add_argument("--tie", action="store_true")
-    p.add_argument("--legacy", action="store_true",
-                   help="the computation of earlier versions: conv added to the injection, one stored z0, a final "
-                        "norm, α 0.75/0.25 (default: the authors' computation)")
     p.add_argument("--init_std", type=float, default=1.0, help="std of z0 (the authors' S5/A5 configs: 6.0)")
     p.add_argument("--bos", action="store_true")
     p.add_argument("--reach", action="store_true")
@@ -122,8 +118,6 @@ def main(argv=None):
         num_hidden_layers=a.layers, grid_size=None, conv_type="causal_1d", conv_kernel_size=a.kernel, causal=True,
         position_embedding_type="none", num_prefix_tokens=0, init_std=a.init_std, patience=10, gamma_train=0.95,
         tie_word_embeddings=a.tie,
-        **(dict(conv_placement="injection", fixed_init=True, final_norm=True, alpha1=0.75, alpha2=0.25)
-           if a.legacy else {}),
     )
     model = FPRMForReasoning(config)
     decay = [p for n, p in model.named_parameters() if "alpha" not in n and p.dim() > 1]

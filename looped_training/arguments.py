@@ -3,8 +3,9 @@ underscore flags, and a JSON or YAML file of the same keys (`looped_training/con
 argument. The file is read with `HfArgumentParser.parse_json_file` / `parse_yaml_file`, which reject a key no
 dataclass has; a flag on the command line overrides the file's value.
 
-    python -m looped_training.fprm.train looped_training/configs/fprm/s5-quick.yaml --max_steps 500
-    python -m looped_training.loopformer.train --config looped_training/configs/loopformer/synthetic-tiny.yaml --output_dir runs/lf
+    python -m looped_training.fprm.train my-s5.yaml --max_steps 500
+    python -m looped_training.loopformer.train --config my-run.yaml --output_dir runs/lf
+    python -m looped_training.loopformer.train --preset synthetic-tiny      # a shipped file, by name
 """
 
 import errno
