@@ -35,6 +35,7 @@ from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_un
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, check_resume_config, finished_run, output_dir_lock,
                                          resolve_resume)
+from looped_training.configs import config_names, config_path, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
                                            write_plots)
@@ -43,11 +44,11 @@ from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 
 # Presets: YAML files of flags of the four argument groups; `--preset NAME` reads looped_training/configs/fprm/NAME.yaml.
-PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "fprm")
+PRESETS_DIR = os.path.dirname(config_path("fprm", "s5-cpu"))
 
 
 def preset_names():
-    return sorted(name[: -len(".yaml")] for name in os.listdir(PRESETS_DIR) if name.endswith(".yaml"))
+    return config_names("fprm")
 
 
 @dataclass
@@ -131,16 +132,7 @@ def parse_args(argv=None):
     """The four argument groups: defaults here, then a preset or config file, then the flags given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, EvalArguments, FPRMTrainingArguments))
-    preset = None
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            preset = argv[i + 1]
-        elif arg.startswith("--preset="):
-            preset = arg.split("=", 1)[1]
-    if preset is not None:
-        if preset not in preset_names():
-            raise ValueError(f"`--preset` must be one of {preset_names()}, got {preset!r}.")
-        argv = ["--config", os.path.join(PRESETS_DIR, f"{preset}.yaml"), *argv]
+    argv = with_preset(argv, "fprm")
     config_file, _ = split_config_file(argv)
     name = os.path.splitext(os.path.basename(config_file))[0] if config_file else None
     defaults = {"report_to": "none", "save_strategy": "no", "dataloader_drop_last": True, "logging_steps": 50,
@@ -319,7 +311,7 @@ def train(model_args, data_args, eval_args, train_args):
     results.update({
         "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
         "train_steps": trainer.state.global_step, "parameters": sum(p.numel() for p in model.parameters()),
-        "args": {"model": asdict(model_args), "data": asdict(data_args), "eval": asdict(eval_args),
+        "args": {"model": asdict(model_args), "data": asdict(data_args), "eval": asdict(eval_args), "seed": train_args.seed,
                  "n_backward": train_args.n_backward, "max_segments": train_args.max_segments,
                  "batch_size": train_args.per_device_train_batch_size, "learning_rate": train_args.learning_rate},
         "log_history": trainer.state.log_history,
