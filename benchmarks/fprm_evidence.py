@@ -211,6 +211,7 @@ def state_tracking(a):
 SUDOKU_TARGETS = {"exact_accuracy": 0.9, "spearman_rho": 0.5}
 LENGTH_TARGETS = {"in_distribution_accuracy": 0.9, "ratio_4T": 0.9}
 PAPER_S5_ACCURACY_128 = 0.988  # the paper's S5 accuracy over positions 1..128 (trained at 32)
+FRESH_SEED_OFFSET = 1000  # data seed of a second test split (the presets were probed on the run seed's splits)
 
 
 def spearman(x, y):
@@ -283,6 +284,18 @@ def test_split(results, seed):
     return ds["test"]
 
 
+def fresh_sudoku_split(results, seed):
+    """The test split of data seed `seed + FRESH_SEED_OFFSET` without the puzzles the run trained on (4x4 grids are
+    few enough for two seeds to draw the same puzzle)."""
+    from types import SimpleNamespace
+
+    from looped_training.fprm.tasks import build_task
+
+    trained = set(build_task(SimpleNamespace(**results["args"]["data"]), seed)[0]["train"]["puzzle"])
+    test = test_split(results, seed + FRESH_SEED_OFFSET)
+    return test.filter(lambda row: row["puzzle"] not in trained)
+
+
 def load_model(folder):
     import torch
 
@@ -303,11 +316,13 @@ def sudoku_point(model, test, max_loops):
     cell, exact, correct, valid = accuracy(preds, test["labels"])
     solved = (correct | ~valid).all(-1).numpy()
     blanks, iters = np.asarray(test["num_blanks"]), iters.numpy()
-    return {"exact_accuracy": exact, "cell_accuracy": cell, "mean_iterations": float(iters.mean()),
-            "converged_fraction": float(conv.float().mean()), "solved": int(solved.sum()),
+    return {"puzzles": len(test), "exact_accuracy": exact, "cell_accuracy": cell,
+            "mean_iterations": float(iters.mean()), "converged_fraction": float(conv.float().mean()),
+            "solved": int(solved.sum()),
             "spearman_rho": spearman(blanks[solved], iters[solved]),
             "spearman_rho_all_puzzles": spearman(blanks, iters),
-            "per_blanks": [{"blanks": int(b), "count": int((blanks == b).sum()), "solved": int(solved[blanks == b].sum()),
+            "per_blanks": [{"blanks": int(b), "count": int((blanks == b).sum()),
+                            "solved": int(solved[blanks == b].sum()),
                             "exact_accuracy": float(solved[blanks == b].mean()),
                             "mean_iterations_solved": float(iters[(blanks == b) & solved].mean())
                             if solved[blanks == b].any() else None,
@@ -325,7 +340,10 @@ def sudoku_adaptivity(a):
     for step, folder in saved_models(out_dir):
         point = sudoku_point(load_model(folder), test, cap)
         curve.append({"step": step, **{k: v for k, v in point.items() if not k.startswith(("_", "per_"))}})
-    final = sudoku_point(load_model(os.path.join(out_dir, "model")), test, cap)
+    model = load_model(os.path.join(out_dir, "model"))
+    final = sudoku_point(model, test, cap)
+    # the recipe was probed on splits of this seed: a split of another seed says whether the figures fit it only
+    fresh = sudoku_point(model, fresh_sudoku_split(results, a.seed), cap)
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part sudoku_adaptivity --seed {a.seed} "
                    f"--save_steps {a.save_steps}",
@@ -334,6 +352,8 @@ def sudoku_adaptivity(a):
         "wall_seconds": seconds, "test_puzzles": len(test), "halt_eps": model_halt_eps(out_dir), "max_loops": cap,
         "targets": SUDOKU_TARGETS,
         "final": {k: v for k, v in final.items() if not k.startswith("_")},
+        "fresh_test_split": {"data_seed": a.seed + FRESH_SEED_OFFSET,
+                             **{k: v for k, v in fresh.items() if not k.startswith(("_", "per_"))}},
         "verdicts": {"exact_accuracy": verdict(final["exact_accuracy"], SUDOKU_TARGETS["exact_accuracy"]),
                      "spearman_rho": verdict(final["spearman_rho"], SUDOKU_TARGETS["spearman_rho"])},
         "over_training": curve,
@@ -358,6 +378,15 @@ def write_evidence(evidence, markdown, results_dir, name):
     print(f"wrote {os.path.join(results_dir, name)}.json and .md")
 
 
+def with_final(e):
+    """The checkpoints' rows, then the final model's unless a checkpoint was saved at the last step (the same
+    weights: EMA is off in these presets)."""
+    rows = e["over_training"]
+    if rows and rows[-1]["step"] == e["train_steps"]:
+        return rows
+    return rows + [{"step": e["train_steps"], **e["final"]}]
+
+
 def _fmt(value, digits=3):
     return "n/a" if value is None or value != value else f"{value:.{digits}f}"
 
@@ -374,6 +403,10 @@ def sudoku_markdown(e):
              f"{_fmt(f['spearman_rho'])} | {e['verdicts']['spearman_rho']} |", "",
              f"ρ over all {e['test_puzzles']} puzzles: {_fmt(f['spearman_rho_all_puzzles'])}; mean iterations "
              f"{f['mean_iterations']:.2f}, cell accuracy {f['cell_accuracy']:.3f}.", "",
+             f"On a test split of another data seed ({e['fresh_test_split']['data_seed']}, "
+             f"{e['fresh_test_split']['puzzles']} puzzles not in the training set): exact "
+             f"{_fmt(e['fresh_test_split']['exact_accuracy'])}, ρ over the {e['fresh_test_split']['solved']} solved "
+             f"{_fmt(e['fresh_test_split']['spearman_rho'])}.", "",
              "| blanks | puzzles | exact | mean iterations, solved | mean iterations, unsolved |",
              "|---|---|---|---|---|"]
     for r in f["per_blanks"]:
@@ -381,7 +414,7 @@ def sudoku_markdown(e):
                      f"{_fmt(r['mean_iterations_solved'], 2)} | {_fmt(r['mean_iterations_unsolved'], 2)} |")
     lines += ["", "Over training (each saved checkpoint on the same test puzzles):", "",
               "| step | exact | ρ solved | ρ all | mean iterations |", "|---|---|---|---|---|"]
-    for r in e["over_training"] + [{"step": e["train_steps"], **f}]:
+    for r in with_final(e):
         lines.append(f"| {r['step']} | {r['exact_accuracy']:.3f} | {_fmt(r['spearman_rho'])} | "
                      f"{_fmt(r['spearman_rho_all_puzzles'])} | {r['mean_iterations']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -453,7 +486,9 @@ def length_generalisation_evidence(a):
     for step, folder in saved_models(out_dir):
         point = length_point(load_model(folder), test, cap, T)
         curve.append({"step": step, **{k: v for k, v in point.items() if not k.startswith("_")}})
-    final = length_point(load_model(os.path.join(out_dir, "model")), test, cap, T)
+    model = load_model(os.path.join(out_dir, "model"))
+    final = length_point(model, test, cap, T)
+    fresh = length_point(model, test_split(results, a.seed + FRESH_SEED_OFFSET), cap, T)
     ratio = final["ratio_4T"]
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part length_generalisation --seed {a.seed} "
@@ -463,6 +498,8 @@ def length_generalisation_evidence(a):
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"], "wall_seconds": seconds,
         "max_loops": cap, "targets": LENGTH_TARGETS, "paper_s5_accuracy_128": PAPER_S5_ACCURACY_128,
         "final": {k: v for k, v in final.items() if not k.startswith("_")}, "final_curve": final["_curve"],
+        "fresh_test_split": {"data_seed": a.seed + FRESH_SEED_OFFSET,
+                             **{k: v for k, v in fresh.items() if not k.startswith("_")}},
         "verdicts": {"in_distribution_accuracy": verdict(final["in_distribution_accuracy"],
                                                          LENGTH_TARGETS["in_distribution_accuracy"]),
                      "ratio_4T": verdict(ratio, LENGTH_TARGETS["ratio_4T"])},
@@ -488,9 +525,12 @@ def length_markdown(e):
              f"The paper: {e['paper_s5_accuracy_128']} accuracy over 1..128 (S5, trained at 32). Here, accuracy over "
              f"1..{4 * T}: {_fmt(f['accuracy_4T'])}; sequence accuracy at T / 4T: {_fmt(f['sequence_accuracy_T'])} / "
              f"{_fmt(f['sequence_accuracy_4T'])}; mean iterations to halt {f['mean_iterations']:.1f}.", "",
+             f"On a test split of another data seed ({e['fresh_test_split']['data_seed']}): accuracy over 1..T "
+             f"{_fmt(e['fresh_test_split']['in_distribution_accuracy'])}, over 1..4T "
+             f"{_fmt(e['fresh_test_split']['accuracy_4T'])}, ratio {_fmt(e['fresh_test_split']['ratio_4T'])}.", "",
              "Over training (each saved checkpoint on the same test sequences):", "",
              "| step | accuracy 1..T | accuracy 1..4T | ratio | sequence accuracy at T |", "|---|---|---|---|---|"]
-    for r in e["over_training"] + [{"step": e["train_steps"], **f}]:
+    for r in with_final(e):
         lines.append(f"| {r['step']} | {r['in_distribution_accuracy']:.3f} | {r['accuracy_4T']:.3f} | "
                      f"{_fmt(r['ratio_4T'])} | {r['sequence_accuracy_T']:.3f} |")
     return "\n".join(lines) + "\n"
