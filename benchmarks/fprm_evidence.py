@@ -20,7 +20,8 @@ defaults; `--scale` multiplies every time budget):
    authors' recipe), then on its test puzzles exact accuracy and the Spearman rho between blanks and iterations to
    halt over the puzzles solved (targets: exact >= 0.9, rho >= 0.5), the same for every saved checkpoint (how both
    move with training), and `docs/plots/fprm_sudoku_iterations_vs_blanks_seed<S>.png`; writes
-   `benchmarks/results/fprm_sudoku_adaptivity_seed<S>.{json,md}` (one set per `--seed`).
+   `benchmarks/results/fprm_sudoku_adaptivity_seed<S>.{json,md}` (one set per `--seed`; `--sudoku_width D` trains
+   width D instead of 64 and adds `_dD` to the names).
 
     python -m benchmarks.fprm_evidence --part sudoku_adaptivity
 
@@ -62,6 +63,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=42, help="training seed of the adaptivity and length runs")
     p.add_argument("--save_steps", type=int, default=200, help="checkpoint interval of those runs (the curve over "
                                                                  "training)")
+    p.add_argument("--sudoku_width", type=int, default=None, help="d of the adaptivity run (default: the preset's 64)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
     p.add_argument("--results_dir", default=RESULTS_DIR, help="where the adaptivity/length JSON and markdown go")
     p.add_argument("--plots_dir", default=PLOTS_DIR)
@@ -333,7 +335,10 @@ def sudoku_point(model, test, max_loops):
 
 
 def sudoku_adaptivity(a):
-    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-seed{a.seed}")
+    # --sudoku_width: the width sweep (the puzzle embedding learns d values, as the preset)
+    width = ["--hidden_size", str(a.sudoku_width), "--puzzle_emb_ndim", str(a.sudoku_width)] if a.sudoku_width else []
+    tag = f"seed{a.seed}" + (f"_d{a.sudoku_width}" if a.sudoku_width else "")
+    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-{tag}", width)
     test = test_split(results, a.seed)
     cap = results["solver"]["max_loops"]
     curve = []
@@ -346,7 +351,8 @@ def sudoku_adaptivity(a):
     fresh = sudoku_point(model, fresh_sudoku_split(results, a.seed), cap)
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part sudoku_adaptivity --seed {a.seed} "
-                   f"--save_steps {a.save_steps}",
+                   f"--save_steps {a.save_steps}" + (f" --sudoku_width {a.sudoku_width}" if a.sudoku_width else ""),
+        "tag": tag,
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seed": a.seed,
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
         "wall_seconds": seconds, "test_puzzles": len(test), "halt_eps": model_halt_eps(out_dir), "max_loops": cap,
@@ -359,7 +365,7 @@ def sudoku_adaptivity(a):
         "over_training": curve,
     }
     evidence["plot"] = plot_sudoku(final, evidence, a.plots_dir)
-    write_evidence(evidence, sudoku_markdown(evidence), a.results_dir, f"fprm_sudoku_adaptivity_seed{a.seed}")
+    write_evidence(evidence, sudoku_markdown(evidence), a.results_dir, f"fprm_sudoku_adaptivity_{tag}")
     return evidence
 
 
@@ -442,7 +448,7 @@ def plot_sudoku(point, e, plots_dir):
     ax.legend(loc="upper left", fontsize=8)
     return save_captioned(fig, f"Spearman ρ over solved = {_fmt(point['spearman_rho'])} (target ≥ 0.5); halting "
                                f"at τ = {e['halt_eps']:g}; {e['test_puzzles']} test puzzles",
-                          plots_dir, f"fprm_sudoku_iterations_vs_blanks_seed{e['seed']}.png")
+                          plots_dir, f"fprm_sudoku_iterations_vs_blanks_{e['tag']}.png")
 
 
 def save_captioned(fig, caption, plots_dir, name):
