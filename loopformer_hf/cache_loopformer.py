@@ -11,14 +11,32 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 """
 
 import numbers
+import warnings
 from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
+
+from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
 
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(cache, past_key_values, owner):
+    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
+    if past_key_values is None:
+        return cache
+    if CACHE_FIELD == "cache":
+        warnings.warn(
+            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
+        )
+    return cache if cache is not None else past_key_values
 
 
 class LoopFormerCacheSpec(NamedTuple):
@@ -47,6 +65,21 @@ class LoopFormerCacheSpec(NamedTuple):
         return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
 
 
+def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
+    """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
+    can be compared with (None when a knob is not such a value, e.g. a tensor: that call resolves its own plan)."""
+    if step_schedule is not None and not isinstance(step_schedule, str):
+        if not isinstance(step_schedule, (list, tuple)) or not all(type(s) in (int, float) for s in step_schedule):
+            return None
+        step_schedule = tuple(step_schedule)
+    knobs = (loop_budget, halt_eps)
+    if not all(k is None or type(k) in (int, float) for k in knobs) or not isinstance(halt_criterion, (str, type(None))):
+        return None
+    return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
+            config.default_step_schedule, config.halt_criterion, config.halt_kv_fill, config.cache_sharing,
+            config.cache_share_n, config.loop_conditioning, config.max_loop_budget_factor)
+
+
 class LoopFormerPlan(NamedTuple):
     """One forward call's loop, resolved and validated once: the call's knobs as given (`request`) and what they
     resolve to, the trajectory and halting rule in `spec`. A cache keeps the plan of the calls that fill it
@@ -54,6 +87,26 @@ class LoopFormerPlan(NamedTuple):
 
     request: tuple | None  # None: knobs that cannot be compared as values (e.g. a tensor schedule), never reused
     spec: LoopFormerCacheSpec
+
+    @classmethod
+    def for_call(cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None):
+        """The plan of a call with these knobs: the one `cache` holds if the call asks the same (a decode step of the
+        call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one)."""
+        request = _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion)
+        kept = getattr(cache, "plan", None)
+        if request is not None and kept is not None and kept.request == request:
+            return kept
+        trajectory = config.resolve_trajectory(loop_budget, step_schedule)
+        halt_eps = check_halt_eps(halt_eps)
+        halt_criterion = config.halt_criterion if halt_criterion is None else halt_criterion
+        if halt_criterion not in HALT_CRITERIA:
+            raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {halt_criterion!r}.")
+        halting = halt_eps is not None
+        share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
+        spec = LoopFormerCacheSpec(tuple(trajectory), config.num_hidden_layers, halt_eps,
+                                   config.halt_kv_fill if halting else None, share_n,
+                                   halt_criterion if halting else None)
+        return cls(request, spec)
 
     @property
     def trajectory(self):

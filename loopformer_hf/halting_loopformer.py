@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from .configuration_loopformer import HALT_CRITERIA
 
 
 # Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
@@ -135,12 +134,6 @@ def state_change_score(previous, hidden_states):
     if delta.dtype != torch.float32:  # after amax: abs and max are exact in any dtype
         delta, norm = delta.float(), norm.float()
     return delta / (norm + 1e-8)
-
-
-def _halt_criterion(value):
-    if value not in HALT_CRITERIA:
-        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {value!r}.")
-    return value
 
 
 @dataclass

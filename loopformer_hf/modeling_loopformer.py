@@ -7,42 +7,27 @@ preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per 
 than the one that filled it.
 """
 
+import glob
 import math
-import numbers
-import warnings
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import logging
 
-from .cache_loopformer import LoopFormerCache, LoopFormerCacheSpec, LoopFormerPlan
-from .configuration_loopformer import LoopFormerConfig, check_halt_eps
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
+from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
-from .halting_loopformer import LoopFormerHaltingState, _halt_criterion
-
-
-logger = logging.get_logger(__name__)
-
-# transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
-CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _cache_argument(cache, past_key_values, owner):
-    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
-    if past_key_values is None:
-        return cache
-    if CACHE_FIELD == "cache":
-        warnings.warn(
-            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
-        )
-    return cache if cache is not None else past_key_values
+from .loss_loopformer import check_consistency_args, shortcut_consistency_loss
+from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
+from .halting_loopformer import LoopFormerHaltingState
 
 
 # `rms_norm_eps=None`: torch's default eps for a float32 input, which the reference's norms see (float32 weights and
@@ -326,6 +311,14 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
 
 
+def _opens(path):
+    try:
+        with safe_open(path, framework="pt"):
+            return True
+    except SafetensorError:
+        return False
+
+
 class LoopFormerPreTrainedModel(PreTrainedModel):
     config_class = LoopFormerConfig
     base_model_prefix = "model"
@@ -336,6 +329,22 @@ class LoopFormerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     # A fixed trajectory (no `halt_eps`, whose halting reads tensor values) traces as one graph per trajectory.
     _can_compile_fullgraph = True
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`; a weights file that is not safetensors (a pickle renamed
+        `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
+        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as e:
+            folder = str(pretrained_model_name_or_path)
+            bad = [f for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if not _opens(f)]
+            raise OSError(
+                f"{', '.join(map(repr, bad)) or f'a weights file of {folder!r}'} is not a safetensors file "
+                f"(safetensors: {e}). Nothing was loaded from it, and pickles are never unpickled here: re-save the "
+                f"model with `save_pretrained`, or give the folder it was saved to."
+            ) from None
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         adjusted = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
@@ -390,21 +399,6 @@ class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
     consistency: torch.FloatTensor | None = None
 
 
-def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
-    """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
-    can be compared with (None when a knob is not such a value, e.g. a tensor: that call resolves its own plan)."""
-    if step_schedule is not None and not isinstance(step_schedule, str):
-        if not isinstance(step_schedule, (list, tuple)) or not all(type(s) in (int, float) for s in step_schedule):
-            return None
-        step_schedule = tuple(step_schedule)
-    knobs = (loop_budget, halt_eps)
-    if not all(k is None or type(k) in (int, float) for k in knobs) or not isinstance(halt_criterion, (str, type(None))):
-        return None
-    return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
-            config.default_step_schedule, config.halt_criterion, config.halt_kv_fill, config.cache_sharing,
-            config.cache_share_n, config.loop_conditioning, config.max_loop_budget_factor)
-
-
 class LoopFormerModel(LoopFormerPreTrainedModel):
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -419,126 +413,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    # ---- masks and positions -------------------------------------------------------------------------------------
-
-    def _attention_mask(self, attention_mask, batch, q_len, past_len, kv_len, device):
-        """Boolean (batch, 1, q_len, kv_len) mask, True = may attend; None = plain causal. `kv_len` is past_len +
-        q_len, or more with a static cache (its rows beyond are empty), whose `past_len` is a tensor."""
-        static = isinstance(past_len, torch.Tensor)
-        if attention_mask is not None and attention_mask.dim() == 4:
-            return attention_mask
-        if attention_mask is not None:
-            if not torch.compiler.is_compiling() and attention_mask.shape != (batch, int(past_len) + q_len):
-                raise ValueError(
-                    f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, int(past_len) + q_len)}, "
-                    f"got {tuple(attention_mask.shape)}."
-                )
-            if not torch.compiler.is_compiling() and bool(attention_mask.all()):
-                attention_mask = None
-        if attention_mask is None and not static and (q_len == 1 or past_len == 0) and (
-            self.config._attn_implementation == "sdpa"
-        ):
-            return None
-        # query i sits at position past_len + i and sees keys 0..past_len + i
-        causal = torch.arange(kv_len, device=device)[None] <= (torch.arange(q_len, device=device) + past_len)[:, None]
-        mask = causal[None, None].expand(batch, 1, q_len, kv_len)
-        if attention_mask is not None:
-            padding = attention_mask.bool()
-            if static:
-                padding = torch.cat([padding, padding.new_zeros(batch, kv_len - padding.shape[1])], dim=1)
-            mask = mask & padding[:, None, None, :]
-            # Rows of pure padding would attend to nothing (NaN in sdpa): let them see everything; no real token
-            # ever reads their output, since their keys are masked for all real queries.
-            mask = mask | ~mask.any(dim=-1, keepdim=True)
-        return mask
-
-    @staticmethod
-    def _check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len):
-        """transformers' conventions: a 2-D mask (batch, past + new tokens) of 0/1 (its shape is checked with the
-        cache's length), a 4-D mask (batch or 1, 1, q_len, kv_len) bool (True = may attend) or float (added to the
-        scores); position_ids integer (batch or 1, q_len), >= 0. Anything else raises `ValueError` here instead of
-        running with shifted positions, adding an int 0/1 mask as if additive, or failing deep in torch."""
-        compiling = torch.compiler.is_compiling()  # value checks read the tensor (a graph break): skipped there
-        if attention_mask is not None:
-            if not torch.is_tensor(attention_mask) or attention_mask.dim() not in (2, 4):
-                raise ValueError(
-                    f"`attention_mask` must be a 2-D (batch, tokens) 0/1 tensor or a 4-D (batch, 1, q_len, kv_len) "
-                    f"bool or float tensor, got {type(attention_mask).__name__} "
-                    f"{tuple(getattr(attention_mask, 'shape', ()))}."
-                )
-            if attention_mask.dim() == 4:
-                if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
-                    raise ValueError(
-                        f"A 4-D `attention_mask` must be bool (True = may attend) or float (added to the attention "
-                        f"scores: 0 to attend, a large negative such as torch.finfo(dtype).min not to), got "
-                        f"{attention_mask.dtype}: an integer 0/1 mask would be added to the scores, not masked. Pass "
-                        f"`mask.bool()`."
-                    )
-                if attention_mask.shape[0] not in (1, batch) or tuple(attention_mask.shape[1:]) != (1, q_len, kv_len):
-                    raise ValueError(
-                        f"A 4-D `attention_mask` must have shape (batch={batch} or 1, 1, q_len={q_len}, "
-                        f"kv_len={kv_len}), got {tuple(attention_mask.shape)}."
-                    )
-            elif not compiling and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-                other = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-                raise ValueError(
-                    f"A 2-D `attention_mask` must hold only 0 (padding) and 1 (a token), got "
-                    f"{other.unique()[:4].tolist()}: positions are counted from it. Pass a 4-D mask for anything else."
-                )
-        if position_ids is not None:
-            if not (torch.is_tensor(position_ids) and not position_ids.dtype.is_floating_point
-                    and not position_ids.dtype.is_complex and position_ids.dtype != torch.bool
-                    and position_ids.dim() == 2 and position_ids.shape[0] in (1, batch)
-                    and position_ids.shape[1] == q_len):
-                raise ValueError(
-                    f"`position_ids` must be an integer tensor of shape (batch={batch} or 1, new tokens={q_len}), "
-                    f"got {type(position_ids).__name__} {tuple(getattr(position_ids, 'shape', ()))} "
-                    f"{getattr(position_ids, 'dtype', '')}."
-                )
-            if not compiling and position_ids.numel() and int(position_ids.min()) < 0:
-                raise ValueError(f"`position_ids` must be >= 0, got {int(position_ids.min())}.")
-
-    def _position_ids(self, attention_mask, batch, q_len, past_len, device):
-        if attention_mask is not None and attention_mask.dim() == 2:
-            positions = attention_mask.long().cumsum(-1) - 1
-            return positions.clamp(min=0)[:, -q_len:]
-        return (torch.arange(q_len, device=device) + past_len)[None].expand(batch, q_len)
-
     def _embed(self, input_ids, inputs_embeds):
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Give exactly one of `input_ids` or `inputs_embeds`.")
-        given = input_ids if input_ids is not None else inputs_embeds
-        if given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:
-            name = "input_ids" if input_ids is not None else "inputs_embeds"
-            raise ValueError(
-                f"`{name}` must hold at least one sequence of at least one token, shape (batch >= 1, seq_len >= 1), "
-                f"got shape {tuple(given.shape)}."
-            )
-        if input_ids is None:
-            hidden, dtype = self.config.hidden_size, self.embed_tokens.weight.dtype
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden or inputs_embeds.dtype != dtype:
-                raise ValueError(
-                    f"`inputs_embeds` must be a {dtype} tensor of shape (batch, seq_len, hidden_size={hidden}) (what "
-                    f"`get_input_embeddings()(input_ids)` gives), got {inputs_embeds.dtype} "
-                    f"{tuple(inputs_embeds.shape)}."
-                )
-            return inputs_embeds
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise ValueError(f"`input_ids` must be an integer tensor of token ids, got {input_ids.dtype}.")
-        # checks read values (a graph break), so compiled graphs skip them
-        if not torch.compiler.is_compiling() and input_ids.numel():
-            low, high = (int(v) for v in torch.aminmax(input_ids))
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"`input_ids` must lie in [0, {self.config.vocab_size - 1}], got values in [{low}, {high}]."
-                )
-        return self.embed_tokens(input_ids)
+        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size,
+                           self.embed_tokens.weight.dtype)
+        return inputs_embeds if input_ids is None else self.embed_tokens(input_ids)
 
     def _add_positions(self, inputs_embeds, position_ids):
         """(hidden states, rotary (cos, sin) or None): learned positions are added, RoPE is applied in attention."""
@@ -550,23 +428,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 f"{self.config.max_position_embeddings} (learned positions cannot extrapolate)."
             )
         return inputs_embeds + self.embed_positions(position_ids), None
-
-    def _plan(self, cache, loop_budget, step_schedule, halt_eps, halt_criterion):
-        """The call's [`LoopFormerPlan`]: the one `cache` holds if this call asks the same (a decode step of the
-        call that filled it), else the knobs resolved and validated here."""
-        request = _plan_request(self.config, loop_budget, step_schedule, halt_eps, halt_criterion)
-        kept = getattr(cache, "plan", None)
-        if request is not None and kept is not None and kept.request == request:
-            return kept
-        trajectory = self.config.resolve_trajectory(loop_budget, step_schedule)
-        halt_eps = check_halt_eps(halt_eps)
-        halt_criterion = _halt_criterion(self.config.halt_criterion if halt_criterion is None else halt_criterion)
-        halting = halt_eps is not None
-        share_n = self.config.cache_share_n if self.config.cache_sharing == "modulo" else None
-        spec = LoopFormerCacheSpec(tuple(trajectory), len(self.layers), halt_eps,
-                                   self.config.halt_kv_fill if halting else None, share_n,
-                                   halt_criterion if halting else None)
-        return LoopFormerPlan(request, spec)
 
     def _loop_adaln(self, trajectory, dtype, device, cache):
         """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning). They depend on
@@ -619,20 +480,27 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if cache is not None and not torch.compiler.is_compiling():
             cache.check_batch_size(batch)
         past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
-        self._check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
+        check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
         if position_ids is None:
-            position_ids = self._position_ids(attention_mask, batch, q_len, past_len, device)
+            position_ids = default_position_ids(attention_mask, batch, q_len, past_len, device)
         position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
-        mask = self._attention_mask(attention_mask, batch, q_len, past_len, kv_len, device)
+        mask = attention_mask_for(self.config._attn_implementation, attention_mask, batch, q_len, past_len, kv_len,
+                                  device)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
         return hidden_states, position_embeddings, mask
 
-    def _loop(self, plan, hidden_states, mask, position_embeddings, cache, halting, output_attentions,
+    def _loop(self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions,
               output_hidden_states):
-        """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None)."""
-        trajectory = plan.trajectory
+        """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
+        the halting state or None)."""
+        trajectory, halting = plan.trajectory, None
+        if plan.halt_eps is not None:
+            readout = None if halt_head is None else (
+                lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+            halting = LoopFormerHaltingState.start(plan.halt_eps, self.config, hidden_states, plan.halt_criterion,
+                                                   readout)
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
         # positional tensors. At inference they are computed once for every step (and kept on the cache).
@@ -657,29 +525,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 all_attentions += attentions
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-        return hidden_states, all_hidden_states, all_attentions
+        return hidden_states, all_hidden_states, all_attentions, halting
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        loop_budget=None,
-        step_schedule=None,
-        halt_eps=None,
-        past_key_values=None,
-        halt_criterion=None,
-        halt_head=None,
-        **kwargs,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, loop_budget=None,
+                step_schedule=None, halt_eps=None, past_key_values=None, halt_criterion=None, halt_head=None,
+                **kwargs):
         r"""
         loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
@@ -700,8 +553,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             self.config.output_hidden_states)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        cache = _cache_argument(cache, past_key_values, type(self).__name__)
-        plan = self._plan(cache, loop_budget, step_schedule, halt_eps, halt_criterion)
+        cache = cache_argument(cache, past_key_values, type(self).__name__)
+        plan = LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
         # checkpointing in training uses none: recomputed blocks would write it twice).
@@ -710,14 +563,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             LoopFormerCache.for_call(cache, plan))
         hidden_states, position_embeddings, mask = self._prepare_inputs(inputs_embeds, attention_mask, position_ids,
                                                                         cache)
-        halting = None
-        if plan.halt_eps is not None:
-            readout = None if halt_head is None else (
-                lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-            halting = LoopFormerHaltingState.start(plan.halt_eps, self.config, hidden_states, plan.halt_criterion,
-                                                   readout)
-        hidden_states, all_hidden_states, all_attentions = self._loop(
-            plan, hidden_states, mask, position_embeddings, cache, halting, output_attentions, output_hidden_states)
+        hidden_states, all_hidden_states, all_attentions, halting = self._loop(
+            plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states)
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
             loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},
@@ -725,32 +572,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
 
-CONSISTENCY_LOSSES = ("mse", "kl")
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index")  # what `forward` hands to `loss_function`
-
-
-def _next_token_pairs(logits, labels, shift_labels=None):
-    """(logits, targets) of next-token prediction: `labels` shifted by one, or `shift_labels` as given (one target
-    per position, the last one the token after the window), as transformers' `ForCausalLMLoss` takes them."""
-    if shift_labels is not None:
-        return logits, shift_labels.to(logits.device)
-    return logits[:, :-1], labels[:, 1:].to(logits.device)
-
-
-def _token_ce_sum(logits, labels, shift_labels=None):
-    """Sum of next-token cross-entropies over labelled positions, and their number."""
-    logits, labels = _next_token_pairs(logits, labels, shift_labels)
-    logits = logits.float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return ce, int((labels != -100).sum())
-
-
-def _check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
-    for name, value in (("lambda_short", lambda_short), ("lambda_consistency", lambda_consistency)):
-        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
-            raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
-    if consistency_loss not in CONSISTENCY_LOSSES:
-        raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
 
 
 class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin):
@@ -766,55 +588,19 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, new_embeddings):
-        self.lm_head = new_embeddings
-
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        logits_to_keep=0,
-        loop_budget=None,
-        step_schedule=None,
-        halt_eps=None,
-        short_step_schedule=None,
-        lambda_short=0.1,
-        lambda_consistency=0.1,
-        consistency_loss="mse",
-        past_key_values=None,
-        halt_criterion=None,
-        **kwargs,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None, short_step_schedule=None,
+                lambda_short=0.1, lambda_consistency=0.1, consistency_loss="mse", past_key_values=None,
+                halt_criterion=None, **kwargs):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
         shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): with `labels`, the targets already
             aligned with the positions (`shift_labels[:, i]` is the target of position i), as transformers' causal-LM
             loss takes them: a window of T tokens then trains T targets, its last one the token after the window
             (the authors' windows). Not a named argument, so that the Trainer's `label_names` stay `["labels"]`.
-        loop_budget (`int`, *optional*): number of loop steps M; also a `generate` kwarg.
-        step_schedule (`str` or list of `float`, *optional*): Δ_1..Δ_M summing to 1 or a preset name; also a
-            `generate` kwarg.
-        halt_eps (`float`, *optional*): per-token adaptive depth (see [`LoopFormerModel.forward`]); also a
-            `generate` kwarg. The output's `loop_counts` holds the loop steps each token ran.
-        halt_criterion (`str`, *optional*): what `halt_eps` thresholds: "state_change", "kl" or "entropy" (default
-            `config.halt_criterion`; see [`LoopFormerConfig`]); also a `generate` kwarg.
+        loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`]; also
+            `generate` kwargs. With `halt_eps`, the output's `loop_counts` holds the loop steps each token ran.
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
             objective: the same inputs also run this short trajectory (steps summing to 1) and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
@@ -831,7 +617,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                         "inputs_embeds": inputs_embeds}
         outputs = self.model(
-            **model_inputs, cache=_cache_argument(cache, past_key_values, type(self).__name__), use_cache=use_cache,
+            **model_inputs, cache=cache_argument(cache, past_key_values, type(self).__name__), use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
             loop_budget=loop_budget, step_schedule=step_schedule, halt_eps=halt_eps, halt_criterion=halt_criterion,
             halt_head=self.lm_head,
@@ -839,34 +625,9 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
-        loss, terms = None, {}
-        if short_step_schedule is not None and labels is None:
-            raise ValueError(
-                "`short_step_schedule` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
-                "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
-                "pass labels, or drop short_step_schedule."
-            )
-        objective = None
-        if labels is not None and short_step_schedule is None and self.training:
-            objective = self.shortcut_objective
-        if objective is not None:
-            fields = objective.training_forward_kwargs()
-            short_step_schedule, lambda_short = fields["short_step_schedule"], fields["lambda_short"]
-            lambda_consistency, consistency_loss = fields["lambda_consistency"], fields["consistency_loss"]
-        if labels is not None and short_step_schedule is not None:
-            _check_consistency_args(lambda_short, lambda_consistency, consistency_loss)
-            short = self.model(**model_inputs, step_schedule=short_step_schedule, use_cache=False, return_dict=True)
-            loss, terms, tokens = self._shortcut_consistency_loss(
-                logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
-                lambda_short, lambda_consistency, consistency_loss, kwargs.get("num_items_in_batch"), shift_labels,
-            )
-            if objective is not None:
-                objective.record_terms(**terms, tokens=tokens)
-        elif labels is not None:
-            loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
-            if shift_labels is not None:
-                loss_kwargs["shift_labels"] = shift_labels
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        consistency = {"short_step_schedule": short_step_schedule, "lambda_short": lambda_short,
+                       "lambda_consistency": lambda_consistency, "consistency_loss": consistency_loss}
+        loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shift_labels, consistency, kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -878,6 +639,40 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         )
         return output if return_dict else output.to_tuple()
 
+    def _loss(self, logits, hidden_states, model_inputs, labels, shift_labels, consistency, kwargs):
+        """(loss, the shortcut objective's terms): plain CE, or with a short trajectory (given, or drawn from
+        `shortcut_objective` in training) the shortcut-consistency loss of both trajectories."""
+        if consistency["short_step_schedule"] is not None and labels is None:
+            raise ValueError(
+                "`short_step_schedule` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
+                "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
+                "pass labels, or drop short_step_schedule."
+            )
+        if labels is None:
+            return None, {}
+        objective = None
+        if consistency["short_step_schedule"] is None and self.training:
+            objective = self.shortcut_objective
+        if objective is not None:
+            consistency = objective.training_forward_kwargs()
+        if consistency["short_step_schedule"] is None:
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
+            if shift_labels is not None:
+                loss_kwargs["shift_labels"] = shift_labels
+            return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      **loss_kwargs), {}
+        lambdas = consistency["lambda_short"], consistency["lambda_consistency"], consistency["consistency_loss"]
+        check_consistency_args(*lambdas)
+        short = self.model(**model_inputs, step_schedule=consistency["short_step_schedule"], use_cache=False,
+                           return_dict=True)
+        loss, terms, tokens = shortcut_consistency_loss(
+            logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels, *lambdas,
+            kwargs.get("num_items_in_batch"), shift_labels,
+        )
+        if objective is not None:
+            objective.record_terms(**terms, tokens=tokens)
+        return loss, terms
+
     def save_pretrained(self, *args, **kwargs):
         """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
         generation_config.json and come back on load."""
@@ -888,34 +683,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             # A generation config marked as derived from the model config loses its custom fields when loaded.
             generation_config._from_model_config = False
         return super().save_pretrained(*args, **kwargs)
-
-
-    @staticmethod
-    def _shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
-                                   consistency_loss, num_items_in_batch=None, shift_labels=None):
-        """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
-        are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
-        share of those tokens. Returns (loss, the three detached terms as per-token means, labelled tokens)."""
-        ce_full_sum, n_local = _token_ce_sum(logits, labels, shift_labels)
-        ce_short_sum, _ = _token_ce_sum(short_logits, labels, shift_labels)
-        denom = n_local if num_items_in_batch is None else num_items_in_batch
-        denom = torch.as_tensor(denom, device=ce_full_sum.device, dtype=torch.float32).clamp(min=1)
-        if consistency_loss == "mse":
-            consistency = F.mse_loss(h_short.float(), h_full.detach().float())
-        else:
-            short_logits, targets = _next_token_pairs(short_logits, labels, shift_labels)
-            full_logits, _ = _next_token_pairs(logits, labels, shift_labels)
-            mask = targets != -100
-            log_p_short = F.log_softmax(short_logits[mask].float(), dim=-1)
-            log_p_full = F.log_softmax(full_logits[mask].detach().float(), dim=-1)
-            # mean over labelled positions ("batchmean"), 0 where there are none (batchmean would give 0/0)
-            consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="sum") / max(n_local, 1)
-        loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom
-        loss = loss + lambda_consistency * consistency * (n_local / denom)
-        tokens = max(n_local, 1)
-        terms = {"ce_full": ce_full_sum.detach() / tokens, "ce_short": ce_short_sum.detach() / tokens,
-                 "consistency": consistency.detach()}
-        return loss, terms, n_local
 
 
 __all__ = ["LoopFormerPreTrainedModel", "LoopFormerModel", "LoopFormerForCausalLM"]

@@ -23,6 +23,7 @@ from datasets import Dataset
 from transformers import TrainerCallback, TrainingArguments
 
 from looped_training.loopformer.data.text import chunk_text
+from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.loopformer.train import ModelArguments, ScheduleArguments, ShortcutArguments, build_trainer
 from loopformer_hf.convert_reference import convert, map_reference_state_dict
 from test_convert_reference import _embedder, _reference_block, reference_state_dict
@@ -141,7 +142,7 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
     seen, terms = [], []
 
     def record_inputs(module, args_, kwargs):
-        seen.append((kwargs["input_ids"].clone(), kwargs.get("short_step_schedule")))
+        seen.append(kwargs["input_ids"].clone())
 
     def record_terms(module, args_, kwargs, out):
         step = {"loss": out.loss.item(), "ce_full": out.loss.item()}
@@ -154,6 +155,10 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
     trainer.train()
     for hook in hooks:
         hook.remove()
+    # the short trajectory of each training forward: drawn by the shortcut callback, in training order
+    sampler = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ShortcutConsistencyCallback)]
+    shorts = [list(t) for _, t in sampler[0].sampled] if sampler else [None] * len(seen)
+    seen = list(zip(seen, shorts, strict=True))
     # the authors' targets of each window the model saw: the T tokens after its first (their y)
     next_tokens = {tuple(stream[i * T:(i + 1) * T]): stream[i * T + 1:(i + 1) * T + 1] for i in range(len(stream) // T)}
     batches = [(ids, torch.tensor([next_tokens[tuple(r.tolist())] for r in ids]), short) for ids, short in seen]

@@ -1,0 +1,70 @@
+"""LoopFormer's shortcut-consistency objective (spec, "Training: shortcut consistency"), computed by
+`LoopFormerForCausalLM.forward` from the logits and final normed states of the full and the short trajectory:
+
+    loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)
+
+Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
+"""
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+
+CONSISTENCY_LOSSES = ("mse", "kl")
+
+
+def _next_token_pairs(logits, labels, shift_labels=None):
+    """(logits, targets) of next-token prediction: `labels` shifted by one, or `shift_labels` as given (one target
+    per position, the last one the token after the window), as transformers' `ForCausalLMLoss` takes them."""
+    if shift_labels is not None:
+        return logits, shift_labels.to(logits.device)
+    return logits[:, :-1], labels[:, 1:].to(logits.device)
+
+
+def _token_ce_sum(logits, labels, shift_labels=None):
+    """Sum of next-token cross-entropies over labelled positions, and their number."""
+    logits, labels = _next_token_pairs(logits, labels, shift_labels)
+    logits = logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return ce, int((labels != -100).sum())
+
+
+def check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
+    for name, value in (("lambda_short", lambda_short), ("lambda_consistency", lambda_consistency)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    if consistency_loss not in CONSISTENCY_LOSSES:
+        raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
+
+
+def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
+                              consistency_loss, num_items_in_batch=None, shift_labels=None):
+    """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
+    are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
+    share of those tokens. Returns (loss, the three detached terms as per-token means, labelled tokens)."""
+    ce_full_sum, n_local = _token_ce_sum(logits, labels, shift_labels)
+    ce_short_sum, _ = _token_ce_sum(short_logits, labels, shift_labels)
+    denom = n_local if num_items_in_batch is None else num_items_in_batch
+    denom = torch.as_tensor(denom, device=ce_full_sum.device, dtype=torch.float32).clamp(min=1)
+    if consistency_loss == "mse":
+        consistency = F.mse_loss(h_short.float(), h_full.detach().float())
+    else:
+        short_logits, targets = _next_token_pairs(short_logits, labels, shift_labels)
+        full_logits, _ = _next_token_pairs(logits, labels, shift_labels)
+        mask = targets != -100
+        log_p_short = F.log_softmax(short_logits[mask].float(), dim=-1)
+        log_p_full = F.log_softmax(full_logits[mask].detach().float(), dim=-1)
+        # mean over labelled positions ("batchmean"), 0 where there are none (batchmean would give 0/0)
+        consistency = F.kl_div(log_p_short, log_p_full, log_target=True, reduction="sum") / max(n_local, 1)
+    loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom
+    loss = loss + lambda_consistency * consistency * (n_local / denom)
+    tokens = max(n_local, 1)
+    terms = {"ce_full": ce_full_sum.detach() / tokens, "ce_short": ce_short_sum.detach() / tokens,
+             "consistency": consistency.detach()}
+    return loss, terms, n_local
+
+
+__all__ = ["CONSISTENCY_LOSSES", "check_consistency_args", "shortcut_consistency_loss"]
