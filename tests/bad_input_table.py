@@ -123,6 +123,14 @@ def pickle_as_safetensors(tmp):
     return folder
 
 
+def loopformer_pickle_as_safetensors(tmp):
+    """As `pickle_as_safetensors`, for a saved LoopFormer folder."""
+    folder = Path(tmp) / "model"
+    loopformer().save_pretrained(folder)
+    torch.save({"weight": torch.zeros(2)}, folder / "model.safetensors")
+    return folder
+
+
 # a config file with a Python-object tag: yaml.safe_load constructs nothing (the command must not run)
 PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
 
@@ -218,6 +226,10 @@ CASES = [
     Case(f"{LF} forward", "a cache of 2 sequences for 1", lambda t: loopformer()(
         IDS[:, :1], cache=loopformer()(IDS.expand(2, 3), use_cache=True).cache), ValueError,
          r"cache holds 2 sequences; this call gives 1"),
+    # LoopFormer loading
+    Case(f"{LF} from_pretrained", "a folder whose model.safetensors is a pickle",
+         lambda t: loopformer().from_pretrained(loopformer_pickle_as_safetensors(t)), OSError,
+         r"model/model\.safetensors' is not a safetensors file \(safetensors: .*\)\. Nothing was loaded"),
     # FPRM configuration
     *(refused_setting(f"{FP} config", fprm_config, field, value, message) for field, value, message in (
         ("causal", "no", r"`causal` must be True or False, got 'no'"),
