@@ -112,3 +112,25 @@ def test_length_point_reads_the_authors_metric_at_T_and_4T():
     assert point["in_distribution_accuracy"] == pytest.approx(float(acc_T))
     assert point["accuracy_4T"] == pytest.approx(float(acc_4T))
     assert point["ratio_4T"] == pytest.approx(float(acc_4T / acc_T))
+
+
+def test_fresh_sudoku_split_is_another_seeds_test_split_without_the_training_puzzles(monkeypatch):
+    import looped_training.fprm.tasks as tasks
+    from benchmarks.fprm_evidence import FRESH_SEED_OFFSET, fresh_sudoku_split, test_split
+
+    results = {"args": {"data": {"task": "sudoku", "sudoku_size": 4, "num_train": 100, "num_test": 50,
+                                 "data_seed_offset": 0}}}
+    other = test_split(results, 7 + FRESH_SEED_OFFSET)
+    build = tasks.build_task
+
+    def with_shared_puzzles(data_args, seed):  # the run's training split also holds 3 puzzles of the other split
+        ds, config, columns = build(data_args, seed)
+        if seed == 7:
+            from datasets import concatenate_datasets
+
+            ds["train"] = concatenate_datasets([ds["train"], other.select([0, 5, 9])])
+        return ds, config, columns
+
+    monkeypatch.setattr(tasks, "build_task", with_shared_puzzles)
+    fresh = fresh_sudoku_split(results, 7)["puzzle"]
+    assert fresh == [p for i, p in enumerate(other["puzzle"]) if i not in (0, 5, 9)]
