@@ -73,7 +73,8 @@ def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
             return None
         step_schedule = tuple(step_schedule)
     knobs = (loop_budget, halt_eps)
-    if not all(k is None or type(k) in (int, float) for k in knobs) or not isinstance(halt_criterion, (str, type(None))):
+    if not all(k is None or type(k) in (int, float) for k in knobs) or (
+            halt_criterion is not None and not isinstance(halt_criterion, str)):
         return None
     return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
             config.default_step_schedule, config.halt_criterion, config.halt_kv_fill, config.cache_sharing,
@@ -416,4 +417,5 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         return past, max_len
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer", "LoopFormerStaticCache"]
+__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer",
+           "LoopFormerStaticCache"]

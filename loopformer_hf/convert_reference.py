@@ -167,13 +167,41 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
     )
 
 
+def _map_block_key(rest, tensor, key, prefix, config, put, problems):
+    """Map the reference key `key` of a block (`rest` after its block prefix) with `put`, or note its problem; False
+    for a key the reference's blocks do not have."""
+    d = config.hidden_size
+    if rest == "attn.c_attn.weight":
+        if tensor.dim() != 2 or tensor.shape[0] != 3 * d:
+            problems.append(f"{key}: fused qkv must have shape ({3 * d}, {d}), got {tuple(tensor.shape)}")
+            return True
+        for name, part in zip("qkv", tensor.split(d, dim=0)):
+            put(f"{prefix}self_attn.{name}_proj.weight", part, key)
+    elif rest == "attn.c_proj.weight":
+        put(f"{prefix}self_attn.o_proj.weight", tensor, key)
+    elif rest == "mlp.c_fc.weight":
+        put(f"{prefix}mlp.up_proj.weight", tensor, key)
+    elif rest == "mlp.c_proj.weight":
+        put(f"{prefix}mlp.down_proj.weight", tensor, key)
+    elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
+        put(prefix + rest, tensor, key)
+    elif rest in _BLOCK_NORMS:
+        put(prefix + _BLOCK_NORMS[rest], tensor, key)
+    elif rest == "attn.bias":  # nanoGPT's causal mask buffer (no flash attention): not a weight
+        n = config.max_position_embeddings
+        if tuple(tensor.shape) != (1, 1, n, n):
+            problems.append(f"{key}: causal-mask buffer must have shape (1, 1, {n}, {n}), got {tuple(tensor.shape)}")
+    else:
+        return False
+    return True
+
+
 def map_reference_state_dict(reference, config, model_type="loopformer"):
     """Map reference keys onto `LoopFormerForCausalLM` keys. Raises `ValueError` listing every problem at once."""
     plain_list = _check_model_type(model_type)[2]
     block_key, other_layout = _SHARED_BLOCK_KEY, _LIST_BLOCK_KEY
     if plain_list:
         block_key, other_layout = other_layout, block_key
-    d = config.hidden_size
     mapped, unknown, problems = {}, [], []
 
     def put(new_key, tensor, source):
@@ -191,34 +219,8 @@ def map_reference_state_dict(reference, config, model_type="loopformer"):
             continue  # tied; checked against wte below
         elif re.fullmatch(r"(time|dt)_embedder\.mlp\.[02]\.(weight|bias)", key):
             put(f"model.loop_conditioning.{key}", tensor, key)
-        elif block:
-            j, rest = block.group(1), block.group(2)
-            prefix = f"model.layers.{j}."
-            if rest == "attn.c_attn.weight":
-                if tensor.dim() != 2 or tensor.shape[0] != 3 * d:
-                    problems.append(f"{key}: fused qkv must have shape ({3 * d}, {d}), got {tuple(tensor.shape)}")
-                    continue
-                q, k, v = tensor.split(d, dim=0)
-                for name, part in zip("qkv", (q, k, v)):
-                    put(f"{prefix}self_attn.{name}_proj.weight", part, key)
-            elif rest == "attn.c_proj.weight":
-                put(f"{prefix}self_attn.o_proj.weight", tensor, key)
-            elif rest == "mlp.c_fc.weight":
-                put(f"{prefix}mlp.up_proj.weight", tensor, key)
-            elif rest == "mlp.c_proj.weight":
-                put(f"{prefix}mlp.down_proj.weight", tensor, key)
-            elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
-                put(prefix + rest, tensor, key)
-            elif rest in _BLOCK_NORMS:
-                put(prefix + _BLOCK_NORMS[rest], tensor, key)
-            elif rest == "attn.bias":  # nanoGPT's causal mask buffer (no flash attention): not a weight
-                n = config.max_position_embeddings
-                if tuple(tensor.shape) != (1, 1, n, n):
-                    problems.append(f"{key}: causal-mask buffer must have shape (1, 1, {n}, {n}), got "
-                                    f"{tuple(tensor.shape)}")
-            else:
-                unknown.append(key)
-        else:
+        elif not (block and _map_block_key(block.group(2), tensor, key, f"model.layers.{block.group(1)}.", config,
+                                           put, problems)):
             unknown.append(key)
 
     if "lm_head.weight" in reference and "transformer.wte.weight" in reference:

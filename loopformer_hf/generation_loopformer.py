@@ -198,4 +198,5 @@ class LoopFormerGenerationMixin(GenerationMixin):
         return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
 
 
-__all__ = ["LoopFormerGenerationMixin", "LoopFormerGenerateDecoderOnlyOutput", "LoopFormerGenerateBeamDecoderOnlyOutput"]
+__all__ = ["LoopFormerGenerationMixin", "LoopFormerGenerateDecoderOnlyOutput",
+           "LoopFormerGenerateBeamDecoderOnlyOutput"]
