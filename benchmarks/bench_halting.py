@@ -18,7 +18,7 @@ import torch
 
 import loopformer_hf
 from benchmarks import CountOps, write_json
-from loopformer_hf.modeling_loopformer import state_change_score
+from loopformer_hf.halting_loopformer import state_change_score
 from transformers import AutoModelForCausalLM
 
 
@@ -110,9 +110,9 @@ def gather_rows(widths, token_counts, repeats=20):
     against every token computed and the halted ones discarded, timed side by side: what `GATHER_MIN_GRID` is set
     from. Random models (tiny_random_model at each width), halt_eps at the median score so that tokens halt at mixed
     steps; one row per (width, tokens) with the median of per-round time ratios gathered / dense."""
-    from loopformer_hf import modeling_loopformer
+    from loopformer_hf import halting_loopformer
 
-    saved = modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID
+    saved = halting_loopformer.GATHER_ACTIVE_FRACTION, halting_loopformer.GATHER_MIN_GRID
     rows = []
     try:
         for width in widths:
@@ -122,8 +122,8 @@ def gather_rows(widths, token_counts, repeats=20):
                 eps = median_score(model, ids)
 
                 def run(gather):
-                    modeling_loopformer.GATHER_ACTIVE_FRACTION = 0.75 if gather else -1.0
-                    modeling_loopformer.GATHER_MIN_GRID = 0
+                    halting_loopformer.GATHER_ACTIVE_FRACTION = 0.75 if gather else -1.0
+                    halting_loopformer.GATHER_MIN_GRID = 0
                     start = time.perf_counter()
                     with torch.no_grad():
                         counts = model(ids, halt_eps=eps, use_cache=True).loop_counts
@@ -141,7 +141,7 @@ def gather_rows(widths, token_counts, repeats=20):
                                  gather_over_dense=statistics.median(ratios), ratio_min=min(ratios),
                                  ratio_max=max(ratios)))
     finally:
-        modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID = saved
+        halting_loopformer.GATHER_ACTIVE_FRACTION, halting_loopformer.GATHER_MIN_GRID = saved
     return rows
 
 

@@ -28,6 +28,7 @@ from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMi
 from .loss_loopformer import check_consistency_args, shortcut_consistency_loss
 from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
 from .halting_loopformer import LoopFormerHaltingState
+from .hub import LoopFormerHubMixin
 
 
 # `rms_norm_eps=None`: torch's default eps for a float32 input, which the reference's norms see (float32 weights and
@@ -319,7 +320,7 @@ def _opens(path):
         return False
 
 
-class LoopFormerPreTrainedModel(PreTrainedModel):
+class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mixin: push_to_hub writes this package's card
     config_class = LoopFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

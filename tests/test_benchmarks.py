@@ -84,13 +84,13 @@ def test_gather_rows_time_both_paths_at_mixed_halting_and_restore_the_constants(
     """`bench_halting --gather` (what GATHER_MIN_GRID is set from) times gathered against dense prefill at a halt_eps
     where tokens halt at mixed steps, and leaves the module's thresholds as it found them."""
     from benchmarks import bench_halting
-    from loopformer_hf import modeling_loopformer
+    from loopformer_hf import halting_loopformer
 
-    before = modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID
+    before = halting_loopformer.GATHER_ACTIVE_FRACTION, halting_loopformer.GATHER_MIN_GRID
     rows = bench_halting.gather_rows([64], [12], repeats=1)
     assert len(rows) == 1 and rows[0]["grid"] == 64 * 12
     assert 1 < rows[0]["mean_loops"] < 4 and rows[0]["gather_over_dense"] > 0
-    assert (modeling_loopformer.GATHER_ACTIVE_FRACTION, modeling_loopformer.GATHER_MIN_GRID) == before
+    assert (halting_loopformer.GATHER_ACTIVE_FRACTION, halting_loopformer.GATHER_MIN_GRID) == before
     assert "gathered / dense" in bench_halting.format_gather(rows)
 
 

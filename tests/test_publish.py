@@ -408,22 +408,13 @@ def test_push_to_hub_writes_the_packages_card(hub, checkpoint, tmp_path):
     # transformers' push_to_hub wrote its generic card ("This is the model card of a 🤗 transformers model ...")
     path, _ = checkpoint
     code = f"""
-    import torch
     from loopformer_hf import LoopFormerForCausalLM
-    from loopformer_hf.hub import LoopFormerHubMixin
     from fprm_fixtures import sequence_fprm_config, tiny_fprm
     from fprm_hf import FPRMForReasoning
-    from fprm_hf.hub import FPRMHubMixin
 
-    def with_hub(cls, mixin):  # the class as the lead wires it: the mixin before PreTrainedModel
-        if issubclass(cls, mixin):
-            return cls
-        return type(cls.__name__, (mixin, cls), {{"_auto_class": None}})
-
-    with_hub(LoopFormerForCausalLM, LoopFormerHubMixin).from_pretrained(r"{path}").push_to_hub(
-        "org/pushed-lf", token="{TOKEN}", tags=["mine"])
+    LoopFormerForCausalLM.from_pretrained(r"{path}").push_to_hub("org/pushed-lf", token="{TOKEN}", tags=["mine"])
     fprm = tiny_fprm(0, config=sequence_fprm_config(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4))
-    with_hub(FPRMForReasoning, FPRMHubMixin)(fprm.config).push_to_hub("org/pushed-fprm", token="{TOKEN}")
+    FPRMForReasoning(fprm.config).push_to_hub("org/pushed-fprm", token="{TOKEN}")
     """
     run_python(code, env={**hf_env(tmp_path, hub.endpoint), "PYTHONPATH": str(REPO_ROOT / "tests")},
                block_packages=False)
