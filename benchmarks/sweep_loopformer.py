@@ -36,6 +36,8 @@ CELLS = {
     "lr2e-3": ["--learning_rate", "0.002"],
     "steps4k-lr2e-3": ["--max_steps", "4000", "--learning_rate", "0.002"],
     "depth1-3": ["--max_depth", "3"],
+    "lr5e-4": ["--learning_rate", "0.0005"],
+    "warmup500": ["--warmup_steps", "500"],
 }
 RESULTS = os.path.join("benchmarks", "results")
 EVAL_FILE = "sweep_eval.json"
