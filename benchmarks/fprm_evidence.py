@@ -28,8 +28,8 @@ defaults; `--scale` multiplies every time budget):
 5. (`--part length_generalisation`) the authors' state-tracking recipe (`--preset s3-evidence`): their metric at
    the training length T and at 4T for the final model and every saved checkpoint (targets: in-distribution
    accuracy >= 0.9, accuracy over 1..4T >= 0.9 x that), against the paper's 0.988 (S5 at 128), and
-   `docs/plots/fprm_state_tracking_length_generalisation.png`; writes
-   `benchmarks/results/fprm_length_generalisation.{json,md}`.
+   `docs/plots/fprm_state_tracking_length_generalisation_seed<S>.png`; writes
+   `benchmarks/results/fprm_length_generalisation_seed<S>.{json,md}`.
 
     python -m benchmarks.fprm_evidence --part length_generalisation
 
@@ -461,7 +461,7 @@ def save_captioned(fig, caption, plots_dir, name):
     path = os.path.join(plots_dir, name)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return path
+    return os.path.relpath(path)
 
 
 def length_point(model, test, max_loops, T):
@@ -481,7 +481,7 @@ def length_point(model, test, max_loops, T):
 
 
 def length_generalisation_evidence(a):
-    command, out_dir, results, seconds = train_preset(a, "s3-evidence", "s3")
+    command, out_dir, results, seconds = train_preset(a, "s3-evidence", f"s3-seed{a.seed}")
     data = results["args"]["data"]
     T, test_length = data["train_length"], data["test_length"]
     if test_length < 4 * T:
@@ -500,7 +500,7 @@ def length_generalisation_evidence(a):
         "command": f"python -m benchmarks.fprm_evidence --part length_generalisation --seed {a.seed} "
                    f"--save_steps {a.save_steps}",
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "group": data["task"].upper(),
-        "train_length": T, "test_length": test_length, "test_sequences": len(test),
+        "seed": a.seed, "train_length": T, "test_length": test_length, "test_sequences": len(test),
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"], "wall_seconds": seconds,
         "max_loops": cap, "targets": LENGTH_TARGETS, "paper_s5_accuracy_128": PAPER_S5_ACCURACY_128,
         "final": {k: v for k, v in final.items() if not k.startswith("_")}, "final_curve": final["_curve"],
@@ -512,7 +512,7 @@ def length_generalisation_evidence(a):
         "over_training": curve,
     }
     evidence["plot"] = plot_length(evidence, a.plots_dir)
-    write_evidence(evidence, length_markdown(evidence), a.results_dir, "fprm_length_generalisation")
+    write_evidence(evidence, length_markdown(evidence), a.results_dir, f"fprm_length_generalisation_seed{a.seed}")
     return evidence
 
 
@@ -560,7 +560,8 @@ def plot_length(e, plots_dir):
            f"({e['train_steps']} steps)")
     ax.legend(fontsize=8)
     return save_captioned(fig, f"accuracy over 1..{4 * T} / over 1..{T} = {_fmt(f['ratio_4T'])} (target ≥ 0.9); "
-                               f"the authors' metric", plots_dir, "fprm_state_tracking_length_generalisation.png")
+                               f"the authors' metric", plots_dir,
+                          f"fprm_state_tracking_length_generalisation_seed{e['seed']}.png")
 
 
 if __name__ == "__main__":
