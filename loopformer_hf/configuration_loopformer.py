@@ -56,6 +56,75 @@ def _is_real_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _positive_int(name, value):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__}).")
+
+
+def _boolean(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+
+
+def _one_of(choices):
+    def check(name, value):
+        if value not in choices:
+            raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+    return check
+
+
+def _positive_number(name, value):
+    if not (_is_real_number(value) and value > 0):
+        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+
+
+def _activation(name, value):
+    from transformers.activations import ACT2FN
+
+    if value != "swiglu" and (not isinstance(value, str) or value not in ACT2FN):
+        raise ValueError(
+            f"`hidden_act` must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}."
+        )
+
+
+def _rms_norm_eps(name, value):
+    if value is not None and not (_is_real_number(value) and value > 0):
+        raise ValueError(f"`rms_norm_eps` must be None or a positive float, got {value!r}.")
+
+
+def _dropout(name, value):
+    if not (_is_real_number(value) and 0 <= value <= 1):
+        raise ValueError(f"`attention_dropout` must be a number in [0, 1], got {value!r}.")
+
+
+def _initializer_range(name, value):
+    if not (_is_real_number(value) and 0 <= value < math.inf):
+        raise ValueError(f"`initializer_range` must be a non-negative number, got {value!r}.")
+
+
+def _optional_budget(name, value):
+    if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
+        raise ValueError(
+            f"`default_loop_budget` must be None or an integer >= 1, got {value!r} ({type(value).__name__})."
+        )
+
+
+# Every field's own rule, declared once: `__setattr__` applies it however a value arrives (the constructor,
+# config.json, `from_pretrained` kwargs, an attribute set), `_validate_fields` to all of them after `__init__`.
+FIELD_CHECKS = {
+    **dict.fromkeys(POSITIVE_INT_FIELDS, _positive_int),
+    **dict.fromkeys(BOOL_FIELDS, _boolean),
+    **{name: _one_of(choices) for name, choices in CHOICE_FIELDS.items()},
+    "hidden_act": _activation,
+    "rms_norm_eps": _rms_norm_eps,
+    "rope_theta": _positive_number,
+    "max_period": _positive_number,
+    "attention_dropout": _dropout,
+    "initializer_range": _initializer_range,
+    "default_loop_budget": _optional_budget,
+}
+
+
 def check_halt_eps(value, name="halt_eps"):
     """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
     if value is None:
@@ -255,36 +324,10 @@ class LoopFormerConfig(PreTrainedConfig):
 
     @staticmethod
     def _check_field(name, value):
-        """The checks of one field on its own (cross-field ones are in `_validate_fields`)."""
-        if name in POSITIVE_INT_FIELDS and (
-            not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
-        ):
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r} ({type(value).__name__}).")
-        if name in BOOL_FIELDS and not isinstance(value, bool):
-            raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-        if name in CHOICE_FIELDS and value not in CHOICE_FIELDS[name]:
-            raise ValueError(f"`{name}` must be one of {CHOICE_FIELDS[name]}, got {value!r}.")
-        if name == "hidden_act" and value != "swiglu":
-            from transformers.activations import ACT2FN
-
-            if not isinstance(value, str) or value not in ACT2FN:
-                raise ValueError(
-                    f"`hidden_act` must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}."
-                )
-        if name == "rms_norm_eps" and value is not None and not (_is_real_number(value) and value > 0):
-            raise ValueError(f"`rms_norm_eps` must be None or a positive float, got {value!r}.")
-        if name in ("rope_theta", "max_period") and not (_is_real_number(value) and value > 0):
-            raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
-        if name == "attention_dropout" and not (_is_real_number(value) and 0 <= value <= 1):
-            raise ValueError(f"`attention_dropout` must be a number in [0, 1], got {value!r}.")
-        if name == "initializer_range" and not (_is_real_number(value) and 0 <= value < math.inf):
-            raise ValueError(f"`initializer_range` must be a non-negative number, got {value!r}.")
-        if name == "default_loop_budget" and value is not None and (
-            not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
-        ):
-            raise ValueError(
-                f"`default_loop_budget` must be None or an integer >= 1, got {value!r} ({type(value).__name__})."
-            )
+        """The rule of one field on its own (`FIELD_CHECKS`; cross-field rules are in `_validate_fields`)."""
+        check = FIELD_CHECKS.get(name)
+        if check is not None:
+            check(name, value)
         return value
 
     def _check_loop_budget_fields(self):
@@ -292,9 +335,8 @@ class LoopFormerConfig(PreTrainedConfig):
             self._check_budget(self.default_loop_budget, "default_loop_budget")
 
     def _validate_fields(self):
-        for name in (*POSITIVE_INT_FIELDS, *BOOL_FIELDS, *CHOICE_FIELDS, "hidden_act", "rms_norm_eps", "rope_theta",
-                     "max_period", "attention_dropout", "initializer_range", "default_loop_budget"):
-            self._check_field(name, getattr(self, name))
+        for name, check in FIELD_CHECKS.items():
+            check(name, getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
