@@ -402,6 +402,23 @@ HANDLED = [
     Handled(f"{LF} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
             "loads and generates where bitsandbytes runs; logit error within a same-size Llama's",
             QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
+    # faults of a training run (both trainers hold the output_dir lock and resume through the same checks)
+    Handled("both trainers", "the disk fills during a checkpoint save",
+            "one line `No space left on device while writing FILE (N MiB free)` naming the last complete checkpoint, "
+            "exit 1 (`DiskFullError`, errno ENOSPC); once space is freed, `--resume_from_checkpoint last` skips the "
+            "half-written checkpoint and finishes the run",
+            "tests/test_disk_full.py::"
+            "test_a_training_run_that_fills_the_disk_says_so_in_one_line_and_resumes_after_space_is_freed"),
+    Handled("both trainers", "the process killed while a checkpoint file is written",
+            "`--resume_from_checkpoint last` skips the incomplete checkpoint with a warning naming it and resumes "
+            "from the last complete one",
+            "tests/test_resume.py::test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint"),
+    Handled("both trainers", "a finished run given `--resume_from_checkpoint last` again",
+            "a no-op that says so: nothing is trained, saved or rotated away",
+            "tests/test_resume.py::test_a_finished_run_resumed_is_a_no_op_that_says_so"),
+    Handled(LF, "a shortcut run killed and resumed (`log_trajectories_dir`)",
+            "the trajectory log is appended: it holds every micro-batch of the run exactly once",
+            "tests/test_resume.py::test_killed_run_resumes_to_the_same_loss_curve_and_trajectories"),
 ]
 
 
