@@ -35,7 +35,7 @@ from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_un
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, check_resume_config, finished_run, output_dir_lock,
                                          resolve_resume)
-from looped_training.configs import config_names, config_path, with_preset
+from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
                                            write_plots)
@@ -44,7 +44,7 @@ from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 
 # Presets: YAML files of flags of the four argument groups; `--preset NAME` reads looped_training/configs/fprm/NAME.yaml.
-PRESETS_DIR = os.path.dirname(config_path("fprm", "s5-cpu"))
+PRESETS_DIR = os.path.join(CONFIGS_DIR, "fprm")
 
 
 def preset_names():
