@@ -21,7 +21,7 @@ defaults; `--scale` multiplies every time budget):
    halt over the puzzles solved (targets: exact >= 0.9, rho >= 0.5), the same for every saved checkpoint (how both
    move with training), and `docs/plots/fprm_sudoku_iterations_vs_blanks_seed<S>.png`; writes
    `benchmarks/results/fprm_sudoku_adaptivity_seed<S>.{json,md}` (one set per `--seed`; `--sudoku_width D` trains
-   width D instead of 64 and adds `_dD` to the names).
+   width D instead of 64 and adds `_dD` to the names; `--sudoku_steps N` and `--sudoku_ema D` likewise).
 
     python -m benchmarks.fprm_evidence --part sudoku_adaptivity
 
@@ -64,6 +64,10 @@ def main(argv=None):
     p.add_argument("--save_steps", type=int, default=200, help="checkpoint interval of those runs (the curve over "
                                                                  "training)")
     p.add_argument("--sudoku_width", type=int, default=None, help="d of the adaptivity run (default: the preset's 64)")
+    p.add_argument("--sudoku_steps", type=int, default=None,
+                   help="training steps of the adaptivity run (default: the preset's 1200; its time cap scales with it)")
+    p.add_argument("--sudoku_ema", type=float, default=None,
+                   help="EMA decay of the adaptivity run (the authors' 0.999; default: the preset's, off)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
     p.add_argument("--results_dir", default=RESULTS_DIR, help="where the adaptivity/length JSON and markdown go")
     p.add_argument("--plots_dir", default=PLOTS_DIR)
@@ -304,7 +308,15 @@ def load_model(folder):
     from fprm_hf import FPRMForReasoning
 
     torch.set_num_threads(1)
-    return FPRMForReasoning.from_pretrained(folder).eval()
+    model = FPRMForReasoning.from_pretrained(folder).eval()
+    ema = os.path.join(folder, "fprm_ema.safetensors")
+    if os.path.exists(ema):  # a checkpoint of an EMA run: score the averaged weights, as the final model and the authors
+        from safetensors.torch import load_file
+
+        unexpected = model.load_state_dict(load_file(ema), strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"{ema} names weights the model does not have: {unexpected[:3]}")
+    return model
 
 
 def sudoku_point(model, test, max_loops):
@@ -336,9 +348,15 @@ def sudoku_point(model, test, max_loops):
 
 def sudoku_adaptivity(a):
     # --sudoku_width: the width sweep (the puzzle embedding learns d values, as the preset)
-    width = ["--hidden_size", str(a.sudoku_width), "--puzzle_emb_ndim", str(a.sudoku_width)] if a.sudoku_width else []
-    tag = f"seed{a.seed}" + (f"_d{a.sudoku_width}" if a.sudoku_width else "")
-    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-{tag}", width)
+    # --sudoku_steps / --sudoku_ema: the training-length and EMA sweep (the preset's time cap is 24 min per 1200 steps)
+    knobs = ["--hidden_size", str(a.sudoku_width), "--puzzle_emb_ndim", str(a.sudoku_width)] if a.sudoku_width else []
+    if a.sudoku_steps:
+        knobs += ["--max_steps", str(a.sudoku_steps), "--time_budget_minutes", f"{24.0 * a.sudoku_steps / 1200:g}"]
+    if a.sudoku_ema:
+        knobs += ["--ema_decay", str(a.sudoku_ema)]
+    tag = (f"seed{a.seed}" + (f"_d{a.sudoku_width}" if a.sudoku_width else "")
+           + (f"_steps{a.sudoku_steps}" if a.sudoku_steps else "") + (f"_ema{a.sudoku_ema:g}" if a.sudoku_ema else ""))
+    command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-{tag}", knobs)
     test = test_split(results, a.seed)
     cap = results["solver"]["max_loops"]
     curve = []
@@ -351,7 +369,9 @@ def sudoku_adaptivity(a):
     fresh = sudoku_point(model, fresh_sudoku_split(results, a.seed), cap)
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part sudoku_adaptivity --seed {a.seed} "
-                   f"--save_steps {a.save_steps}" + (f" --sudoku_width {a.sudoku_width}" if a.sudoku_width else ""),
+                   f"--save_steps {a.save_steps}" + (f" --sudoku_width {a.sudoku_width}" if a.sudoku_width else "")
+                   + (f" --sudoku_steps {a.sudoku_steps}" if a.sudoku_steps else "")
+                   + (f" --sudoku_ema {a.sudoku_ema:g}" if a.sudoku_ema else ""),
         "tag": tag,
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seed": a.seed,
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
