@@ -7,7 +7,7 @@
    `torch.cuda.max_memory_allocated` when a GPU is present.
 2. Halting vs always running the cap: mean iterations, wall-clock and accuracy of a trained model, with
    `halt_eps` against `halting=False` at the same `max_loops` (`--halting_model`, a folder written by
-   looped_training/fprm/train.py).
+   training/fprm/train.py).
 
     python -m benchmarks.bench_fprm_memory                       # memory table, JSON to benchmarks/results/
     python -m benchmarks.bench_fprm_memory --halting_model outputs/fprm-sudoku-cpu/model --task sudoku6

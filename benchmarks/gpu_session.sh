@@ -10,7 +10,7 @@
 #     --platform manylinux2014_x86_64 -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 #   device run: OUT=$OUT SHAKESPEARE=.device/shakespeare WHEELS=.whl bash benchmarks/gpu_session.sh  (carry .device .whl)
 # Measured 2026-11-30 on an H200 (its first two calls): the gpu preset at twice today's size needed ~15 min; see
-# looped_training/configs/loopformer/report-synthetic-gpu.yaml.
+# training/configs/loopformer/report-synthetic-gpu.yaml.
 # Each step gets what is left of BUDGET_S (steps 2 and 3 keep at least their floor), so a slow step cannot take the
 # later ones down with it; what finished is under $OUT (report.tgz holds docs/ and the runs' JSON and logs).
 set -uo pipefail

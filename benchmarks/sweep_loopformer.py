@@ -5,7 +5,7 @@
     python -m benchmarks.sweep_loopformer --table_only          # rewrite the table from the runs on disk
 
 The model and the objective stay the authors' (tests/test_loopformer_training_oracle.py keeps them so): each cell
-only moves recipe knobs of looped_training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate and
+only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate and
 warm-up, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and TMLT-EE with
 seeds 0 and 1 (`--seed` and `--shortcut_seed`; the corpus and the held-out problems are the same for all) and
 evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and by depth.
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from looped_training.loopformer.evaluate import budget_claims
 
-BASE_CONFIG = "looped_training/configs/loopformer/synthetic-tiny.yaml"
+BASE_CONFIG = "training/configs/loopformer/synthetic-tiny.yaml"
 VARIANTS = {"loopformer": "LoopFormer", "base_loop": "Base-Loop", "tmlt_ee": "TMLT-EE"}
 SEEDS = (0, 1)
 # cell -> flags over BASE_CONFIG (recipe knobs only)

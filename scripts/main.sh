@@ -16,8 +16,8 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BAR
 # One thread per run: the two runs share the machine's cores instead of fighting over them.
 export OMP_NUM_THREADS=1
 # Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
-# looped_training/configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
-COMMON=(--config looped_training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --save_steps 1000 --save_total_limit 1)
+# training/configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
+COMMON=(--config training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --save_steps 1000 --save_total_limit 1)
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"

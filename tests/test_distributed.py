@@ -1,5 +1,5 @@
 """2-process data parallelism on CPU (gloo) through `accelerate launch` with the shipped configs in
-looped_training/configs/accelerate/: each rank trains on different data at changing loop budgets with the
+training/configs/accelerate/: each rank trains on different data at changing loop budgets with the
 shortcut-consistency objective (both trajectories in the one forward the wrapper sees); every step's gradients equal
 a single-process run's average over the two ranks' batches, and the parameters stay identical across ranks (and
 moved).
@@ -26,7 +26,7 @@ import yaml
 
 from _hub_helpers import CORPUS, REPO_ROOT, make_model
 
-CONFIGS = REPO_ROOT / "looped_training" / "configs" / "accelerate"
+CONFIGS = REPO_ROOT / "training" / "configs" / "accelerate"
 BUDGETS = [1, 4, 2]
 SHORT = [0.5, 0.25, 0.25]  # the short trajectory of the consistency objective
 

@@ -1,5 +1,5 @@
 """PEFT / LoRA on LoopFormer and FPRM: adapters save and load, merge_and_unload keeps the outputs (atol 1e-5),
-generate(loop_budget=M) on the PEFT model, the loop-conditioning flag, and looped_training/finetune_lora.py end to end."""
+generate(loop_budget=M) on the PEFT model, the loop-conditioning flag, and training/finetune_lora.py end to end."""
 
 import json
 import re

@@ -1,5 +1,5 @@
 """Config files of the training entry points (`looped_training.arguments`): read through HfArgumentParser, flags override
-them, and every file under looped_training/configs/ parses into its entry point's arguments."""
+them, and every file under training/configs/ parses into its entry point's arguments."""
 
 import glob
 import json
@@ -47,7 +47,7 @@ def test_config_file_errors_name_the_file_and_the_problem(tmp_path):
         parse_args_with_config(loopformer_parser(), [str(listing)])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "looped_training", "configs", "loopformer", "*.yaml"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "configs", "loopformer", "*.yaml"))))
 def test_every_loopformer_config_parses(path):
     (model, data, _, train), _ = parse_args_with_config(loopformer_parser(), [path, "--output_dir", "unused"])
     assert model.num_loops in (4, 8) and data.task in ("synthetic", "text") and train.max_steps > 0

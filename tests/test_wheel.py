@@ -28,6 +28,10 @@ from hub_server import HubServer
 
 
 PACKAGES = ("loopformer_hf", "fprm_hf", "looped_training")
+# The checkout's folder of each installed package (pyproject.toml's package-dir: training/ and model_cards/ install
+# as looped_training and looped_training/model_cards).
+SOURCE_DIRS = {"loopformer_hf": "loopformer_hf", "fprm_hf": "fprm_hf", "training": "looped_training",
+               "model_cards": "looped_training/model_cards"}
 # What the wheel carries besides modules: the model-card templates and the config files (any depth).
 PACKAGE_DATA = re.compile(r"looped_training/(model_cards/[^/]+\.md|configs/.+\.(yaml|json))")
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
@@ -81,9 +85,9 @@ def test_wheel_holds_the_three_packages_and_their_data_only(wheel):
     top = {n.split("/")[0] for n in names}
     assert top == set(PACKAGES), top  # no tests/, benchmarks/, docs/, scripts/, nor a top-level `training`
     expected = set()
-    for package in PACKAGES:
-        for path in (REPO_ROOT / package).rglob("*"):
-            rel = path.relative_to(REPO_ROOT).as_posix()
+    for folder, installed in SOURCE_DIRS.items():
+        for path in (REPO_ROOT / folder).rglob("*"):
+            rel = f"{installed}/{path.relative_to(REPO_ROOT / folder).as_posix()}"
             if path.is_file() and "__pycache__" not in rel and (rel.endswith(".py") or PACKAGE_DATA.fullmatch(rel)):
                 expected.add(rel)
     assert set(names) == expected
@@ -146,7 +150,7 @@ LF_TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--per_device_tr
 
 
 def test_shipped_configs_name_no_checkout_path():
-    configs = REPO_ROOT / "looped_training" / "configs"
+    configs = REPO_ROOT / "training" / "configs"
     for path in configs.rglob("*.yaml"):
         values = " ".join(line.split("#")[0] for line in path.read_text().splitlines())
         assert "../" not in values and "shared/data" not in values, path

@@ -1,5 +1,5 @@
 """Command lines of the training entry points, as transformers' examples: `HfArgumentParser` dataclasses with
-underscore flags, and a JSON or YAML file of the same keys (`looped_training/configs/`), given as `--config FILE` or as the first
+underscore flags, and a JSON or YAML file of the same keys (`training/configs/`), given as `--config FILE` or as the first
 argument. The file is read with `HfArgumentParser.parse_json_file` / `parse_yaml_file`, which reject a key no
 dataclass has; a flag on the command line overrides the file's value.
 

@@ -49,7 +49,7 @@ def load_checkpoint(path):
                                   os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE))
                       if os.path.exists(p)), None)
     if meta_path is None:
-        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by looped_training/loopformer/train.py), so the "
+        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by training/loopformer/train.py), so the "
                          f"held-out data it was trained for is unknown.")
     with open(meta_path) as f:
         meta = json.load(f)

@@ -5,9 +5,9 @@ the main one alone saves `model/`, evaluates and writes `results.json` (strict J
     python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
     python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
     python -m looped_training.fprm.train --preset sudoku-cpu --max_steps 500 --output_dir outputs/sudoku
-    python -m looped_training.fprm.train looped_training/configs/fprm/maze-cpu.yaml --torch_threads 2
+    python -m looped_training.fprm.train training/configs/fprm/maze-cpu.yaml --torch_threads 2
 
-A preset is a YAML file of looped_training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
+A preset is a YAML file of training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
 the first argument). It only sets defaults: any flag given on the command line wins.
 
 Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
@@ -43,7 +43,7 @@ from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 
-# Presets: YAML files of flags of the four argument groups; `--preset NAME` reads looped_training/configs/fprm/NAME.yaml.
+# Presets: YAML files of flags of the four argument groups; `--preset NAME` reads training/configs/fprm/NAME.yaml.
 PRESETS_DIR = os.path.join(CONFIGS_DIR, "fprm")
 
 
@@ -82,8 +82,8 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     preset: str | None = field(
-        default=None, metadata={"help": "a file of looped_training/configs/fprm/ by name: `--preset s5-cpu` reads "
-                                        "looped_training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"})
+        default=None, metadata={"help": "a file of training/configs/fprm/ by name: `--preset s5-cpu` reads "
+                                        "training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"})
     task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
     num_train: int = field(default=2000)
     num_test: int = field(default=200)

@@ -9,7 +9,7 @@ The study (issue 12): k = 2 shared blocks looped L = 8 times, so M <= L/4 is M i
 at M = 2..7. Per task (the embedded synthetic task and, where --shakespeare exists, Shakespeare), the six variants
 (LoopFormer, Base-Loop, TMLT, TMLT-EE, Naive-Loop-EE, iso-FLOP Base), a second seed of LoopFormer and of TMLT-EE,
 and LoopFormer under the other initialisation (`initializer_scheme="zero_adaln"`): `RUNS`. Sizes: the preset's
-config files (looped_training/configs/loopformer/report-<task>-<preset>.yaml): `cpu` took 42 min on two
+config files (training/configs/loopformer/report-<task>-<preset>.yaml): `cpu` took 42 min on two
 cores, `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is available; halved after
 a first H200 run at twice its size took about fifteen, and not run since).
 

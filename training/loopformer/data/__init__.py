@@ -14,7 +14,7 @@ TASKS = ("synthetic", "text")
 class DataArguments:
     preset: str = field(default=None, metadata={
         "help": "A shipped preset by name (`python -m looped_training.configs loopformer` lists them): "
-                "`--preset synthetic-tiny` reads looped_training/configs/loopformer/synthetic-tiny.yaml, as "
+                "`--preset synthetic-tiny` reads training/configs/loopformer/synthetic-tiny.yaml, as "
                 "`--config` with that file would; flags given override its values."})
     task: str = field(default="synthetic", metadata={"help": f"One of {TASKS}."})
     dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})

@@ -5,7 +5,7 @@
     python -m looped_training.loopformer.train --preset shakespeare-tiny --train_files my_texts/
     python -m looped_training.loopformer.train --output_dir runs/loopformer --task synthetic --max_steps 600 --use_cpu
 
-A preset is a YAML file shipped in looped_training/configs/loopformer/ (`python -m looped_training.configs loopformer`
+A preset is a YAML file shipped in training/configs/loopformer/ (`python -m looped_training.configs loopformer`
 lists them); any JSON or YAML file of the same keys goes as `--config FILE` (or FILE as the first argument). Either
 sets defaults that the flags given override.
 

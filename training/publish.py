@@ -11,7 +11,7 @@ file in the repo, in folders included, is kept):
 - `config.json` with `auto_map` and the modeling code (`modeling_*.py`, `configuration_*.py`), so
   `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works where the package is not installed,
 - the tokenizer files (from the checkpoint, or `--tokenizer`), `generation_config.json` (LoopFormer),
-- `README.md`: the model card rendered from `looped_training/model_cards/<model_type>.md` with YAML metadata (library_name,
+- `README.md`: the model card rendered from `model_cards/<model_type>.md` with YAML metadata (library_name,
   pipeline_tag, license, tags, datasets, base_model, and a `model-index` built from the evaluation JSON) and usage
   snippets written for this repo id.
 
@@ -51,10 +51,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from looped_training import model_cards
 from looped_training.checkpoints import CheckpointError, check_checkpoint
 
 
-TEMPLATES_DIR = Path(__file__).resolve().parent / "model_cards"
+TEMPLATES_DIR = Path(model_cards.__file__).resolve().parent
 EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json", "elastic_eval.json", "results.json")
 # the training run's record of each model type: the folder it lies in, relative to the saved model
 RECORD_FILES = {"loopformer": "loopformer_training.json", "fprm": "results.json"}
