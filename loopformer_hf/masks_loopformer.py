@@ -5,38 +5,23 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 """
 
 import torch
+from transformers.masking_utils import create_causal_mask
 
 
-def attention_mask_for(attn_implementation, attention_mask, batch, q_len, past_len, kv_len, device):
-    """Boolean (batch, 1, q_len, kv_len) mask, True = may attend; None = plain causal. `kv_len` is past_len +
-    q_len, or more with a static cache (its rows beyond are empty), whose `past_len` is a tensor."""
-    static = isinstance(past_len, torch.Tensor)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask
-    if attention_mask is not None:
-        if not torch.compiler.is_compiling() and attention_mask.shape != (batch, int(past_len) + q_len):
-            raise ValueError(
-                f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, int(past_len) + q_len)}, "
-                f"got {tuple(attention_mask.shape)}."
-            )
-        if not torch.compiler.is_compiling() and bool(attention_mask.all()):
-            attention_mask = None
-    if attention_mask is None and not static and (q_len == 1 or past_len == 0) and (
-        attn_implementation == "sdpa"
-    ):
-        return None
-    # query i sits at position past_len + i and sees keys 0..past_len + i
-    causal = torch.arange(kv_len, device=device)[None] <= (torch.arange(q_len, device=device) + past_len)[:, None]
-    mask = causal[None, None].expand(batch, 1, q_len, kv_len)
-    if attention_mask is not None:
-        padding = attention_mask.bool()
-        if static:
-            padding = torch.cat([padding, padding.new_zeros(batch, kv_len - padding.shape[1])], dim=1)
-        mask = mask & padding[:, None, None, :]
-        # Rows of pure padding would attend to nothing (NaN in sdpa): let them see everything; no real token
-        # ever reads their output, since their keys are masked for all real queries.
-        mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask
+def attention_mask_for(config, inputs_embeds, attention_mask, position_ids, cache, past_len):
+    """The attention mask of one forward call, as Llama builds it (`create_causal_mask`: bool for sdpa, additive for
+    eager, None for a plain causal prefill or decode step, a 4-D mask as given); a 2-D mask's shape is checked against
+    the tokens the cache holds (`past_len`) plus this call's."""
+    batch, q_len = inputs_embeds.shape[:2]
+    if (attention_mask is not None and attention_mask.dim() == 2 and not torch.compiler.is_compiling()
+            and attention_mask.shape != (batch, int(past_len) + q_len)):
+        raise ValueError(
+            f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, int(past_len) + q_len)}, "
+            f"got {tuple(attention_mask.shape)}."
+        )
+    # The cache goes by position: transformers 5.17 (the declared floor) names this argument `past_key_values`, later
+    # releases `cache`. Every LoopFormer cache slot holds the same tokens, so the first sizes the mask.
+    return create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
 
 
 def check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len):

@@ -485,8 +485,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, batch, q_len, past_len, device)
         position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
-        mask = attention_mask_for(self.config._attn_implementation, attention_mask, batch, q_len, past_len, kv_len,
-                                  device)
+        mask = attention_mask_for(self.config, inputs_embeds, attention_mask, position_ids, cache, past_len)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
