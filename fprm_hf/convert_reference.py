@@ -126,8 +126,9 @@ def _bool(settings, key):
     return value
 
 
-def build_config(settings, fixed_alphas=None, use_q_head=False):
-    """An `FPRMConfig` from their arch fields (names as in their code; module docstring)."""
+def check_settings(settings):
+    """Their arch fields over `COMPUTING_DEFAULTS`, refused with a `ValueError` naming the field where they ask for
+    something this model does not compute."""
     unknown = sorted(set(settings) - set(COMPUTING_DEFAULTS) - set(REQUIRED) - IGNORED)
     if unknown:
         raise ValueError(f"unknown settings {unknown}: not fields of the authors' FPRM config (or not supported here).")
@@ -139,11 +140,10 @@ def build_config(settings, fixed_alphas=None, use_q_head=False):
     unsupported = []
     if _bool(s, "mlp_t"):
         unsupported.append("mlp_t=True (an MLP over the sequence instead of attention)")
-    residual = s["residual_scale"]
-    if residual not in RESIDUAL_SCALES:
-        raise ValueError(f"`residual_scale` must be one of {sorted(map(str, RESIDUAL_SCALES))}, got {residual!r}.")
-    residual = RESIDUAL_SCALES[residual]
-    if _bool(s, "use_spec_norm_linear") and residual == "input_dependent":
+    if s["residual_scale"] not in RESIDUAL_SCALES:
+        raise ValueError(f"`residual_scale` must be one of {sorted(map(str, RESIDUAL_SCALES))}, got "
+                         f"{s['residual_scale']!r}.")
+    if _bool(s, "use_spec_norm_linear") and RESIDUAL_SCALES[s["residual_scale"]] == "input_dependent":
         unsupported.append("use_spec_norm_linear=True (spectral-norm linears for the input-dependent α)")
     if s["additive_noise_std"]:
         unsupported.append(f"additive_noise_std={s['additive_noise_std']} (noise added at every solver step)")
@@ -154,6 +154,13 @@ def build_config(settings, fixed_alphas=None, use_q_head=False):
     for key, table in (("pos_encodings", POSITIONS), ("norm_type", NORM_TYPES), ("conv_type", CONV_TYPES)):
         if s[key] not in table:
             raise ValueError(f"`{key}` must be one of {sorted(table)}, got {s[key]!r}.")
+    return s
+
+
+def build_config(settings, fixed_alphas=None, use_q_head=False):
+    """An `FPRMConfig` from their arch fields (names as in their code; module docstring)."""
+    s = check_settings(settings)
+    residual = RESIDUAL_SCALES[s["residual_scale"]]
     hidden, seq_len = int(s["hidden_size"]), int(s["seq_len"])
     ndim = int(s["puzzle_emb_ndim"])
     prefix = -(ndim // -hidden) if int(s["puzzle_emb_len"]) == 0 else int(s["puzzle_emb_len"])

@@ -27,7 +27,7 @@ from torch import nn
 
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import logging
+from transformers.utils import add_start_docstrings_to_model_forward, logging
 
 from .hub import FPRMHubMixin
 from .configuration_fprm import (
@@ -506,6 +506,34 @@ class FPRMReasoningOutput(ModelOutput):
     q_halt_logits: torch.FloatTensor | None = None
 
 
+FPRM_INPUTS_DOCSTRING = r"""
+        input_ids (`torch.LongTensor` of shape `(batch, tokens)`): the puzzle; `tokens` must be height × width of
+            `config.grid_size` when a grid is configured.
+        attention_mask (`torch.Tensor` of shape `(batch, tokens)`, *optional*): accepted as transformers models do,
+            but it must be all ones: FPRM reads every token (see `check_attention_mask`); a padded mask raises
+            `ValueError`.
+        puzzle_identifiers (`torch.LongTensor` of shape `(batch,)`, *optional*): row of the prefix table per sample.
+        halt_eps (`float`, *optional*): τ; a sample halts when its relative residual is below it (config default).
+        max_loops (`int`, *optional*): iteration cap for this call (config default).
+        eta (`float`, *optional*): η0 for samples that start here (config default).
+        gamma (`float`, *optional*): decay of η; defaults to `gamma_train` in training mode and `gamma_eval` in eval.
+        patience (`int`, *optional*): P, iterations without improvement before η decays.
+        min_eta (`float`, *optional*): a sample halts when η falls below it.
+        halting (`bool`, defaults to `True`): `False` runs every sample for exactly `max_loops` iterations.
+        solver_state (`FPRMSolverState`, *optional*): continue from a previous call's `solver_state`.
+        output_residual_trace (`bool`, defaults to `False`): also return the residual after every iteration.
+        generator (`torch.Generator`, *optional*): draw z0 from it, fresh per sample and token (see `initial_z`;
+            without it, training mode uses the global RNG and evaluation mode a generator seeded with
+            `config.initial_state_seed`).
+        output_hidden_states (`bool`, *optional*): also return the solver's iterates y_0..y_K as `hidden_states`
+            (see [`FPRMModelOutput`]); defaults to `config.output_hidden_states`.
+        inputs_embeds (`torch.FloatTensor` of shape `(batch, tokens, hidden_size)`, *optional*): instead of
+            `input_ids`, the token embeddings (what `get_input_embeddings()(input_ids)` gives); scaled, prefixed and
+            re-injected as those are.
+        output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
+"""
+
+
 class FPRMModel(FPRMPreTrainedModel):
     """Embeddings, the loop step f and the fixed-point solver. Returns the final state (prefix rows included)."""
 
@@ -796,6 +824,7 @@ class FPRMModel(FPRMPreTrainedModel):
                 f"to solve these from the start."
             )
 
+    @add_start_docstrings_to_model_forward(FPRM_INPUTS_DOCSTRING)
     def forward(
         self,
         input_ids=None,
@@ -816,32 +845,6 @@ class FPRMModel(FPRMPreTrainedModel):
         inputs_embeds=None,
         output_attentions=None,
     ):
-        r"""
-        input_ids (`torch.LongTensor` of shape `(batch, tokens)`): the puzzle; `tokens` must be height × width of
-            `config.grid_size` when a grid is configured.
-        attention_mask (`torch.Tensor` of shape `(batch, tokens)`, *optional*): accepted as transformers models do,
-            but it must be all ones: FPRM reads every token (see `check_attention_mask`); a padded mask raises
-            `ValueError`.
-        puzzle_identifiers (`torch.LongTensor` of shape `(batch,)`, *optional*): row of the prefix table per sample.
-        halt_eps (`float`, *optional*): τ; a sample halts when its relative residual is below it (config default).
-        max_loops (`int`, *optional*): iteration cap for this call (config default).
-        eta (`float`, *optional*): η0 for samples that start here (config default).
-        gamma (`float`, *optional*): decay of η; defaults to `gamma_train` in training mode and `gamma_eval` in eval.
-        patience (`int`, *optional*): P, iterations without improvement before η decays.
-        min_eta (`float`, *optional*): a sample halts when η falls below it.
-        halting (`bool`, defaults to `True`): `False` runs every sample for exactly `max_loops` iterations.
-        solver_state (`FPRMSolverState`, *optional*): continue from a previous call's `solver_state`.
-        output_residual_trace (`bool`, defaults to `False`): also return the residual after every iteration.
-        generator (`torch.Generator`, *optional*): draw z0 from it, fresh per sample and token (see `initial_z`;
-            without it, training mode uses the global RNG and evaluation mode a generator seeded with
-            `config.initial_state_seed`).
-        output_hidden_states (`bool`, *optional*): also return the solver's iterates y_0..y_K as `hidden_states`
-            (see [`FPRMModelOutput`]); defaults to `config.output_hidden_states`.
-        inputs_embeds (`torch.FloatTensor` of shape `(batch, tokens, hidden_size)`, *optional*): instead of
-            `input_ids`, the token embeddings (what `get_input_embeddings()(input_ids)` gives); scaled, prefixed and
-            re-injected as those are.
-        output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
-        """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -913,6 +916,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @add_start_docstrings_to_model_forward(FPRM_INPUTS_DOCSTRING)
     def forward(
         self,
         input_ids=None,
@@ -936,8 +940,6 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     ):
         r"""
         labels (`torch.LongTensor` of shape `(batch, tokens)`, *optional*): target token per input token, -100 ignored.
-        The solver knobs, `attention_mask`, `output_hidden_states`, `inputs_embeds` and `output_attentions` are those
-        of [`FPRMModel.forward`].
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None:

@@ -1,0 +1,78 @@
+"""Issue 26's layout targets, read from the source: the two model packages stay independent of each other and of
+the training code (trust_remote_code copies a model package's files alone; optional imports excepted),
+modeling_loopformer.py stays near Llama's size, and no function of either package outgrows 60 lines
+(the configs' `__init__`, a flat list of fields, excepted)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_PACKAGES = ("loopformer_hf", "fprm_hf")
+OWN_PACKAGES = {"loopformer_hf", "fprm_hf", "looped_training"}
+MAX_FUNCTION_LINES = 60
+MAX_MODELING_LOOPFORMER_LINES = 700
+
+
+def _modules(package):
+    return sorted((ROOT / package).glob("*.py"))
+
+
+def _catches_import_error(node):
+    return isinstance(node, ast.Try) and any(
+        isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError") for h in node.handlers)
+
+
+def _imported_top_levels(tree):
+    """Top-level names imported by absolute imports, leaving out optional ones (in a `try` that catches ImportError:
+    the hub mixins' card rendering, which falls back to transformers' own `push_to_hub`)."""
+    optional = {id(n) for t in ast.walk(tree) if _catches_import_error(t) for s in t.body for n in ast.walk(s)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", MODEL_PACKAGES)
+def test_model_package_imports_no_other_package_of_this_project(package):
+    for path in _modules(package):
+        others = _imported_top_levels(ast.parse(path.read_text())) & (OWN_PACKAGES - {package})
+        assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
+
+
+@pytest.mark.parametrize("package", MODEL_PACKAGES)
+def test_no_function_of_a_model_package_is_longer_than_60_lines(package):
+    long = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    item.parent_class = node.name
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                config_init = path.name.startswith("configuration_") and node.name == "__init__"
+                if lines > MAX_FUNCTION_LINES and not config_init:
+                    long.append(f"{path.name}:{node.lineno} {getattr(node, 'parent_class', '')}.{node.name} ({lines})")
+    assert not long, long
+
+
+def test_modeling_loopformer_stays_within_700_lines():
+    lines = len((ROOT / "loopformer_hf" / "modeling_loopformer.py").read_text().splitlines())
+    assert lines <= MAX_MODELING_LOOPFORMER_LINES, lines
+
+
+def test_checkout_has_the_users_layout():
+    """top-level training/ and model_cards/ (installed as looped_training, looped_training.model_cards)."""
+    assert (ROOT / "training" / "__init__.py").is_file() and (ROOT / "model_cards" / "loopformer.md").is_file()
+    assert not (ROOT / "looped_training").exists()
+    import looped_training
+    import looped_training.model_cards
+
+    assert Path(looped_training.__file__).parent == ROOT / "training"
+    assert Path(looped_training.model_cards.__file__).parent == ROOT / "model_cards"
