@@ -38,6 +38,7 @@ CELLS = {
     "depth1-3": ["--max_depth", "3"],
     "lr5e-4": ["--learning_rate", "0.0005"],
     "warmup500": ["--warmup_steps", "500"],
+    "width64": ["--hidden_size", "64"],
 }
 RESULTS = os.path.join("benchmarks", "results")
 EVAL_FILE = "sweep_eval.json"
