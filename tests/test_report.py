@@ -40,6 +40,26 @@ def test_small_budget_verdict_reads_the_seed_spread(ee_seeds, status, holds):
     assert "0.450 (0.400–0.500)" in lines[0]  # LoopFormer's mean and range over its two seeds
 
 
+@pytest.mark.parametrize("task", ["synthetic", "shakespeare"])
+def test_base_loop_verdicts_compare_the_seed_mean_at_m1_and_at_full_budget(task):
+    # LoopFormer seeds 0.45/0.35 at M=1 (mean 0.40), 0.70/0.60 at M=L (mean 0.65); ppl = 1/em, so lower is better
+    lf = [record("LoopFormer", "loopformer", curve(0.45, 0.25 / 7)), record("LoopFormer (seed 1)", "loopformer",
+                                                                           curve(0.35, 0.25 / 7))]
+    for base_loop, at_m1, at_full in ((curve(0.30, 0.30 / 7), True, True),  # 0.30 -> 0.60: behind at both ends
+                                      (curve(0.42, 0.28 / 7), False, False)):  # 0.42 -> 0.70: ahead at both
+        records = [*lf, record("Base-Loop", "base_loop", base_loop)]
+        small, small_lines = report.base_loop_verdict(records, task, at_full_budget=False)
+        full, full_lines = report.base_loop_verdict(records, task, at_full_budget=True)
+        assert (small, full) == (at_m1, at_full), (task, base_loop[0], base_loop[-1])
+        assert small_lines[0].startswith("M=1: ") and full_lines[0].startswith(f"M={L}: ")
+    level = [record("LoopFormer", "loopformer", [0.4] * (L - 1) + [0.75]),
+             record("Base-Loop", "base_loop", [0.1] * (L - 1) + [0.75])]
+    assert report.base_loop_verdict(level, task, at_full_budget=True)[0]  # level at M=L (0.75 both): holds
+    level[1]["results"][L - 1]["em"], level[1]["results"][L - 1]["ppl"] = 0.76, 1 / 0.76
+    assert not report.base_loop_verdict(level, task, at_full_budget=True)[0]  # 0.01 behind: does not hold
+    assert report.base_loop_verdict(lf, task, at_full_budget=True)[0] is None  # no Base-Loop run: no verdict
+
+
 def test_monotonic_verdict_uses_the_mean_over_seeds_and_flags_a_flat_curve():
     dip = curve(0.5)
     dip[4] -= 0.2
@@ -97,9 +117,10 @@ def test_report_writes_every_claim_with_a_verdict_from_tiny_runs(tmp_path):
     text = (docs / "results.md").read_text()
     verdicts = [line for line in text.splitlines() if line.startswith("- synthetic: ")]
     assert len(verdicts) == 1
-    for claim in ("monotone in M", "ahead of the early-exit baselines", "coarse-to-fine best", "representations keep"):
+    for claim in ("monotone in M", "ahead of the early-exit baselines", "coarse-to-fine best", "representations keep",
+                  "ahead of Base-Loop at M=1", "level with Base-Loop at M=L"):
         assert claim in verdicts[0]
-    assert verdicts[0].count("**") == 8  # four verdicts, each a bold word
+    assert verdicts[0].count("**") == 12  # six verdicts, each a bold word
     assert "| LoopFormer (2) |" in text and "| TMLT-EE (2) |" in text  # seeds grouped, with their spread
     assert "| reference (seeds) |" in text and "| zero_adaln |" in text
     assert "## Why it does or does not reproduce" in text

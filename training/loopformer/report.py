@@ -434,6 +434,20 @@ def halting_lines(records, task):
         lines.append("")
     return lines + [f"![adaptive depth](plots/{task}_quality_vs_compute.png)", ""]
 
+def base_loop_verdict(records, task, at_full_budget):
+    """Claims 5 and 6, the Quickstart's (b) and (c) without their exact-match margins: LoopFormer (mean over seeds)
+    is better than Base-Loop at M = 1 (no collapse at a small budget), and at least as good at M = L (elastic for
+    free)."""
+    metric, higher = _metric(task)
+    lf, bl = group_curve(records, "LoopFormer", metric), group_curve(records, "Base-Loop", metric)
+    if not lf or not bl:
+        return None, ["(LoopFormer or Base-Loop is missing: no comparison.)"]
+    m = max(lf) if at_full_budget else min(lf)
+    a, b = mean(lf[m]), mean(bl[m])
+    holds = (not better(b, a, higher)) if at_full_budget else better(a, b, higher)
+    return holds, [f"M={m}: LoopFormer {metric} {spread_text(lf[m])} ({len(lf[m])} seeds) vs Base-Loop "
+                   f"{spread_text(bl[m])} ({len(bl[m])}) -> {'holds' if holds else 'does not hold'}"]
+
 
 def claims_lines(records, task):
     verdicts = {}
@@ -452,7 +466,11 @@ def claims_lines(records, task):
              schedule_verdict(records, task)),
             ("representations keep changing", "4. LoopFormer's representations keep changing across steps (full "
              "trajectory) where the looped baselines stagnate: every LoopFormer seed above every baseline run",
-             representation_verdict(records))):
+             representation_verdict(records)),
+            ("ahead of Base-Loop at M=1", "5. At M = 1, LoopFormer is better than Base-Loop (no collapse at a small "
+             "budget; mean over seeds)", base_loop_verdict(records, task, at_full_budget=False)),
+            ("level with Base-Loop at M=L", "6. At M = L, LoopFormer is at least as good as Base-Loop (elastic for "
+             "free; mean over seeds)", base_loop_verdict(records, task, at_full_budget=True))):
         verdicts[key] = holds
         md += ["", f"{title}: {verdict_word(holds)}", ""] + [f"   - {line}" for line in lines]
     return md + [""], verdicts
