@@ -16,8 +16,6 @@ the replay. Per step: loss within 1e-5 relative, every gradient within 1e-4 of i
 within 1e-2 × lr, and residuals, η and halting flags equal.
 """
 
-import math
-
 import pytest
 import torch
 from datasets import Dataset

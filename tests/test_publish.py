@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch

@@ -1,8 +1,6 @@
 """The training script, its data and tokenizer: variants by flag, the embedded corpus, a loadable output."""
 
 import json
-import os
-import random
 
 import pytest
 import torch
