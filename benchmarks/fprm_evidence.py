@@ -394,10 +394,21 @@ def model_halt_eps(out_dir):
         return json.load(f)["halt_eps"]
 
 
+def _no_nan(value):
+    """NaN (a Spearman ρ of a checkpoint whose iterations are all equal: undefined) as JSON null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def write_evidence(evidence, markdown, results_dir, name):
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, name + ".json"), "w") as f:
-        json.dump(evidence, f, indent=1, allow_nan=False, default=lambda v: None)
+        json.dump(_no_nan(evidence), f, indent=1, allow_nan=False, default=lambda v: None)
     with open(os.path.join(results_dir, name + ".md"), "w") as f:
         f.write(markdown)
     print(markdown)
