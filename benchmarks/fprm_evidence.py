@@ -66,6 +66,8 @@ def main(argv=None):
     p.add_argument("--sudoku_width", type=int, default=None, help="d of the adaptivity run (default: the preset's 64)")
     p.add_argument("--sudoku_steps", type=int, default=None,
                    help="training steps of the adaptivity run (default: the preset's 1200; its time cap scales with it)")
+    p.add_argument("--state_num_train", type=int, default=None,
+                   help="training sequences of the length run (default: the preset's 20k; the authors build 2M)")
     p.add_argument("--sudoku_ema", type=float, default=None,
                    help="EMA decay of the adaptivity run (the authors' 0.999; default: the preset's, off)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
@@ -512,7 +514,10 @@ def length_point(model, test, max_loops, T):
 
 
 def length_generalisation_evidence(a):
-    command, out_dir, results, seconds = train_preset(a, "s3-evidence", f"s3-seed{a.seed}")
+    # --state_num_train: the data-size sweep (the authors train S5 on 2M sequences)
+    knobs = ["--num_train", str(a.state_num_train)] if a.state_num_train else []
+    tag = f"seed{a.seed}" + (f"_n{a.state_num_train}" if a.state_num_train else "")
+    command, out_dir, results, seconds = train_preset(a, "s3-evidence", f"s3-{tag}", knobs)
     data = results["args"]["data"]
     T, test_length = data["train_length"], data["test_length"]
     if test_length < 4 * T:
@@ -529,7 +534,9 @@ def length_generalisation_evidence(a):
     ratio = final["ratio_4T"]
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part length_generalisation --seed {a.seed} "
-                   f"--save_steps {a.save_steps}",
+                   f"--save_steps {a.save_steps}" + (f" --state_num_train {a.state_num_train}" if a.state_num_train
+                                                     else ""),
+        "tag": tag,
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "group": data["task"].upper(),
         "seed": a.seed, "train_length": T, "test_length": test_length, "test_sequences": len(test),
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"], "wall_seconds": seconds,
@@ -543,7 +550,7 @@ def length_generalisation_evidence(a):
         "over_training": curve,
     }
     evidence["plot"] = plot_length(evidence, a.plots_dir)
-    write_evidence(evidence, length_markdown(evidence), a.results_dir, f"fprm_length_generalisation_seed{a.seed}")
+    write_evidence(evidence, length_markdown(evidence), a.results_dir, f"fprm_length_generalisation_{tag}")
     return evidence
 
 
@@ -592,7 +599,7 @@ def plot_length(e, plots_dir):
     ax.legend(fontsize=8)
     return save_captioned(fig, f"accuracy over 1..{4 * T} / over 1..{T} = {_fmt(f['ratio_4T'])} (target ≥ 0.9); "
                                f"the authors' metric", plots_dir,
-                          f"fprm_state_tracking_length_generalisation_seed{e['seed']}.png")
+                          f"fprm_state_tracking_length_generalisation_{e.get('tag', 'seed' + str(e['seed']))}.png")
 
 
 if __name__ == "__main__":
