@@ -16,4 +16,6 @@ if [ ! -x "$venv/bin/pytest" ]; then  # built in a temporary folder, so that a f
   rm -rf "$venv" && mv "$venv.partial" "$venv"
 fi
 PYTHONPATH="$PWD:$PWD/tests" exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_loopformer_model.py tests/test_loopformer_cache.py tests/test_loopformer_halting.py
+  tests/test_loopformer_model.py tests/test_loopformer_cache.py tests/test_loopformer_halting.py \
+  tests/test_loopformer_static_cache.py tests/test_loopformer_generate_modes.py tests/test_loopformer_halting_paths.py \
+  tests/test_loopformer_validation.py
