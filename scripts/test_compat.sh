@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the LoopFormer model tests against another transformers release of the declared range (default 5.17.0,
+# Run the model tests (LoopFormer and FPRM) against another transformers release of the declared range (default 5.17.0,
 # the oldest), in a separate venv: bash scripts/test_compat.sh [VERSION]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +18,4 @@ fi
 PYTHONPATH="$PWD:$PWD/tests" exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_loopformer_model.py tests/test_loopformer_cache.py tests/test_loopformer_halting.py \
   tests/test_loopformer_static_cache.py tests/test_loopformer_generate_modes.py tests/test_loopformer_halting_paths.py \
-  tests/test_loopformer_validation.py
+  tests/test_loopformer_validation.py tests/test_fprm_model.py tests/test_fprm_conventions.py tests/test_fprm_reference.py
