@@ -9,8 +9,9 @@ The study (issue 12): k = 2 shared blocks looped L = 8 times, so M <= L/4 is M i
 at M = 2..7. Per task (the embedded synthetic task and, where --shakespeare exists, Shakespeare), the six variants
 (LoopFormer, Base-Loop, TMLT, TMLT-EE, Naive-Loop-EE, iso-FLOP Base), a second seed of LoopFormer and of TMLT-EE,
 and LoopFormer under the other initialisation (`initializer_scheme="zero_adaln"`): `RUNS`. Sizes: the preset's
-config files (training/configs/loopformer/report-<task>-<preset>.yaml): `cpu` took 42 min on two
-cores, `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is available; halved after
+config files (training/configs/loopformer/report-<task>-<preset>.yaml): `cpu` trains 12,500 s in all (the runs'
+own times, 2026-12-01, two at a time on a 2-core machine shared with other jobs: about 1 h 45 min; 42 min before
+its Shakespeare runs went from 300 to 1500 steps), `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is available; halved after
 a first H200 run at twice its size took about fifteen, and not run since).
 
 Every number and every verdict in the report is computed here from `elastic_eval.json` and the runs' own files;
@@ -561,7 +562,7 @@ def write_report(runs_dir, tasks, docs_dir, preset, skip_checks=False):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Regenerate docs/results.md from runs (training what is missing).")
     parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="Run sizes: 'cpu' (42 min measured on 2 cores) or 'gpu' (about ten minutes on one "
+                        help="Run sizes: 'cpu' (about 1 h 45 min on 2 cores) or 'gpu' (about ten minutes on one "
                              "accelerator); default gpu when CUDA is available, else cpu.")
     parser.add_argument("--runs_dir", default=os.path.join("runs", "results"))
     parser.add_argument("--docs_dir", default="docs")
