@@ -65,11 +65,11 @@ def main(argv=None):
                                                                  "training)")
     p.add_argument("--sudoku_width", type=int, default=None, help="d of the adaptivity run (default: the preset's 64)")
     p.add_argument("--sudoku_steps", type=int, default=None,
-                   help="training steps of the adaptivity run (default: the preset's 1200; its time cap scales with it)")
+                   help="training steps of the adaptivity run (default: the preset's 2400; its time cap scales with it)")
     p.add_argument("--state_num_train", type=int, default=None,
                    help="training sequences of the length run (default: the preset's 20k; the authors build 2M)")
     p.add_argument("--sudoku_ema", type=float, default=None,
-                   help="EMA decay of the adaptivity run (the authors' 0.999; default: the preset's, off)")
+                   help="EMA decay of the adaptivity run (default: the preset's, the authors' 0.999)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
     p.add_argument("--results_dir", default=RESULTS_DIR, help="where the adaptivity/length JSON and markdown go")
     p.add_argument("--plots_dir", default=PLOTS_DIR)
@@ -252,6 +252,28 @@ def verdict(value, target):
     return "holds" if value is not None and value == value and value >= target else "does not hold"
 
 
+# The sweep knobs of the two runs: argument -> (suffix of the run's tag, the training flags it sets). The Sudoku
+# puzzle embedding learns d values, as the preset; its time cap is 24 min per 1200 steps, as the preset's.
+SUDOKU_KNOBS = {
+    "sudoku_width": ("_d{}", lambda d: ["--hidden_size", str(d), "--puzzle_emb_ndim", str(d)]),
+    "sudoku_steps": ("_steps{}", lambda n: ["--max_steps", str(n), "--time_budget_minutes", f"{24.0 * n / 1200:g}"]),
+    "sudoku_ema": ("_ema{:g}", lambda mu: ["--ema_decay", str(mu)]),
+}
+STATE_KNOBS = {"state_num_train": ("_n{}", lambda n: ["--num_train", str(n)])}  # the authors build 2M sequences
+
+
+def sweep_knobs(a, table):
+    """(training flags, tag, this command's own flags) of the knobs of `table` that `a` sets."""
+    flags, tag, own = [], f"seed{a.seed}", ""
+    for name, (suffix, training_flags) in table.items():
+        value = getattr(a, name)
+        if value:
+            flags += training_flags(value)
+            tag += suffix.format(value)
+            own += f" --{name} {value:g}" if isinstance(value, float) else f" --{name} {value}"
+    return flags, tag, own
+
+
 def train_preset(a, preset, name, extra_flags=()):
     """Trains `preset` into output_dir/name (checkpoints every `--save_steps` of the preset's run, for the curve
     over training) in a subprocess with one thread, unless `--reuse` finds its results.json; returns the command,
@@ -349,15 +371,7 @@ def sudoku_point(model, test, max_loops):
 
 
 def sudoku_adaptivity(a):
-    # --sudoku_width: the width sweep (the puzzle embedding learns d values, as the preset)
-    # --sudoku_steps / --sudoku_ema: the training-length and EMA sweep (the preset's time cap is 24 min per 1200 steps)
-    knobs = ["--hidden_size", str(a.sudoku_width), "--puzzle_emb_ndim", str(a.sudoku_width)] if a.sudoku_width else []
-    if a.sudoku_steps:
-        knobs += ["--max_steps", str(a.sudoku_steps), "--time_budget_minutes", f"{24.0 * a.sudoku_steps / 1200:g}"]
-    if a.sudoku_ema:
-        knobs += ["--ema_decay", str(a.sudoku_ema)]
-    tag = (f"seed{a.seed}" + (f"_d{a.sudoku_width}" if a.sudoku_width else "")
-           + (f"_steps{a.sudoku_steps}" if a.sudoku_steps else "") + (f"_ema{a.sudoku_ema:g}" if a.sudoku_ema else ""))
+    knobs, tag, flags = sweep_knobs(a, SUDOKU_KNOBS)
     command, out_dir, results, seconds = train_preset(a, "sudoku4-evidence", f"sudoku4-{tag}", knobs)
     test = test_split(results, a.seed)
     cap = results["solver"]["max_loops"]
@@ -371,9 +385,7 @@ def sudoku_adaptivity(a):
     fresh = sudoku_point(model, fresh_sudoku_split(results, a.seed), cap)
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part sudoku_adaptivity --seed {a.seed} "
-                   f"--save_steps {a.save_steps}" + (f" --sudoku_width {a.sudoku_width}" if a.sudoku_width else "")
-                   + (f" --sudoku_steps {a.sudoku_steps}" if a.sudoku_steps else "")
-                   + (f" --sudoku_ema {a.sudoku_ema:g}" if a.sudoku_ema else ""),
+                   f"--save_steps {a.save_steps}{flags}",
         "tag": tag,
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seed": a.seed,
         "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
@@ -514,9 +526,7 @@ def length_point(model, test, max_loops, T):
 
 
 def length_generalisation_evidence(a):
-    # --state_num_train: the data-size sweep (the authors train S5 on 2M sequences)
-    knobs = ["--num_train", str(a.state_num_train)] if a.state_num_train else []
-    tag = f"seed{a.seed}" + (f"_n{a.state_num_train}" if a.state_num_train else "")
+    knobs, tag, flags = sweep_knobs(a, STATE_KNOBS)
     command, out_dir, results, seconds = train_preset(a, "s3-evidence", f"s3-{tag}", knobs)
     data = results["args"]["data"]
     T, test_length = data["train_length"], data["test_length"]
@@ -534,8 +544,7 @@ def length_generalisation_evidence(a):
     ratio = final["ratio_4T"]
     evidence = {
         "command": f"python -m benchmarks.fprm_evidence --part length_generalisation --seed {a.seed} "
-                   f"--save_steps {a.save_steps}" + (f" --state_num_train {a.state_num_train}" if a.state_num_train
-                                                     else ""),
+                   f"--save_steps {a.save_steps}{flags}",
         "tag": tag,
         "training_command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "group": data["task"].upper(),
         "seed": a.seed, "train_length": T, "test_length": test_length, "test_sequences": len(test),
