@@ -29,7 +29,8 @@ defaults; `--scale` multiplies every time budget):
    the training length T and at 4T for the final model and every saved checkpoint (targets: in-distribution
    accuracy >= 0.9, accuracy over 1..4T >= 0.9 x that), against the paper's 0.988 (S5 at 128), and
    `docs/plots/fprm_state_tracking_length_generalisation_seed<S>.png`; writes
-   `benchmarks/results/fprm_length_generalisation_seed<S>.{json,md}`.
+   `benchmarks/results/fprm_length_generalisation_seed<S>.{json,md}` (`--state_num_train N` and `--state_steps N`
+   train on N sequences or for N steps and add `_nN` or `_stepsN` to the names).
 
     python -m benchmarks.fprm_evidence --part length_generalisation
 
@@ -68,6 +69,8 @@ def main(argv=None):
                    help="training steps of the adaptivity run (default: the preset's 2400; its time cap scales with it)")
     p.add_argument("--state_num_train", type=int, default=None,
                    help="training sequences of the length run (default: the preset's 20k; the authors build 2M)")
+    p.add_argument("--state_steps", type=int, default=None,
+                   help="training steps of the length run (default: the preset's 1200; its time cap scales with it)")
     p.add_argument("--sudoku_ema", type=float, default=None,
                    help="EMA decay of the adaptivity run (default: the preset's, the authors' 0.999)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
@@ -259,7 +262,10 @@ SUDOKU_KNOBS = {
     "sudoku_steps": ("_steps{}", lambda n: ["--max_steps", str(n), "--time_budget_minutes", f"{24.0 * n / 1200:g}"]),
     "sudoku_ema": ("_ema{:g}", lambda mu: ["--ema_decay", str(mu)]),
 }
-STATE_KNOBS = {"state_num_train": ("_n{}", lambda n: ["--num_train", str(n)])}  # the authors build 2M sequences
+STATE_KNOBS = {
+    "state_num_train": ("_n{}", lambda n: ["--num_train", str(n)]),  # the authors build 2M sequences
+    "state_steps": ("_steps{}", lambda n: ["--max_steps", str(n), "--time_budget_minutes", f"{18.0 * n / 1200:g}"]),
+}
 
 
 def sweep_knobs(a, table):

@@ -39,6 +39,7 @@ CELLS = {
     "lr5e-4": ["--learning_rate", "0.0005"],
     "warmup500": ["--warmup_steps", "500"],
     "width64": ["--hidden_size", "64"],
+    "width256": ["--hidden_size", "256"],
 }
 RESULTS = os.path.join("benchmarks", "results")
 EVAL_FILE = "sweep_eval.json"

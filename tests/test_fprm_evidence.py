@@ -134,3 +134,20 @@ def test_fresh_sudoku_split_is_another_seeds_test_split_without_the_training_puz
     monkeypatch.setattr(tasks, "build_task", with_shared_puzzles)
     fresh = fresh_sudoku_split(results, 7)["puzzle"]
     assert fresh == [p for i, p in enumerate(other["puzzle"]) if i not in (0, 5, 9)]
+
+
+def test_sweep_knobs_name_the_run_and_set_only_the_training_flags_given():
+    from types import SimpleNamespace
+
+    from benchmarks.fprm_evidence import STATE_KNOBS, SUDOKU_KNOBS, sweep_knobs
+
+    plain = SimpleNamespace(seed=42, sudoku_width=None, sudoku_steps=None, sudoku_ema=None)
+    assert sweep_knobs(plain, SUDOKU_KNOBS) == ([], "seed42", "")
+    sudoku = SimpleNamespace(seed=1, sudoku_width=None, sudoku_steps=4000, sudoku_ema=0.999)
+    flags, tag, own = sweep_knobs(sudoku, SUDOKU_KNOBS)
+    # the time cap scales with the steps (24 min per 1200, the preset's)
+    assert flags == ["--max_steps", "4000", "--time_budget_minutes", "80", "--ema_decay", "0.999"]
+    assert (tag, own) == ("seed1_steps4000_ema0.999", " --sudoku_steps 4000 --sudoku_ema 0.999")
+    state = SimpleNamespace(seed=0, state_num_train=None, state_steps=3000)
+    assert sweep_knobs(state, STATE_KNOBS) == (["--max_steps", "3000", "--time_budget_minutes", "45"],
+                                               "seed0_steps3000", " --state_steps 3000")
