@@ -70,7 +70,7 @@ def main(argv=None):
     p.add_argument("--state_num_train", type=int, default=None,
                    help="training sequences of the length run (default: the preset's 20k; the authors build 2M)")
     p.add_argument("--state_steps", type=int, default=None,
-                   help="training steps of the length run (default: the preset's 1200; its time cap scales with it)")
+                   help="training steps of the length run (default: the preset's 3000; its time cap scales with it)")
     p.add_argument("--sudoku_ema", type=float, default=None,
                    help="EMA decay of the adaptivity run (default: the preset's, the authors' 0.999)")
     p.add_argument("--reuse", action="store_true", help="analyse a finished training in --output_dir again")
