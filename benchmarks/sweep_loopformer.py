@@ -40,6 +40,7 @@ CELLS = {
     "warmup500": ["--warmup_steps", "500"],
     "width64": ["--hidden_size", "64"],
     "width256": ["--hidden_size", "256"],
+    "loops8": ["--num_loops", "8"],
 }
 RESULTS = os.path.join("benchmarks", "results")
 EVAL_FILE = "sweep_eval.json"
