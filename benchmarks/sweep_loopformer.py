@@ -113,8 +113,14 @@ def summarise(runs_dir, cells, max_rows):
         summary[cell] = {"flags": CELLS[cell], "curves": curves, "spread": spread, "by_depth": depths,
                          "train_runtime_s": {v: mean([r["train_runtime_s"] for r in rs]) for v, rs in runs.items()},
                          "runs": runs,
-                         "verdicts": budget_claims(curves["loopformer"], curves["base_loop"])}
+                         "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
+                         "per_seed_verdicts": per_seed_verdicts(runs)}
     return summary
+
+
+def per_seed_verdicts(runs):
+    """The three verdicts of each seed alone: LoopFormer seed s against Base-Loop seed s."""
+    return [budget_claims(lf["em"], bl["em"]) for lf, bl in zip(runs["loopformer"], runs["base_loop"])]
 
 
 def yes(holds):
@@ -148,7 +154,11 @@ def markdown(summary, command):
                   f"- (b) no collapse at M=1: LoopFormer − Base-Loop {v['b_no_collapse_at_M1']['margin']:+.3f}: "
                   f"{yes(v['b_no_collapse_at_M1']['holds'])}",
                   f"- (c) elastic for free: LoopFormer − Base-Loop at M=L {v['c_elastic_for_free']['gap']:+.3f}: "
-                  f"{yes(v['c_elastic_for_free']['holds'])}", ""]
+                  f"{yes(v['c_elastic_for_free']['holds'])}"]
+        per_seed = [f"seed {seed}: " + " / ".join("holds" if c["holds"] else "no" for c in claims.values())
+                    for seed, claims in zip(SEEDS, per_seed_verdicts(s["runs"]))]
+        lines += ["- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
+                  + "; ".join(per_seed), ""]
     return "\n".join(lines)
 
 

@@ -1,0 +1,32 @@
+"""The sweep's table (benchmarks/sweep_loopformer.py): the verdicts of the seed means and of each seed alone."""
+
+from benchmarks.sweep_loopformer import VARIANTS, markdown, per_seed_verdicts
+from looped_training.loopformer.evaluate import budget_claims
+
+
+def fake_runs():
+    em = {"loopformer": ([0.40, 0.50, 0.60, 0.70], [0.25, 0.25, 0.25, 0.25]),
+          "base_loop": ([0.20, 0.40, 0.60, 0.70], [0.10, 0.30, 0.50, 0.90]),
+          "tmlt_ee": ([0.30, 0.40, 0.50, 0.60], [0.30, 0.40, 0.50, 0.60])}
+    return {v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve]} for curve in em[v]] for v in VARIANTS}
+
+
+def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_seed():
+    seed0, seed1 = per_seed_verdicts(fake_runs())
+    assert [c["holds"] for c in seed0.values()] == [True, True, True]  # +0.30, +0.20, level at M=L
+    assert [c["holds"] for c in seed1.values()] == [False, True, False]  # flat, +0.15, 0.65 behind at M=L
+    assert seed1["c_elastic_for_free"]["gap"] == -0.65
+
+
+def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
+    runs = fake_runs()
+    curves = {v: [sum(col) / 2 for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
+    cell = {"flags": ["--max_steps", "4000"], "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
+            "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
+            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"])}
+    text = markdown({"steps4k": cell}, "python -m benchmarks.sweep_loopformer")
+    assert "## steps4k: `--max_steps 4000`" in text
+    # the means: LoopFormer 0.325 -> 0.475 (+0.15), at M=1 +0.175 over Base-Loop, at M=L 0.325 behind
+    assert "(a) LoopFormer improves with budget: gain +0.150, worst step back 0.000: **holds**" in text
+    assert "(c) elastic for free: LoopFormer − Base-Loop at M=L -0.325: does not hold" in text
+    assert "seed 0: holds / holds / holds; seed 1: no / holds / no" in text
