@@ -156,7 +156,7 @@ def markdown(summary, command):
                   f"- (c) elastic for free: LoopFormer − Base-Loop at M=L {v['c_elastic_for_free']['gap']:+.3f}: "
                   f"{yes(v['c_elastic_for_free']['holds'])}"]
         per_seed = [f"seed {seed}: " + " / ".join("holds" if c["holds"] else "no" for c in claims.values())
-                    for seed, claims in zip(SEEDS, per_seed_verdicts(s["runs"]))]
+                    for seed, claims in zip(SEEDS, s["per_seed_verdicts"])]
         lines += ["- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
                   + "; ".join(per_seed), ""]
     return "\n".join(lines)

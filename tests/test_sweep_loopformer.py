@@ -23,7 +23,8 @@ def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
     curves = {v: [sum(col) / 2 for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
     cell = {"flags": ["--max_steps", "4000"], "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
             "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
-            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"])}
+            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
+            "per_seed_verdicts": per_seed_verdicts(runs)}
     text = markdown({"steps4k": cell}, "python -m benchmarks.sweep_loopformer")
     assert "## steps4k: `--max_steps 4000`" in text
     # the means: LoopFormer 0.325 -> 0.475 (+0.15), at M=1 +0.175 over Base-Loop, at M=L 0.325 behind

@@ -11,8 +11,9 @@ at M = 2..7. Per task (the embedded synthetic task and, where --shakespeare exis
 and LoopFormer under the other initialisation (`initializer_scheme="zero_adaln"`): `RUNS`. Sizes: the preset's
 config files (training/configs/loopformer/report-<task>-<preset>.yaml): `cpu` trains 12,500 s in all (the runs'
 own times, 2026-12-01, two at a time on a 2-core machine shared with other jobs: about 1 h 45 min; 42 min before
-its Shakespeare runs went from 300 to 1500 steps), `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is available; halved after
-a first H200 run at twice its size took about fifteen, and not run since).
+its Shakespeare runs went from 300 to 1500 steps), `gpu` is sized for about ten minutes on one accelerator (the
+default when CUDA is available; halved after a first H200 run at twice its size took about fifteen, and not run
+since).
 
 Every number and every verdict in the report is computed here from `elastic_eval.json` and the runs' own files;
 nothing is typed in.
