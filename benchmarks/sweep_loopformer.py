@@ -2,12 +2,14 @@
 
     python -m benchmarks.sweep_loopformer                       # every cell, 2 seeds, 2 runs at a time
     python -m benchmarks.sweep_loopformer --cells base steps4k  # some cells
+    python -m benchmarks.sweep_loopformer --cells steps4k --seeds 2 3  # more seeds for a cell
     python -m benchmarks.sweep_loopformer --table_only          # rewrite the table from the runs on disk
 
 The model and the objective stay the authors' (tests/test_loopformer_training_oracle.py keeps them so): each cell
 only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate and
 warm-up, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and TMLT-EE with
-seeds 0 and 1 (`--seed` and `--shortcut_seed`; the corpus and the held-out problems are the same for all) and
+seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out problems are the
+same for all); the table of a cell averages every seed on disk for which all three models are trained. It
 evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and by depth.
 
 It writes benchmarks/results/sweep_loopformer.json (every number) and benchmarks/results/sweep_loopformer.md
@@ -19,6 +21,7 @@ M=1 + 0.10; (c) LoopFormer at M=L within 0.05 of Base-Loop at M=L). Runs already
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +31,7 @@ from looped_training.loopformer.evaluate import budget_claims
 
 BASE_CONFIG = "training/configs/loopformer/synthetic-tiny.yaml"
 VARIANTS = {"loopformer": "LoopFormer", "base_loop": "Base-Loop", "tmlt_ee": "TMLT-EE"}
-SEEDS = (0, 1)
+SEEDS = (0, 1)  # the default; a cell's table uses every seed trained for all three models
 # cell -> flags over BASE_CONFIG (recipe knobs only)
 CELLS = {
     "base": [],
@@ -69,6 +72,15 @@ def train(runs_dir, cell, variant, seed):
     return out, seconds
 
 
+def seeds_on_disk(runs_dir, cell):
+    """The seeds of `cell` whose runs have finished for every variant, in order."""
+    folder = os.path.join(runs_dir, cell)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = [{int(m.group(1)) for n in names if (m := re.fullmatch(rf"{v}-s(\d+)", n))
+              and os.path.exists(os.path.join(folder, n, "loopformer_training.json"))} for v in VARIANTS]
+    return sorted(set.intersection(*found))
+
+
 def evaluate(path, max_rows):
     """Exact match at every uniform budget M = 1..L, overall and by depth (cached in the run's folder)."""
     cached = os.path.join(path, EVAL_FILE)
@@ -101,16 +113,15 @@ def mean(xs):
 def summarise(runs_dir, cells, max_rows):
     summary = {}
     for cell in cells:
-        runs = {v: [evaluate(run_dir(runs_dir, cell, v, s), max_rows) for s in SEEDS
-                    if os.path.exists(os.path.join(run_dir(runs_dir, cell, v, s), "loopformer_training.json"))]
-                for v in VARIANTS}
-        if any(len(r) < len(SEEDS) for r in runs.values()):
+        seeds = seeds_on_disk(runs_dir, cell)
+        if len(seeds) < 2:  # a mean needs two seeds
             continue
+        runs = {v: [evaluate(run_dir(runs_dir, cell, v, s), max_rows) for s in seeds] for v in VARIANTS}
         curves = {v: [mean(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
         spread = {v: [max(col) - min(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
         depths = {v: {d: [mean([r["em_by_depth"][m][d] for r in rs]) for m in range(len(rs[0]["em"]))]
                       for d in rs[0]["em_by_depth"][0]} for v, rs in runs.items()}
-        summary[cell] = {"flags": CELLS[cell], "curves": curves, "spread": spread, "by_depth": depths,
+        summary[cell] = {"flags": CELLS[cell], "seeds": seeds, "curves": curves, "spread": spread, "by_depth": depths,
                          "train_runtime_s": {v: mean([r["train_runtime_s"] for r in rs]) for v, rs in runs.items()},
                          "runs": runs,
                          "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
@@ -132,11 +143,13 @@ def markdown(summary, command):
              f"Written by `{command}`; every number below is in benchmarks/results/sweep_loopformer.json.",
              f"Base recipe: `{BASE_CONFIG}` (d=128, one block looped L=4 times, batch 64, lr 1e-3, warm-up 100, "
              "2000 steps, depths 1..4, 100k training problems); each cell changes only the flags named. "
-             f"Exact match on 500 held-out problems, mean of seeds {', '.join(map(str, SEEDS))} "
-             "(± half the spread between them). Chance is 0.1 (one answer digit mod 10).", ""]
+             "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between the best "
+             "and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
     for cell, s in summary.items():
         L = len(s["curves"]["loopformer"])
+        seeds = s.get("seeds", SEEDS)  # tables written before --seeds hold seeds 0 and 1
         lines += [f"## {cell}: `{' '.join(s['flags']) or '(the base recipe)'}`", "",
+                  f"Seeds {', '.join(map(str, seeds))}.", "",
                   "| model | " + " | ".join(f"M={m}" for m in range(1, L + 1)) + " | train s |",
                   "|---|" + "---|" * (L + 1)]
         for v, name in VARIANTS.items():
@@ -156,9 +169,10 @@ def markdown(summary, command):
                   f"- (c) elastic for free: LoopFormer − Base-Loop at M=L {v['c_elastic_for_free']['gap']:+.3f}: "
                   f"{yes(v['c_elastic_for_free']['holds'])}"]
         per_seed = [f"seed {seed}: " + " / ".join("holds" if c["holds"] else "no" for c in claims.values())
-                    for seed, claims in zip(SEEDS, s["per_seed_verdicts"])]
+                    for seed, claims in zip(seeds, s["per_seed_verdicts"])]
+        all_three = sum(all(c["holds"] for c in claims.values()) for claims in s["per_seed_verdicts"])
         lines += ["- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
-                  + "; ".join(per_seed), ""]
+                  + "; ".join(per_seed) + f"; all three hold for {all_three} of {len(seeds)} seeds", ""]
     return "\n".join(lines)
 
 
@@ -166,6 +180,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default="runs/sweep_loopformer")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                        help="Seeds to train in each cell (runs on disk are not trained again).")
     parser.add_argument("--jobs", type=int, default=2, help="Runs trained at once (one thread each).")
     parser.add_argument("--max_rows", type=int, default=500, help="Held-out problems evaluated.")
     parser.add_argument("--table_only", action="store_true", help="Only rewrite the table from runs on disk.")
@@ -173,8 +189,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        raise SystemExit(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     if not args.table_only:
-        todo = [(c, v, s) for c in args.cells for s in SEEDS for v in VARIANTS]
+        todo = [(c, v, s) for c in args.cells for s in args.seeds for v in VARIANTS]
         with ThreadPoolExecutor(args.jobs) as pool:
             for future in [pool.submit(train, args.runs_dir, *job) for job in todo]:
                 future.result()

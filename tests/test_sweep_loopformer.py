@@ -1,6 +1,8 @@
 """The sweep's table (benchmarks/sweep_loopformer.py): the verdicts of the seed means and of each seed alone."""
 
-from benchmarks.sweep_loopformer import VARIANTS, markdown, per_seed_verdicts
+import pytest
+
+from benchmarks.sweep_loopformer import VARIANTS, main, markdown, per_seed_verdicts, seeds_on_disk
 from looped_training.loopformer.evaluate import budget_claims
 
 
@@ -21,7 +23,7 @@ def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_see
 def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
     runs = fake_runs()
     curves = {v: [sum(col) / 2 for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
-    cell = {"flags": ["--max_steps", "4000"], "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
+    cell = {"flags": ["--max_steps", "4000"], "seeds": [0, 3], "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
             "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
             "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
             "per_seed_verdicts": per_seed_verdicts(runs)}
@@ -30,4 +32,27 @@ def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
     # the means: LoopFormer 0.325 -> 0.475 (+0.15), at M=1 +0.175 over Base-Loop, at M=L 0.325 behind
     assert "(a) LoopFormer improves with budget: gain +0.150, worst step back 0.000: **holds**" in text
     assert "(c) elastic for free: LoopFormer − Base-Loop at M=L -0.325: does not hold" in text
-    assert "seed 0: holds / holds / holds; seed 1: no / holds / no" in text
+    assert "Seeds 0, 3." in text
+    assert "seed 0: holds / holds / holds; seed 3: no / holds / no; all three hold for 1 of 2 seeds" in text
+
+
+def test_a_cell_averages_the_seeds_finished_for_every_model(tmp_path):
+    def finished(variant, seed):
+        run = tmp_path / "steps4k" / f"{variant}-s{seed}"
+        run.mkdir(parents=True)
+        (run / "loopformer_training.json").write_text("{}")
+
+    for seed in (0, 1, 3, 12):
+        for variant in VARIANTS:
+            if (seed, variant) != (3, "tmlt_ee"):  # seed 3's TMLT-EE is missing
+                finished(variant, seed)
+    (tmp_path / "steps4k" / "loopformer-s7").mkdir()  # started, not finished
+    assert seeds_on_disk(str(tmp_path), "steps4k") == [0, 1, 12]
+    assert seeds_on_disk(str(tmp_path), "width256") == []
+
+
+def test_repeated_or_negative_seeds_are_refused_before_anything_trains(tmp_path):
+    for seeds in (["2", "2"], ["-1", "3"]):
+        with pytest.raises(SystemExit, match="--seeds must be distinct non-negative integers"):
+            main(["--seeds", *seeds, "--runs_dir", str(tmp_path), "--output_dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
