@@ -143,8 +143,8 @@ def markdown(summary, command):
              f"Written by `{command}`; every number below is in benchmarks/results/sweep_loopformer.json.",
              f"Base recipe: `{BASE_CONFIG}` (d=128, one block looped L=4 times, batch 64, lr 1e-3, warm-up 100, "
              "2000 steps, depths 1..4, 100k training problems); each cell changes only the flags named. "
-             "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between the best "
-             "and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
+             "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between "
+             "the best and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
     for cell, s in summary.items():
         L = len(s["curves"]["loopformer"])
         seeds = s.get("seeds", SEEDS)  # tables written before --seeds hold seeds 0 and 1

@@ -23,7 +23,8 @@ def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_see
 def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
     runs = fake_runs()
     curves = {v: [sum(col) / 2 for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
-    cell = {"flags": ["--max_steps", "4000"], "seeds": [0, 3], "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
+    cell = {"flags": ["--max_steps", "4000"], "seeds": [0, 3], "curves": curves,
+            "spread": {v: [0.0] * 4 for v in VARIANTS},
             "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
             "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
             "per_seed_verdicts": per_seed_verdicts(runs)}
