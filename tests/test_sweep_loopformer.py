@@ -13,6 +13,15 @@ def fake_runs():
     return {v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve]} for curve in em[v]] for v in VARIANTS}
 
 
+def cell_of(runs, seeds, flags=()):
+    """A cell of the summary as `summarise` writes it, from fake runs (seed means as the curves)."""
+    curves = {v: [sum(col) / len(rs) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
+    return {"flags": list(flags), "seeds": seeds, "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
+            "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
+            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
+            "per_seed_verdicts": per_seed_verdicts(runs)}
+
+
 def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_seed():
     seed0, seed1 = per_seed_verdicts(fake_runs())
     assert [c["holds"] for c in seed0.values()] == [True, True, True]  # +0.30, +0.20, level at M=L
@@ -20,21 +29,25 @@ def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_see
     assert seed1["c_elastic_for_free"]["gap"] == -0.65
 
 
-def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
+def test_a_loopformer_far_ahead_of_base_loop_fails_c_and_the_table_says_it_is_ahead():
     runs = fake_runs()
-    curves = {v: [sum(col) / 2 for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
-    cell = {"flags": ["--max_steps", "4000"], "seeds": [0, 3], "curves": curves,
-            "spread": {v: [0.0] * 4 for v in VARIANTS},
-            "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
-            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
-            "per_seed_verdicts": per_seed_verdicts(runs)}
+    runs["base_loop"][0]["em"] = [0.20, 0.40, 0.50, 0.55]  # seed 0's LoopFormer ends 0.15 ahead
+    claims = per_seed_verdicts(runs)[0]
+    assert not claims["c_elastic_for_free"]["holds"]
+    text = markdown({"base": cell_of(runs, [0, 1])}, "cmd")
+    assert "seed 0: holds / holds / no (ahead by 0.150)" in text
+    assert "all three hold for 0 of 2 seeds, and for 1 if (c) only asks LoopFormer to end no more than 0.05 " in text
+
+
+def test_markdown_prints_the_mean_verdicts_and_each_seed_alone():
+    cell = cell_of(fake_runs(), [0, 3], flags=["--max_steps", "4000"])
     text = markdown({"steps4k": cell}, "python -m benchmarks.sweep_loopformer")
     assert "## steps4k: `--max_steps 4000`" in text
     # the means: LoopFormer 0.325 -> 0.475 (+0.15), at M=1 +0.175 over Base-Loop, at M=L 0.325 behind
     assert "(a) LoopFormer improves with budget: gain +0.150, worst step back 0.000: **holds**" in text
     assert "(c) elastic for free: LoopFormer − Base-Loop at M=L -0.325: does not hold" in text
     assert "Seeds 0, 3." in text
-    assert "seed 0: holds / holds / holds; seed 3: no / holds / no; all three hold for 1 of 2 seeds" in text
+    assert "seed 0: holds / holds / holds; seed 3: no / holds / no; all three hold for 1 of 2 seeds, and for 1" in text
 
 
 def test_a_cell_averages_the_seeds_finished_for_every_model(tmp_path):
