@@ -154,7 +154,7 @@ def markdown(summary, command):
              "the best and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
     for cell, s in summary.items():
         L = len(s["curves"]["loopformer"])
-        seeds = s.get("seeds", SEEDS)  # tables written before --seeds hold seeds 0 and 1
+        seeds = s["seeds"]
         lines += [f"## {cell}: `{' '.join(s['flags']) or '(the base recipe)'}`", "",
                   f"Seeds {', '.join(map(str, seeds))}.", "",
                   "| model | " + " | ".join(f"M={m}" for m in range(1, L + 1)) + " | train s |",
