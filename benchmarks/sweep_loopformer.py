@@ -6,8 +6,8 @@
     python -m benchmarks.sweep_loopformer --table_only          # rewrite the table from the runs on disk
 
 The model and the objective stay the authors' (tests/test_loopformer_training_oracle.py keeps them so): each cell
-only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate and
-warm-up, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and TMLT-EE with
+only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate,
+warm-up and weight decay, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and TMLT-EE with
 seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out problems are the
 same for all); the table of a cell averages every seed on disk for which all three models are trained. It
 evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and by depth.
@@ -41,6 +41,10 @@ CELLS = {
     "depth1-3": ["--max_depth", "3"],
     "lr5e-4": ["--learning_rate", "0.0005"],
     "warmup500": ["--warmup_steps", "500"],
+    "warmup1000": ["--warmup_steps", "1000"],
+    "steps3k-warmup750": ["--max_steps", "3000", "--warmup_steps", "750"],
+    "steps4k-warmup1000": ["--max_steps", "4000", "--warmup_steps", "1000"],
+    "wd0.2": ["--weight_decay", "0.2"],  # the weight decay of the authors' config/train_*_3blk.py
     "width64": ["--hidden_size", "64"],
     "width256": ["--hidden_size", "256"],
     "loops8": ["--num_loops", "8"],
