@@ -175,6 +175,12 @@ def test_budget_claims_hold_and_fail_at_their_thresholds():
     assert bad["a_improves_with_budget"]["worst_step_back"] == pytest.approx(0.03)
     lines = evaluate_elastic.claims_text(bad)
     assert len(lines) == 3 and all("does not hold" in line for line in lines)
+    assert "ahead" not in lines[2]  # 0.06 behind
+    # (c) is two-sided: 0.12 ahead of Base-Loop fails it too, and the verdict says which side
+    ahead = claims([0.40, 0.55, 0.70, 0.92], [0.25, 0.50, 0.70, 0.80])
+    assert not ahead["c_elastic_for_free"]["holds"]
+    line = evaluate_elastic.claims_text(ahead)[2]
+    assert line.endswith("does not hold (LoopFormer is ahead of Base-Loop, not behind)")
 
 
 def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plots(checkpoints, tmp_path, capsys,

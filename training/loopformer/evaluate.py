@@ -408,7 +408,10 @@ def claims_text(claims):
             f"{a['worst_step_back']:.3f} (<= 0.02): {word[a['holds']]}",
             f"(b) no collapse at M=1: LoopFormer - Base-Loop = {b['margin']:+.3f} (>= 0.10): {word[b['holds']]}",
             f"(c) elastic for free: LoopFormer - Base-Loop at M=L = {c['gap']:+.3f} (within 0.05): "
-            f"{word[c['holds']]}"]
+            f"{word[c['holds']]}"
+            # the claim is two-sided as stated; a LoopFormer far ahead fails it, which a reader should not take
+            # for a LoopFormer behind
+            + (" (LoopFormer is ahead of Base-Loop, not behind)" if not c["holds"] and c["gap"] > 0 else "")]
 
 
 def records_claims(records):
