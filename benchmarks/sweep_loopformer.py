@@ -7,10 +7,11 @@
 
 The model and the objective stay the authors' (tests/test_loopformer_training_oracle.py keeps them so): each cell
 only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate,
-warm-up and weight decay, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and TMLT-EE with
-seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out problems are the
-same for all); the table of a cell averages every seed on disk for which all three models are trained. It
-evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and by depth.
+warm-up and weight decay, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and
+TMLT-EE with seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out
+problems are the same for all); the table of a cell averages every seed on disk for which all three models are
+trained. It evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and
+by depth.
 
 It writes benchmarks/results/sweep_loopformer.json (every number) and benchmarks/results/sweep_loopformer.md
 (the curves over M, seed means with the spread of the two seeds, and the Quickstart's three verdicts per cell:
