@@ -393,11 +393,12 @@ def budget_claims(loopformer, base_loop):
     lf, bl = list(loopformer), list(base_loop)
     step_back = max([lf[i] - lf[i + 1] for i in range(len(lf) - 1)] + [0.0])
     gain, margin, gap = lf[-1] - lf[0], lf[0] - bl[0], lf[-1] - bl[-1]
+    tol = 1e-9  # exact-match rates are k/n: 391/500 - 341/500 is 0.0999... in floats, and 0.10 must meet ">= 0.10"
     return {
         "a_improves_with_budget": {"gain": gain, "worst_step_back": step_back,
-                                   "holds": gain >= 0.10 and step_back <= 0.02},
-        "b_no_collapse_at_M1": {"margin": margin, "holds": margin >= 0.10},
-        "c_elastic_for_free": {"gap": gap, "holds": abs(gap) <= 0.05},
+                                   "holds": gain >= 0.10 - tol and step_back <= 0.02 + tol},
+        "b_no_collapse_at_M1": {"margin": margin, "holds": margin >= 0.10 - tol},
+        "c_elastic_for_free": {"gap": gap, "holds": abs(gap) <= 0.05 + tol},
     }
 
 
