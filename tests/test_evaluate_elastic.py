@@ -181,11 +181,16 @@ def test_budget_claims_hold_and_fail_at_their_thresholds():
     assert not ahead["c_elastic_for_free"]["holds"]
     line = evaluate_elastic.claims_text(ahead)[2]
     assert line.endswith("does not hold (LoopFormer is ahead of Base-Loop, not behind)")
+    assert ahead["c_elastic_for_free"]["ahead"] and ahead["c_elastic_for_free"]["not_behind"]
+    assert not bad["c_elastic_for_free"]["ahead"] and not bad["c_elastic_for_free"]["not_behind"]
     # exactly at the thresholds (rates of 500 problems, where 391/500 - 341/500 < 0.1 in floats) they hold
     edge = claims([341 / 500, 391 / 500], [291 / 500, 416 / 500])
     assert edge["a_improves_with_budget"]["gain"] < 0.10 and edge["a_improves_with_budget"]["holds"]
     assert edge["b_no_collapse_at_M1"]["holds"] and edge["c_elastic_for_free"]["holds"]
     assert not claims([341 / 500, 390 / 500], [292 / 500, 417 / 500])["a_improves_with_budget"]["holds"]
+    # the one-sided reading of (c) at its threshold: 0.05 behind is not behind, 0.052 is
+    assert claims([0.2, 391 / 500], [0.1, 416 / 500])["c_elastic_for_free"]["not_behind"]
+    assert not claims([0.2, 390 / 500], [0.1, 416 / 500])["c_elastic_for_free"]["not_behind"]
 
 
 def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plots(checkpoints, tmp_path, capsys,

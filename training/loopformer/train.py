@@ -163,7 +163,7 @@ def build_data(data_args):
             seed=data_args.corpus_seed, kind=data_args.synthetic_kind)
         eval_problems = held_out_problems(data_args)
         tokenizer = train_bpe_tokenizer([p.text for p in train_problems], data_args.tokenizer_vocab_size or 300)
-        longest = max(len(tokenizer(p.text)["input_ids"]) for p in train_problems + eval_problems)
+        longest = max(map(len, tokenizer([p.text for p in train_problems + eval_problems])["input_ids"]))
         block_size = data_args.block_size or longest
         train = synthetic.tokenize_problems(train_problems, tokenizer, block_size, data_args.answer_only_loss)
         evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)

@@ -111,9 +111,11 @@ def tokenize_problems(problems, tokenizer, block_size, answer_only_loss=True):
     """
     pad_id = tokenizer.pad_token_id
     rows = {"input_ids": [], "attention_mask": [], "labels": [], "depth": []}
-    for p in problems:
-        prompt_ids = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(p.answer + END_OF_ANSWER, add_special_tokens=False)["input_ids"]
+    # one batched call per side: a call per problem spent ~10 s of a run's start-up on 100k problems
+    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"] if problems else []
+    answers = tokenizer([p.answer + END_OF_ANSWER for p in problems], add_special_tokens=False)["input_ids"] \
+        if problems else []
+    for p, prompt_ids, answer_ids in zip(problems, prompts, answers):
         ids = prompt_ids + answer_ids
         if len(ids) > block_size:
             raise ValueError(
