@@ -45,6 +45,7 @@ CELLS = {
     "warmup1000": ["--warmup_steps", "1000"],
     "steps3k-warmup750": ["--max_steps", "3000", "--warmup_steps", "750"],
     "steps4k-warmup1000": ["--max_steps", "4000", "--warmup_steps", "1000"],
+    "steps8k-warmup2000": ["--max_steps", "8000", "--warmup_steps", "2000"],
     # the steps of steps4k-warmup1000 on the samples (and the time) of steps3k-warmup750
     "steps4k-warmup1000-batch48": ["--max_steps", "4000", "--warmup_steps", "1000",
                                    "--per_device_train_batch_size", "48"],
