@@ -156,6 +156,31 @@ def yes(holds):
     return "**holds**" if holds else "does not hold"
 
 
+def seeds_meeting_all_three(per_seed):
+    """(seeds meeting (a), (b) and (c); the same with (c) read one-sided: LoopFormer no more than 0.05 behind)."""
+    strict = sum(all(c["holds"] for c in claims.values()) for claims in per_seed)
+    not_behind = sum(c["a_improves_with_budget"]["holds"] and c["b_no_collapse_at_M1"]["holds"]
+                     and c["c_elastic_for_free"]["not_behind"] for c in per_seed)
+    return strict, not_behind
+
+
+def overview(summary):
+    """One row per cell: the three margins of the seed means and how many seeds meet all three alone."""
+    lines = ["## Overview", "",
+             "The three margins of each cell's seed means ((a) gain over M, (b) LoopFormer − Base-Loop at M=1, (c) "
+             "LoopFormer − Base-Loop at M=L; thresholds ≥ 0.10, ≥ 0.10, within ±0.05), and the seeds that meet all "
+             "three alone (and with (c) one-sided: no more than 0.05 behind).", "",
+             "| cell | seeds | LoopFormer M=1 → M=L | Base-Loop M=1 → M=L | (a) gain | (b) margin | (c) gap | "
+             "all three (one-sided c) |", "|---|---|---|---|---|---|---|---|"]
+    for cell, s in summary.items():
+        v, lf, bl = s["verdicts"], s["curves"]["loopformer"], s["curves"]["base_loop"]
+        strict, not_behind = seeds_meeting_all_three(s["per_seed_verdicts"])
+        lines.append(f"| {cell} | {len(s['seeds'])} | {lf[0]:.3f} → {lf[-1]:.3f} | {bl[0]:.3f} → {bl[-1]:.3f} | "
+                     f"{v['a_improves_with_budget']['gain']:+.3f} | {v['b_no_collapse_at_M1']['margin']:+.3f} | "
+                     f"{v['c_elastic_for_free']['gap']:+.3f} | {strict} ({not_behind}) of {len(s['seeds'])} |")
+    return lines + [""]
+
+
 def markdown(summary, command):
     lines = ["# LoopFormer sweep: where depth pays (synthetic arithmetic chains)", "",
              f"Written by `{command}`; every number below is in benchmarks/results/sweep_loopformer.json.",
@@ -163,6 +188,7 @@ def markdown(summary, command):
              "2000 steps, depths 1..4, 100k training problems); each cell changes only the flags named. "
              "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between "
              "the best and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
+    lines += overview(summary)
     for cell, s in summary.items():
         L = len(s["curves"]["loopformer"])
         seeds = s["seeds"]
@@ -188,10 +214,7 @@ def markdown(summary, command):
                   f"{yes(v['c_elastic_for_free']['holds'])}"]
         per_seed = [f"seed {seed}: " + " / ".join(verdict_word(c) for c in claims.values())
                     for seed, claims in zip(seeds, s["per_seed_verdicts"])]
-        all_three = sum(all(c["holds"] for c in claims.values()) for claims in s["per_seed_verdicts"])
-        # the same with (c) read one-sided: LoopFormer at M=L no more than 0.05 behind Base-Loop
-        not_behind = sum(c["a_improves_with_budget"]["holds"] and c["b_no_collapse_at_M1"]["holds"]
-                         and c["c_elastic_for_free"]["not_behind"] for c in s["per_seed_verdicts"])
+        all_three, not_behind = seeds_meeting_all_three(s["per_seed_verdicts"])
         lines += ["- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
                   + "; ".join(per_seed) + f"; all three hold for {all_three} of {len(seeds)} seeds, and for "
                   f"{not_behind} if (c) only asks LoopFormer to end no more than 0.05 behind", ""]
@@ -226,6 +249,8 @@ def main(argv=None):
         with open(path) as f:
             previous = json.load(f)
     previous.update(summary)  # cells not run this time keep their numbers
+    order = list(CELLS)  # the table in the order of CELLS, whatever order the cells were run in
+    previous = dict(sorted(previous.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
     with open(path, "w") as f:
         json.dump(previous, f, indent=2)
     with open(os.path.join(args.output_dir, "sweep_loopformer.md"), "w") as f:

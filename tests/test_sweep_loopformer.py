@@ -70,3 +70,15 @@ def test_repeated_or_negative_seeds_are_refused_before_anything_trains(tmp_path)
         with pytest.raises(SystemExit, match="--seeds must be distinct non-negative integers"):
             main(["--seeds", *seeds, "--runs_dir", str(tmp_path), "--output_dir", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_overview_has_a_row_per_cell_with_the_three_margins_and_the_seed_counts():
+    runs = fake_runs()
+    runs["base_loop"][0]["em"] = [0.20, 0.40, 0.50, 0.55]  # seed 0 ends 0.15 ahead: fails (c), not behind
+    text = markdown({"base": cell_of(fake_runs(), [0, 1]), "steps4k": cell_of(runs, [0, 1])}, "cmd")
+    overview = text.split("## Overview")[1].split("\n## ")[0]
+    rows = [line for line in overview.splitlines() if line.startswith("| base") or line.startswith("| steps4k")]
+    # base: LoopFormer means 0.325 -> 0.475, Base-Loop 0.15 -> 0.80; seed 0 meets all three, seed 1 none
+    assert rows[0] == "| base | 2 | 0.325 → 0.475 | 0.150 → 0.800 | +0.150 | +0.175 | -0.325 | 1 (1) of 2 |"
+    assert rows[1].startswith("| steps4k | 2 |") and rows[1].endswith("| 0 (1) of 2 |")
+    assert text.index("## Overview") < text.index("## base:")
