@@ -46,9 +46,7 @@ CELLS = {
     "steps3k-warmup750": ["--max_steps", "3000", "--warmup_steps", "750"],
     "steps4k-warmup1000": ["--max_steps", "4000", "--warmup_steps", "1000"],
     "steps8k-warmup2000": ["--max_steps", "8000", "--warmup_steps", "2000"],
-    # the steps of steps4k-warmup1000 on the samples (and the time) of steps3k-warmup750
-    "steps4k-warmup1000-batch48": ["--max_steps", "4000", "--warmup_steps", "1000",
-                                   "--per_device_train_batch_size", "48"],
+    # twice the steps of steps3k-warmup750 on the same samples (and about the same time)
     "steps6k-warmup1500-batch32": ["--max_steps", "6000", "--warmup_steps", "1500",
                                    "--per_device_train_batch_size", "32"],
     "wd0.2": ["--weight_decay", "0.2"],  # the weight decay of the authors' config/train_*_3blk.py

@@ -4,8 +4,8 @@
 # schedule, print the table and a few generate(loop_budget=M) samples, write plots.
 #   Outputs: runs/main/{loopformer,base_loop} (checkpoints AutoModelForCausalLM loads after `import loopformer_hf`),
 #            runs/main/eval/{elastic_eval.json,quality_vs_budget.png,representations.png}
-#   Knobs (environment): STEPS (default 3000), WARMUP (learning-rate warm-up steps, default 750), SEED (default 0:
-#   model and trajectory sampler), OUT (default runs/main).
+#   Knobs (environment): STEPS (default 3000), WARMUP (learning-rate warm-up steps, default 750), BATCH (sequences
+#   per step, default 64), SEED (default 0: model and trajectory sampler), OUT (default runs/main).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,6 +15,7 @@ OUT=${OUT:-runs/main}
 # in the cells where LoopFormer's depth paid; 3000 steps keep training within 10 minutes on 2 cores.
 STEPS=${STEPS:-3000}
 WARMUP=${WARMUP:-750}
+BATCH=${BATCH:-64}
 SEED=${SEED:-0}
 # no progress bars in the log (the Trainer's are off by flag; these are the hub's and transformers' loading bars)
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -23,7 +24,7 @@ export OMP_NUM_THREADS=1
 # Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
 # training/configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
 COMMON=(--config training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --warmup_steps "$WARMUP"
-        --seed "$SEED" --shortcut_seed "$SEED" --save_steps 1000 --save_total_limit 1)
+        --per_device_train_batch_size "$BATCH" --seed "$SEED" --shortcut_seed "$SEED" --save_steps 1000 --save_total_limit 1)
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"
