@@ -14,9 +14,10 @@ trained. It evaluates exact match on the held-out problems at every budget M = 1
 by depth.
 
 It writes benchmarks/results/sweep_loopformer.json (every number) and benchmarks/results/sweep_loopformer.md
-(the curves over M, seed means with the spread of the two seeds, and the Quickstart's three verdicts per cell:
-(a) LoopFormer em(M=L) - em(M=1) >= 0.10 with no step back larger than 0.02; (b) LoopFormer at M=1 >= Base-Loop at
-M=1 + 0.10; (c) LoopFormer at M=L within 0.05 of Base-Loop at M=L). Runs already on disk are not trained again.
+(an overview row per cell, then the curves over M, seed means with their spread, and the Quickstart's three verdicts
+per cell, of the means and of each seed alone: (a) LoopFormer em(M=L) - em(M=1) >= 0.10 with no step back larger
+than 0.02; (b) LoopFormer at M=1 >= Base-Loop at M=1 + 0.10; (c) LoopFormer at M=L within 0.05 of Base-Loop at
+M=L). Runs already on disk are not trained again.
 """
 
 import argparse
@@ -166,8 +167,8 @@ def overview(summary):
     """One row per cell: the three margins of the seed means and how many seeds meet all three alone."""
     lines = ["## Overview", "",
              "The three margins of each cell's seed means ((a) gain over M, (b) LoopFormer − Base-Loop at M=1, (c) "
-             "LoopFormer − Base-Loop at M=L; thresholds ≥ 0.10, ≥ 0.10, within ±0.05), and the seeds that meet all "
-             "three alone (and with (c) one-sided: no more than 0.05 behind).", "",
+             "LoopFormer − Base-Loop at M=L; thresholds ≥ 0.10, ≥ 0.10, within ±0.05), and the seeds that meet "
+             "all three alone (and with (c) one-sided: no more than 0.05 behind).", "",
              "| cell | seeds | LoopFormer M=1 → M=L | Base-Loop M=1 → M=L | (a) gain | (b) margin | (c) gap | "
              "all three (one-sided c) |", "|---|---|---|---|---|---|---|---|"]
     for cell, s in summary.items():
