@@ -80,6 +80,7 @@ def test_answer_only_labels_cover_answer_and_newline():
         assert tok.decode(kept) == p.answer + "\n"
     with pytest.raises(ValueError, match="block_size=4"):
         synthetic.tokenize_problems(problems, tok, 4)
+    assert synthetic.tokenize_problems([], tok, 16) == {"input_ids": [], "attention_mask": [], "labels": [], "depth": []}
 
 
 def test_tokenizer_round_trips_and_saves_as_fast_tokenizer(tmp_path):

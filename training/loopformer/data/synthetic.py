@@ -111,10 +111,11 @@ def tokenize_problems(problems, tokenizer, block_size, answer_only_loss=True):
     """
     pad_id = tokenizer.pad_token_id
     rows = {"input_ids": [], "attention_mask": [], "labels": [], "depth": []}
+    if not problems:  # a tokenizer call on an empty batch raises
+        return rows
     # one batched call per side: a call per problem spent ~10 s of a run's start-up on 100k problems
-    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"] if problems else []
-    answers = tokenizer([p.answer + END_OF_ANSWER for p in problems], add_special_tokens=False)["input_ids"] \
-        if problems else []
+    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([p.answer + END_OF_ANSWER for p in problems], add_special_tokens=False)["input_ids"]
     for p, prompt_ids, answer_ids in zip(problems, prompts, answers):
         ids = prompt_ids + answer_ids
         if len(ids) > block_size:
