@@ -9,9 +9,9 @@ The model and the objective stay the authors' (tests/test_loopformer_training_or
 only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate,
 warm-up and weight decay, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and
 TMLT-EE with seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out
-problems are the same for all); the table of a cell averages every seed on disk for which all three models are
-trained. It evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and
-by depth.
+problems are the same for all); the table of a cell averages every seed for which all three models are trained:
+the runs on disk and the seeds benchmarks/results/sweep_loopformer.json already holds for the cell's flags. It
+evaluates exact match on the held-out problems at every budget M = 1..L (uniform steps), overall and by depth.
 
 It writes benchmarks/results/sweep_loopformer.json (every number) and benchmarks/results/sweep_loopformer.md
 (an overview row per cell, then the curves over M, seed means with their spread, and the Quickstart's three verdicts
@@ -47,6 +47,11 @@ CELLS = {
     "steps3k-warmup750": ["--max_steps", "3000", "--warmup_steps", "750"],
     "steps4k-warmup1000": ["--max_steps", "4000", "--warmup_steps", "1000"],
     "steps8k-warmup2000": ["--max_steps", "8000", "--warmup_steps", "2000"],
+    # the 3000-step recipe on chains of depth 1..3: both models near their ceiling inside the Quickstart's time
+    "steps3k-warmup750-depth1-3": ["--max_steps", "3000", "--warmup_steps", "750", "--max_depth", "3"],
+    # depth 1..3 looped L=3 times: a quarter fewer block applications per step buys 4000 steps in the same time
+    "steps4k-warmup1000-depth1-3-loops3": ["--max_steps", "4000", "--warmup_steps", "1000", "--max_depth", "3",
+                                           "--num_loops", "3"],
     # twice the steps of steps3k-warmup750 on the same samples (and about the same time)
     "steps6k-warmup1500-batch32": ["--max_steps", "6000", "--warmup_steps", "1500",
                                    "--per_device_train_batch_size", "32"],
@@ -120,13 +125,26 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
-def summarise(runs_dir, cells, max_rows):
+def seed_results(runs_dir, cell, max_rows, previous=None):
+    """{seed: {variant: evaluation}}: the seeds finished on disk, and the seeds the committed table holds for the
+    cell's flags that are not on disk (runs/ is not committed: a fresh checkout adds seeds to a cell, not replaces
+    them)."""
+    results = {}
+    if previous and previous["flags"] == CELLS[cell]:
+        results = {s: {v: previous["runs"][v][i] for v in VARIANTS} for i, s in enumerate(previous["seeds"])}
+    for s in seeds_on_disk(runs_dir, cell):
+        results[s] = {v: evaluate(run_dir(runs_dir, cell, v, s), max_rows) for v in VARIANTS}
+    return dict(sorted(results.items()))
+
+
+def summarise(runs_dir, cells, max_rows, previous=None):
     summary = {}
     for cell in cells:
-        seeds = seeds_on_disk(runs_dir, cell)
+        results = seed_results(runs_dir, cell, max_rows, (previous or {}).get(cell))
+        seeds = list(results)
         if len(seeds) < 2:  # a mean needs two seeds
             continue
-        runs = {v: [evaluate(run_dir(runs_dir, cell, v, s), max_rows) for s in seeds] for v in VARIANTS}
+        runs = {v: [results[s][v] for s in seeds] for v in VARIANTS}
         curves = {v: [mean(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
         spread = {v: [max(col) - min(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
         depths = {v: {d: [mean([r["em_by_depth"][m][d] for r in rs]) for m in range(len(rs[0]["em"]))]
@@ -240,13 +258,13 @@ def main(argv=None):
         with ThreadPoolExecutor(args.jobs) as pool:
             for future in [pool.submit(train, args.runs_dir, *job) for job in todo]:
                 future.result()
-    summary = summarise(args.runs_dir, args.cells, args.max_rows)
-    os.makedirs(args.output_dir, exist_ok=True)
     previous = {}
     path = os.path.join(args.output_dir, "sweep_loopformer.json")
     if os.path.exists(path):
         with open(path) as f:
             previous = json.load(f)
+    summary = summarise(args.runs_dir, args.cells, args.max_rows, previous)
+    os.makedirs(args.output_dir, exist_ok=True)
     previous.update(summary)  # cells not run this time keep their numbers
     order = list(CELLS)  # the table in the order of CELLS, whatever order the cells were run in
     previous = dict(sorted(previous.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))

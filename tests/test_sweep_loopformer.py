@@ -1,8 +1,10 @@
 """The sweep's table (benchmarks/sweep_loopformer.py): the verdicts of the seed means and of each seed alone."""
 
+import json
+
 import pytest
 
-from benchmarks.sweep_loopformer import VARIANTS, main, markdown, per_seed_verdicts, seeds_on_disk
+from benchmarks.sweep_loopformer import CELLS, VARIANTS, main, markdown, per_seed_verdicts, seeds_on_disk, summarise
 from looped_training.loopformer.evaluate import budget_claims
 
 
@@ -10,7 +12,8 @@ def fake_runs():
     em = {"loopformer": ([0.40, 0.50, 0.60, 0.70], [0.25, 0.25, 0.25, 0.25]),
           "base_loop": ([0.20, 0.40, 0.60, 0.70], [0.10, 0.30, 0.50, 0.90]),
           "tmlt_ee": ([0.30, 0.40, 0.50, 0.60], [0.30, 0.40, 0.50, 0.60])}
-    return {v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve]} for curve in em[v]] for v in VARIANTS}
+    return {v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve], "train_runtime_s": 1.0} for curve in em[v]]
+            for v in VARIANTS}
 
 
 def cell_of(runs, seeds, flags=()):
@@ -82,3 +85,20 @@ def test_the_overview_has_a_row_per_cell_with_the_three_margins_and_the_seed_cou
     assert rows[0] == "| base | 2 | 0.325 → 0.475 | 0.150 → 0.800 | +0.150 | +0.175 | -0.325 | 1 (1) of 2 |"
     assert rows[1].startswith("| steps4k | 2 |") and rows[1].endswith("| 0 (1) of 2 |")
     assert text.index("## Overview") < text.index("## base:")
+
+
+def test_seeds_in_the_committed_table_stay_when_a_fresh_checkout_trains_another(tmp_path):
+    for variant in VARIANTS:  # seed 2 trained and evaluated on disk; seeds 0 and 1 only in the committed table
+        run = tmp_path / "steps4k" / f"{variant}-s2"
+        run.mkdir(parents=True)
+        (run / "loopformer_training.json").write_text("{}")
+        (run / "sweep_eval.json").write_text(json.dumps(
+            {"em": [0.1, 0.2, 0.3, 0.4], "em_by_depth": [{"1": 0.5}] * 4, "train_runtime_s": 2.0}))
+    committed = cell_of(fake_runs(), [0, 1], flags=CELLS["steps4k"])
+    cell = summarise(str(tmp_path), ["steps4k"], 500, {"steps4k": committed})["steps4k"]
+    assert cell["seeds"] == [0, 1, 2]
+    assert [r["em"][0] for r in cell["runs"]["loopformer"]] == [0.40, 0.25, 0.1]
+    assert cell["curves"]["base_loop"][3] == pytest.approx((0.70 + 0.90 + 0.4) / 3)
+    # a committed cell whose flags have changed since is not mixed in: seed 2 alone is no mean
+    stale = cell_of(fake_runs(), [0, 1], flags=["--max_steps", "3000"])
+    assert summarise(str(tmp_path), ["steps4k"], 500, {"steps4k": stale}) == {}
