@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
 # README Quickstart command 1: set up, train a tiny LoopFormer and a Base-Loop of the same size on the embedded
-# synthetic arithmetic-chain corpus (CPU, a few minutes each, in parallel), evaluate both at every loop budget and
+# synthetic arithmetic-chain corpus (CPU, under 10 minutes for both, in parallel), evaluate both at every loop budget and
 # schedule, print the table and a few generate(loop_budget=M) samples, write plots.
 #   Outputs: runs/main/{loopformer,base_loop} (checkpoints AutoModelForCausalLM loads after `import loopformer_hf`),
 #            runs/main/eval/{elastic_eval.json,quality_vs_budget.png,representations.png}
-#   Knobs (environment): STEPS (default 3000), WARMUP (learning-rate warm-up steps, default 750), BATCH (sequences
-#   per step, default 64), SEED (default 0: model and trajectory sampler), OUT (default runs/main).
+#   Knobs (environment): STEPS (default 4000), WARMUP (learning-rate warm-up steps, default 1000), LOOPS (L, the loop
+#   steps of a full budget, default 3), DEPTH (longest chain, default 3), BATCH (sequences per step, default 64),
+#   SEED (default 0: model and trajectory sampler), OUT (default runs/main).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
 OUT=${OUT:-runs/main}
-# The sweep's steps3k-warmup750 cell (benchmarks/results/sweep_loopformer.md): a quarter of the steps warming up, as
-# in the cells where LoopFormer's depth paid; 3000 steps keep training within 10 minutes on 2 cores.
-# STEPS=8000 WARMUP=2000 is the sweep's steps8k-warmup2000 cell, where all three claims held for each
-# seed (its LoopFormer runs trained 1112 s on one core in the sweep).
-STEPS=${STEPS:-3000}
-WARMUP=${WARMUP:-750}
+# The sweep's steps4k-warmup1000-depth1-3-loops3 cell (benchmarks/results/sweep_loopformer.md): a quarter of the
+# steps warming up, chains of depth 1..3 looped L=3 times, the regime where all three claims held for each seed
+# inside 10 minutes of training on 2 cores. On depth 1..4 with L=4 they need 8000 steps, about twice that:
+# STEPS=8000 WARMUP=2000 LOOPS=4 DEPTH=4 is the sweep's steps8k-warmup2000 cell.
+STEPS=${STEPS:-4000}
+WARMUP=${WARMUP:-1000}
+LOOPS=${LOOPS:-3}
+DEPTH=${DEPTH:-3}
 BATCH=${BATCH:-64}
 SEED=${SEED:-0}
 # no progress bars in the log (the Trainer's are off by flag; these are the hub's and transformers' loading bars)
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 # One thread per run: the two runs share the machine's cores instead of fighting over them.
 export OMP_NUM_THREADS=1
-# Tiny models (d=128, 1 shared block looped L=4 times) on arithmetic chains of depth 1..4: the sizes in
-# training/configs/loopformer/synthetic-tiny.yaml (flags after --config override its values).
+# Tiny models (d=128, 1 shared block): the sizes in training/configs/loopformer/synthetic-tiny.yaml (flags after
+# --config override its values).
 COMMON=(--config training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --warmup_steps "$WARMUP"
+        --num_loops "$LOOPS" --max_depth "$DEPTH"
         --per_device_train_batch_size "$BATCH" --seed "$SEED" --shortcut_seed "$SEED"
         --save_steps 1000 --save_total_limit 1)
 mkdir -p "$OUT"
@@ -43,7 +47,7 @@ echo "== training took $(( $(date +%s) - START )) s"
 
 echo "== elastic evaluation"
 $PY -m looped_training.loopformer.evaluate "$OUT/loopformer" "$OUT/base_loop" --names LoopFormer Base-Loop \
-    --output_dir "$OUT/eval" --generate_budgets 1 2 4 --halt_eps 0.1 0.3 0.5 0.8 --disable_tqdm true
+    --output_dir "$OUT/eval" --generate_budgets 1 2 "$LOOPS" --halt_eps 0.1 0.3 0.5 0.8 --disable_tqdm true
 $PY - "$OUT/loopformer" <<'PYEOF'
 import sys
 import loopformer_hf  # noqa: F401  (registers LoopFormer with the Auto classes)
