@@ -49,7 +49,7 @@ CELLS = {
     "steps8k-warmup2000": ["--max_steps", "8000", "--warmup_steps", "2000"],
     # a higher peak learning rate once a quarter of the run has warmed it up
     "steps3k-warmup750-lr2e-3": ["--max_steps", "3000", "--warmup_steps", "750", "--learning_rate", "0.002"],
-    # the 3000-step recipe on chains of depth 1..3: both models near their ceiling inside the Quickstart's time
+    # the 3000-step recipe on the easier chains of depth 1..3, still looped L=4 times
     "steps3k-warmup750-depth1-3": ["--max_steps", "3000", "--warmup_steps", "750", "--max_depth", "3"],
     # depth 1..3 looped L=3 times: a quarter fewer block applications per step buys 4000 steps in the same time
     "steps4k-warmup1000-depth1-3-loops3": ["--max_steps", "4000", "--warmup_steps", "1000", "--max_depth", "3",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README Quickstart command 1: set up, train a tiny LoopFormer and a Base-Loop of the same size on the embedded
-# synthetic arithmetic-chain corpus (CPU, under 10 minutes for both, in parallel), evaluate both at every loop budget and
-# schedule, print the table and a few generate(loop_budget=M) samples, write plots.
+# synthetic arithmetic-chain corpus (CPU, under 10 minutes for both, in parallel), evaluate both at every loop
+# budget and schedule, print the table and a few generate(loop_budget=M) samples, write plots.
 #   Outputs: runs/main/{loopformer,base_loop} (checkpoints AutoModelForCausalLM loads after `import loopformer_hf`),
 #            runs/main/eval/{elastic_eval.json,quality_vs_budget.png,representations.png}
 #   Knobs (environment): STEPS (default 4000), WARMUP (learning-rate warm-up steps, default 1000), LOOPS (L, the loop
