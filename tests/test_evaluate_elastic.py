@@ -202,3 +202,26 @@ def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plot
     assert "matplotlib is not installed: no plots" in captured.err and "| loopformer |" in captured.out
     saved = json.loads((tmp_path / "elastic_eval.json").read_text())["models"]
     assert saved[0]["results"] == records[0]["results"] and not list(tmp_path.glob("*.png"))
+
+
+def test_a_plot_legend_of_many_models_sits_beside_the_axes_not_over_the_curves(tmp_path):
+    # the report plots nine models with three schedules each (~25 entries); inside the axes that legend hid the curves
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for i in range(25):
+        axes[0].plot([1, 2, 3, 4], [0.1 * i / 25, 0.5, 0.8, 1.0], label=f"model {i}")
+    path = evaluate_elastic._finish(fig, axes, "title", str(tmp_path / "many.png"), caption="a caption")
+    assert (tmp_path / "many.png").stat().st_size > 1000 and path == str(tmp_path / "many.png")
+    (legend,) = [ax.get_legend() for ax in axes if ax.get_legend() is not None]
+    assert len(legend.get_texts()) == 25
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # _finish closed the figure, which detached its pyplot canvas
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    for ax in axes:
+        assert not box.overlaps(ax.get_window_extent(renderer)), "the legend covers an axes"

@@ -271,14 +271,17 @@ def format_table(records, metric, schedule="uniform", digits=3):
 
 
 def _finish(fig, ax_rows, title, path, caption=None):
-    """Legend on the first axes, title, a one-line caption under the plots, save, close."""
-    ax_rows[0].legend(fontsize=7)
+    """The first axes' legend beside the last axes (the report's nine models and their schedules give ~25 entries,
+    which covered the curves inside the axes), title, a one-line caption under the plots, save, close."""
+    handles, labels = ax_rows[0].get_legend_handles_labels()
+    ax_rows[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                       ncol=1 + len(labels) // 16)
     fig.suptitle(title)
     fig.tight_layout()
     if caption:
         fig.subplots_adjust(bottom=0.2)
         fig.text(0.5, 0.02, caption, ha="center", fontsize=8, wrap=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" widens the canvas to hold the legend
     import matplotlib.pyplot as plt
 
     plt.close(fig)
