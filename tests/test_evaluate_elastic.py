@@ -151,6 +151,7 @@ def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(
     # the budgets bar is cleared when done (leave=False): its final count shows only if it refreshed, so only its
     # name is checked
     assert ("models: 100%" in err and "1/1" in err and "budgets:" in err) == shown
+    assert ("Loading weights" in err) == shown  # transformers' own loading bars follow the same rule
     assert "evaluating" in err
 
 

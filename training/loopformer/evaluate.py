@@ -523,11 +523,19 @@ def main(argv=None):
     torch.manual_seed(0)
     records = []
     disable = progress_bars_disabled(args.disable_tqdm)
-    for i, path in enumerate(tqdm(args.checkpoints, desc="models", unit="model", disable=disable)):
-        name = args.names[i] if args.names else None
-        tqdm.write(f"evaluating {path} ...", file=sys.stderr)
-        records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
-                                           args.generate_budgets, args.halt_eps, disable, device))
+    # transformers' "Loading weights" bars follow the same rule (they show in a log file whatever tqdm decides)
+    hf_bars = transformers.utils.logging.is_progress_bar_enabled()
+    if disable or (disable is None and not sys.stderr.isatty()):
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        for i, path in enumerate(tqdm(args.checkpoints, desc="models", unit="model", disable=disable)):
+            name = args.names[i] if args.names else None
+            tqdm.write(f"evaluating {path} ...", file=sys.stderr)
+            records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
+                                               args.generate_budgets, args.halt_eps, disable, device))
+    finally:
+        if hf_bars:
+            transformers.utils.logging.enable_progress_bar()
     tasks = {r["task"] for r in records}
     if len(tasks) > 1:
         raise ValueError(f"The checkpoints were trained on different tasks {sorted(tasks)}; evaluate them apart.")
