@@ -11,8 +11,8 @@ TMLT-EE, and LoopFormer under the other initialisation (`initializer_scheme="zer
 preset's config files (training/configs/loopformer/report-<task>-<preset>.yaml). `cpu`: the synthetic runs are the
 sweep's steps8k-warmup2000 cell (benchmarks/sweep_loopformer.py; one block looped L = 4 times, so M <= L/4 is M = 1),
 the Shakespeare runs k = 2 blocks looped L = 8 times (M <= L/4 is M in {1, 2}, and the schedules differ at M = 2..7),
-1500 steps; each task's nine runs take about 1 h 40 min two at a time on a 2-core machine (synthetic measured
-2026-12-02, Shakespeare 2026-12-01). `--tasks synthetic` regenerates one task and keeps the other's section of
+1500 steps; each task's nine runs take 1 h 20 min to 1 h 40 min two at a time on a 2-core machine, evaluation
+included (synthetic measured 2026-12-02 and -03, Shakespeare 2026-12-01). `--tasks synthetic` regenerates one task and keeps the other's section of
 docs/results.md as it is. `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is
 available; k = 2, L = 8 for both tasks; halved after a first H200 run at twice its size took about fifteen, and not
 run since).
