@@ -27,8 +27,9 @@ POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
 CACHE_SHARING_MODES = ("none", "modulo")
 # What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
-# successive steps' next-token distributions, or the entropy of the current one (both in nats).
-HALT_CRITERIA = ("state_change", "kl", "entropy")
+# successive steps' next-token distributions, or the entropy of the current one (both in nats). The "_shortcut" forms
+# exit through one step Δ = 1 − t to t = 1 before freezing (models conditioned on Δ only).
+HALT_CRITERIA = ("state_change", "kl", "entropy", "state_change_shortcut", "kl_shortcut", "entropy_shortcut")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
@@ -39,7 +40,6 @@ BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "block_norm_
 CHOICE_FIELDS = {
     "loop_conditioning": LOOP_CONDITIONING_MODES,
     "position_embedding_type": POSITION_EMBEDDING_TYPES,
-    "default_step_schedule": STEP_SCHEDULE_PRESETS,
     "halt_kv_fill": HALT_KV_FILLS,
     "cache_sharing": CACHE_SHARING_MODES,
     "halt_criterion": HALT_CRITERIA,
@@ -109,6 +109,17 @@ def _optional_budget(name, value):
         )
 
 
+def _default_step_schedule(name, value):
+    """A preset name, or explicit step sizes summing to 1 (the authors' configs store their trajectory as `steps`)."""
+    if isinstance(value, str):
+        return _one_of(STEP_SCHEDULE_PRESETS)(name, value)
+    try:
+        LoopFormerConfig._check_schedule(value)
+    except ValueError as error:
+        raise ValueError(f"`{name}` must be one of {STEP_SCHEDULE_PRESETS} or a list of positive step sizes summing "
+                         f"to 1: {error}") from None
+
+
 # Every field's own rule, declared once: `__setattr__` applies it however a value arrives (the constructor,
 # config.json, `from_pretrained` kwargs, an attribute set), `_validate_fields` to all of them after `__init__`.
 FIELD_CHECKS = {
@@ -122,6 +133,7 @@ FIELD_CHECKS = {
     "attention_dropout": _dropout,
     "initializer_range": _initializer_range,
     "default_loop_budget": _optional_budget,
+    "default_step_schedule": _default_step_schedule,
 }
 
 
@@ -201,6 +213,9 @@ class LoopFormerConfig(PreTrainedConfig):
             `"kl"` once KL(p_i ‖ p_{i−1}) < halt_eps (nats), p_i being the next-token distribution read out of h_i
             through the final norm and `lm_head` (p_0 from the embeddings); `"entropy"` once H(p_i) < halt_eps
             (nats). The two distribution criteria need the causal-LM head; a call can override the field.
+            `"state_change_shortcut"`, `"kl_shortcut"`, `"entropy_shortcut"` (LoopFormer only): the same scores, but
+            a token whose score falls after step i takes one more step, Δ = 1 − t_i to t = 1, and then stops, so that
+            its path is a shortcut trajectory the objective trained (i + 1 steps) rather than a cut uniform one.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -299,6 +314,16 @@ class LoopFormerConfig(PreTrainedConfig):
         self.eos_token_id = eos_token_id
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self._validate_fields()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """As `PretrainedConfig.from_dict`; a config.json in the layout of the authors' Hub repos (nanoGPT keys,
+        their model types) is translated (`authors_checkpoints.translate_config`)."""
+        from .authors_checkpoints import is_reference_config, translate_config
+
+        if is_reference_config(config_dict):  # always a plain LoopFormerConfig, whichever model_type it claimed
+            return super(LoopFormerConfig, LoopFormerConfig).from_dict(translate_config(config_dict), **kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def head_dim(self):

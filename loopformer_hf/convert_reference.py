@@ -54,16 +54,20 @@ WRAPPER_KEYS = ("model", "state_dict")
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list)
+# the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list); the early-exit
+# variants (the Hub's Base-Loop-EE) are trained differently but hold the weights of their looped model
 MODEL_TYPES = {
     "loopformer": ("shortcut", False, False),
     "tmlt": ("timestep", False, False),
+    "tmlt_ee": ("timestep", False, False),
     "base_loop": ("none", True, False),
+    "base_loop_ee": ("none", True, False),
     "base": ("none", True, True),
 }
 _SHARED_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
 _LIST_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 _BLOCK_NORMS = {"norm_1.weight": "input_layernorm.weight", "norm_2.weight": "post_attention_layernorm.weight"}
+_LINEARS = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 
 
 # ---- reading the checkpoint --------------------------------------------------------------------------------------
@@ -171,18 +175,16 @@ def _map_block_key(rest, tensor, key, prefix, config, put, problems):
     """Map the reference key `key` of a block (`rest` after its block prefix) with `put`, or note its problem; False
     for a key the reference's blocks do not have."""
     d = config.hidden_size
-    if rest == "attn.c_attn.weight":
-        if tensor.dim() != 2 or tensor.shape[0] != 3 * d:
-            problems.append(f"{key}: fused qkv must have shape ({3 * d}, {d}), got {tuple(tensor.shape)}")
+    module, _, kind = rest.rpartition(".")  # kind: weight or bias (config.bias=True in the reference)
+    if module == "attn.c_attn" and kind in ("weight", "bias"):
+        if tensor.shape[0] != 3 * d or tensor.dim() != (2 if kind == "weight" else 1):
+            expected = f"({3 * d}, {d})" if kind == "weight" else f"({3 * d},)"
+            problems.append(f"{key}: fused qkv must have shape {expected}, got {tuple(tensor.shape)}")
             return True
         for name, part in zip("qkv", tensor.split(d, dim=0)):
-            put(f"{prefix}self_attn.{name}_proj.weight", part, key)
-    elif rest == "attn.c_proj.weight":
-        put(f"{prefix}self_attn.o_proj.weight", tensor, key)
-    elif rest == "mlp.c_fc.weight":
-        put(f"{prefix}mlp.up_proj.weight", tensor, key)
-    elif rest == "mlp.c_proj.weight":
-        put(f"{prefix}mlp.down_proj.weight", tensor, key)
+            put(f"{prefix}self_attn.{name}_proj.{kind}", part, key)
+    elif module in _LINEARS and kind in ("weight", "bias"):
+        put(f"{prefix}{_LINEARS[module]}.{kind}", tensor, key)
     elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
         put(prefix + rest, tensor, key)
     elif rest in _BLOCK_NORMS:

@@ -41,6 +41,8 @@ def rms_norm(x, weight=None, eps=None):
     """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`."""
     if eps is None:
         eps = DEFAULT_RMS_NORM_EPS
+    if weight is not None and weight.dim() > 1:  # one weight per token (a halting rule's exit step): norm, then weight
+        return rms_norm(x, None, eps) * weight.to(x.dtype)
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # no casts: each is a dispatch per block and token
     return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
@@ -335,7 +337,19 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`; a weights file that is not safetensors (a pickle renamed
         `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
-        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same)."""
+        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same).
+
+        A repo in the layout of the authors' Hub checkpoints (their config keys and weight names) is translated
+        and mapped (`authors_checkpoints`); a tensor no mapping knows, or one the model misses, is a ValueError."""
+        from .authors_checkpoints import from_pretrained_reference  # it maps names onto this module's classes
+
+        if cls is LoopFormerModel:  # the base model of the translated causal LM
+            reference = from_pretrained_reference(LoopFormerForCausalLM, pretrained_model_name_or_path, args, kwargs)
+            if reference is not None:
+                return reference.model
+        reference = from_pretrained_reference(cls, pretrained_model_name_or_path, args, kwargs)
+        if reference is not None:
+            return reference
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as e:
@@ -457,9 +471,12 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
+            adaln = None if loop_adaln is None or c is not None else loop_adaln[j][step]
+            if halting is not None and halting.exiting is not None:  # tokens taking a halting rule's exit step
+                adaln = halting.exit_step_adaln(j, step, loop_adaln[j][step])
             hidden_states, weights, kv = block(
                 hidden_states, c,
-                adaln=None if loop_adaln is None or c is not None else loop_adaln[j][step],
+                adaln=adaln,
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
@@ -509,6 +526,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         loop_adaln = None
         if conditioning is None or halting is not None:  # halting fills skipped slots from the per-block vectors
             loop_adaln = self._loop_adaln(trajectory, dtype, device, cache)
+        if halting is not None:
+            halting.prepare_exits(self, trajectory, loop_adaln, cache)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for step in range(len(trajectory)):
