@@ -3,15 +3,8 @@
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 from .configuration_fprm import FPRMConfig
-from .modeling_fprm import (
-    FPRMForReasoning,
-    FPRMModel,
-    FPRMModelOutput,
-    FPRMPreTrainedModel,
-    FPRMReasoningOutput,
-    FPRMSolverState,
-    SolverSettings,
-)
+from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMModelOutput, FPRMPreTrainedModel, FPRMReasoningOutput
+from .solver_fprm import FPRMSolverState, SolverSettings
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
 AutoModel.register(FPRMConfig, FPRMModel, exist_ok=True)

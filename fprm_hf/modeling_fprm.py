@@ -1,8 +1,9 @@
 """FPRM: a looped transformer whose loop is a fixed-point iteration that halts per sample when it has converged
 ("Fixed-Point Reasoners: Stable and Adaptive Deep Looped Transformers", arXiv 2606.18206).
 
-Reads top to bottom in the order a token travels: norm → positions → attention → SwiGLU → depthwise conv →
-residual scaling (α, β) → block → one loop step f → the solver (Algorithm 1) → head.
+By concern, as LoopFormer's: the layers (norm → positions → attention → SwiGLU → depthwise conv → residual scaling
+(α, β) → block) are in layers_fprm.py, the solver (Algorithm 1: `SolverSettings`, `FPRMSolverState`, `solve`) in
+solver_fprm.py; this file holds the model: embeddings → one loop step f → the solver → head.
 
 One loop step f(y) of the default model (the authors' computation, step by step; N blocks = 2N sub-layers F_k):
 
@@ -16,9 +17,8 @@ random z0; the head reads the final state with no norm in between.
 """
 
 import glob
-import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,238 +26,26 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from transformers.modeling_outputs import ModelOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import add_start_docstrings_to_model_forward, logging
 
+from .configuration_fprm import FPRMConfig
 from .hub import FPRMHubMixin
-from .configuration_fprm import (
-    FPRMConfig,
-    check_halt_eps,
-    check_max_loops,
-    check_min_eta,
-    check_patience,
-    check_unit_interval,
+from .layers_fprm import (
+    FPRMBlock,
+    FPRMDepthwiseConv,
+    FPRMResidualScaling,
+    FPRMRotaryEmbedding,
+    rms_norm,
+    sample_truncated_normal,
+    truncated_normal_std,
 )
+from .solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
 
 
 logger = logging.get_logger(__name__)
 
-RESIDUAL_DENOM_EPS = 1e-8  # r = ‖y − f(y)‖∞ / (‖f(y)‖∞ + 1e-8)
-BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
-
-
-def rms_norm(x, eps=None):
-    """Weightless RMSNorm in float32 (every norm of the loop has no weight, as the authors'); `eps=None` is torch's
-    default (machine epsilon of the input dtype), as the reference."""
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def truncated_normal_std(std, bound=2.0):
-    """The std of the normal that, cut at ±`bound` of its own std, has std `std` (the authors' and JAX's
-    truncated normal: z0 and the weights have exactly the std they are given)."""
-    pdf = math.exp(-0.5 * bound**2) / math.sqrt(2 * math.pi)
-    mass = math.erf(bound / math.sqrt(2))
-    return std / math.sqrt(1 - 2 * bound * pdf / mass)
-
-
-def sample_truncated_normal(shape, std, generator=None, device=None, dtype=torch.float32, bound=2.0):
-    """Draws from the truncated normal of `truncated_normal_std` (inverse-CDF sampling, so one `generator` decides
-    every value)."""
-    scale = truncated_normal_std(std, bound)
-    edge = math.erf(bound / math.sqrt(2))
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32) * (2 * edge) - edge
-    return (torch.erfinv(u) * (math.sqrt(2) * scale)).clamp(-bound * scale, bound * scale).to(dtype)
-
-
-class FPRMRotaryEmbedding(nn.Module):
-    """RoPE over the flattened positions (prefix included), in float32. The frequencies are computed per call rather
-    than kept in a non-persistent buffer, which from_pretrained would leave uninitialised."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.dim = config.head_dim
-        self.base = config.rope_theta
-
-    def forward(self, seq_len, device):
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float, device=device) / self.dim))
-        freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin):
-    dtype = q.dtype  # rotate in float32 (cos/sin's dtype), as the authors
-    q, k = q.to(cos.dtype), k.to(cos.dtype)
-    return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if module.is_causal:
-        q_len, kv_len = scores.shape[-2:]
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    # at least float32 (half-precision scores), float64 kept in a float64 model: a float32 cast there loses the
-    # eager path's agreement with sdpa
-    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-class FPRMAttention(nn.Module):
-    """Multi-head attention with a fused q|k|v projection, bidirectional for grids and causal for state tracking."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5 / config.softmax_temperature
-        self.is_causal = config.causal
-        d = config.hidden_size
-        self.qkv_proj = nn.Linear(d, 3 * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(d, d, bias=config.attention_bias)
-
-    def forward(self, hidden_states, position_embeddings=None):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv_proj(hidden_states).chunk(3, dim=-1))
-        if position_embeddings is not None:
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        # get_interface (rather than indexing) lets `set_attn_implementation` switch the kernel on a built model
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, _ = attention_interface(
-            self, q, k, v, None,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=self.is_causal,
-        )
-        return self.o_proj(out.reshape(*input_shape, -1))
-
-
-class FPRMMLP(nn.Module):
-    """SwiGLU with a fused gate|up projection: down(silu(gate) * up)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class FPRMDepthwiseConv(nn.Module):
-    """Depthwise conv over the grid/sequence rows of a state (the prefix rows are not convolved): a causal kernel-k
-    conv over the sequence (k − 1 zeros on the left) or a k×k conv over the height × width grid (zero padding).
-    Returns the convolved rows only, (batch, tokens − prefix, hidden)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.conv_type = config.conv_type
-        self.num_prefix_tokens = config.num_prefix_tokens
-        self.grid_size = config.grid_size
-        d, k = config.hidden_size, config.conv_kernel_size
-        shape = (d, 1, k) if self.conv_type == "causal_1d" else (d, 1, k, k)
-        self.weight = nn.Parameter(torch.empty(shape))
-        self.bias = nn.Parameter(torch.empty(d)) if config.conv_bias else None
-
-    def forward(self, y):
-        rows = y[:, self.num_prefix_tokens :]
-        b, n, d = rows.shape
-        weight = self.weight.to(rows.dtype)
-        bias = None if self.bias is None else self.bias.to(rows.dtype)
-        if self.conv_type == "causal_1d":
-            seq = F.pad(rows.transpose(1, 2), (self.weight.shape[-1] - 1, 0))  # left pad only: causal
-            return F.conv1d(seq, weight, bias, groups=d).transpose(1, 2)
-        h, w = self.grid_size
-        grid = rows.transpose(1, 2).reshape(b, d, h, w)
-        out = F.conv2d(grid, weight, bias, padding=self.weight.shape[-1] // 2, groups=d)
-        return out.reshape(b, d, n).transpose(1, 2)
-
-
-class FPRMResidualScaling(nn.Module):
-    """The coefficients (α1, β1, α2, β2) of one loop step, read from the state y' after the conv.
-
-    input_independent: α = sigmoid(logit) per channel, learned; β tied (module docstring).
-    fixed:             α1, α2 are the config's constants; β tied.
-    input_dependent:   α = sigmoid(Linear(y')) per token and channel, one linear layer per α; β tied.
-    none:              α = β = 1 (plain pre-norm, or post-norm).
-    outer_only (any of the first three): β2 = 1 − α2 and α1 = β1 = 1.
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.mode = config.residual_scaling
-        self.outer_only = config.outer_only
-        self.num_sublayers = 2 * config.num_hidden_layers
-        d = config.hidden_size
-        self.alpha1_init, self.alpha2_init = config.alpha1, config.alpha2
-        inner = not self.outer_only
-        if self.mode == "input_independent":
-            # stored as logits so that 0 < α < 1 always; excluded from weight decay by name ("alpha")
-            self.alpha2_logit = nn.Parameter(torch.empty(d))
-            self.alpha1_logit = nn.Parameter(torch.empty(d)) if inner else None
-        elif self.mode == "input_dependent":
-            self.alpha2_proj = nn.Linear(d, d, bias=True)
-            self.alpha1_proj = nn.Linear(d, d, bias=True) if inner else None
-
-    def tied_betas(self, alpha1, alpha2):
-        a1_pow = alpha1**self.num_sublayers
-        beta2 = 1 - alpha2 * a1_pow
-        beta1 = beta2 * (1 - alpha1) / (1 - a1_pow + BETA1_EPS)
-        return beta1, beta2
-
-    def forward(self, y):
-        if self.mode == "none":
-            return 1.0, 1.0, 1.0, 1.0
-        inner = not self.outer_only
-        if self.mode == "fixed":
-            alpha2 = torch.tensor(self.alpha2_init)
-            alpha1 = torch.tensor(self.alpha1_init) if inner else None
-        elif self.mode == "input_dependent":
-            alpha2 = torch.sigmoid(self.alpha2_proj(y).float())
-            alpha1 = torch.sigmoid(self.alpha1_proj(y).float()) if inner else None
-        else:
-            alpha2 = torch.sigmoid(self.alpha2_logit.float())
-            alpha1 = torch.sigmoid(self.alpha1_logit.float()) if inner else None
-        if self.outer_only:
-            return 1.0, 1.0, alpha2.to(device=y.device, dtype=y.dtype), (1 - alpha2).to(device=y.device, dtype=y.dtype)
-        beta1, beta2 = self.tied_betas(alpha1, alpha2)
-        return tuple(c.to(device=y.device, dtype=y.dtype) for c in (alpha1, beta1, alpha2, beta2))
-
-
-class FPRMBlock(nn.Module):
-    """Two sub-layers, attention then SwiGLU, each h ← α1·h + β1·F(·) with the norm placed by `norm_type`:
-    pre: F(RMSNorm(h)); peri: RMSNorm(F(RMSNorm(h))); post: RMSNorm(α1·h + β1·F(h)) (TRM style)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.eps = config.rms_norm_eps
-        self.norm_type = config.norm_type
-        self.self_attn = FPRMAttention(config)
-        self.mlp = FPRMMLP(config)
-
-    def _sublayer(self, h, sublayer, alpha1, beta1, *args):
-        out = sublayer(h if self.norm_type == "post" else rms_norm(h, eps=self.eps), *args)
-        if self.norm_type == "peri":
-            out = rms_norm(out, eps=self.eps)
-        h = alpha1 * h + beta1 * out
-        return rms_norm(h, eps=self.eps) if self.norm_type == "post" else h
-
-    def forward(self, h, alpha1, beta1, position_embeddings=None):
-        h = self._sublayer(h, self.self_attn, alpha1, beta1, position_embeddings)
-        return self._sublayer(h, self.mlp, alpha1, beta1)
 
 
 class FPRMPreTrainedModel(FPRMHubMixin, PreTrainedModel):  # the mixin: push_to_hub writes this package's card
@@ -362,100 +150,6 @@ def _logit(p):
     return float(torch.logit(torch.tensor(p, dtype=torch.float64)))
 
 
-@dataclass
-class FPRMSolverState:
-    """What the solver carries between calls (e.g. between truncated-BPTT segments): the state y and, per sample,
-    the damping step η, patience, best residual, iterations so far and the halting flags."""
-
-    hidden: torch.Tensor  # (batch, tokens, hidden) the current iterate y
-    eta: torch.Tensor  # (batch,) damping step
-    patience: torch.Tensor  # (batch,) iterations left before η decays
-    best: torch.Tensor  # (batch,) best residual so far
-    residuals: torch.Tensor  # (batch,) latest residual (inf before the first iteration or after a non-finite one)
-    iterations: torch.Tensor  # (batch,) iterations of f applied so far
-    halted: torch.Tensor  # (batch,) bool, the row is frozen
-    converged: torch.Tensor  # (batch,) bool, halted because r < halt_eps
-    diverged: torch.Tensor  # (batch,) bool, halted because the residual was not finite
-    # (batch,) int64 `input_fingerprint` of the inputs each row was computed on; None (a state built by hand or by
-    # the trainer before its first forward): not known, taken on trust and set by the next forward
-    fingerprint: torch.Tensor | None = None
-
-    def detach(self):
-        return replace(self, hidden=self.hidden.detach())
-
-    def where(self, rows, other):
-        """A state that takes `other`'s rows where `rows` (bool, (batch,)) is True and this one's elsewhere."""
-        out = {}
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine is None or theirs is None:
-                out[f.name] = None
-                continue
-            mask = rows.view(-1, *([1] * (mine.dim() - 1)))
-            out[f.name] = torch.where(mask, theirs, mine)
-        return FPRMSolverState(**out)
-
-    def select(self, rows):
-        """The state of the rows indexed by `rows` (a LongTensor)."""
-        return FPRMSolverState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
-                                  for f in fields(self)})
-
-
-@dataclass(frozen=True)
-class SolverSettings:
-    """The knobs of one solve (Algorithm 1), each checked by the rule of its config field. `from_config` fills what
-    a call leaves None with the config's defaults."""
-
-    halt_eps: float  # τ: a sample has converged when its relative residual r < τ
-    max_loops: int  # iteration cap of this call
-    eta: float  # η0, the damping step of a sample that starts here
-    gamma: float  # γ, the decay η ← γ·η after `patience` iterations without improvement
-    patience: int  # P
-    min_eta: float  # a sample halts when η < min_eta
-    halting: bool = True  # False: every sample runs `max_loops` iterations (a non-finite residual still stops it)
-
-    def __post_init__(self):
-        checks = (("halt_eps", check_halt_eps), ("max_loops", check_max_loops), ("eta", check_unit_interval),
-                  ("gamma", check_unit_interval), ("patience", check_patience), ("min_eta", check_min_eta))
-        for name, check in checks:
-            object.__setattr__(self, name, check(getattr(self, name), name))
-        if not isinstance(self.halting, bool):
-            raise ValueError(f"`halting` must be True or False, got {self.halting!r} ({type(self.halting).__name__}).")
-
-    @classmethod
-    def from_config(cls, config, training=False, **given):
-        """The settings of a call: each of `given` that is None takes the config's value (`gamma`: `gamma_train`
-        in training mode, `gamma_eval` in evaluation mode)."""
-        defaults = dict(halt_eps=config.halt_eps, max_loops=config.max_loops, eta=config.eta,
-                        gamma=config.gamma_train if training else config.gamma_eval, patience=config.patience,
-                        min_eta=config.min_eta, halting=True)
-        unknown = sorted(set(given) - set(defaults))
-        if unknown:
-            raise ValueError(f"Unknown solver settings {unknown}; allowed: {sorted(defaults)}.")
-        return cls(**{k: v if given.get(k) is None else given[k] for k, v in defaults.items()})
-
-    def halts(self, residuals, eta):
-        """The halting rule (the one place it is written; the trainer judges its segments by it too): per sample,
-        (converged = r < τ, halts = converged or η < min_eta)."""
-        converged = residuals < self.halt_eps
-        return converged, converged | (eta < self.min_eta)
-
-
-def input_fingerprint(input_ids, puzzle_identifiers=None, inputs_embeds=None):
-    """(batch,) int64: a hash of each row's input (its token ids, or the bits of its embeddings, and its puzzle
-    identifier, None counted as 0), recorded in the `FPRMSolverState` so that a state is not carried onto other
-    inputs, where a row converged on the old puzzle would run 0 iterations and return the old answer."""
-    if inputs_embeds is not None:
-        values = inputs_embeds.detach().flatten(1).float().view(torch.int32).long()
-    else:
-        values = input_ids.long()
-    ids = torch.zeros(values.shape[0], dtype=torch.long, device=values.device) if puzzle_identifiers is None else (
-        puzzle_identifiers.long())
-    values = torch.cat([ids[:, None], values], dim=1)
-    # fixed odd 63-bit weights: products and sum wrap around in int64, a multiplicative hash
-    weights = torch.randint(-(2**62), 2**62, (values.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
-    return (values * weights.to(values.device)).sum(1)
-
 
 @dataclass
 class FPRMModelOutput(ModelOutput):
@@ -532,6 +226,7 @@ FPRM_INPUTS_DOCSTRING = r"""
             re-injected as those are.
         output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
 """
+
 
 
 class FPRMModel(FPRMPreTrainedModel):
@@ -670,19 +365,8 @@ class FPRMModel(FPRMPreTrainedModel):
 
     def initial_solver_state(self, x, eta=None, generator=None):
         """A fresh state: y = z0 (`initial_z`), η = η0, nothing halted."""
-        b, dtype, device = x.shape[0], torch.float32, x.device
         eta = self.config.eta if eta is None else eta
-        return FPRMSolverState(
-            hidden=self.initial_z(x, generator),
-            eta=torch.full((b,), float(eta), dtype=dtype, device=device),
-            patience=torch.full((b,), self.config.patience, dtype=torch.long, device=device),
-            best=torch.full((b,), float("inf"), dtype=dtype, device=device),
-            residuals=torch.full((b,), float("inf"), dtype=dtype, device=device),
-            iterations=torch.zeros(b, dtype=torch.long, device=device),
-            halted=torch.zeros(b, dtype=torch.bool, device=device),
-            converged=torch.zeros(b, dtype=torch.bool, device=device),
-            diverged=torch.zeros(b, dtype=torch.bool, device=device),
-        )
+        return FPRMSolverState.start(self.initial_z(x, generator), eta, self.config.patience)
 
     def position_embeddings(self, x):
         if self.rotary_emb is None:
@@ -710,67 +394,7 @@ class FPRMModel(FPRMPreTrainedModel):
             h = rms_norm(h, eps=eps)
         return h
 
-    # ---- the solver (Algorithm 1) ---------------------------------------------------------------------------------
-
-    def solve(self, x, state, settings, output_residual_trace=False, output_hidden_states=False):
-        """Damped fixed-point iteration y ← η·f(y) + (1 − η)·y with per-sample residuals, step decay and halting
-        (`settings`: a `SolverSettings`).
-
-        Only rows still iterating are evaluated; a halted row is frozen. Gradients flow through every iteration run
-        here (the Trainer truncates by running short segments and detaching between them).
-        """
-        y = state.hidden
-        eta, pat, best = state.eta.clone(), state.patience.clone(), state.best.clone()
-        residuals, iterations = state.residuals.clone(), state.iterations.clone()
-        # A carried state is judged by this call's rule, as if it had run under it: a row halted under another
-        # halt_eps / min_eta / halting is reopened (or halts) here; a diverged row stays frozen at its last finite y.
-        diverged = state.diverged.clone()
-        converged, stops = settings.halts(residuals, eta)
-        halted = diverged | stops if settings.halting else diverged.clone()
-        patience, gamma = settings.patience, settings.gamma
-        position_embeddings = self.position_embeddings(x)
-        start_iterations = iterations.clone()
-        trace = []
-        iterates = [y] if output_hidden_states else None
-        for _ in range(settings.max_loops):
-            rows = (~halted).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                break
-            everyone = rows.numel() == y.shape[0]
-            y_a = y if everyone else y[rows]
-            f_a = self.fixed_point_map(y_a, x if everyone else x[rows], position_embeddings)
-            with torch.no_grad():
-                # r = max over tokens of ‖y − f(y)‖∞ / (‖f(y)‖∞ + 1e-8), per sample
-                diff = (y_a - f_a).abs().amax(-1).float()
-                r = (diff / (f_a.abs().amax(-1).float() + RESIDUAL_DENOM_EPS)).amax(-1)
-                finite = torch.isfinite(r)
-            e = eta[rows].to(y_a.dtype)[:, None, None]
-            new = e * f_a + (1 - e) * y_a
-            new = torch.where(finite[:, None, None], new, y_a)  # a non-finite step is discarded: keep the last state
-            y = new if everyone else y.index_copy(0, rows, new)
-            with torch.no_grad():
-                r = torch.where(finite, r, torch.full_like(r, float("inf")))
-                iterations[rows] += 1
-                residuals[rows] = r
-                improved = r < best[rows]
-                best[rows] = torch.minimum(best[rows], r)
-                p = torch.where(improved, torch.full_like(pat[rows], patience), pat[rows] - 1)
-                decay = (p <= 0) & (r >= settings.halt_eps)  # stalled: shrink the step η ← γ·η
-                eta[rows] = torch.where(decay, eta[rows] * gamma, eta[rows])
-                pat[rows] = torch.where(decay, torch.full_like(p, patience), p)
-                converged[rows], stops = settings.halts(r, eta[rows])
-                diverged[rows] = ~finite
-                halted[rows] = ~finite | stops if settings.halting else ~finite
-                if output_residual_trace:
-                    trace.append(residuals.clone())
-            if output_hidden_states:
-                iterates.append(y)
-        new_state = FPRMSolverState(
-            hidden=y, eta=eta, patience=pat, best=best, residuals=residuals, iterations=iterations, halted=halted,
-            converged=converged, diverged=diverged, fingerprint=state.fingerprint,
-        )
-        trace = torch.stack(trace, dim=1) if output_residual_trace and trace else None
-        return new_state, iterations - start_iterations, trace, None if iterates is None else tuple(iterates)
+    # ---- the call: inputs checked, the solver run (solver_fprm.py) ----------------------------------------------
 
     @staticmethod
     def check_attention_mask(attention_mask, shape):
@@ -790,38 +414,6 @@ class FPRMModel(FPRMPreTrainedModel):
                 f"that are not 1): attention, the conv and the halting residual read every token, as in the authors' "
                 f"model. Pass inputs of equal length without padding (solve different lengths in separate batches), "
                 f"or an all-ones mask."
-            )
-
-    @staticmethod
-    def check_solver_state(state, x, fingerprint):
-        """A `solver_state` given to a forward must be a previous call's on these inputs: of their shape and dtype
-        (each per-sample field of shape (batch,) and its dtype), and, where it records them, on the same inputs."""
-        if not isinstance(state, FPRMSolverState) or not torch.is_tensor(state.hidden) or state.hidden.shape != x.shape:
-            raise ValueError(
-                f"`solver_state` must be the FPRMSolverState of a previous call on inputs of this shape "
-                f"(state {tuple(x.shape)}), got {type(state).__name__} "
-                f"{tuple(getattr(getattr(state, 'hidden', None), 'shape', ()))}."
-            )
-        if state.hidden.dtype != x.dtype:
-            raise ValueError(
-                f"`solver_state.hidden` is {state.hidden.dtype}, this model computes in {x.dtype}: pass a state of "
-                f"a call in this dtype (or `.to({x.dtype})` its hidden)."
-            )
-        per_sample = {"eta": torch.float32, "patience": torch.long, "best": torch.float32, "residuals": torch.float32,
-                      "iterations": torch.long, "halted": torch.bool, "converged": torch.bool, "diverged": torch.bool}
-        for name, dtype in per_sample.items():
-            value = getattr(state, name)
-            if not torch.is_tensor(value) or value.shape != (x.shape[0],) or value.dtype != dtype:
-                raise ValueError(
-                    f"`solver_state.{name}` must be a {dtype} tensor of shape ({x.shape[0]},), got "
-                    f"{type(value).__name__} {tuple(getattr(value, 'shape', ()))} {getattr(value, 'dtype', '')}."
-                )
-        if state.fingerprint is not None and not torch.equal(state.fingerprint, fingerprint):
-            rows = (state.fingerprint != fingerprint).nonzero().flatten().tolist()
-            raise ValueError(
-                f"`solver_state` was computed on other inputs than these (rows {rows} differ): a row that converged "
-                f"there would return its old answer here. Pass the inputs it was computed on, or no `solver_state` "
-                f"to solve these from the start."
             )
 
     @add_start_docstrings_to_model_forward(FPRM_INPUTS_DOCSTRING)
@@ -859,10 +451,12 @@ class FPRMModel(FPRMPreTrainedModel):
         if solver_state is None:
             solver_state = self.initial_solver_state(x, settings.eta, generator)
         else:
-            self.check_solver_state(solver_state, x, fingerprint)
+            check_solver_state(solver_state, x, fingerprint)
         solver_state = replace(solver_state, fingerprint=fingerprint)
-        state, iterations, trace, iterates = self.solve(
-            x, solver_state, settings, output_residual_trace, output_hidden_states
+        position_embeddings = self.position_embeddings(x)
+        step = lambda y, x_rows: self.fixed_point_map(y, x_rows, position_embeddings)  # noqa: E731
+        state, iterations, trace, iterates = solve(
+            step, x, solver_state, settings, output_residual_trace, output_hidden_states
         )
         output = FPRMModelOutput(
             last_hidden_state=state.hidden, iterations=iterations, residuals=state.residuals,
@@ -970,9 +564,6 @@ __all__ = [
     "FPRMPreTrainedModel",
     "FPRMModel",
     "FPRMForReasoning",
-    "FPRMSolverState",
-    "SolverSettings",
-    "input_fingerprint",
     "FPRMModelOutput",
     "FPRMReasoningOutput",
 ]
