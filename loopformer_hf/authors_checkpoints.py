@@ -21,6 +21,7 @@ import json
 import os
 
 import torch
+from transformers import GenerationConfig
 
 from .convert_reference import MODEL_TYPES, map_reference_state_dict
 
@@ -198,6 +199,11 @@ def load_reference_model(cls, path, config, dtype=None, hub_kwargs=None, device=
     if left_on_meta:  # map_reference_state_dict checked the keys; this would be a bug of the mapping
         raise RuntimeError(f"internal error: not loaded from the checkpoint: {left_on_meta}")
     model.config.dtype = dtype
+    # Their generation_config.json sets nothing ({"_from_model_config": true}); generation is greedy here, as our
+    # `generate` documents, and says so, so that pipelines do not fall back to their sampling defaults.
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.generation_config.do_sample = False
+    model.generation_config._from_model_config = False
     return model.eval()
 
 
@@ -227,7 +233,9 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
         return None
     from .configuration_loopformer import LoopFormerConfig
 
-    kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS and key not in _ACCEPTED_NOOPS}
+    # None is transformers' default for every option (lm-eval's HFLM passes gguf_file=None, max_memory=None, …)
+    kwargs = {key: value for key, value in kwargs.items()
+              if value is not None and key not in HUB_KWARGS and key not in _ACCEPTED_NOOPS}
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for the authors' layout.")
     config = kwargs.pop("config", None)
@@ -235,10 +243,12 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
         config = LoopFormerConfig.from_dict(config_dict)
     dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
     device = kwargs.pop("device_map", None)
+    if isinstance(device, dict) and len(set(map(str, device.values()))) == 1:  # {"": "cpu"}: one device
+        device = next(iter(device.values()))
     if device in ("auto", None):
         device = "cpu"
     elif not isinstance(device, (str, torch.device)):
-        raise ValueError(f"`device_map`={device!r}: the authors' layout loads onto one device; give a device string.")
+        raise ValueError(f"`device_map`={device!r}: the authors' layout loads onto one device; give a device string or a map onto one device.")
     attn_implementation = kwargs.pop("attn_implementation", None)
     output_loading_info = kwargs.pop("output_loading_info", False)
     unknown = sorted(key for key in kwargs if not hasattr(config, key))
