@@ -281,8 +281,10 @@ def main(argv=None):
 
 def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
     """(a sample prompt, the generation config's fields) of a run: as many new tokens as the context leaves after the
-    task's longest held-out prompt (learned positions end at block_size), and for the synthetic tasks the answer's
-    newline as a stop token beside <|endoftext|>."""
+    task's longest held-out prompt (learned positions end at block_size), for the synthetic tasks the answer's
+    newline as a stop token beside <|endoftext|>, and greedy decoding (`do_sample=False` written out: a pipeline
+    samples at temperature 0.7 unless the model's generation config says otherwise; `generate` is greedy either
+    way)."""
     eos = [tokenizer.eos_token_id]
     if data_args.task == "synthetic":
         problems = held_out_problems(data_args)
@@ -294,7 +296,7 @@ def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
     else:
         prompt = tokenizer.decode(eval_dataset[0]["input_ids"][:TEXT_PROMPT_TOKENS])
         longest = len(tokenizer(prompt)["input_ids"])
-    return prompt, {"max_new_tokens": max(1, block_size - longest), "eos_token_id": eos}
+    return prompt, {"max_new_tokens": max(1, block_size - longest), "eos_token_id": eos, "do_sample": False}
 
 
 def train(model_args, data_args, shortcut_args, schedule_args, training_args):
