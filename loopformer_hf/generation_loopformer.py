@@ -8,6 +8,7 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 """
 
 import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDeco
                                      UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
 from .cache_loopformer import LoopFormerCache
+from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
@@ -39,6 +41,21 @@ class LoopFormerGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
     loop_counts: torch.LongTensor | None = None
 
 
+def check_generation_knobs(config, knobs, source):
+    """Raise `ValueError` (naming `source`) unless the loop knobs `knobs` ({name: value} of `GENERATION_LOOP_KNOBS`)
+    are valid for a model of `config`, by the rules `forward` applies to them."""
+    try:
+        if knobs.get("loop_budget") is not None or knobs.get("step_schedule") is not None:
+            config.resolve_trajectory(knobs.get("loop_budget"), knobs.get("step_schedule"))
+        check_halt_eps(knobs.get("halt_eps"))
+        criterion = knobs.get("halt_criterion")
+        if criterion is not None and criterion not in HALT_CRITERIA:
+            raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {criterion!r}.")
+    except ValueError as e:
+        raise ValueError(f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it "
+                         f"there.") from None
+
+
 def _loop_counts_unsupported(kwargs, generation_config):
     """The decoding mode under which per-position loop counts cannot be gathered, or None."""
     config = kwargs.get("generation_config") or generation_config
@@ -53,6 +70,33 @@ def _loop_counts_unsupported(kwargs, generation_config):
 
 class LoopFormerGenerationMixin(GenerationMixin):
     """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs):
+        """transformers' hook that loads generation_config.json in `from_pretrained`. A file marked
+        `"_from_model_config": true` (as the trainer and `save_pretrained` write one without loop knobs) loses every
+        custom key on load: read the loop knobs from the file itself, so that a value written there by hand is used
+        by `generate`, and refuse an invalid one here, naming the file, rather than at the first `generate`."""
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                                     *args, **kwargs)
+        if generation_config is not None or pretrained_model_name_or_path is None or not self.can_generate():
+            return
+        names = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        options = {**dict(zip(names, args)), **{name: kwargs[name] for name in names if name in kwargs}}
+        try:
+            from transformers.utils import cached_file
+
+            file = cached_file(pretrained_model_name_or_path, "generation_config.json", **options,
+                               _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+            with open(file, encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, TypeError, ValueError):  # no such file (or not JSON): transformers has said so, or not
+            return
+        knobs = {name: saved[name] for name in GENERATION_LOOP_KNOBS if name in saved}
+        check_generation_knobs(self.config, knobs, file)
+        for name, value in knobs.items():
+            setattr(self.generation_config, name, value)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with

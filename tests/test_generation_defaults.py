@@ -1,11 +1,13 @@
 """Issue 39: a trained folder decodes the same through `pipeline()` as through `generate` (greedy, written into its
-generation_config.json)."""
+generation_config.json), and loop knobs written by hand into generation_config.json are honoured by `generate`, or
+refused at load when invalid."""
 
 import json
+import shutil
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import AutoModelForCausalLM, pipeline
 
 import loopformer_hf  # noqa: F401  (registers the Auto classes)
 
@@ -37,3 +39,64 @@ def test_a_trained_folder_decodes_greedily_through_a_pipeline_with_no_argument(t
     ids = pipe.tokenizer(record["prompt"], return_tensors="pt").input_ids
     greedy = pipe.model.generate(ids)[0].tolist()
     assert all(list(out) == greedy for out in outputs), outputs
+
+
+# ---- loop knobs hand-edited into generation_config.json -----------------------------------------------------------
+
+@pytest.fixture
+def edited(trained, tmp_path):
+    """edit(**knobs): a copy of the trained folder whose generation_config.json has `knobs` added by hand (its
+    `"_from_model_config": true` kept, as the trainer writes it)."""
+    def edit(**knobs):
+        folder = shutil.copytree(trained[0], tmp_path / f"edited{len(list(tmp_path.iterdir()))}")
+        file = folder / "generation_config.json"
+        config = json.loads(file.read_text())
+        assert config.get("_from_model_config") is True
+        file.write_text(json.dumps({**config, **knobs}))
+        return folder
+    return edit
+
+
+def forward_knobs(model, **generate_kwargs):
+    """The loop knobs each forward of `model.generate(...)` received."""
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append({k: kwargs.get(k) for k in ("loop_budget", "step_schedule",
+                                                                               "halt_eps", "halt_criterion")}),
+        with_kwargs=True)
+    try:
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, **generate_kwargs)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_loop_knobs_written_by_hand_into_generation_config_json_are_honoured(edited):
+    # the custom keys were dropped (the file says "_from_model_config": true): generate ran the full loop
+    knobs = {"loop_budget": 2, "step_schedule": "coarse_to_fine", "halt_eps": 0.5, "halt_criterion": "entropy"}
+    model = AutoModelForCausalLM.from_pretrained(edited(**knobs))
+    assert {k: getattr(model.generation_config, k, None) for k in knobs} == knobs
+    assert forward_knobs(model) == [knobs] * 2
+    assert forward_knobs(model, loop_budget=3)[0]["loop_budget"] == 3  # a call kwarg wins
+    # a list schedule sets the budget; a file without knobs keeps the model's defaults
+    model = AutoModelForCausalLM.from_pretrained(edited(step_schedule=[0.75, 0.25]))
+    assert forward_knobs(model)[0]["step_schedule"] == [0.75, 0.25]
+    model = AutoModelForCausalLM.from_pretrained(edited())
+    assert forward_knobs(model)[0] == dict.fromkeys(knobs)
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"loop_budget": 0}, r"`loop_budget` must be an integer >= 1, got 0"),
+    ({"loop_budget": "bogus"}, r"`loop_budget` must be an integer >= 1, got 'bogus'"),
+    ({"loop_budget": 10**6}, r"`loop_budget`=1000000 exceeds the largest loop budget"),
+    ({"step_schedule": [0.5, 0.4]}, r"`step_schedule` must sum to 1"),
+    ({"step_schedule": "bogus"}, r"`step_schedule` preset must be one of .* got 'bogus'"),
+    ({"loop_budget": 3, "step_schedule": [0.5, 0.5]}, r"`loop_budget`=3 disagrees with `step_schedule` of length 2"),
+    ({"halt_eps": 0}, r"`halt_eps` must be None or a positive finite float, got 0"),
+    ({"halt_eps": "x"}, r"`halt_eps` must be None or a positive finite float, got 'x'"),
+    ({"halt_criterion": "bogus"}, r"`halt_criterion` must be one of \('state_change', 'kl', 'entropy'.*\), got 'bogus'"),
+])
+def test_invalid_loop_knobs_in_generation_config_json_are_refused_at_load(edited, knobs, message):
+    folder = edited(**knobs)
+    with pytest.raises(ValueError, match=rf"generation_config\.json sets a loop knob .*{message}"):
+        AutoModelForCausalLM.from_pretrained(folder)
