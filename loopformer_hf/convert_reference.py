@@ -2,6 +2,11 @@
 
     python -m loopformer_hf.convert_reference --checkpoint ckpt.pt --output out/ \
         --n-layer 3 --n-loops 8 --n-embd 2048 --n-head 32 --mlp-hidden 5120 [--model-type loopformer]
+    python -m loopformer_hf.convert_reference --hub_repo armenjeddi/LoopFormer-3block-8iterations \
+        [--revision R] --output_dir out/
+
+The second form downloads one of the authors' Hub repos with huggingface_hub (its cache and offline mode honoured)
+and saves it in this package's format; `from_pretrained` on the repo itself works too (`authors_checkpoints`).
 
 `--model-type` names the reference file the checkpoint comes from (train.py's `model_type`):
 
@@ -308,19 +313,49 @@ def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=503
 # ---- command line --------------------------------------------------------------------------------------------------
 
 
+# what a Hub repo of theirs holds that a converted folder needs (their remote code is not needed)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+
+
+def convert_hub_repo(repo, output, revision=None, dtype=None):
+    """Download one of the authors' Hub repos (huggingface_hub: the cache, `HF_HUB_OFFLINE` and `HF_ENDPOINT` are
+    honoured; a local folder is read in place) and save it in this package's format, tokenizer included."""
+    import shutil
+
+    from huggingface_hub import snapshot_download
+
+    output = os.fspath(output)
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"--output_dir {output!r} exists and is not a folder.")
+    folder = repo if os.path.isdir(repo) else snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS)
+    model = LoopFormerForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype] if dtype else "auto")
+    model.save_pretrained(output)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(output, name))
+    return model
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog="python -m loopformer_hf.convert_reference",
-        description="Convert a reference LoopFormer (nanoGPT-style) checkpoint into a saved LoopFormerForCausalLM.",
+        description="Convert a reference LoopFormer (nanoGPT-style) checkpoint, or one of the authors' Hub repos, into "
+                    "a saved LoopFormerForCausalLM.",
     )
-    p.add_argument("--checkpoint", required=True, help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
-    p.add_argument("--output", required=True, help="folder to save_pretrained into")
-    p.add_argument("--n-layer", type=int, required=True,
-                   help="k, number of shared blocks (model type base: all its blocks)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
+    source.add_argument("--hub_repo", help="a Hub repo id of the authors (e.g. armenjeddi/LoopFormer-3block-"
+                        "8iterations) or a local folder in their layout; the shapes come from its config.json")
+    p.add_argument("--revision", default=None, help="with --hub_repo: branch, tag or commit")
+    p.add_argument("--output", "--output_dir", dest="output", required=True, help="folder to save_pretrained into")
+    p.add_argument("--n-layer", type=int, default=None,
+                   help="k, number of shared blocks (model type base: all its blocks); required with --checkpoint")
     p.add_argument("--n-loops", type=int, default=None,
                    help="L, loop steps of the training trajectory (required except for --model-type base: 1)")
-    p.add_argument("--n-embd", type=int, required=True, help="hidden size d")
-    p.add_argument("--n-head", type=int, required=True, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=None, help="hidden size d; required with --checkpoint")
+    p.add_argument("--n-head", type=int, default=None, help="attention heads; required with --checkpoint")
     p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary size (default: 50304)")
     p.add_argument("--block-size", type=int, default=1024, help="learned positions (default: 1024)")
     p.add_argument("--mlp-hidden", type=int, default=None, help="GELU MLP width (default: 4 * n_embd)")
@@ -328,7 +363,8 @@ def _parser():
                    help="the reference model the checkpoint comes from: loopformer (default), tmlt, base_loop, base")
     p.add_argument("--frequency-embedding-size", type=int, default=256, help="sinusoidal width (default: 256)")
     p.add_argument("--max-period", type=float, default=10000.0, help="sinusoid max period (default: 10000)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the saved weights")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="dtype of the saved weights (default: float32 from --checkpoint, the repo's own with --hub_repo)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="torch.load with weights_only=False (only for trusted .pt files holding other objects)")
     return p
@@ -337,12 +373,23 @@ def _parser():
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.hub_repo is not None:
+        try:
+            convert_hub_repo(args.hub_repo, args.output, revision=args.revision, dtype=args.dtype)
+        except (ValueError, OSError) as error:  # huggingface_hub's not-found / offline errors are OSErrors
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
+        return 0
+    missing = [flag for flag, value in (("--n-layer", args.n_layer), ("--n-embd", args.n_embd),
+                                        ("--n-head", args.n_head)) if value is None]
+    if missing:
+        parser.error(f"--checkpoint needs the shape flags {', '.join(missing)}")
     try:
         convert(
             args.checkpoint, args.output, n_layer=args.n_layer, n_loops=args.n_loops, n_embd=args.n_embd,
             n_head=args.n_head, vocab_size=args.vocab_size, block_size=args.block_size, mlp_hidden=args.mlp_hidden,
             model_type=args.model_type, frequency_embedding_size=args.frequency_embedding_size,
-            max_period=args.max_period, dtype=args.dtype, allow_pickle=args.allow_pickle,
+            max_period=args.max_period, dtype=args.dtype or "float32", allow_pickle=args.allow_pickle,
         )
     except ValueError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
+from transformers import AutoModelForCausalLM, pipeline
 
-import loopformer_hf
+import loopformer_hf  # noqa: F401  (registers the Auto classes, theirs included)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 
 from _hub_helpers import REPO_ROOT, make_tokenizer
@@ -296,3 +296,43 @@ def test_lm_eval_through_our_route(repo_with_tokenizer, tmp_path):
         total += float(torch.log_softmax(logits, -1)[torch.arange(len(whole) - len(ctx)),
                                                      torch.tensor(whole[len(ctx):])].sum())
     assert got == pytest.approx(math.exp(-total / len(docs)), rel=1e-4)
+
+
+# ---- 4. convert from the Hub ---------------------------------------------------------------------------------------
+
+
+HUB_REPO, HUB_TOKEN = "armenjeddi/LoopFormer-2block-4iterations", "hf_test_write_token"
+
+
+def _convert(env, *args):
+    return subprocess.run([sys.executable, "-m", "loopformer_hf.convert_reference", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_convert_from_the_hub_online_then_offline_from_the_cache(repo_with_tokenizer, tmp_path, ids):
+    import huggingface_hub.constants
+    from huggingface_hub import HfApi
+    from hub_server import HubServer
+
+    folder, sd, _ = repo_with_tokenizer
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1"}
+    with pytest.MonkeyPatch.context() as patch, HubServer(tokens={HUB_TOKEN}) as hub:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        api = HfApi(endpoint=hub.endpoint, token=HUB_TOKEN)
+        api.create_repo(HUB_REPO)
+        api.upload_folder(folder_path=str(folder), repo_id=HUB_REPO)
+        online = dict(env, HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0")
+        proc = _convert(online, "--hub_repo", HUB_REPO, "--revision", "main", "--output_dir", str(tmp_path / "a"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        missing = _convert(online, "--hub_repo", "armenjeddi/No-Such-Repo", "--output_dir", str(tmp_path / "x"))
+    # the server is gone: offline mode reads the cache the first download filled
+    proc = _convert(dict(env, HF_HUB_OFFLINE="1"), "--hub_repo", HUB_REPO, "--output_dir", str(tmp_path / "b"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert missing.returncode == 2 and "No-Such-Repo" in missing.stderr and "Traceback" not in missing.stderr
+    for out in ("a", "b"):
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        assert config["model_type"] == "loopformer" and config["num_loops"] == N_LOOPS
+        assert (tmp_path / out / "tokenizer.json").is_file()
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / out)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference_forward(sd, ids, FULL), atol=1e-4, rtol=0)
