@@ -6,22 +6,31 @@ Every log entry goes to LOG (one JSON line each) as it is made, so the test can 
 
 The writers are the three a Trainer checkpoint goes through: `safetensors` for the weights, `torch.save` for the
 optimizer, scheduler and RNG states, `TrainerState.save_to_json` for trainer_state.json (the last file).
+
+    python tests/kill_during_save.py final:config.json LOG looped_training.fprm.train ARGS...
+
+kills the run with a real SIGKILL when it starts writing the config.json of its final model (any config.json outside
+a checkpoint-N folder), right after creating the file: the moment of a kill during the final `save_model`.
 """
 
 import importlib
 import json
 import os
+import signal
 import sys
 
 import torch
 import transformers
-from transformers import modeling_utils, trainer_callback
+from transformers import PretrainedConfig, modeling_utils, trainer_callback
 
 KILLED = 137
 
 
 def main():
     target, log_file, module, *argv = sys.argv[1:]
+    if target.startswith("final:"):
+        kill_at_final_save(target.removeprefix("final:"))
+        target = "(none)"
     target_parts = target.split("/")
 
     def killing(original):
@@ -48,6 +57,19 @@ def main():
 
     transformers.Trainer.log = log
     importlib.import_module(module).main(argv)
+
+
+def kill_at_final_save(name):
+    original = PretrainedConfig.to_json_file
+
+    def write(self, path, *args, **kwargs):
+        parts = os.path.normpath(str(path)).split(os.sep)
+        if parts[-1] == name and not parts[-2].startswith("checkpoint-"):
+            open(path, "w").close()  # created, nothing written yet
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, path, *args, **kwargs)
+
+    PretrainedConfig.to_json_file = write
 
 
 if __name__ == "__main__":

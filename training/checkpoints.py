@@ -154,7 +154,14 @@ def resolve_resume(resume_from_checkpoint, output_dir, model_type):
     if resume_from_checkpoint == "last":
         resume = last_complete_checkpoint(output_dir)
         if resume is None:
-            logger.warning("No complete checkpoint in %s: training from scratch.", output_dir)
+            if run_record(output_dir) is not None:
+                # a run saved without checkpoint-N (FPRM's default, --save_strategy no): its own record says whether
+                # it is finished (`finished_run`); training from scratch would overwrite its model
+                logger.info("No checkpoint in %s; it holds the record of a run (%s).", output_dir,
+                            run_record(output_dir))
+                return output_dir
+            logger.warning("No complete checkpoint in %s (an incomplete one is skipped, above): training from "
+                           "scratch.", output_dir)
             return None
         logger.info("Resuming from %s.", resume)
     else:
@@ -164,25 +171,94 @@ def resolve_resume(resume_from_checkpoint, output_dir, model_type):
     return resume
 
 
+# the trainer state a run writes beside its final model, last of its final files (`save_final`)
+RUN_RECORD = "trainer_state.json"
+FINAL_STAGING = ".final-save"
+
+
+def run_record(output_dir):
+    """The path of the record a finished run wrote into `output_dir` itself (`trainer_state.json` beside its final
+    model, or FPRM's `results.json` of earlier versions), or None."""
+    for name in (RUN_RECORD, "results.json"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _step_and_epoch(folder):
+    """(global_step, epoch) of a checkpoint's trainer_state.json or of a run's own record."""
+    path = os.path.join(folder, RUN_RECORD)
+    if not os.path.isfile(path):
+        path = run_record(folder)
+    with open(path) as f:
+        state = json.load(f)
+    if "global_step" not in state:  # FPRM's results.json
+        epochs = [h["epoch"] for h in state.get("log_history", []) if h.get("epoch") is not None]
+        return state["train_steps"], epochs[-1] if epochs else 0
+    return state["global_step"], state.get("epoch") or 0
+
+
 def finished_run(checkpoint, args):
     """True (after logging a warning that says so) if `checkpoint` already ends the run `args` (`TrainingArguments`)
     asks for: `global_step` >= `--max_steps`, or (max_steps <= 0) `epoch` >= `--num_train_epochs`. Resuming it would
     train past the end: the Trainer takes one more step, the learning rate climbs again and `save_total_limit` rotates
-    the finished checkpoint away."""
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        state = json.load(f)
-    step, epoch = state["global_step"], state.get("epoch") or 0
+    the finished checkpoint away.
+
+    `checkpoint` may be the output_dir of a run saved without checkpoints (`resolve_resume` returns it): its own
+    record counts, and if the run asks for more steps than it holds, `ValueError` (there is nothing to continue from,
+    and training from scratch would overwrite the finished model)."""
+    step, epoch = _step_and_epoch(checkpoint)
     if args.max_steps > 0:
-        if step < args.max_steps:
-            return False
+        done = step >= args.max_steps
         goal = f"--max_steps {args.max_steps}"
     else:
-        if epoch < args.num_train_epochs:
-            return False
+        done = epoch >= args.num_train_epochs
         goal = f"--num_train_epochs {args.num_train_epochs}"
+    if not done and not os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+        raise ValueError(
+            f"{checkpoint} holds a finished run (step {step}, epoch {epoch:.2f}) and no checkpoint-N to continue it "
+            f"from, and this run asks for {goal}: training would start from scratch and overwrite its model. Give "
+            f"another --output_dir (with --save_strategy steps to keep checkpoints that a later run can continue), or "
+            f"a {goal.split()[0]} the finished run already reached."
+        )
+    if not done:
+        return False
     logger.warning("%s is the end of a finished run (step %d, epoch %.2f; this run asks for %s): nothing to train, "
                    "nothing written. Raise %s to train further.", checkpoint, step, epoch, goal, goal.split()[0])
     return True
+
+
+def start_final_save(output_dir):
+    """An empty staging folder inside `output_dir` for a run's final files (`finish_final_save` moves them in)."""
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
+
+
+def finish_final_save(output_dir, last=(RUN_RECORD,)):
+    """Move the files `start_final_save`'s folder holds into `output_dir`, one `os.replace` each (a folder replaces
+    the old one by two renames): a run killed at any point leaves each file whole, old or new. The `last` files (the
+    run's record) are removed first and moved in last, so `output_dir` holds a record only beside a whole final model;
+    without it a resume finishes the save from the last checkpoint."""
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    for name in last:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output_dir, name))
+    names = sorted(os.listdir(staging), key=lambda n: last.index(n) + 1 if n in last else 0)
+    for name in names:
+        source, target = os.path.join(staging, name), os.path.join(output_dir, name)
+        if os.path.isdir(source):
+            old = target + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(target):
+                os.replace(target, old)
+            os.replace(source, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(source, target)
+    os.rmdir(staging)
 
 
 LOCK_FILE = "training.lock"

@@ -28,19 +28,20 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import HfArgumentParser, set_seed
+from safetensors.torch import load_file
+from transformers import HfArgumentParser, TrainerState, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, check_resume_config, finished_run, output_dir_lock,
-                                         resolve_resume)
+from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, check_resume_config, finish_final_save,
+                                         finished_run, output_dir_lock, resolve_resume, run_record, start_final_save)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
                                            write_plots)
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
-from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
 
 
 # Presets: YAML files of flags of the four argument groups; `--preset NAME` reads training/configs/fprm/NAME.yaml.
@@ -267,12 +268,26 @@ def train(model_args, data_args, eval_args, train_args):
         gamma_train=model_args.gamma_train, gamma_eval=model_args.gamma_eval, max_loops=eval_args.eval_max_loops,
         **task_config,
     )
+    model_dir = os.path.join(train_args.output_dir, "model")
     if resume is not None:
-        # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment)
-        check_resume_config(resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
+        # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment); a run
+        # saved without checkpoints is its own record, its config in model/
+        own_record = os.path.samefile(resume, train_args.output_dir)
+        check_resume_config(model_dir if own_record else resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, train_args):
-            return None
+            if own_record or not train_args.should_save or run_record(train_args.output_dir) is not None:
+                return None
+            # killed during its final save, after its last checkpoint: finish that save (and the evaluation) from it
+            print(f"{train_args.output_dir} has no final model (a run killed while saving it?): writing it from "
+                  f"{resume}.")
+            model = FPRMForReasoning.from_pretrained(resume)
+            ema = os.path.join(resume, ema_file(train_args))
+            if os.path.exists(ema):  # the authors save and evaluate the EMA weights
+                model.load_state_dict(load_file(ema), strict=False)
+            state = TrainerState.load_from_json(os.path.join(resume, RUN_RECORD))
+            return finish(model, state, None, ds, data_args, eval_args, model_args, train_args, difficulty_columns,
+                          None, data_args.train_length)
     model = FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
@@ -305,23 +320,36 @@ def train(model_args, data_args, eval_args, train_args):
         trainer.swap_ema()
     if not trainer.is_world_process_zero():  # one process saves, evaluates and writes (the ranks hold the same weights)
         return None
-    # saved before the evaluation, so that an error there cannot lose the training
-    model.save_pretrained(os.path.join(train_args.output_dir, "model"))
+    max_train_length = train_dataset.max_length if curriculum is not None else data_args.train_length
+    return finish(model, trainer.state, train_seconds, ds, data_args, eval_args, model_args, train_args,
+                  difficulty_columns, curriculum, max_train_length)
+
+
+def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns,
+           curriculum, max_train_length):
+    """Save the trained `model` and its `state` (a `TrainerState`), evaluate it and write the results: the end of a
+    run, or of one killed during its final save (`train_seconds` None)."""
+    # saved before the evaluation, so that an error there cannot lose the training; written aside and moved in, the
+    # record (trainer_state.json) last: a kill leaves no half-written model/, and a resume finishes the save
+    staging = start_final_save(train_args.output_dir)
+    model.save_pretrained(os.path.join(staging, "model"))
+    state.save_to_json(os.path.join(staging, RUN_RECORD))
+    finish_final_save(train_args.output_dir)
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
     results.update({
         "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
-        "train_steps": trainer.state.global_step, "parameters": sum(p.numel() for p in model.parameters()),
+        "train_steps": state.global_step, "parameters": sum(p.numel() for p in model.parameters()),
         "args": {"model": asdict(model_args), "data": asdict(data_args), "eval": asdict(eval_args), "seed": train_args.seed,
                  "n_backward": train_args.n_backward, "max_segments": train_args.max_segments,
                  "batch_size": train_args.per_device_train_batch_size, "learning_rate": train_args.learning_rate},
-        "log_history": trainer.state.log_history,
+        "log_history": state.log_history,
     })
     if curriculum is not None:
         results["curriculum"] = curriculum.history
     if data_args.task in STATE_TRACKING_TASKS:
-        results["max_train_length"] = train_dataset.max_length if curriculum is not None else data_args.train_length
-    print_report(results, train_seconds)
-    plots = write_plots(results, trainer.state.log_history, train_args.output_dir)
+        results["max_train_length"] = max_train_length
+    print_report(results, train_seconds or 0.0)
+    plots = write_plots(results, state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
         json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
     print(f"wrote {train_args.output_dir}/results.json, model/ and plots: {', '.join(os.path.basename(p) for p in plots)}")

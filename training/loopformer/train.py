@@ -45,6 +45,7 @@ incomplete by a kill during its save is skipped with a warning) or a path.
 import json
 import logging
 import os
+import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -56,7 +57,9 @@ from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArgu
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import check_resume_config, finished_run, output_dir_lock, resolve_resume
+from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, check_checkpoint, check_resume_config,
+                                         finish_final_save, finished_run, output_dir_lock, resolve_resume,
+                                         start_final_save)
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
@@ -299,6 +302,41 @@ def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
     return prompt, {"max_new_tokens": max(1, block_size - longest), "eos_token_id": eos, "do_sample": False}
 
 
+def final_save_complete(output_dir):
+    """Whether `output_dir` holds a run's whole final save: its record (written last) and a model that loads."""
+    if not os.path.isfile(os.path.join(output_dir, TRAINING_META_FILE)):
+        return False
+    try:
+        check_checkpoint(output_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def save_final(output_dir, model, tokenizer, model_args, data_args, shortcut_args, schedule_args, training_args,
+               eval_dataset, block_size, write_state, train_runtime, saved=False):
+    """A run's final files, written aside and moved into `output_dir` (`finish_final_save`): the model (`saved`: the
+    Trainer has written it aside already) with its tokenizer and generation config, `trainer_state.json`
+    (`write_state(folder)`) and `loopformer_training.json`, the run's record, last. A kill at any point leaves no
+    half-written file in `output_dir`, and a record only beside a whole model."""
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
+    if not saved:
+        start_final_save(output_dir)
+        model.generation_config.update(**generation)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+    write_state(staging)
+    meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
+            "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None,
+            "block_size": block_size, "prompt": prompt, "generation": generation, "train_runtime_s": train_runtime,
+            "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
+                          "lr_warmup": schedule_args.lr_warmup}}
+    with open(os.path.join(staging, TRAINING_META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+    finish_final_save(output_dir, last=(RUN_RECORD, TRAINING_META_FILE))
+
+
 def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
     the run."""
@@ -315,6 +353,14 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
         check_resume_matches(resume, tokenizer, config)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, training_args):
+            if training_args.should_save and not final_save_complete(training_args.output_dir):
+                # killed during its final save, after its last checkpoint: finish that save from the checkpoint
+                logger.warning("%s has no complete final model (a run killed while saving it?): writing it from %s.",
+                               training_args.output_dir, resume)
+                model = LoopFormerForCausalLM.from_pretrained(resume)
+                save_final(training_args.output_dir, model, tokenizer, model_args, data_args, shortcut_args,
+                           schedule_args, training_args, eval_dataset, block_size,
+                           lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder), None)
             return None
     model = LoopFormerForCausalLM(config)
     logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
@@ -325,21 +371,17 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
                             training_args)
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
-    prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
+    staging = start_final_save(training_args.output_dir) if trainer.is_world_process_zero() else None
+    generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)[1]
     model.generation_config.update(**generation)  # saved with the model as generation_config.json
-    trainer.save_model()
+    trainer.save_model(staging)  # writes on the main process only
+    if trainer.is_world_process_zero():
+        save_final(training_args.output_dir, model, tokenizer, model_args, data_args, shortcut_args, schedule_args,
+                   training_args, eval_dataset, block_size,
+                   lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)),
+                   result.metrics.get("train_runtime"), saved=True)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
-    trainer.save_state()
-    if trainer.is_world_process_zero():
-        meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
-                "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None, "block_size": block_size,
-                "prompt": prompt, "generation": generation,
-                "train_runtime_s": result.metrics.get("train_runtime"),
-                "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
-                              "lr_warmup": schedule_args.lr_warmup}}
-        with open(os.path.join(training_args.output_dir, TRAINING_META_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
     return trainer
 
 

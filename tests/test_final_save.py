@@ -1,0 +1,111 @@
+"""Issue 39, nothing lost III: a finished run is never trained over (its own record counts when it kept no
+checkpoint-N), a run killed (SIGKILL) during its final save leaves no half-written file and a resume finishes the
+save from its last checkpoint."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from looped_training.checkpoints import FINAL_STAGING, check_checkpoint
+from test_resume import MODULES, REPO, folder_bytes, run, run_fprm, trained_steps  # noqa: F401  (a fixture)
+
+
+def weights(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+# --- bug 1: a finished run without checkpoint-N ---------------------------------------------------------------------
+
+def test_a_finished_loopformer_run_without_checkpoints_is_not_trained_over(tmp_path, trained_steps, caplog):
+    # "No complete checkpoint ... training from scratch", exit 0, and model.safetensors overwritten (global_step 40->10)
+    out = tmp_path / "run"
+    run(out, "--save_strategy", "no")
+    assert not list(out.glob("checkpoint-*"))
+    before = folder_bytes(out)
+    trained_steps.clear()
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        assert run(out, "--save_strategy", "no", "--resume_from_checkpoint", "last") is None
+    assert f"{out} is the end of a finished run (step 6" in caplog.text and "training from scratch" not in caplog.text
+    assert trained_steps == [] and folder_bytes(out) == before
+    # more steps than it holds: nothing to continue from, and from scratch would overwrite it
+    with pytest.raises(ValueError, match=r"holds a finished run \(step 6, .*no checkpoint-N to continue it from.*"
+                                         r"--max_steps 12.*another --output_dir"):
+        run(out, "--save_strategy", "no", "--resume_from_checkpoint", "last", "--max_steps", "12")
+    assert trained_steps == [] and folder_bytes(out) == before
+
+
+def test_a_finished_fprm_run_of_the_default_save_strategy_is_not_trained_over(tmp_path, trained_steps, caplog):
+    out = tmp_path / "run"
+    run_fprm(out, "--save_strategy", "no")  # FPRM's default
+    assert not list(out.glob("checkpoint-*"))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
+    before = folder_bytes(out)
+    trained_steps.clear()
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        assert run_fprm(out, "--save_strategy", "no", "--resume_from_checkpoint", "last") is None
+    assert "is the end of a finished run (step 6" in caplog.text
+    assert trained_steps == [] and folder_bytes(out) == before
+    # a run of an earlier version holds results.json only: that record counts too
+    (out / "trainer_state.json").unlink()
+    before = folder_bytes(out)
+    assert run_fprm(out, "--save_strategy", "no", "--resume_from_checkpoint", "last") is None
+    assert trained_steps == [] and folder_bytes(out) == before
+
+
+# --- bug 2: SIGKILL during the final save ---------------------------------------------------------------------------
+
+def kill_at_final_save(name, output_dir):
+    """Run `name`'s training in a subprocess that a real SIGKILL ends when it starts its final model's config.json
+    (tests/kill_during_save.py final:config.json)."""
+    module, args, _ = MODULES[name]
+    log = output_dir.with_name(output_dir.name + "-log.jsonl")
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "kill_during_save.py"), "final:config.json", str(log),
+                           module, "--output_dir", str(output_dir), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL
+
+
+@pytest.mark.parametrize("name", ["loopformer", "fprm"])
+def test_a_run_killed_during_its_final_save_is_finished_by_a_resume(name, tmp_path, trained_steps, caplog):
+    # the root was left with a 0-byte config.json and no weights; the resume said "finished run, nothing written"
+    out = tmp_path / "run"
+    kill_at_final_save(name, out)
+    check_checkpoint(str(out / "checkpoint-6"), for_resume=True)
+    final = out if name == "loopformer" else out / "model"
+    # nothing half-written where the final model goes: the save was killed aside
+    assert not (final / "config.json").exists() or json.loads((final / "config.json").read_text())
+    assert not (out / "trainer_state.json").exists()
+    assert (out / FINAL_STAGING).is_dir()
+
+    with caplog.at_level(logging.WARNING):
+        result = (run if name == "loopformer" else run_fprm)(out, "--resume_from_checkpoint", "last")
+    assert trained_steps == []  # nothing trained again
+    check_checkpoint(str(final))
+    assert not (out / FINAL_STAGING).exists()
+    expected = weights(out / "checkpoint-6")
+    got = weights(final)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 6
+    if name == "loopformer":
+        assert result is None and "has no complete final model" in caplog.text
+        record = json.loads((out / "loopformer_training.json").read_text())
+        assert record["variant"] == "loopformer" and record["generation"]["do_sample"] is False
+        from transformers import AutoModelForCausalLM
+
+        import loopformer_hf  # noqa: F401
+
+        AutoModelForCausalLM.from_pretrained(out)
+    else:
+        assert result["train_steps"] == 6 and (out / "results.json").is_file()
+    # and a further resume is the no-op of a finished run
+    before = folder_bytes(out)
+    assert (run if name == "loopformer" else run_fprm)(out, "--resume_from_checkpoint", "last") is None
+    assert folder_bytes(out) == before
