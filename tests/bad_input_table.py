@@ -146,6 +146,15 @@ def locked(tmp):
     return folder
 
 
+def earlier_lora(tmp):
+    """An --output folder that holds the adapter and merged model of an earlier `finetune_lora` run."""
+    folder = Path(tmp) / "lora"
+    for name in ("adapter", "merged"):
+        (folder / name).mkdir(parents=True)
+        file_in(folder / name, "config.json", b"{}")
+    return folder
+
+
 # a tiny FPRM run: a refused flag must stop it before any work (tests/test_cli_faults.py checks that too)
 FPRM_TINY = ["--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
              "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
@@ -374,6 +383,12 @@ CASES = [
          SystemExit, r"--checkpoint .* is not a saved model folder"),
     Case("finetune_lora", "--model a folder with no model", LORA("--model", "{tmp}", "--output", "{tmp}/out"),
          ValueError, r"Unrecognized model in .*config\.json"),
+    Case("finetune_lora", "--output an existing file", lambda t: LORA(
+        "--model", "{tmp}/base", "--train_files", "{tmp}/a.txt", "--output", str(file_in(t, "taken")))(t), SystemExit,
+         r"--output .*taken is a file, not a folder"),
+    Case("finetune_lora", "--output of an earlier fine-tuning (adapter/, merged/)", lambda t: LORA(
+        "--model", "{tmp}/base", "--train_files", "{tmp}/a.txt", "--output", str(earlier_lora(t)))(t), SystemExit,
+         r"--output .* already holds adapter/ and merged/ of an earlier fine-tuning"),
     Case("loopformer_hf.convert_reference", "--output an existing file",
          lambda t: LF_CONVERT("--checkpoint", "{tmp}/ref.pt", "--output", str(file_in(t, "taken")), "--n-layer",
                               "1", "--n-loops", "2", "--n-embd", "8", "--n-head", "2")(t),

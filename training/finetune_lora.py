@@ -21,8 +21,12 @@ embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling`
 `freeze` (default) keeps them as in the base model (PEFT freezes every base parameter); `train` makes them trainable
 through PEFT's `modules_to_save`: a trained copy is stored in the adapter and `merge_and_unload()` puts it in place.
 
+`--model` is a model folder, a Hub id, or a training run's folder (FPRM's model is its `model/`). LoopFormer rows
+are `--block_size` tokens long (default 128, or the model's context if shorter).
+
 Outputs: `<output>/adapter` (adapter_model.safetensors + adapter_config.json + tokenizer) and, with `--merge`,
-`<output>/merged`, a plain checkpoint (with auto_map and modeling code) that `looped_training.publish` can push.
+`<output>/merged`, a plain checkpoint (with auto_map and modeling code) that `looped_training.publish` can push. An
+`--output` that is a file, or that holds adapter/ or merged/ of an earlier fine-tuning, is refused before any work.
 """
 
 import argparse
@@ -180,7 +184,8 @@ def build_parser():
     data.add_argument("--dataset_config", default=None)
     data.add_argument("--text_column", default="text")
     data.add_argument("--task_data", default=None, help="FPRM: datasets folder or JSON-lines with input_ids, labels")
-    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--block_size", type=int, default=None,
+                   help="LoopFormer: tokens per training row (default: 128, or the model's context if shorter)")
     p.add_argument("--lora_r", type=int, default=8)
     p.add_argument("--lora_alpha", type=int, default=16)
     p.add_argument("--lora_dropout", type=float, default=0.0)
@@ -205,12 +210,37 @@ def _check_numeric_flags(args):
     by 0 that never changes the model; --lora_dropout 1: every input to the adapter dropped)."""
     for flag in ("block_size", "batch_size", "max_steps", "lora_r", "lora_alpha"):
         value = getattr(args, flag)
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"--{flag} must be an integer >= 1, got {value}.")
     if not 0.0 <= args.lora_dropout < 1.0:  # NaN fails this too
         raise ValueError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}.")
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise ValueError(f"--learning_rate must be a finite number > 0, got {args.learning_rate}.")
+
+
+def check_output(output):
+    """Refuse an --output that is a file (`FileExistsError` deep in the save, after the training) or that holds the
+    adapter or merged model of an earlier fine-tuning: the new adapter would replace the old one, and a merged/ of the
+    old one would be left beside it as if it were the new one's."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output {output} is a file, not a folder: give a folder (new, or empty) for adapter/ and "
+                         f"merged/.")
+    earlier = [name for name in ("adapter", "merged") if (out / name).exists()]
+    if earlier:
+        raise ValueError(f"--output {output} already holds {' and '.join(f'{n}/' for n in earlier)} of an earlier "
+                         f"fine-tuning, which this one would replace or leave stale: give a new --output, or move "
+                         f"those away first.")
+
+
+def resolve_model(model):
+    """The model folder of `--model`: a training run's folder holds FPRM's model in `model/` (LoopFormer's is the run
+    folder itself); a Hub id or a model folder is returned as given."""
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").exists() and (path / "model" / "config.json").exists():
+        print(f"--model {model}: a training run's folder; fine-tuning its model, {path / 'model'}")
+        return str(path / "model")
+    return model
 
 
 def parse_args(argv=None):
@@ -220,6 +250,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     try:
         _check_numeric_flags(args)
+        check_output(args.output)
         if args.loop_budgets is not None:
             args.loop_budgets = _parse_int_list(args.loop_budgets, "--loop_budgets")
         if args.max_loops is not None:
@@ -259,7 +290,10 @@ def main(argv=None):
 
     _import_packages()
     set_seed(args.seed)
+    args.model = resolve_model(args.model)
     config = AutoConfig.from_pretrained(args.model)
+    if args.block_size is None:
+        args.block_size = min(128, config.max_position_embeddings) if config.model_type == "loopformer" else 128
     if config.model_type not in MODEL_NAMES:
         raise ValueError(f"--model must be a LoopFormer or FPRM checkpoint, got model_type {config.model_type!r}.")
     check_flags_apply(args, config)
