@@ -43,6 +43,7 @@ REQUIRED_REFERENCE_KEYS = ("vocab_size", "n_layer", "n_head", "n_embd")
 DEFAULT_BLOCK_SIZE = 1024  # their GPTConfig's
 DEFAULT_STEPS = 8  # their forward's default: steps=[1/8]*8 (LoopFormer) or steps=8 (TMLT, Base-Loop)
 WRAPPER_PREFIXES = ("gpt.", "model.", "module.")  # their loader's `_strip_prefixes`
+REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.", "lm_head.")  # their GPT's modules
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
@@ -108,6 +109,7 @@ def translate_config(config_dict):
         attention_bias=bias,
         mlp_bias=bias,
         attention_dropout=float(values["dropout"] or 0.0),
+        architectures=["LoopFormerForCausalLM"],  # the class that now holds the weights (vLLM resolves by it)
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=config_dict.get("eos_token_id"),
         pad_token_id=config_dict.get("pad_token_id"),
@@ -139,6 +141,17 @@ def reference_model_type(config, keys):
         return "tmlt"
     return "base" if any(k.startswith("transformer.h.") and not k.startswith("transformer.h.blocks.")
                          for k in keys) else "base_loop"
+
+
+def is_reference_weight_name(name):
+    """True for a tensor name of their `GPT` (after the wrapper prefixes), never for one of ours (`model.…`)."""
+    return next(iter(strip_wrapper_prefixes({name: None}))).startswith(REFERENCE_WEIGHT_ROOTS)
+
+
+def mapped_reference_state_dict(state_dict, config):
+    """Their state dict (wrapper prefixes allowed) under our names, every key checked (`map_reference_state_dict`)."""
+    reference = strip_wrapper_prefixes(state_dict)
+    return map_reference_state_dict(reference, config, reference_model_type(config, reference))
 
 
 def _resolve(path, filename, hub_kwargs):
@@ -183,9 +196,7 @@ def read_weights(path, hub_kwargs):
 def load_reference_model(cls, path, config, dtype=None, hub_kwargs=None, device=None):
     """A `LoopFormerForCausalLM` (eval) with the weights of the authors' repo `path`, whose translated config is
     `config`. `dtype`: None or "auto" keeps the checkpoint's dtype."""
-    reference = strip_wrapper_prefixes(read_weights(path, hub_kwargs or {}))
-    model_type = reference_model_type(config, reference)
-    state_dict = map_reference_state_dict(reference, config, model_type)
+    state_dict = mapped_reference_state_dict(read_weights(path, hub_kwargs or {}), config)
     if dtype in (None, "auto"):
         dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
     elif isinstance(dtype, str):

@@ -14,6 +14,7 @@ Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_att
 takes the loop conditioning module (t, Δ → c_i) from `modeling_loopformer.py`; the rest is vLLM's layers.
 """
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -269,6 +270,7 @@ class LoopFormerForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        weights = _from_authors_layout(weights, self.config)
         mapping = self.stacked_params_mapping + (self.gated_params_mapping if self.config.hidden_act == "swiglu" else [])
         params = dict(self.named_parameters())
         loaded = set()
@@ -286,6 +288,20 @@ class LoopFormerForCausalLM(nn.Module):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+def _from_authors_layout(weights, config):
+    """The weights of a repo in the authors' Hub layout (their GPT's names under `gpt.`/`model.`/`module.`, fused
+    qkv) mapped onto ours, with the same checks as `from_pretrained`; other weights pass through unchanged."""
+    from .authors_checkpoints import is_reference_weight_name, mapped_reference_state_dict
+
+    weights = iter(weights)
+    first = next(weights, None)
+    if first is None:
+        return iter(())
+    if not is_reference_weight_name(first[0]):
+        return itertools.chain([first], weights)
+    return iter(mapped_reference_state_dict(dict(itertools.chain([first], weights)), config).items())
 
 
 def _param(params, name):

@@ -6,12 +6,17 @@ conditioning, block RMSNorms with a weight) and models/base.py (the same blocks 
 (their `bias=True`) are drawn and applied when `bias=True`.
 """
 
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 N_LAYER, N_LOOPS, N_EMBD, N_HEAD, VOCAB, BLOCK = 2, 4, 64, 4, 97, 64
+# the architecture each published model type holds (the early-exit variants are trained differently only)
+ARCHITECTURE = {"loopformer": "loopformer", "tmlt": "tmlt", "base_loop": "base_loop", "base_loop_ee": "base_loop"}
 
 
 # ---- a random checkpoint in the reference layout ---------------------------------------------------------------------
@@ -119,3 +124,41 @@ def reference_forward(sd, idx, trajectory, n_head=N_HEAD, model_type="loopformer
         t += dt or 0.0
     x = F.rms_norm(x, (d,), sd["transformer.norm_f.weight"])
     return F.linear(x, sd["lm_head.weight"])
+
+
+# ---- a repo in the authors' Hub layout ------------------------------------------------------------------------------
+
+
+def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=torch.float32, aliases=False,
+                       bias=False, steps=None, tokenizer=None, seed=0, extra=None, drop=(), d=N_EMBD, n_head=N_HEAD,
+                       n_layer=N_LAYER, block=BLOCK, loops=N_LOOPS):
+    """A repo in the authors' Hub layout, as their GitHub `GPT.from_pretrained` reads it: config.json with their model
+    type and nanoGPT keys (or the GPT-2 aliases their loader also accepts) and `steps`, weights named as their `GPT`'s
+    state dict under a wrapper `prefix`, the tied head stored once as `transformer.wte.weight`, their
+    generation_config.json and, if given, a tokenizer. Returns the oracle's state dict (tensors at `dtype`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = len(tokenizer) if tokenizer is not None else VOCAB
+    sd = reference_state_dict(seed=seed, model_type=ARCHITECTURE[model_type], vocab=vocab, bias=bias, d=d,
+                              n_layer=n_layer, block=block)
+    sd = {k: v.to(dtype) for k, v in sd.items()}
+    stored = {prefix + k: v.clone() for k, v in sd.items() if k != "lm_head.weight" and k not in drop}
+    stored.update(extra or {})
+    save_file(stored, str(folder / "model.safetensors"))
+    if steps is None:
+        steps = [1 / loops] * loops if model_type == "loopformer" else loops
+    keys = (dict(hidden_size=d, num_hidden_layers=n_layer, num_attention_heads=n_head, n_positions=block,
+                 n_inner=4 * d, resid_pdrop=0.0) if aliases else
+            dict(n_embd=d, n_layer=n_layer, n_head=n_head, block_size=block, intermediate_dim=4 * d, dropout=0.0))
+    config = dict(model_type=model_type, vocab_size=vocab, bias=bias, steps=steps, **keys,
+                  architectures=["LoopFormerLMHeadModel"],  # not ours: the translation names our class
+                  auto_map={"AutoConfig": "configuration_loopformer.LoopFormerConfig",
+                            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerForCausalLM"},
+                  torch_dtype=str(dtype).replace("torch.", ""), transformers_version="4.57.0")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"_from_model_config": True,
+                                                               "transformers_version": "4.57.0"}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return sd

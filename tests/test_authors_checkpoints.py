@@ -17,53 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, pipeline
 
 import loopformer_hf  # noqa: F401  (registers the Auto classes, theirs included)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 
 from _hub_helpers import REPO_ROOT, make_tokenizer
-from reference_oracle import BLOCK, N_EMBD, N_HEAD, N_LAYER, N_LOOPS, VOCAB, reference_forward, reference_state_dict
+from reference_oracle import (ARCHITECTURE, BLOCK, N_EMBD, N_HEAD, N_LAYER, N_LOOPS, VOCAB, reference_forward,
+                              write_authors_repo)
 
 FULL = [1 / N_LOOPS] * N_LOOPS
 SHORT = [0.5, 0.25, 0.25]  # M=3, a shortcut trajectory
 SHORTEST = [0.5, 0.5]  # M=2
-# the architecture each published model type holds (the early-exit variants are trained differently only)
-ARCHITECTURE = {"loopformer": "loopformer", "tmlt": "tmlt", "base_loop": "base_loop", "base_loop_ee": "base_loop"}
-
-
-def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=torch.float32, aliases=False,
-                       bias=False, steps=None, tokenizer=None, seed=0, extra=None, drop=()):
-    """A repo in the authors' Hub layout; returns the oracle's state dict (its tensors at `dtype`, as saved)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = len(tokenizer) if tokenizer is not None else VOCAB
-    sd = reference_state_dict(seed=seed, model_type=ARCHITECTURE[model_type], vocab=vocab, bias=bias)
-    sd = {k: v.to(dtype) for k, v in sd.items()}
-    stored = {prefix + k: v.clone() for k, v in sd.items() if k != "lm_head.weight" and k not in drop}
-    stored.update(extra or {})
-    save_file(stored, str(folder / "model.safetensors"))
-    if steps is None:
-        steps = FULL if model_type == "loopformer" else N_LOOPS
-    keys = (dict(hidden_size=N_EMBD, num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD, n_positions=BLOCK,
-                 n_inner=4 * N_EMBD, resid_pdrop=0.0) if aliases else
-            dict(n_embd=N_EMBD, n_layer=N_LAYER, n_head=N_HEAD, block_size=BLOCK, intermediate_dim=4 * N_EMBD,
-                 dropout=0.0))
-    config = dict(model_type=model_type, vocab_size=vocab, bias=bias, steps=steps, **keys,
-                  architectures=["LoopFormerForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_loopformer.LoopFormerConfig",
-                            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerForCausalLM"},
-                  torch_dtype=str(dtype).replace("torch.", ""), transformers_version="4.57.0")
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "generation_config.json").write_text(json.dumps({"_from_model_config": True,
-                                                               "transformers_version": "4.57.0"}))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
-    return sd
-
-
 def trajectories(model_type):
     """M = L and two shorter trajectories (shortcuts for LoopFormer; loop counts for the others)."""
     if model_type == "loopformer":

@@ -52,6 +52,8 @@ JOBS = {
     "tmlt_M2": ("tmlt", {"loop_budget": 2}, (2, "uniform")),
     "base_loop_M3": ("base_loop", {}, (3, "uniform")),
     "base_M1": ("base", {}, (1, "uniform")),
+    # a repo in the authors' Hub layout (their config keys and weight names): translated on load, as by from_pretrained
+    "authors_M2": ("authors", {"loop_budget": 2}, (2, "uniform")),
 }
 SAMPLING_JOB = "lf_M3"  # also runs seeded sampling
 LLM_KWARGS = dict(dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
@@ -123,7 +125,20 @@ def checkpoints(tmp_path_factory):
     for variant in VARIANTS:
         paths[variant] = str(root / variant)
         build_checkpoint(paths[variant], variant, steps=TRAINING_STEPS.get(variant, 0))
+    paths["authors"] = build_authors_checkpoint(root / "authors", tokenizer_from=paths["loopformer"])
     return paths
+
+
+def build_authors_checkpoint(path, tokenizer_from):
+    """A random LoopFormer 2x3 written in the authors' Hub layout (tests/reference_oracle.py), with the tokenizer of
+    `tokenizer_from`, so that the same prompts run on it."""
+    from transformers import AutoTokenizer
+
+    from reference_oracle import write_authors_repo
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    write_authors_repo(path, d=HIDDEN, n_head=HEADS, n_layer=2, block=128, loops=3, tokenizer=tokenizer)
+    return str(path)
 
 
 # ---- the vLLM side: one subprocess, one LLM per job -----------------------------------------------------------------
