@@ -355,6 +355,10 @@ CASES = [
          ValueError, r"is being written by another run \(process \d+ on "),
     Case("fprm.train", "--output_dir of a running run", lambda t: FPRM_TRAIN("--output_dir", str(locked(t)))(t),
          ValueError, r"is being written by another run \(process \d+ on "),
+    Case("loopformer.train", "--max_steps 0", TRAIN("--output_dir", "{tmp}/run", "--max_steps", "0"), ValueError,
+         r"--max_steps 0 would train nothing .*give --max_steps >= 1, or -1"),
+    Case("fprm.train", "--max_steps 0", FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/run", "--max_steps", "0"),
+         ValueError, r"--max_steps 0 would train nothing .*give --max_steps >= 1, or -1"),
     Case("fprm.train", "--preset bogus", FPRM_TRAIN("--preset", "bogus"), ValueError,
          r"`--preset` must be one of .*'s5-cpu'.* got 'bogus'"),
     Case("fprm.train", "--config tagged.yaml (a !!python/object tag)",
@@ -431,6 +435,27 @@ HANDLED = [
     Handled("both trainers", "a finished run given `--resume_from_checkpoint last` again",
             "a no-op that says so: nothing is trained, saved or rotated away",
             "tests/test_resume.py::test_a_finished_run_resumed_is_a_no_op_that_says_so"),
+    Handled("both trainers", "a finished run without checkpoint-N (FPRM's default, `--save_strategy no`) given "
+            "`--resume_from_checkpoint last`",
+            "its own record (trainer_state.json beside the final model) counts: a no-op that says so; asked for more "
+            "steps, `ValueError` (nothing to continue from: training from scratch would overwrite its model)",
+            "tests/test_final_save.py::test_a_finished_loopformer_run_without_checkpoints_is_not_trained_over"),
+    Handled("both trainers", "SIGKILL during the final save (after the last checkpoint)",
+            "the final files are written aside and moved in one rename each, the record last: nothing half-written "
+            "where the model goes; `--resume_from_checkpoint last` writes the final save from the last checkpoint",
+            "tests/test_final_save.py::test_a_run_killed_during_its_final_save_is_finished_by_a_resume"),
+    Handled("both trainers", "`--resume_from_checkpoint last` where the only checkpoint is incomplete (killed during "
+            "the first save)",
+            "trains from scratch (exit 0), after a warning that names the skipped checkpoint and what is wrong with it; "
+            "nothing complete is overwritten",
+            "tests/test_resume.py::test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint"),
+    Handled("both trainers", "SIGTERM (a scheduler's `kill`)", "the run ends with status 143 and releases "
+            "training.lock; a resume goes on from its last complete checkpoint",
+            "tests/test_locks.py::test_a_run_ended_by_sigterm_releases_its_lock"),
+    Handled("both trainers", "a training.lock that is empty or garbage",
+            "refused while fresh (its writer may be filling it in), with a message that says how to take it over; "
+            "taken over with a warning once 30 s old",
+            "tests/test_locks.py::test_an_empty_or_garbage_lock_is_refused_while_fresh_and_taken_over_when_old"),
     Handled(LF, "a shortcut run killed and resumed (`log_trajectories_dir`)",
             "the trajectory log is appended: it holds every micro-batch of the run exactly once",
             "tests/test_resume.py::test_killed_run_resumes_to_the_same_loss_curve_and_trajectories"),

@@ -23,6 +23,7 @@ import re
 import shutil
 import socket
 import struct
+import time
 import zipfile
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -229,6 +230,14 @@ def finished_run(checkpoint, args):
     return True
 
 
+def check_run_length(args):
+    """Refuse `--max_steps 0` (`TrainingArguments`): the Trainer took one step and saved the model as a finished run
+    of global_step 1, with exit 0."""
+    if args.max_steps == 0:
+        raise ValueError("--max_steps 0 would train nothing (the Trainer took one step and saved it as a finished "
+                         "run): give --max_steps >= 1, or -1 (the default) to train --num_train_epochs.")
+
+
 def start_final_save(output_dir):
     """An empty staging folder inside `output_dir` for a run's final files (`finish_final_save` moves them in)."""
     staging = os.path.join(output_dir, FINAL_STAGING)
@@ -278,12 +287,52 @@ def _holder_alive(holder):
     return True
 
 
+# a lock file that is empty or not JSON this long after it was made is a leftover (its writer writes it at once)
+STALE_UNREADABLE_LOCK_S = 30
+
+
+def _stale_lock(path, holder):
+    """Why the lock at `path` (its content `holder`, {} if unreadable) is a leftover to take over, or None."""
+    if holder:
+        return None if _holder_alive(holder) else f"of process {holder['pid']}, which is gone (a killed run)"
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return None
+    if age >= STALE_UNREADABLE_LOCK_S:
+        return f"that is empty or unreadable, written {age:.0f} s ago (a run killed while taking it?)"
+    return None
+
+
+@contextlib.contextmanager
+def _released_on_sigterm():
+    """SIGTERM (a scheduler's or `kill`'s) raises SystemExit(143) in the main thread, so that the `finally` clauses
+    above release the lock instead of leaving it to the next run."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def output_dir_lock(output_dir, hold=True):
     """Hold `output_dir/training.lock` ({"pid", "host"}) while a run writes there (`hold`: only the main process of a
     distributed run takes it): two runs on one output_dir rotate away and overwrite each other's checkpoints. A lock
-    of a live process raises `ValueError` naming its pid; one of a dead process (a killed run) is taken over with a
-    warning. The lock goes when the block ends, by an exception too."""
+    of a live process (or of another host, whose pids say nothing here) raises `ValueError` naming its pid, host and
+    file, and how to take it over; one of a dead process (a killed run) or an empty or unreadable one older than
+    `STALE_UNREADABLE_LOCK_S` is taken over with a warning. The lock goes when the block ends, by an exception or a
+    SIGTERM too."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file, not a folder: give a folder (new or of this run).")
     if not hold:
@@ -300,22 +349,28 @@ def output_dir_lock(output_dir, hold=True):
             try:
                 with open(path) as f:
                     holder = json.load(f)
+                if not isinstance(holder, dict) or "pid" not in holder:
+                    holder = {}
             except (OSError, ValueError):
                 holder = {}  # unreadable or half written: its writer is gone, or is writing it right now
-            if attempt == 0 and holder and not _holder_alive(holder):
-                logger.warning("Taking over %s of process %s, which is gone (a killed run).", path, holder["pid"])
+            stale = _stale_lock(path, holder) if attempt == 0 else None
+            if stale:
+                logger.warning("Taking over %s %s.", path, stale)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
                 continue
+            who = (f"process {holder['pid']} on {holder.get('host', '?')}" if holder else
+                   "a lock that is empty or unreadable, written just now")
             raise ValueError(
-                f"--output_dir {output_dir!r} is being written by another run (process {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')}, {path}): give another --output_dir, or wait for that run to end (delete "
-                f"{LOCK_FILE} only if no such process runs)."
+                f"--output_dir {output_dir!r} is being written by another run ({who}, {path}): give another "
+                f"--output_dir, or wait for that run to end. If it is gone (killed, or its machine stopped), delete "
+                f"{path} to take the output_dir over; a lock of a process of this host that has ended is taken over "
+                f"by itself."
             ) from None
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     try:
-        with _naming_a_full_disk(output_dir):
+        with _released_on_sigterm(), _naming_a_full_disk(output_dir):
             yield
     finally:
         with contextlib.suppress(OSError, ValueError):

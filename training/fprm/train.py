@@ -34,7 +34,8 @@ from transformers import HfArgumentParser, TrainerState, set_seed
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, check_resume_config, finish_final_save,
+from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, check_resume_config, check_run_length,
+                                         finish_final_save,
                                          finished_run, output_dir_lock, resolve_resume, run_record, start_final_save)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
@@ -240,6 +241,7 @@ def _strict_json(value):
 
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
+    check_run_length(train_args)
     with output_dir_lock(train_args.output_dir, hold=train_args.process_index == 0):
         return train(model_args, data_args, eval_args, train_args)
 

@@ -57,9 +57,9 @@ from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArgu
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, check_checkpoint, check_resume_config,
-                                         finish_final_save, finished_run, output_dir_lock, resolve_resume,
-                                         start_final_save)
+from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, check_checkpoint,
+                                         check_resume_config, check_run_length, finish_final_save, finished_run,
+                                         output_dir_lock, resolve_resume, start_final_save)
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
@@ -272,6 +272,7 @@ def main(argv=None):
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
     if schedule_args.lr_warmup not in LR_WARMUPS:
         raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
+    check_run_length(training_args)
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
     if training_args.ddp_find_unused_parameters is None:
