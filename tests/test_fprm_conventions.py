@@ -1,4 +1,4 @@
-"""Issue 13 (FPRM side): every FPRMConfig value validated however it arrives (booleans strict), strict forward flags,
+"""Every FPRMConfig value validated however it arrives (booleans strict), strict forward flags,
 and `output_hidden_states` / `attention_mask` accepted as transformers models do."""
 
 import pytest

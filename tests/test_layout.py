@@ -72,6 +72,25 @@ def test_modeling_file_stays_within_700_lines(path):
     assert _lines(path) <= MAX_MODELING_LINES, _lines(path)
 
 
+def test_publishing_stays_within_400_lines_and_on_huggingface_hubs_card_and_upload_machinery():
+    """publish.py stages and pushes; the card (looped_training.model_cards) is a `ModelCard` rendered from a template
+    with `ModelCardData` and `EvalResult`s, pushed with `upload_folder`: no YAML or model-index written by hand."""
+    publish, cards = (ROOT / "training" / "publish.py").read_text(), (ROOT / "model_cards" / "__init__.py").read_text()
+    assert _lines("training/publish.py") <= MAX_PUBLISHING_LINES, _lines("training/publish.py")
+    assert all(name in cards for name in ("ModelCard.from_template", "ModelCardData(", "EvalResult("))
+    assert "upload_folder(" in publish and "import yaml" not in publish + cards
+
+
+def test_one_home_for_the_model_card_push():
+    """Both models' `push_to_hub` is looped_training.publish's `ModelCardMixin`, not a copy per package."""
+    from fprm_hf import FPRMForReasoning
+    from loopformer_hf import LoopFormerForCausalLM
+    from looped_training.publish import ModelCardMixin
+
+    assert issubclass(FPRMForReasoning, ModelCardMixin) and issubclass(LoopFormerForCausalLM, ModelCardMixin)
+    assert FPRMForReasoning.push_to_hub is LoopFormerForCausalLM.push_to_hub is ModelCardMixin.push_to_hub
+
+
 def test_checkout_has_the_users_layout():
     """top-level training/ and model_cards/ (installed as looped_training, looped_training.model_cards)."""
     assert (ROOT / "training" / "__init__.py").is_file() and (ROOT / "model_cards" / "loopformer.md").is_file()

@@ -16,7 +16,8 @@ from _hub_helpers import CROSS_PROCESS, PYTHON, REPO_ROOT, hf_env, last_json_lin
 from hub_server import HubServer
 
 import loopformer_hf  # noqa: F401  (registers the classes for the in-process side)
-from looped_training.publish import load_eval_results, main as publish_main
+from looped_training.model_cards import load_eval_results
+from looped_training.publish import main as publish_main
 
 
 TOKEN = "hf_test_write_token"
@@ -350,7 +351,7 @@ def test_the_card_takes_its_prompt_and_training_section_from_the_runs_record(che
 
 
 def test_without_a_record_the_card_says_so_and_starts_from_the_start_of_text_token(tmp_path):
-    from looped_training.publish import NO_RECORD_TEXT
+    from looped_training.model_cards import NO_RECORD_TEXT
 
     checkpoint = tmp_path / "bare"
     tokenizer = make_tokenizer()

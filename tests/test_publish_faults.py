@@ -1,5 +1,6 @@
-"""`python -m looped_training.publish` from a corrupt checkpoint (issue 13): a one-line error naming the file and what is
-wrong, exit code 2, no traceback, and no half-filled stage folder left to block the rerun."""
+"""`python -m looped_training.publish` on bad input: a corrupt checkpoint or a stage folder inside it is a one-line error
+naming the file and what is wrong, exit code 2, no traceback, and no half-filled stage folder left to block the rerun;
+the card's snippets fit the model's context and variant and run as written."""
 
 import json
 import os
@@ -118,6 +119,17 @@ def test_an_empty_stage_dir_stays_usable_after_a_failure(good, tmp_path, capsys)
     shutil.copy(good / "tokenizer.json", checkpoint / "tokenizer.json")
     assert publish_main(argv) == 0
     assert (stage / "README.md").is_file()
+
+
+def test_a_stage_dir_inside_the_checkpoint_is_refused_and_the_checkpoint_is_untouched(good, tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(good, checkpoint)
+    before = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
+    for stage in (checkpoint, checkpoint / "staged", checkpoint / "sub" / "staged"):
+        argv = ["--checkpoint", str(checkpoint), "--repo_id", REPO, "--dry_run", "--stage_dir", str(stage)]
+        assert publish_main(argv) == 2
+        assert f"error: --stage_dir {stage} is inside --checkpoint {checkpoint}" in capsys.readouterr().err
+    assert sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*")) == before
 
 
 def _run_card_snippets(stage, repo_id):

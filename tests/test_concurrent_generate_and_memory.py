@@ -1,5 +1,5 @@
-"""Issue 25, Deliver 4: a bounded load test. Threads sharing one model give what a sequential run gives, and memory
-stays flat over repeated calls."""
+"""Threads sharing one LoopFormer give what a sequential run gives (generate with mixed budgets, schedules and
+halting), and resident memory stays flat over repeated generate calls."""
 
 import os
 from concurrent.futures import ThreadPoolExecutor
