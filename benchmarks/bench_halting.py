@@ -35,16 +35,18 @@ def tiny_random_model(hidden_size=256):
     return model.eval()
 
 
-def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32, new_tokens=128, repeats=5):
+def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32, new_tokens=128, repeats=5,
+                 criterion=None):
     """Fixed budgets M = 1..L and halting at each eps (and fill), timed side by side: one row per run with the mean
     loops per generated token, the median ms per token, its ratio to M = L (median over interleaved rounds) and the
-    target bound m/L + 0.15 of that ratio at mean m loops."""
+    target bound m/L + 0.15 of that ratio at mean m loops. `criterion`: the exit rule (default: the model's)."""
     L = model.config.num_loops
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     runs = {f"M={m}": dict(loop_budget=m) for m in range(1, L + 1)}
+    rule = {} if criterion is None else {"halt_criterion": criterion}
     for fill in fills:
         for eps in eps_values:
-            runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill)
+            runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill, **rule)
 
     def run(kw):
         kw = dict(kw)
@@ -163,6 +165,8 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--criterion", default=None,
+                        help="the exit rule (halt_criterion) the halt_eps runs use; default: the model's own")
     parser.add_argument("--output", default=None,
                         help="default benchmarks/results/halting.json (halting_gather.json with --gather)")
     parser.add_argument("--gather", action="store_true",
@@ -181,11 +185,11 @@ def main(argv=None):
         return rows
 
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval() if args.checkpoint else tiny_random_model()
-    table = halting_rows(model, args.eps, args.fill, args.prompt_len, args.new_tokens, args.repeats)
+    table = halting_rows(model, args.eps, args.fill, args.prompt_len, args.new_tokens, args.repeats, args.criterion)
     print(format_halting(table))
     output = args.output or "benchmarks/results/halting.json"
     write_json(output, dict(checkpoint=args.checkpoint, num_loops=model.config.num_loops, new_tokens=args.new_tokens,
-                            rows=table))
+                            criterion=args.criterion or model.config.halt_criterion, rows=table))
     print(f"wrote {output}")
     return table
 

@@ -2,6 +2,11 @@
 `halt_eps`; its state is frozen, and the cache slots of the steps it skips are filled so that later tokens can still
 attend to every (loop step, block).
 
+Exit rules (`halt_criterion`): "state_change", "kl", "entropy" freeze a token where its score falls (at t_i < 1, a
+state LoopFormer's objective never asked it to decode). Their "_shortcut" forms ("kl_shortcut", ...) let the token
+take one more step, Δ = 1 − t_i from t_i to t = 1, before it freezes: its path is then a shortcut trajectory of i + 1
+steps, the kind the objective trains (models conditioned on Δ only, `loop_conditioning="shortcut"`).
+
 - [`LoopFormerHaltingState`]: the halting carried through one forward's loop (which tokens are active, their loop
   counts, the scores of `halt_criterion`), as `FPRMSolverState` is for FPRM's solver.
 - [`LoopFormerHaltingStep`]: what one block needs at one loop step (the one object a block takes).
@@ -128,6 +133,35 @@ class LoopFormerHaltingStep(NamedTuple):
         return torch.where(self.halted[..., None], frozen, computed)
 
 
+SHORTCUT_EXIT_SUFFIX = "_shortcut"
+
+
+def split_criterion(criterion):
+    """("state_change" | "kl" | "entropy", exits through a shortcut step) of a `halt_criterion` value."""
+    if criterion.endswith(SHORTCUT_EXIT_SUFFIX):
+        return criterion[:-len(SHORTCUT_EXIT_SUFFIX)], True
+    return criterion, False
+
+
+def shortcut_exit_adaln(model, trajectory, dtype, device):
+    """`exit[j][s]`: block j's adaLN vectors of a step that starts at step s's time t_s and jumps to t = 1
+    (Δ = 1 − t_s), for s = 1 .. M − 2 (None elsewhere: no token exits before step 1 has run, and at the last step the
+    exit step is the budget's own). The conditioning the shortcut trajectory trajectory[:s] + [1 − t_s] gives its
+    last step."""
+    steps = list(range(1, len(trajectory) - 1))
+    exit_adaln = [[None] * len(trajectory) for _ in model.layers]
+    if not steps:
+        return exit_adaln
+    conditioning = model.loop_conditioning
+    starts = torch.tensor([sum(trajectory[:s]) for s in steps], device=device, dtype=torch.float64)
+    c = conditioning.time_embedder(starts.float(), dtype) + conditioning.dt_embedder((1 - starts).float(), dtype)
+    for j, block in enumerate(model.layers):
+        vectors = block.adaln(block.adaLN_modulation(c).to(dtype))
+        for i, s in enumerate(steps):
+            exit_adaln[j][s] = tuple(v[i] for v in vectors)
+    return exit_adaln
+
+
 def state_change_score(previous, hidden_states):
     """‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) per token, in float32: the "state_change" halting criterion."""
     delta, norm = (hidden_states - previous).abs().amax(-1), hidden_states.abs().amax(-1)
@@ -157,18 +191,58 @@ class LoopFormerHaltingState:
     # the steps run since (decoding one token never needs a tensor for its count).
     steps_all_ran: int = 0
     partial_counts: torch.LongTensor | None = None
+    # The "_shortcut" exit rules: tokens whose score fell below halt_eps after the last step run one exit step
+    # (Δ = 1 − t) at the coming step, then freeze. `exiting` (batch, seq) bool, None while no token exits.
+    shortcut_exit: bool = False
+    exit_adaln: list | None = None  # shortcut_exit_adaln(...) of this call's trajectory
+    exiting: torch.BoolTensor | None = None
+    num_exiting: int = 0
+    step: int = 0  # loop steps run so far in this call
+    num_steps: int = 0  # the call's budget M
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
         batch_seq, device = hidden_states.shape[:2], hidden_states.device
-        if criterion != "state_change" and readout is None:
+        score, shortcut_exit = split_criterion(criterion)
+        if score != "state_change" and readout is None:
             raise ValueError(
                 f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
                 f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
             )
+        if shortcut_exit and config.loop_conditioning != "shortcut":
+            raise ValueError(
+                f"halt_criterion={criterion!r} exits through a step Δ = 1 − t, which only a model conditioned on Δ "
+                f"(loop_conditioning='shortcut', LoopFormer) was trained for; this one has loop_conditioning="
+                f"{config.loop_conditioning!r}: use halt_criterion={score!r}."
+            )
         return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                   batch_seq.numel(), [None] * config.num_hidden_layers, criterion, readout,
-                   readout(hidden_states) if criterion == "kl" else None)
+                   batch_seq.numel(), [None] * config.num_hidden_layers, score, readout,
+                   readout(hidden_states) if score == "kl" else None, shortcut_exit=shortcut_exit)
+
+    def prepare_exits(self, model, trajectory, loop_adaln, cache):
+        """Before the loop: with a "_shortcut" rule, the exit steps' adaLN vectors of `trajectory` (computed once per
+        inference run: kept on `cache` beside the loop's own, `loop_adaln`, which is the same object while the cache
+        keeps it)."""
+        self.num_steps = len(trajectory)
+        if not self.shortcut_exit:
+            return
+        memo = getattr(cache, "halting_exit_memo", None)
+        if memo is not None and memo[0] is loop_adaln and not torch.is_grad_enabled():
+            self.exit_adaln = memo[1]
+            return
+        self.exit_adaln = shortcut_exit_adaln(model, trajectory, loop_adaln[0][0][0].dtype, loop_adaln[0][0][0].device)
+        if cache is not None and not torch.is_grad_enabled():
+            cache.halting_exit_memo = (loop_adaln, self.exit_adaln)
+
+    def exit_step_adaln(self, block, step, adaln):
+        """Block `block`'s adaLN vectors at loop step `step` while some tokens take their exit step there: the exit
+        step's for those tokens, `adaln` (the trajectory's) for the others, per token ((batch, seq, d) each) unless
+        every token whose result or keys count exits."""
+        exit_vectors = self.exit_adaln[block][step]
+        if self.num_exiting == self.num_active and (self.reuse_kv or self.all_active()):
+            return exit_vectors  # the halted tokens' results are dropped and their keys reused
+        exiting = self.exiting[..., None]
+        return tuple(torch.where(exiting, e, a) for e, a in zip(exit_vectors, adaln))
 
     @property
     def loop_counts(self):
@@ -190,7 +264,7 @@ class LoopFormerHaltingState:
         """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
         (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
         halted = self.halted()
-        if halted is None or not gather:
+        if halted is None or not gather or self.exiting is not None:  # an exit step's adaLN is per token: dense
             return halted, None
         return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
 
@@ -205,19 +279,16 @@ class LoopFormerHaltingState:
         - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
         - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
         - "entropy": H(p_i) < halt_eps.
-        After the `final` step of the budget no score is needed: only the counts advance."""
+        After the `final` step of the budget no score is needed: only the counts advance. With a "_shortcut" rule
+        a token whose score falls does not freeze yet: it takes one exit step (Δ = 1 − t) at the next step, then
+        freezes (`_shortcut_update`)."""
+        self.step += 1
         if final:
             self._count_step()
             return self
-        if self.criterion == "state_change":
-            score = state_change_score(previous, hidden_states)
-        else:
-            log_probs = self.readout(hidden_states)
-            if self.criterion == "kl":
-                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
-                self.log_probs = log_probs
-            else:
-                score = -(log_probs.exp() * log_probs).sum(-1)
+        if self.shortcut_exit:
+            return self._shortcut_update(previous, hidden_states)
+        score = self._score(previous, hidden_states)
         self._count_step()
         if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
             if score.item() < self.halt_eps:
@@ -228,6 +299,44 @@ class LoopFormerHaltingState:
             still &= self.active
         self.active = still
         self.num_active = int(still.sum())  # one sync per step
+        return self
+
+    def _score(self, previous, hidden_states):
+        """The criterion's score of every token after the step just run."""
+        if self.criterion == "state_change":
+            score = state_change_score(previous, hidden_states)
+        else:
+            log_probs = self.readout(hidden_states)
+            if self.criterion == "kl":
+                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
+                self.log_probs = log_probs
+            else:
+                score = -(log_probs.exp() * log_probs).sum(-1)
+        return score
+
+    def _shortcut_update(self, previous, hidden_states):
+        """`update` under a "_shortcut" rule: the tokens that just ran their exit step freeze; of the others, those
+        whose score fell below halt_eps exit at the next step, unless it is the budget's last (it is their exit)."""
+        finishing, num_finishing = self.exiting, self.num_exiting
+        self._count_step()
+        self.exiting, self.num_exiting = None, 0
+        if finishing is not None:
+            if num_finishing == self.num_active:  # every token still computed has finished: no score to read
+                self.active, self.num_active = torch.zeros_like(self.active), 0
+                return self
+            self.active = self.active & ~finishing
+            self.num_active -= num_finishing
+        if self.step >= self.num_steps - 1:  # the next step is the last: whoever stops now stops after it anyway
+            return self
+        score = self._score(previous, hidden_states)
+        if score.numel() == 1:  # one token (decoding): one sync
+            if score.item() < self.halt_eps:
+                self.exiting, self.num_exiting = torch.ones_like(self.active), 1
+            return self
+        exiting = (score < self.halt_eps) & self.active
+        num_exiting = int(exiting.sum())  # one sync per step
+        if num_exiting:
+            self.exiting, self.num_exiting = exiting, num_exiting
         return self
 
     def _count_step(self):
@@ -252,4 +361,5 @@ class LoopFormerHaltingState:
                 cache.write(k, v, cache.slot(step, j))
 
 
-__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "state_change_score"]
+__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "shortcut_exit_adaln",
+           "split_criterion", "state_change_score"]

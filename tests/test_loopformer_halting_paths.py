@@ -118,6 +118,20 @@ def split_threshold(scores):
     return float((s[i] + s[i + 1]) / 2)
 
 
+def decode_stepwise(model, ids, prefix, attention_mask=None, **kwargs):
+    """(logits, loop counts) of a prefill over `ids[:, :prefix]`, then one forward per later token on the cache."""
+    def masked(end):
+        return {} if attention_mask is None else {"attention_mask": attention_mask[:, :end]}
+
+    out = model(ids[:, :prefix], **masked(prefix), **kwargs)
+    logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
+    for i in range(prefix, ids.shape[1]):
+        out = model(ids[:, i:i + 1], cache=cache, **masked(i + 1), **kwargs)
+        logits.append(out.logits)
+        counts.append(out.loop_counts)
+    return torch.cat(logits, 1), torch.cat(counts, 1)
+
+
 def step_scores(model, ids):
     """Per loop step i = 1..4 of the full budget: the entropy H(p_i) and KL(p_i || p_{i-1}) of every token."""
     with torch.no_grad():
@@ -134,14 +148,9 @@ def test_each_criterion_decodes_cached_as_uncached(model, criterion):
     eps = split_threshold(step_scores(model, ids)[criterion][1])
     full = model(ids, halt_eps=eps, halt_criterion=criterion, use_cache=False)
     assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
-    out = model(ids[:, :8], halt_eps=eps, halt_criterion=criterion)
-    logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
-    for i in range(8, 16):
-        out = model(ids[:, i:i + 1], cache=cache, halt_eps=eps, halt_criterion=criterion)
-        logits.append(out.logits)
-        counts.append(out.loop_counts)
-    assert torch.equal(torch.cat(counts, 1), full.loop_counts)
-    torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
+    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion=criterion)
+    assert torch.equal(counts, full.loop_counts)
+    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
 
 
 def test_cache_filled_under_one_criterion_refuses_another(model):

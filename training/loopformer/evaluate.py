@@ -30,6 +30,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
+from loopformer_hf.configuration_loopformer import HALT_CRITERIA
 from looped_training.checkpoints import check_checkpoint, check_model_type
 from looped_training.loopformer import representations
 from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
@@ -99,10 +100,26 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     return math.exp(ce_sum / max(count, 1)), correct, loops
 
 
-def evaluate_halting(model, task, data, eps_values):
-    """Adaptive depth per token: quality against mean loop steps per scored token, at the full uniform budget."""
+def evaluate_halting(model, task, data, eps_values, criteria=None):
+    """Adaptive depth per token: quality against mean loop steps per scored token, at the full uniform budget, for
+    each exit rule of `criteria` (default: the model's `halt_criterion`; the "_shortcut" rules only on a model
+    conditioned on Δ)."""
     results = []
     trajectory = model.config.resolve_trajectory(model.config.num_loops, "uniform")
+    kept = model.config.halt_criterion
+    criteria = [c for c in (criteria or [kept])
+                if model.config.loop_conditioning == "shortcut" or not c.endswith("_shortcut")]
+    try:
+        for criterion in criteria:
+            model.config.halt_criterion = criterion  # `quality` passes halt_eps; the rule comes from the config
+            results += [dict(criterion=criterion, **r) for r in _halting_sweep(model, task, data, trajectory, eps_values)]
+    finally:
+        model.config.halt_criterion = kept
+    return results
+
+
+def _halting_sweep(model, task, data, trajectory, eps_values):
+    results = []
     for eps in eps_values:
         ppl, correct, loops = quality(model, data, trajectory, halt_eps=eps)
         record = {"halt_eps": eps, "mean_loops": sum(loops) / len(loops), "ppl": ppl, "em": None,
@@ -209,7 +226,7 @@ def check_generate_budgets(paths, budgets):
 
 
 def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
-                        halt_eps=(), disable_tqdm=None, device="cpu"):
+                        halt_eps=(), disable_tqdm=None, device="cpu", halt_criteria=None):
     model, tokenizer, meta = load_checkpoint(path)
     model.to(device)
     task, data, rows = build_eval_data(meta, tokenizer, max_rows)
@@ -230,7 +247,7 @@ def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=S
         # guessing among the answers the held-out problems have (a digit mod 10 for the arithmetic chains)
         record["chance"] = {"em": 1 / len(set(rows["answers"])), "ppl": float(len(set(rows["answers"])))}
     if halt_eps and model.config.num_loops > 1:
-        record["halting"] = evaluate_halting(model, task, data, halt_eps)
+        record["halting"] = evaluate_halting(model, task, data, halt_eps, halt_criteria)
     states, mask = step_states(model, data, meta, repr_rows)
     record["representations"] = representations.per_step_metrics(states, mask)
     if generate_budgets:  # checked against num_loops in `check_generate_budgets`; Base has a single depth
@@ -253,6 +270,75 @@ def quality_by_budget(record, schedule="uniform", metric="em"):
     if record["variant"] == "base":
         return {record["num_loops"]: _value(record, 1, "uniform", metric)}
     return {r["budget"]: r[metric] for r in record["results"] if r["schedule"] == schedule}
+
+
+def fixed_at_equal_compute(record, loops, metric):
+    """The fixed budgets' `metric` (uniform schedule, M = 1..L) interpolated linearly at `loops` mean loop steps per
+    token (clamped to the ends)."""
+    fixed = quality_by_budget(record, "uniform", metric)
+    ms = sorted(fixed)
+    lo = max([m for m in ms if m <= loops], default=ms[0])
+    hi = min([m for m in ms if m >= loops], default=ms[-1])
+    return fixed[lo] if hi == lo else fixed[lo] + (loops - lo) / (hi - lo) * (fixed[hi] - fixed[lo])
+
+
+def halting_metric(task):
+    """(metric, higher is better) the halting verdicts read: exact match on the synthetic task, perplexity on text."""
+    return ("em", True) if task == "synthetic" else ("ppl", False)
+
+
+def halting_rows(record):
+    """Per halt_eps row of `record["halting"]`: (row, fixed budget at equal compute, 'yes' / 'no' / 'equal': the
+    adaptive quality beats it)."""
+    metric, higher = halting_metric(record["task"])
+    out = []
+    for h in record["halting"]:
+        ref = fixed_at_equal_compute(record, h["mean_loops"], metric)
+        same = abs(h[metric] - ref) < 1e-9
+        out.append((h, ref, "equal" if same else "yes" if (h[metric] > ref) == higher else "no"))
+    return out
+
+
+def halting_verdict(record):
+    """Issue 40's targets for one model's halting sweep, per exit rule: {rule: (met, halt_eps values where it holds)}.
+    Exact match: some halt_eps at ≤ L − 0.5 mean loops per token, within 0.01 of M = L and not below the fixed budgets
+    at equal compute. Perplexity: below the fixed budgets at equal compute at ≥ 2 halt_eps."""
+    metric, _ = halting_metric(record["task"])
+    L = record["num_loops"]
+    full = quality_by_budget(record, "uniform", metric)[L]
+    verdicts = {}
+    for h, ref, better in halting_rows(record):
+        holds = better == "yes" if metric == "ppl" else (
+            h["mean_loops"] <= L - 0.5 and h["em"] >= full - 0.01 and better != "no")
+        settings = verdicts.setdefault(h.get("criterion", "state_change"), [])
+        if holds:
+            settings.append(h["halt_eps"])
+    return {rule: (len(eps) >= (2 if metric == "ppl" else 1), eps) for rule, eps in verdicts.items()}
+
+
+def halting_table(record):
+    """The halting sweep of one model as markdown lines, per exit rule: each halt_eps with the fixed budgets at equal
+    compute and whether the adaptive depth beats them, then the rule's verdict (issue 40's targets)."""
+    metric, _ = halting_metric(record["task"])
+    L = record["num_loops"]
+    target = (f"≤ {L - 0.5:g} mean loops, exact match within 0.01 of M={L} and not below the fixed budgets at equal "
+              f"compute, at some halt_eps" if metric == "em" else
+              "perplexity below the fixed budgets at equal compute at ≥ 2 halt_eps")
+    rows, lines = halting_rows(record), []
+    for rule, (met, eps) in halting_verdict(record).items():
+        lines += [f"halt_criterion={rule!r}:", "",
+                  "| halt_eps | mean loops/token | perplexity | exact match | fixed budget at equal compute "
+                  f"({'exact match' if metric == 'em' else 'perplexity'}) | adaptive better? |",
+                  "|---|---|---|---|---|---|"]
+        for h, ref, better in rows:
+            if h.get("criterion", "state_change") == rule:
+                em = "–" if h["em"] is None else f"{h['em']:.3f}"
+                lines.append(f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h['ppl']:.2f} | {em} | {ref:.3f} | "
+                             f"{better} |")
+        lines += ["", f"Verdict: {'pays' if met else 'does not pay'} ({target}: "
+                      f"{'holds at halt_eps ' + ', '.join(f'{e:g}' for e in eps) if eps else 'holds nowhere'})"
+                      + ("." if met else "; at this compute a fixed loop_budget is the better knob."), ""]
+    return lines[:-1]
 
 
 def format_table(records, metric, schedule="uniform", digits=3):
@@ -357,12 +443,15 @@ def _plot_halting(records, metrics, task, path):
                 continue
             fixed = quality_by_budget(rec, "uniform", metric)
             ax.plot(list(fixed), list(fixed.values()), "-", marker="o", color=f"C{i}", label=f"{rec['name']} fixed M")
-            pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker="x", color=f"C{i}",
-                    label=f"{rec['name']} halt_eps")
+            rules = list(dict.fromkeys(h.get("criterion", "state_change") for h in rec["halting"]))
+            for rule, marker in zip(rules, "x+^vsd"):
+                pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"]
+                             if h.get("criterion", "state_change") == rule)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker=marker, color=f"C{i}",
+                        label=f"{rec['name']} halt_eps ({rule})")
         _style_axes(ax, "mean loop steps per token", label, metric)
-    caption = ("Crosses: each token stops once its state moves less than halt_eps, plotted at the mean loop steps "
-               "spent; dots: every token runs M steps. Crosses above the dots: halting spends compute better.")
+    caption = ("Crosses: each token stops once its exit rule's score falls below halt_eps, plotted at the mean loop "
+               "steps spent; dots: every token runs M steps. Crosses above the dots: halting spends compute better.")
     return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path, caption)
 
 
@@ -453,11 +542,8 @@ def summary_text(records):
         out += ["Held-out perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
     for rec in records:
         if rec.get("halting"):
-            out += ["", f"Adaptive depth, {rec['name']} (full budget M={rec['num_loops']}, uniform):",
-                    "| halt_eps | mean loops/token | perplexity | exact match |", "|---|---|---|---|"]
-            for h in rec["halting"]:
-                em = "–" if h["em"] is None else f"{h['em']:.3f}"
-                out.append(f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h['ppl']:.2f} | {em} |")
+            out += ["", f"Adaptive depth, {rec['name']} (full budget M={rec['num_loops']}, uniform; the fixed budgets "
+                        "M = 1..L above, interpolated at the same mean loops per token):", *halting_table(rec)]
     return "\n".join(out)
 
 
@@ -490,6 +576,9 @@ def main(argv=None):
                              "(Base, not looped, generates once).")
     parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
                         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
+    parser.add_argument("--halt_criteria", nargs="*", default=None,
+                        help="Exit rules (halt_criterion values) the --halt_eps sweep runs (default: each model's own; "
+                             "the '_shortcut' rules only on models conditioned on Δ).")
     parser.add_argument("--device", default=None,
                         help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).")
     parser.add_argument("--disable_tqdm", type=_bool, default=None,
@@ -497,6 +586,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for eps in args.halt_eps:
         loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
+    bad = [c for c in args.halt_criteria or [] if c not in HALT_CRITERIA]
+    if bad:
+        raise ValueError(f"--halt_criteria {bad} unknown; allowed: {HALT_CRITERIA}.")
     if args.names and len(args.names) != len(args.checkpoints):
         raise ValueError(f"--names gives {len(args.names)} names for {len(args.checkpoints)} checkpoints.")
     bad = [s for s in args.schedules if s not in SCHEDULES]
@@ -532,7 +624,8 @@ def main(argv=None):
             name = args.names[i] if args.names else None
             tqdm.write(f"evaluating {path} ...", file=sys.stderr)
             records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
-                                               args.generate_budgets, args.halt_eps, disable, device))
+                                               args.generate_budgets, args.halt_eps, disable, device,
+                                               args.halt_criteria))
     finally:
         if hf_bars:
             transformers.utils.logging.enable_progress_bar()

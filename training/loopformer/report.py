@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 from looped_training.loopformer.data import TRAINING_META_FILE
-from looped_training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, quality_by_budget
+from looped_training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, halting_table, quality_by_budget
 from looped_training.loopformer.evaluate import main as evaluate_checkpoints
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "loopformer"
@@ -413,33 +413,20 @@ def representation_lines(records):
 
 
 def halting_lines(records, task):
-    """Adaptive depth per token (halt_eps) against fixed budgets at equal mean loops per token (issue 6), for the
-    first seed of each configuration."""
-    metric, higher = _metric(task)
+    """Adaptive depth per token (halt_eps) against fixed budgets at equal mean loops per token (issues 6 and 40), for
+    the first seed of each configuration: evaluate's `halting_table` (each rule's rows, the fixed budgets at equal
+    compute and the issue's verdict)."""
     lines = ["### Adaptive depth per token (`halt_eps`) against fixed budgets", "",
-             "Full budget M = L, uniform schedule; a token stops looping once its relative state change falls below "
-             "halt_eps. 'fixed M at equal compute' interpolates the fixed-budget curve linearly at the same mean "
-             "loops per token.", ""]
+             "Full budget M = L, uniform schedule; a token stops looping once its exit rule's score (`halt_criterion`, "
+             "the rule column) falls below halt_eps. 'fixed budget at equal compute' interpolates the fixed-budget "
+             "curve linearly at the same mean loops per token. The sweep of every rule on these runs and the "
+             "Quickstart's: benchmarks/README.md (`python -m benchmarks.bench_halt_criteria`).", ""]
     for rec in records:
         if not rec.get("halting") or "seed" in rec["name"]:
             continue
-        fixed = quality_by_budget(rec, "uniform", metric)
-        ms = sorted(fixed)
-
-        def at(loops):  # fixed-budget quality interpolated at `loops` mean steps per token
-            lo = max([m for m in ms if m <= loops], default=ms[0])
-            hi = min([m for m in ms if m >= loops], default=ms[-1])
-            return fixed[lo] if hi == lo else fixed[lo] + (loops - lo) / (hi - lo) * (fixed[hi] - fixed[lo])
-
-        lines += [f"{rec['name']}:", "", f"| halt_eps | mean loops/token | {metric} | fixed M at equal compute | "
-                  "adaptive better? |", "|---|---|---|---|---|"]
-        for h in rec["halting"]:
-            ref = at(h["mean_loops"])
-            same = abs(h[metric] - ref) < 1e-9
-            lines.append(f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h[metric]:.3f} | {ref:.3f} | "
-                         f"{'equal' if same else 'yes' if better(h[metric], ref, higher) else 'no'} |")
-        lines.append("")
+        lines += [f"{rec['name']}:", "", *halting_table(rec), ""]
     return lines + [f"![adaptive depth](plots/{task}_quality_vs_compute.png)", ""]
+
 
 def base_loop_verdict(records, task, at_full_budget):
     """Claims 5 and 6, the Quickstart's (b) and (c) without their exact-match margins: LoopFormer (mean over seeds)

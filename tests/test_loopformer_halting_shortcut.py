@@ -1,0 +1,145 @@
+"""Issue 40: the "_shortcut" exit rules (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
+`halt_eps` after step i takes one step Δ = 1 − t_i to t = 1 before it freezes, so its path is a shortcut trajectory
+of i + 1 steps. Exact against the fixed trajectory, cached as uncached, static as dynamic, padded and gathered."""
+
+import pytest
+import torch
+
+from conftest import tiny_loopformer_config, cache_of
+from test_loopformer_halting_paths import decode_stepwise, split_threshold
+import loopformer_hf
+from loopformer_hf import halting_loopformer
+from loopformer_hf.modeling_loopformer import rms_norm
+
+RULES = ["state_change_shortcut", "kl_shortcut", "entropy_shortcut"]
+
+
+@pytest.fixture
+def model(tiny_model):
+    return tiny_model
+
+
+def first_scores(model, ids, rule):
+    """Every token's score after loop step 1 of the full budget (before any token exits)."""
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        log_p = [torch.log_softmax(model.lm_head(model.model.norm(h)), -1) for h in hidden[:2]]
+    if rule == "state_change_shortcut":
+        return halting_loopformer.state_change_score(hidden[0], hidden[1])
+    if rule == "kl_shortcut":
+        return (log_p[1].exp() * (log_p[1] - log_p[0])).sum(-1)
+    return -(log_p[1].exp() * log_p[1]).sum(-1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_token_that_stops_after_step_1_ends_on_the_shortcut_trajectory(model, rule):
+    """Everyone below halt_eps after step 1: the output is the 2-step shortcut trajectory [1/L, 1 − 1/L]'s, exactly
+    what `step_schedule` runs, at 2 loop steps per token; a threshold below every score runs the full budget."""
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        out = model(ids, halt_eps=1e9, halt_criterion=rule, use_cache=False)
+        fixed = model(ids, step_schedule=[0.25, 0.75], use_cache=False)
+        full = model(ids, halt_eps=1e-12, halt_criterion=rule, use_cache=False)
+    assert (out.loop_counts == 2).all()
+    torch.testing.assert_close(out.logits, fixed.logits, atol=1e-5, rtol=0)
+    assert (full.loop_counts == 4).all()
+    torch.testing.assert_close(full.logits, model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_tokens_exit_where_their_score_falls_and_pay_one_more_step(model, rule):
+    ids = torch.randint(3, 97, (2, 16))
+    first = first_scores(model, ids, rule)
+    eps = split_threshold(first)
+    counts = model(ids, halt_eps=eps, halt_criterion=rule).loop_counts
+    # below after step 1: one exit step (2 in all); the others decide again after step 2 (3 in all, or 4); never 1
+    assert torch.equal(counts == 2, first < eps)
+    assert set(counts.flatten().tolist()) <= {2, 3, 4} and (counts[first >= eps] >= 3).all()
+
+
+@pytest.mark.parametrize("fill", ["reuse", "recompute"])
+@pytest.mark.parametrize("rule", RULES)
+def test_cached_decode_equals_the_uncached_forward(model, rule, fill):
+    """The cache stays exact: decoding token by token gives the counts and logits of one uncached forward, with the
+    exiting tokens' slots written at their exit step and the later ones filled as for any halted token."""
+    model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 16))
+    eps = split_threshold(first_scores(model, ids, rule))
+    full = model(ids, halt_eps=eps, halt_criterion=rule, use_cache=False)
+    assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that exit at different steps"
+    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion=rule)
+    assert torch.equal(counts, full.loop_counts)
+    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_padded_batch_decodes_as_the_dense_path(model, monkeypatch, gather):
+    """A left-padded batch, rows exiting at different steps, with the halted tokens gathered out or computed."""
+    monkeypatch.setattr(halting_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
+    monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", 0)
+    ids = torch.randint(3, 97, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    eps = split_threshold(first_scores(model, ids, "kl_shortcut")[mask.bool()])
+    full = model(ids, attention_mask=mask, halt_eps=eps, halt_criterion="kl_shortcut", use_cache=False)
+    logits, counts = decode_stepwise(model, ids, 12, attention_mask=mask, halt_eps=eps, halt_criterion="kl_shortcut")
+    assert len(set(counts[:, 12:].flatten().tolist())) > 1  # decoded rows exit at different steps
+    assert torch.equal(counts, full.loop_counts)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], full.logits[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fill", ["reuse", "recompute"])
+def test_generate_with_a_static_cache_matches_the_dynamic_cache(model, fill):
+    model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    eps = split_threshold(first_scores(model, ids, "entropy_shortcut")[mask.bool()])
+    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, halt_eps=eps,
+                           halt_criterion="entropy_shortcut", return_dict_in_generate=True, output_logits=True, **kw)
+            for kw in ({}, {"cache_implementation": "static"})]
+    dynamic, static = runs
+    assert dynamic.loop_counts.min() < dynamic.loop_counts.max()
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.loop_counts, dynamic.loop_counts)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
+
+
+def test_shortcut_rules_refuse_a_model_without_step_conditioning():
+    """TMLT (t only) and Base-Loop were never trained on a step Δ = 1 − t: the rule names the criterion to use."""
+    for mode in ("timestep", "none"):
+        model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning=mode)).eval()
+        ids = torch.randint(3, 97, (1, 6))
+        with pytest.raises(ValueError, match=r"loop_conditioning='shortcut'.*use halt_criterion='kl'"):
+            model(ids, halt_eps=0.1, halt_criterion="kl_shortcut")
+        assert model(ids, halt_eps=0.1, halt_criterion="kl").loop_counts is not None
+
+
+def test_the_exit_steps_adaln_is_kept_on_the_cache_for_decoding(model):
+    ids = torch.randint(3, 97, (1, 8))
+    calls = []
+    model.model.layers[0].adaLN_modulation.register_forward_pre_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        out = model(ids[:, :6], halt_eps=1e9, halt_criterion="kl_shortcut")
+        for i in (6, 7):
+            out = model(ids[:, i:i + 1], cache=cache_of(out), halt_eps=1e9, halt_criterion="kl_shortcut")
+    assert len(calls) == 2  # the trajectory's steps and the exit steps, once each, at the prefill
+
+
+def test_per_token_norm_weights_equal_the_shared_weight():
+    """The exit step's per-token adaLN folds into the norm as (batch, seq, d) weights: the same values as a shared
+    (d,) weight where they agree."""
+    x, w = torch.randn(2, 5, 64), torch.rand(64) + 0.5
+    torch.testing.assert_close(rms_norm(x, w.expand(2, 5, 64)), rms_norm(x, w), atol=1e-6, rtol=0)
+
+
+def test_without_halt_eps_nothing_changes(model):
+    """`halt_eps=None`: the rule is not read; the output equals the plain full budget."""
+    ids = torch.randint(3, 97, (2, 10))
+    with torch.no_grad():
+        plain = model(ids)
+        model.config.halt_criterion = "kl_shortcut"
+        ruled = model(ids)
+    assert ruled.loop_counts is None
+    assert torch.equal(plain.logits, ruled.logits)
