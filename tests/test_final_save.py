@@ -109,3 +109,24 @@ def test_a_run_killed_during_its_final_save_is_finished_by_a_resume(name, tmp_pa
     before = folder_bytes(out)
     assert (run if name == "loopformer" else run_fprm)(out, "--resume_from_checkpoint", "last") is None
     assert folder_bytes(out) == before
+
+
+# --- a checkpoint carries the run's record: a resume on other data is refused, a checkpoint evaluates alone ----------
+
+def test_a_resume_with_other_data_flags_is_refused_and_a_checkpoint_carries_the_record(tmp_path, trained_steps):
+    # --corpus_seed 1 went on silently on other data; `evaluate run/checkpoint-N` said it had no loopformer_training.json
+    out = tmp_path / "run"
+    run(out, "--max_steps", "3")
+    record = json.loads((out / "checkpoint-3" / "loopformer_training.json").read_text())
+    assert record["data"]["corpus_seed"] == 0 and record == {
+        **json.loads((out / "loopformer_training.json").read_text()), "train_runtime_s": None}
+    trained_steps.clear()
+    with pytest.raises(ValueError, match=r"data flags of this run differ from those .*checkpoint-3 was trained with "
+                                         r"\(loopformer_training\.json\) in \['corpus_seed'\] \(e\.g\. --corpus_seed: "
+                                         r"0 there, 1 here\)"):
+        run(out, "--resume_from_checkpoint", "last", "--corpus_seed", "1")
+    assert trained_steps == []
+    from looped_training.loopformer.evaluate import load_checkpoint
+
+    (out / "loopformer_training.json").unlink()  # as a run stranded in its final save left it
+    assert load_checkpoint(str(out / "checkpoint-3"))[2]["variant"] == "loopformer"

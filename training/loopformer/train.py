@@ -51,8 +51,9 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 import transformers
-from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
-                          set_seed)
+from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments,
+                          default_data_collator, set_seed)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
@@ -314,27 +315,72 @@ def final_save_complete(output_dir):
     return True
 
 
-def save_final(output_dir, model, tokenizer, model_args, data_args, shortcut_args, schedule_args, training_args,
-               eval_dataset, block_size, write_state, train_runtime, saved=False):
+def run_record(model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset,
+               block_size):
+    """The run's record (`loopformer_training.json`): what the elastic evaluation, `publish` and a resume read."""
+    prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
+    return {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
+            "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None,
+            "block_size": block_size, "prompt": prompt, "generation": generation, "train_runtime_s": None,
+            "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
+                          "lr_warmup": schedule_args.lr_warmup}}
+
+
+# data flags a resume may change: they name or decorate the data, not which rows are trained on
+RESUME_FREE_DATA_FLAGS = ("preset", "chat_template")
+
+
+def check_resume_data(checkpoint, record):
+    """A resumed run rebuilds its data from the flags: refuse flags (`--corpus_seed`, ...) that build other data than
+    the checkpoint's run record says it was trained on; it would go on silently on other rows. A checkpoint without a
+    record (of an earlier version) is not checked."""
+    path = os.path.join(checkpoint, TRAINING_META_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f).get("data", {})
+    now = record["data"]
+    different = sorted(k for k in now if k not in RESUME_FREE_DATA_FLAGS and k in saved and saved[k] != now[k])
+    if different:
+        raise ValueError(
+            f"The data flags of this run differ from those {checkpoint} was trained with ({TRAINING_META_FILE}) in "
+            f"{different} (e.g. --{different[0]}: {saved[different[0]]!r} there, {now[different[0]]!r} here): resume "
+            f"with the data flags of the run that wrote it, or give another --output_dir to train on other data."
+        )
+
+
+class RunRecordCallback(TrainerCallback):
+    """Writes the run's record into each checkpoint (under a temporary name, renamed when complete), so that a
+    checkpoint can be evaluated, published or resumed on its own, and a resume can check its data flags."""
+
+    def __init__(self, record):
+        self.record = record
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            path = os.path.join(folder, TRAINING_META_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.record, f, indent=2)
+            os.replace(path + ".tmp", path)
+
+
+def save_final(output_dir, model, tokenizer, record, write_state, saved=False):
     """A run's final files, written aside and moved into `output_dir` (`finish_final_save`): the model (`saved`: the
     Trainer has written it aside already) with its tokenizer and generation config, `trainer_state.json`
-    (`write_state(folder)`) and `loopformer_training.json`, the run's record, last. A kill at any point leaves no
+    (`write_state(folder)`) and `record` as `loopformer_training.json`, last. A kill at any point leaves no
     half-written file in `output_dir`, and a record only beside a whole model."""
     staging = os.path.join(output_dir, FINAL_STAGING)
-    prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
     if not saved:
         start_final_save(output_dir)
-        model.generation_config.update(**generation)
+        model.generation_config.update(**record["generation"])
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     write_state(staging)
-    meta = {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
-            "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None,
-            "block_size": block_size, "prompt": prompt, "generation": generation, "train_runtime_s": train_runtime,
-            "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
-                          "lr_warmup": schedule_args.lr_warmup}}
     with open(os.path.join(staging, TRAINING_META_FILE), "w") as f:
-        json.dump(meta, f, indent=2)
+        json.dump(record, f, indent=2)
     finish_final_save(output_dir, last=(RUN_RECORD, TRAINING_META_FILE))
 
 
@@ -350,7 +396,10 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
         set_chat_template(tokenizer, chat_template, data_args.chat_template)
     config = build_config(model_args, len(tokenizer), block_size)
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    record = run_record(model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset,
+                        block_size)
     if resume is not None:
+        check_resume_data(resume, record)
         check_resume_matches(resume, tokenizer, config)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, training_args):
@@ -358,10 +407,8 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
                 # killed during its final save, after its last checkpoint: finish that save from the checkpoint
                 logger.warning("%s has no complete final model (a run killed while saving it?): writing it from %s.",
                                training_args.output_dir, resume)
-                model = LoopFormerForCausalLM.from_pretrained(resume)
-                save_final(training_args.output_dir, model, tokenizer, model_args, data_args, shortcut_args,
-                           schedule_args, training_args, eval_dataset, block_size,
-                           lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder), None)
+                save_final(training_args.output_dir, LoopFormerForCausalLM.from_pretrained(resume), tokenizer, record,
+                           lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder))
             return None
     model = LoopFormerForCausalLM(config)
     logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
@@ -370,17 +417,16 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
 
     trainer = build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
                             training_args)
+    trainer.add_callback(RunRecordCallback(record))
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     staging = start_final_save(training_args.output_dir) if trainer.is_world_process_zero() else None
-    generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)[1]
-    model.generation_config.update(**generation)  # saved with the model as generation_config.json
+    model.generation_config.update(**record["generation"])  # saved with the model as generation_config.json
     trainer.save_model(staging)  # writes on the main process only
     if trainer.is_world_process_zero():
-        save_final(training_args.output_dir, model, tokenizer, model_args, data_args, shortcut_args, schedule_args,
-                   training_args, eval_dataset, block_size,
-                   lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)),
-                   result.metrics.get("train_runtime"), saved=True)
+        save_final(training_args.output_dir, model, tokenizer,
+                   {**record, "train_runtime_s": result.metrics.get("train_runtime")},
+                   lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)), saved=True)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     return trainer
