@@ -196,7 +196,14 @@ def read_weights(path, hub_kwargs):
 def load_reference_model(cls, path, config, dtype=None, hub_kwargs=None, device=None):
     """A `LoopFormerForCausalLM` (eval) with the weights of the authors' repo `path`, whose translated config is
     `config`. `dtype`: None or "auto" keeps the checkpoint's dtype."""
-    state_dict = mapped_reference_state_dict(read_weights(path, hub_kwargs or {}), config)
+    weights = read_weights(path, hub_kwargs or {})
+    if "model.embed_tokens.weight" in weights:
+        raise ValueError(
+            f"{os.fspath(path)!r}: config.json has none of this package's fields ({', '.join(OWN_CONFIG_KEYS)}), as "
+            f"the authors' configs, but the weights are in this package's layout (model.embed_tokens.weight, …): the "
+            f"config was edited or truncated. Restore it (num_loops is the number of loop steps L it was trained with)."
+        )
+    state_dict = mapped_reference_state_dict(weights, config)
     if dtype in (None, "auto"):
         dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
     elif isinstance(dtype, str):

@@ -301,3 +301,15 @@ def test_convert_from_the_hub_online_then_offline_from_the_cache(repo_with_token
         model = AutoModelForCausalLM.from_pretrained(tmp_path / out)
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, reference_forward(sd, ids, FULL), atol=1e-4, rtol=0)
+
+
+def test_our_weights_under_a_config_stripped_of_our_fields_are_named(tmp_path):
+    """Our own folder whose config.json lost num_loops and loop_conditioning looks like theirs; the weights say not."""
+    model = AutoModelForCausalLM.from_pretrained(write_authors_repo(tmp_path / "repo") and tmp_path / "repo")
+    model.save_pretrained(tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    del config["num_loops"], config["loop_conditioning"]
+    (tmp_path / "ours" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"none of this package's fields \(num_loops, loop_conditioning\).*"
+                                         r"weights are in this package's layout"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
