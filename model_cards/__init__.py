@@ -8,8 +8,6 @@ import json
 import math
 from pathlib import Path
 
-from looped_training.checkpoints import CheckpointError
-
 
 TEMPLATES_DIR = Path(__file__).resolve().parent
 EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json", "elastic_eval.json", "results.json")
@@ -56,7 +54,7 @@ def read_training_record(checkpoint, model_type):
             try:
                 record = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
-                raise CheckpointError(f"The training record {path} could not be read: {err}") from None
+                raise ValueError(f"The training record {path} could not be read: {err}") from None
             if isinstance(record, dict) and ("data" in record or "args" in record):
                 return record
     return None

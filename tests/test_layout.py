@@ -4,6 +4,8 @@ Llama's size, no function of either package outgrows 60 lines (the configs' `__i
 excepted), and the publishing code stays a thin layer over huggingface_hub's card and upload machinery."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,15 @@ def test_one_home_for_the_model_card_push():
 
     assert issubclass(FPRMForReasoning, ModelCardMixin) and issubclass(LoopFormerForCausalLM, ModelCardMixin)
     assert FPRMForReasoning.push_to_hub is LoopFormerForCausalLM.push_to_hub is ModelCardMixin.push_to_hub
+
+
+def test_importing_the_model_packages_loads_the_card_mixin_but_no_training_code():
+    """The mixin's module stays light: importing a model package does not pull in the Trainer's utilities."""
+    code = ("import sys, fprm_hf, loopformer_hf; print(sorted(m for m in sys.modules if m.startswith('looped_training')),"
+            " 'transformers.trainer_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == (
+        "['looped_training', 'looped_training.model_cards', 'looped_training.publish'] False"), out.stderr[-2000:]
 
 
 def test_checkout_has_the_users_layout():

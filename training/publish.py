@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from looped_training.checkpoints import CheckpointError, check_checkpoint
 from looped_training.model_cards import KINDS, card_prompt, kind_of, model_card, read_training_record
 
 
@@ -55,6 +54,8 @@ def _load_model(checkpoint, kind):
     `CheckpointError` naming both files (a mis-shaped tensor was a deep traceback, a missing one was published
     freshly initialised)."""
     import transformers
+
+    from looped_training.checkpoints import CheckpointError
 
     config_file = checkpoint / "config.json"
     weights = ", ".join(str(p) for p in sorted(checkpoint.glob("*.safetensors"))) or str(checkpoint)
@@ -109,6 +110,10 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
 
 def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
+    # transformers' Trainer utilities (seconds)
+    from looped_training.checkpoints import CheckpointError, check_checkpoint
 
     for kind in KINDS.values():
         importlib.import_module(kind["package"])  # registers the model types with AutoConfig
