@@ -125,7 +125,7 @@ def hf_env(tmp_path, endpoint=None, token=None):
 
 def make_fprm(seed=0, **overrides):
     """A tiny sequence FPRM (causal, state-tracking layout) with a low loop cap."""
-    from fprm_fixtures import sequence_fprm_config, tiny_fprm
+    from tiny_models import sequence_fprm_config, tiny_fprm
 
     kwargs = dict(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4)
     kwargs.update(overrides)

@@ -1,3 +1,6 @@
+"""Session settings (two threads, offline Hub) and the shared fixtures. The tiny configurations and models the
+fixtures build come from tiny_models.py, the one home of every test model factory."""
+
 import os
 
 import pytest
@@ -9,26 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import loopformer_hf  # noqa: E402  (registers the Auto classes)
-
-
-def tiny_loopformer_config(**overrides):
-    kwargs = dict(
-        vocab_size=97, hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
-        num_loops=4, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return loopformer_hf.LoopFormerConfig(**kwargs)
-
-
-def randomize_modulation(model, std=0.05, seed=0):
-    """adaLN starts at zero (zero_adaln) or small (reference init): give it large random weights so that loops and Δ
-    matter clearly in tests."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "adaLN_modulation" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std + (0.5 if name.endswith("bias") else 0.0))
-    return model
+from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config  # noqa: E402, F401
 
 
 @pytest.fixture
@@ -42,8 +26,11 @@ def tiny_model(tiny_config):
     return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_config)).eval()
 
 
-def cache_of(output):
-    """The returned KV cache: transformers 5.24 names the field `cache`, earlier 5.x releases `past_key_values`."""
-    from loopformer_hf.modeling_loopformer import CACHE_FIELD
-
-    return getattr(output, CACHE_FIELD)
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny FPRMs on a shared 2-core machine run several times faster on one thread than on two: a module that wants
+    it says `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

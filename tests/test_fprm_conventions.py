@@ -9,8 +9,9 @@ from fprm_hf import FPRMConfig, FPRMForReasoning
 
 from _config_helpers import assert_refused_however_it_arrives
 from bad_input_table import CASES
-from fprm_fixtures import grid_inputs, one_thread  # noqa: F401  (one_thread: autouse fixture)
-from fprm_fixtures import sequence_fprm_config, tiny_fprm, tiny_fprm_config
+from tiny_models import grid_inputs, sequence_fprm_config, tiny_fprm, tiny_fprm_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

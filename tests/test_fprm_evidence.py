@@ -5,8 +5,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from fprm_fixtures import one_thread, tiny_fprm  # noqa: F401  (one_thread is autouse)
 from looped_training.fprm.evaluate import accuracy_vs_iterations, parse_iteration_counts
+from tiny_models import tiny_fprm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def grid_dataset(rows=6, labels=True):
@@ -98,7 +100,7 @@ def test_sudoku_point_correlates_blanks_with_the_solver_iterations_on_solved_row
 
 
 def test_length_point_reads_the_authors_metric_at_T_and_4T():
-    from fprm_fixtures import sequence_fprm_config
+    from tiny_models import sequence_fprm_config
 
     model = tiny_fprm(config=sequence_fprm_config())
     g = torch.Generator().manual_seed(3)

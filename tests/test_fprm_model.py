@@ -16,10 +16,9 @@ from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel, FPRMSolverState
 from fprm_hf.configuration_fprm import RESIDUAL_SCALINGS
 
 
-from fprm_fixtures import grid_inputs, one_thread  # noqa: F401  (one_thread: autouse fixture)
-from fprm_fixtures import sequence_fprm_config as sequence_config
-from fprm_fixtures import tiny_fprm as tiny_model
-from fprm_fixtures import tiny_fprm_config as tiny_config
+from tiny_models import grid_inputs, sequence_fprm_config, tiny_fprm, tiny_fprm_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- 1. config, Auto classes, safetensors, trust_remote_code ------------------------------------------------------
@@ -36,19 +35,19 @@ def test_config_defaults_are_the_authors_arch_defaults_with_transformers_names()
         0.9, 0.99, "causal_1d", 4, 16)
     assert (c.norm_type, c.norm_placement, c.fixed_init) == ("pre", "none", False)
     assert (c.expansion, c.intermediate_size, c.rms_norm_eps, c.position_embedding_type) == (4.0, 1536, 1e-5, "rope")
-    assert tiny_config(conv_type="2d").conv_kernel_size == 3  # 3x3 for grids
+    assert tiny_fprm_config(conv_type="2d").conv_kernel_size == 3  # 3x3 for grids
     assert FPRMConfig(hidden_size=128, num_attention_heads=4).intermediate_size == 512  # 341.3 -> 341 -> 512
 
 
 def test_auto_classes_resolve_fprm():
-    config = tiny_config()
+    config = tiny_fprm_config()
     assert isinstance(AutoConfig.for_model("fprm", hidden_size=32, num_attention_heads=4), FPRMConfig)
     assert type(AutoModel.from_config(config)) is FPRMModel
     assert type(AutoModelForTokenClassification.from_config(config)) is FPRMForReasoning
 
 
 def test_save_and_load_roundtrip_safetensors(tmp_path):
-    model = tiny_model()
+    model = tiny_fprm()
     ids = grid_inputs()
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
@@ -65,7 +64,7 @@ def test_save_and_load_roundtrip_safetensors(tmp_path):
 
 
 def test_trust_remote_code_loads_without_the_package(tmp_path):
-    model = tiny_model()
+    model = tiny_fprm()
     ids = grid_inputs()
     model.save_pretrained(tmp_path)
     with torch.no_grad():
@@ -95,7 +94,7 @@ print("REMOTE_OK", type(m).__module__)
 
 
 def test_alpha_init_and_tied_betas():
-    model = tiny_model(alpha1=0.75, alpha2=0.25)
+    model = tiny_fprm(alpha1=0.75, alpha2=0.25)
     scaling = model.model.residual_scaling
     alpha1, beta1, alpha2, beta2 = scaling(torch.zeros(1, 1, 32))
     torch.testing.assert_close(alpha1, torch.full((32,), 0.75))
@@ -111,7 +110,7 @@ def test_alpha_init_and_tied_betas():
 def test_one_loop_step_matches_the_spec_equations():
     """f(y) recomputed by hand from the modules: y' = [prefix rows ; Conv(grid rows of y)], h = α2·y' + β2·x, then
     h = α1·h + β1·F(RMSNorm(h)) per sub-layer (tests/test_fprm_reference.py checks the same against the authors')."""
-    model = tiny_model().model
+    model = tiny_fprm().model
     torch.manual_seed(3)
     with torch.no_grad():
         model.residual_scaling.alpha1_logit.normal_()  # per-channel values, not just the init
@@ -137,7 +136,7 @@ def test_one_loop_step_matches_the_spec_equations():
 @pytest.mark.parametrize("scaling", RESIDUAL_SCALINGS)
 def test_every_residual_scaling_variant_runs_and_trains(scaling):
     torch.manual_seed(0)
-    model = FPRMForReasoning(tiny_config(residual_scaling=scaling, max_loops=3)).train()
+    model = FPRMForReasoning(tiny_fprm_config(residual_scaling=scaling, max_loops=3)).train()
     out = model(grid_inputs(), labels=grid_inputs(seed=2), halt_eps=1e-6)
     out.loss.backward()
     assert torch.isfinite(out.loss)
@@ -146,28 +145,28 @@ def test_every_residual_scaling_variant_runs_and_trains(scaling):
 
 def test_variant_coefficients():
     x = torch.zeros(1, 1, 32)
-    fixed = tiny_model(residual_scaling="fixed", alpha1=0.6, alpha2=0.3).model.residual_scaling
+    fixed = tiny_fprm(residual_scaling="fixed", alpha1=0.6, alpha2=0.3).model.residual_scaling
     assert not list(fixed.parameters())  # fixed scalars are not learned
     a1, b1, a2, b2 = fixed(x)
     assert math.isclose(float(a1), 0.6, rel_tol=1e-6) and math.isclose(float(b2), 1 - 0.3 * 0.6**4, rel_tol=1e-6)
-    outer = tiny_model(outer_only=True).model.residual_scaling
+    outer = tiny_fprm(outer_only=True).model.residual_scaling
     assert outer.alpha1_logit is None  # only α2 is learned
     a1, b1, a2, b2 = outer(x)
     assert a1 == 1.0 and b1 == 1.0
     torch.testing.assert_close(b2, 1 - a2)
-    dep = tiny_model(residual_scaling="input_dependent").model.residual_scaling
+    dep = tiny_fprm(residual_scaling="input_dependent").model.residual_scaling
     y = torch.randn(2, 5, 32)
     a1, _, a2, _ = dep(y)
     assert a1.shape == (2, 5, 32)  # per token and channel
     torch.testing.assert_close(a1, torch.sigmoid(dep.alpha1_proj(y)))  # one linear layer per α, on the state
     torch.testing.assert_close(a2, torch.sigmoid(dep.alpha2_proj(y)))
-    assert tiny_model(residual_scaling="none").model.residual_scaling(x) == (1.0, 1.0, 1.0, 1.0)
+    assert tiny_fprm(residual_scaling="none").model.residual_scaling(x) == (1.0, 1.0, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("scaling", ["none", "input_independent"])
 def test_post_norm_variant_saturates_at_unit_rms(scaling):
     # post-norm with or without residual scaling, as the authors allow both
-    model = tiny_model(norm_type="post", residual_scaling=scaling).model
+    model = tiny_fprm(norm_type="post", residual_scaling=scaling).model
     with torch.no_grad():
         x = model.embed(grid_inputs(2))
         f = model.fixed_point_map(torch.randn_like(x) * 50, x)
@@ -177,12 +176,12 @@ def test_post_norm_variant_saturates_at_unit_rms(scaling):
 def test_peri_norm_and_norm_placements():
     """peri-norm normalises each sub-layer's output too; norm_placement='output' ends f with an RMSNorm;
     'input' normalises the state before the mix."""
-    model = tiny_model(norm_type="peri", norm_placement="output").model
+    model = tiny_fprm(norm_type="peri", norm_placement="output").model
     with torch.no_grad():
         x = model.embed(grid_inputs(2))
         f = model.fixed_point_map(torch.randn_like(x) * 50, x)
     torch.testing.assert_close(f.pow(2).mean(-1), torch.ones(2, 18), rtol=1e-3, atol=1e-3)
-    plain, placed = tiny_model(seed=3).model, tiny_model(seed=3, norm_placement="input").model
+    plain, placed = tiny_fprm(seed=3).model, tiny_fprm(seed=3, norm_placement="input").model
     with torch.no_grad():
         x = plain.embed(grid_inputs(2))
         y = torch.randn_like(x)
@@ -194,7 +193,7 @@ def test_peri_norm_and_norm_placements():
 
 def test_input_is_reinjected_every_loop_step():
     """f depends on x at every step, not only at the first one: a changed x changes f(y) for the same y."""
-    model = tiny_model().model
+    model = tiny_fprm().model
     with torch.no_grad():
         x1, x2 = model.embed(grid_inputs(1, seed=1)), model.embed(grid_inputs(1, seed=5))
         y = torch.randn_like(x1)
@@ -203,7 +202,7 @@ def test_input_is_reinjected_every_loop_step():
 
 def test_causal_sequence_model_does_not_see_the_future_and_grid_model_does():
     torch.manual_seed(0)
-    causal = FPRMForReasoning(sequence_config()).eval()
+    causal = FPRMForReasoning(sequence_fprm_config()).eval()
     ids = torch.randint(1, 7, (1, 12))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] % 6) + 1
@@ -211,7 +210,7 @@ def test_causal_sequence_model_does_not_see_the_future_and_grid_model_does():
         a, b = causal(ids, halting=False, max_loops=5), causal(changed, halting=False, max_loops=5)
     torch.testing.assert_close(a.logits[:, :-1], b.logits[:, :-1])
     assert not torch.allclose(a.logits[:, -1], b.logits[:, -1])
-    grid = tiny_model()
+    grid = tiny_fprm()
     ids = grid_inputs(1)
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % 7
@@ -221,14 +220,14 @@ def test_causal_sequence_model_does_not_see_the_future_and_grid_model_does():
 
 
 def test_causal_conv_has_kernel_4_and_2d_conv_is_3x3_depthwise():
-    seq = FPRMForReasoning(sequence_config()).model.conv
+    seq = FPRMForReasoning(sequence_fprm_config()).model.conv
     assert seq.weight.shape == (32, 1, 4) and seq.bias is None  # depthwise: one kernel per channel, no bias
-    grid = tiny_model().model.conv
+    grid = tiny_fprm().model.conv
     assert grid.weight.shape == (32, 1, 3, 3) and grid.bias is None
 
 
 def test_2d_conv_only_mixes_grid_neighbours_and_leaves_prefix_rows():
-    model = tiny_model().model
+    model = tiny_fprm().model
     with torch.no_grad():
         y = torch.randn(1, 18, 32)
         base = model.conv(y)
@@ -243,7 +242,7 @@ def test_2d_conv_only_mixes_grid_neighbours_and_leaves_prefix_rows():
 
 
 def test_causal_conv_sees_the_last_kernel_positions_only():
-    model = FPRMForReasoning(sequence_config()).model
+    model = FPRMForReasoning(sequence_fprm_config()).model
     with torch.no_grad():
         y = torch.randn(1, 10, 32)
         base = model.conv(y)
@@ -254,7 +253,7 @@ def test_causal_conv_sees_the_last_kernel_positions_only():
 
 def test_the_conv_replaces_the_grid_rows_of_the_raw_state():
     """The authors' placement: y' = [prefix rows of y ; DWConv(grid rows of y)] before the mix h = α2·y' + β2·x."""
-    model = tiny_model(residual_scaling="fixed", num_hidden_layers=1).model
+    model = tiny_fprm(residual_scaling="fixed", num_hidden_layers=1).model
     with torch.no_grad():
         x = model.embed(grid_inputs(1))
         y = torch.randn_like(x)
@@ -270,7 +269,7 @@ def test_the_conv_replaces_the_grid_rows_of_the_raw_state():
 def test_position_embedding_types(positions):
     torch.manual_seed(0)
     # fixed_init: the same z0 on every token, so that only positions can tell the cells apart
-    model = FPRMForReasoning(tiny_config(position_embedding_type=positions, conv_type="none", fixed_init=True)).eval()
+    model = FPRMForReasoning(tiny_fprm_config(position_embedding_type=positions, conv_type="none", fixed_init=True)).eval()
     assert (model.model.embed_positions is not None) == (positions == "learned")
     assert (model.model.rotary_emb is not None) == (positions == "rope")
     ids = torch.full((1, 16), 3)
@@ -282,7 +281,7 @@ def test_position_embedding_types(positions):
 
 
 def test_prefix_tokens_per_puzzle_identifier():
-    model = tiny_model(num_puzzle_identifiers=3)
+    model = tiny_fprm(num_puzzle_identifiers=3)
     assert model.model.prefix.shape == (3, 2, 32)
     assert not model.model.prefix.any()  # zero at init, as the authors' puzzle embedding
     with torch.no_grad():
@@ -297,7 +296,7 @@ def test_prefix_tokens_per_puzzle_identifier():
 
 
 def test_z0_is_a_fresh_truncated_normal_per_sample_and_token_with_init_std():
-    model = FPRMModel(tiny_config(init_std=6.0, hidden_size=256, intermediate_size=8, num_hidden_layers=1))
+    model = FPRMModel(tiny_fprm_config(init_std=6.0, hidden_size=256, intermediate_size=8, num_hidden_layers=1))
     x = torch.zeros(8, 18, 256)
     model.train()
     torch.manual_seed(0)
@@ -325,21 +324,21 @@ def test_z0_is_a_fresh_truncated_normal_per_sample_and_token_with_init_std():
 
 
 def test_fixed_init_stores_one_z0_vector_that_is_saved(tmp_path):
-    model = tiny_model(fixed_init=True, init_std=6.0)
+    model = tiny_fprm(fixed_init=True, init_std=6.0)
     z = model.model.z_init
     assert z.shape == (32,) and "model.z_init" in model.state_dict()
     y0 = model.model.initial_z(torch.zeros(3, 18, 32))
     assert torch.equal(y0, z.expand(3, 18, 32))
     model.save_pretrained(tmp_path)
     torch.testing.assert_close(FPRMForReasoning.from_pretrained(tmp_path).model.z_init, z)  # saved, not re-drawn
-    assert "model.z_init" not in tiny_model().state_dict()  # the default draws z0 fresh: nothing to store
+    assert "model.z_init" not in tiny_fprm().state_dict()  # the default draws z0 fresh: nothing to store
 
 
 # ---- 3. the solver ------------------------------------------------------------------------------------------------
 
 
 def test_residual_and_damped_update_of_one_iteration():
-    model = tiny_model().model
+    model = tiny_fprm().model
     ids = grid_inputs(2)
     with torch.no_grad():
         out = model(ids, max_loops=1, eta=0.5, halting=False)
@@ -367,7 +366,7 @@ def _simulate_decay(trace, eta0, patience, gamma, halt_eps, min_eta):
 
 
 def test_step_decay_patience_and_eta_halting_follow_algorithm_1():
-    model = tiny_model(seed=4).model
+    model = tiny_fprm(seed=4).model
     ids = grid_inputs(3, seed=7)
     knobs = dict(halt_eps=1e-9, patience=2, gamma=0.5, min_eta=0.02, max_loops=300)
     with torch.no_grad():
@@ -383,7 +382,7 @@ def test_step_decay_patience_and_eta_halting_follow_algorithm_1():
 
 
 def test_per_sample_halting_freezes_rows_and_stops_when_all_halted():
-    model = tiny_model(seed=3).model
+    model = tiny_fprm(seed=3).model
     ids = grid_inputs(4, seed=3)
     calls = []
     model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
@@ -407,7 +406,7 @@ def test_per_sample_halting_freezes_rows_and_stops_when_all_halted():
 
 
 def test_forward_knobs_override_config_and_halting_false_runs_the_cap():
-    model = tiny_model(seed=1)
+    model = tiny_fprm(seed=1)
     ids = grid_inputs(3)
     with torch.no_grad():
         loose = model(ids, halt_eps=0.5, max_loops=200)
@@ -420,7 +419,7 @@ def test_forward_knobs_override_config_and_halting_false_runs_the_cap():
 
 
 def test_solver_state_continues_where_it_stopped():
-    model = tiny_model(seed=2).model
+    model = tiny_fprm(seed=2).model
     ids = grid_inputs(2)
     with torch.no_grad():
         full = model(ids, max_loops=8, halting=False)
@@ -432,7 +431,7 @@ def test_solver_state_continues_where_it_stopped():
 
 def test_a_solver_state_is_refused_on_other_inputs_of_the_same_shape():
     # it was reused silently: a row converged on the old puzzle ran 0 iterations and returned the old puzzle's answer
-    model = tiny_model(seed=2, num_puzzle_identifiers=2)
+    model = tiny_fprm(seed=2, num_puzzle_identifiers=2)
     ids, other = grid_inputs(2), grid_inputs(2, seed=5)
     other[0] = ids[0]  # row 0 is the same puzzle, row 1 another
     with torch.no_grad():
@@ -454,7 +453,7 @@ def test_a_solver_state_is_refused_on_other_inputs_of_the_same_shape():
 
 
 def test_a_solver_state_of_another_dtype_or_hand_edited_is_a_named_error():
-    model = tiny_model(seed=2)
+    model = tiny_fprm(seed=2)
     ids = grid_inputs(2)
     with torch.no_grad():
         state = model(ids, max_loops=2).solver_state
@@ -499,7 +498,7 @@ def test_input_independent_stays_within_theorem_1_bound_while_plain_prenorm_grow
     of the kernel): per channel |f(y)| ≤ a|y| + β2(α1^(2N)|x| + c_f) with a = c·α2·α1^(2N), so when a < 1 every
     iterate obeys ‖y_t‖∞ ≤ max(‖z0‖∞, β2(α1^(2N)‖x‖∞ + c_f)/(1 − a)), c_f the largest sub-layer output."""
     torch.manual_seed(0)
-    stable = FPRMForReasoning(tiny_config(init_std=6.0)).eval()
+    stable = FPRMForReasoning(tiny_fprm_config(init_std=6.0)).eval()
     n = 2 * stable.config.num_hidden_layers
     a1, a2 = stable.config.alpha1, stable.config.alpha2  # at init, the same in every channel
     beta2 = 1 - a2 * a1**n
@@ -511,14 +510,14 @@ def test_input_independent_stays_within_theorem_1_bound_while_plain_prenorm_grow
     assert all(math.isfinite(v) and v <= bound * (1 + 1e-5) for v in norms)
 
     torch.manual_seed(0)
-    plain = FPRMForReasoning(tiny_config(residual_scaling="none", init_std=6.0)).eval()
+    plain = FPRMForReasoning(tiny_fprm_config(residual_scaling="none", init_std=6.0)).eval()
     plain_norms, plain_x, plain_f = _run_loops(plain, 500)
     assert plain_norms[-1] > 10 * max(plain_norms[0], plain_x + plain_f)  # far outside what a scaled model obeys
     assert plain_norms[-1] > 3 * plain_norms[100]  # and still growing
 
 
 def test_non_finite_residual_stops_and_flags_that_sample_only():
-    model = tiny_model(seed=1).model
+    model = tiny_fprm(seed=1).model
     ids = grid_inputs(3, seed=3)
     with torch.no_grad():
         clean = model(ids, halt_eps=0.05, max_loops=100)
@@ -549,7 +548,7 @@ def test_non_finite_residual_stops_and_flags_that_sample_only():
 
 
 def test_non_finite_weights_give_finite_logits_and_a_flag():
-    model = tiny_model(seed=1)
+    model = tiny_fprm(seed=1)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
         out = model(grid_inputs(2), max_loops=10)
@@ -562,9 +561,9 @@ def test_non_finite_weights_give_finite_logits_and_a_flag():
 def test_the_values_of_removed_options_that_the_model_computes_still_load(tmp_path):
     """config.json files of earlier 0.1.0 builds hold `conv_placement="state"` and `final_norm=False` (what the model
     computes today): they load, and the keys are dropped (any other value is a row of the refusal table)."""
-    config = tiny_config(conv_placement="state", final_norm=False)
+    config = tiny_fprm_config(conv_placement="state", final_norm=False)
     assert not hasattr(config, "conv_placement") and not hasattr(config, "final_norm")
-    FPRMForReasoning(tiny_config()).save_pretrained(tmp_path)
+    FPRMForReasoning(tiny_fprm_config()).save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**data, "conv_placement": "state", "final_norm": False}))
     loaded = FPRMForReasoning.from_pretrained(tmp_path).config
@@ -573,7 +572,7 @@ def test_the_values_of_removed_options_that_the_model_computes_still_load(tmp_pa
 
 def test_labels_all_ignored_give_a_nan_loss_as_cross_entropy():
     # the refusals of bad labels, identifiers and ids are rows of tests/bad_input_table.py
-    assert tiny_model()(grid_inputs(2), labels=torch.full((2, 16), -100)).loss.isnan()
+    assert tiny_fprm()(grid_inputs(2), labels=torch.full((2, 16), -100)).loss.isnan()
     assert FPRMSolverState  # exported for users who carry states between calls
 
 
@@ -581,7 +580,7 @@ def test_a_carried_solver_state_is_judged_by_the_calls_halting_rule():
     """A state that halted under one halt_eps continues under another call's rule: a lower halt_eps (or
     halting=False) reopens its rows, and `converged` means "residual below this call's halt_eps" (it used to keep
     the old flags: 0 iterations, converged=True at residuals far above the new halt_eps)."""
-    model = tiny_model().eval()
+    model = tiny_fprm().eval()
     ids = grid_inputs(3)
     state = model(ids, halt_eps=0.5).solver_state
     assert state.halted.all() and (state.residuals > 1e-4).all()
@@ -594,20 +593,20 @@ def test_a_carried_solver_state_is_judged_by_the_calls_halting_rule():
 
 def test_tie_word_embeddings_ties_the_head_to_the_embeddings(tmp_path):
     """`tie_word_embeddings=True` was accepted and did nothing; the default stays untied (the authors' head)."""
-    tied = tiny_model(tie_word_embeddings=True)
+    tied = tiny_fprm(tie_word_embeddings=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     tied.save_pretrained(tmp_path)
     loaded = FPRMForReasoning.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, tied.lm_head.weight)
-    untied = tiny_model()
+    untied = tiny_fprm()
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
 def test_inputs_embeds_stand_in_for_the_token_embeddings():
     """As transformers models: `inputs_embeds` = `get_input_embeddings()(input_ids)` gives the same result; exactly
     one of the two is needed; `output_attentions` is taken as None / False only."""
-    model = tiny_model().eval()
+    model = tiny_fprm().eval()
     ids = grid_inputs(2)
     embeds = model.get_input_embeddings()(ids)
     torch.testing.assert_close(model(inputs_embeds=embeds, labels=ids).logits, model(ids, labels=ids).logits,
@@ -628,7 +627,7 @@ def test_lora_with_the_token_classification_task_type_trains():
     and `output_attentions`: it used to fail with an unexpected keyword argument."""
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model()
+    model = tiny_fprm()
     peft_model = get_peft_model(model, LoraConfig(target_modules=["qkv_proj", "o_proj"], task_type="TOKEN_CLS"))
     ids = grid_inputs(2)
     out = peft_model(input_ids=ids, labels=ids)
@@ -647,7 +646,7 @@ def test_half_precision_computes_the_fp32_function_up_to_rounding(layout, bound)
 
     overrides = {} if layout == "grid" else dict(grid_size=None, conv_type="causal_1d", causal=True,
                                                  position_embedding_type="none", num_prefix_tokens=0)
-    model = tiny_model(0, init_std=0.15, **overrides)
+    model = tiny_fprm(0, init_std=0.15, **overrides)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(0.15)
         if model.model.prefix is not None:
@@ -664,4 +663,4 @@ def test_half_precision_computes_the_fp32_function_up_to_rounding(layout, bound)
             print(f"{layout} {dtype}: cast {cast:.4f}, autocast {autocast:.4f}, ratio {cast / autocast:.2f}")
             assert 0 < cast <= bound * autocast, f"{dtype}: cast {cast:.4f} vs autocast {autocast:.4f}"
     with pytest.raises(ValueError, match="rms_norm_eps"):
-        tiny_config(rms_norm_eps=None)
+        tiny_fprm_config(rms_norm_eps=None)

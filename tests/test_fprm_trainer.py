@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback as TransformersCallback
 
 from benchmarks.bench_fprm_memory import train_memory
-from fprm_fixtures import one_thread, sequence_fprm_config, tiny_fprm  # noqa: F401  (one_thread is autouse)
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+from tiny_models import sequence_fprm_config, tiny_fprm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed=0):

@@ -21,10 +21,11 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from fprm_fixtures import one_thread  # noqa: F401  (autouse)
 from fprm_hf.convert_reference import _map_key, convert
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 from test_fprm_reference import BASE, Reference, reference_state_dict
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 HIDDEN = 32
 LR = 1e-3

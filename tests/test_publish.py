@@ -409,7 +409,7 @@ def test_push_to_hub_writes_the_packages_card(hub, checkpoint, tmp_path):
     path, _ = checkpoint
     code = f"""
     from loopformer_hf import LoopFormerForCausalLM
-    from fprm_fixtures import sequence_fprm_config, tiny_fprm
+    from tiny_models import sequence_fprm_config, tiny_fprm
     from fprm_hf import FPRMForReasoning
 
     LoopFormerForCausalLM.from_pretrained(r"{path}").push_to_hub("org/pushed-lf", token="{TOKEN}", tags=["mine"])
