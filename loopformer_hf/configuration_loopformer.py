@@ -323,6 +323,11 @@ class LoopFormerConfig(PreTrainedConfig):
 
         if is_reference_config(config_dict):  # always a plain LoopFormerConfig, whichever model_type it claimed
             return super(LoopFormerConfig, LoopFormerConfig).from_dict(translate_config(config_dict), **kwargs)
+        if "num_loops" not in config_dict and "num_loops" not in kwargs:
+            # the constructor's default (8) would load silently and change the logits
+            raise ValueError("A LoopFormer config.json must give `num_loops`, got none: the loop count a looped model "
+                             "was trained with is part of its weights' meaning. Add \"num_loops\": L (the loop steps "
+                             "of its training run) to config.json, or pass num_loops=L to from_pretrained.")
         return super().from_dict(config_dict, **kwargs)
 
     @property

@@ -131,6 +131,16 @@ def loopformer_pickle_as_safetensors(tmp):
     return folder
 
 
+def without_num_loops(tmp):
+    """A saved LoopFormer folder whose config.json lost its `num_loops` (written by hand, or by another tool)."""
+    folder = Path(tmp) / "model"
+    loopformer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_loops"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 # a config file with a Python-object tag: yaml.safe_load constructs nothing (the command must not run)
 PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
 
@@ -253,6 +263,9 @@ CASES = [
     Case(f"{LF} from_pretrained", "a folder whose model.safetensors is a pickle",
          lambda t: loopformer().from_pretrained(loopformer_pickle_as_safetensors(t)), OSError,
          r"model/model\.safetensors' is not a safetensors file \(safetensors: .*\)\. Nothing was loaded"),
+    Case(f"{LF} from_pretrained", "a config.json without num_loops (it loaded with 8, other logits)",
+         lambda t: loopformer().from_pretrained(without_num_loops(t)), ValueError,
+         r"config\.json must give `num_loops`, got none.*Add \"num_loops\": L"),
     # FPRM configuration
     *(refused_setting(f"{FP} config", fprm_config, field, value, message) for field, value, message in (
         ("causal", "no", r"`causal` must be True or False, got 'no'"),
