@@ -157,7 +157,6 @@ def _logit(p):
     return float(torch.logit(torch.tensor(p, dtype=torch.float64)))
 
 
-
 @dataclass
 class FPRMModelOutput(ModelOutput):
     """
@@ -233,7 +232,6 @@ FPRM_INPUTS_DOCSTRING = r"""
             re-injected as those are.
         output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
 """
-
 
 
 class FPRMModel(FPRMPreTrainedModel):

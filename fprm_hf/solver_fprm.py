@@ -36,8 +36,9 @@ class FPRMSolverState:
     @classmethod
     def start(cls, hidden, eta, patience):
         """A fresh state from the iterate `hidden` (z0): η = `eta` and `patience` per sample, nothing halted."""
-        b, device = hidden.shape[0], hidden.device
-        full = lambda value, dtype: torch.full((b,), value, dtype=dtype, device=device)  # noqa: E731
+        def full(value, dtype):
+            return torch.full((hidden.shape[0],), value, dtype=dtype, device=hidden.device)
+
         return cls(hidden=hidden, eta=full(float(eta), torch.float32), patience=full(patience, torch.long),
                    best=full(float("inf"), torch.float32), residuals=full(float("inf"), torch.float32),
                    iterations=full(0, torch.long), halted=full(False, torch.bool), converged=full(False, torch.bool),
@@ -62,7 +63,6 @@ class FPRMSolverState:
         """The state of the rows indexed by `rows` (a LongTensor)."""
         return FPRMSolverState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                                   for f in fields(self)})
-
 
 
 @dataclass(frozen=True)
