@@ -16,6 +16,25 @@ import torch.nn.functional as F
 CONSISTENCY_LOSSES = ("mse", "kl")
 
 
+def check_labels(labels, shift_labels, shape, vocab_size):
+    """Raise `ValueError` unless `labels` (and `shift_labels`, if given) are integer tensors of the input's `shape`
+    (batch, seq_len) holding token ids in [0, vocab_size) or -100 (ignored): cross-entropy would fail with a raw
+    torch error (a device-side assert on CUDA), or broadcast a wrong shape."""
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dtype == torch.bool or tuple(
+                value.shape) != tuple(shape):
+            got = (f"Tensor {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ValueError(f"`{name}` must be an integer tensor of the shape of the input {tuple(shape)} (batch, "
+                             f"seq_len), got {got}.")
+        bad = value[(value != -100) & ((value < 0) | (value >= vocab_size))]
+        if bad.numel():
+            raise ValueError(f"`{name}` must lie in [0, {vocab_size - 1}] (vocab_size={vocab_size}) or be -100 "
+                             f"(ignored), got {sorted(set(bad.unique()[:5].tolist()))}.")
+
+
 def _next_token_pairs(logits, labels, shift_labels=None):
     """(logits, targets) of next-token prediction: `labels` shifted by one, or `shift_labels` as given (one target
     per position, the last one the token after the window), as transformers' `ForCausalLMLoss` takes them."""

@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
-from .loss_loopformer import check_consistency_args, shortcut_consistency_loss
+from .loss_loopformer import check_consistency_args, check_labels, shortcut_consistency_loss
 from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
 from .halting_loopformer import LoopFormerHaltingState
 from .hub import LoopFormerHubMixin
@@ -669,6 +669,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             )
         if labels is None:
             return None, {}
+        check_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size)
         objective = None
         if consistency["short_step_schedule"] is None and self.training:
             objective = self.shortcut_objective

@@ -259,6 +259,12 @@ CASES = [
     Case(f"{LF} forward", "a cache of 2 sequences for 1", lambda t: loopformer()(
         IDS[:, :1], cache=loopformer()(IDS.expand(2, 3), use_cache=True).cache), ValueError,
          r"cache holds 2 sequences; this call gives 1"),
+    Case(f"{LF} forward", "labels with a token id >= vocab_size", lambda t: loopformer()(IDS, labels=IDS + 97),
+         ValueError, r"`labels` must lie in \[0, 96\] \(vocab_size=97\) or be -100 \(ignored\), got \[100, 101, 102\]"),
+    Case(f"{LF} forward", "labels of shape (1, 2)", lambda t: loopformer()(IDS, labels=IDS[:, :2]), ValueError,
+         r"`labels` must be an integer tensor of the shape of the input \(1, 3\).*got Tensor \(1, 2\)"),
+    Case(f"{LF} forward", "float labels", lambda t: loopformer()(IDS, labels=IDS.float()), ValueError,
+         r"`labels` must be an integer tensor.*torch\.float32"),
     # LoopFormer loading
     Case(f"{LF} from_pretrained", "a folder whose model.safetensors is a pickle",
          lambda t: loopformer().from_pretrained(loopformer_pickle_as_safetensors(t)), OSError,
