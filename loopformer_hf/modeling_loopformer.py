@@ -279,8 +279,8 @@ class LoopFormerBlock(GradientCheckpointingLayer):
 
         Returns (hidden_states, attention weights, this call's (keys, values)).
         """
-        if adaln is None and conditioning is not None:
-            adaln = self.adaln(self.adaLN_modulation(conditioning).to(hidden_states.dtype))
+        if adaln is None and conditioning is not None:  # as a (1, d) row: a quantised Linear takes no 1-D input
+            adaln = self.adaln(self.adaLN_modulation(conditioning[None])[0].to(hidden_states.dtype))
         weight_attn = weight_mlp = None
         if adaln is not None:
             gate_attn, gate_mlp, weight_attn, weight_mlp = adaln

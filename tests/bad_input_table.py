@@ -454,6 +454,10 @@ HANDLED = [
     Handled(f"{LF} quantised", "torch dynamic int8",
             "loads and generates (fixed budget and halting); logit error within a same-size Llama's",
             QUANT + "test_dynamic_int8_loopformer_loads_and_generates_within_a_llamas_error"),
+    Handled(f"{LF} quantised", "torch dynamic int8, called with gradients on",
+            "runs, as a Llama does, with the logits of a call under `torch.no_grad()` (was a raw RuntimeError: a "
+            "step's 1-D conditioning reached a quantised Linear)",
+            "tests/test_quantized_with_grad.py::test_a_dynamic_int8_loopformer_runs_with_gradients_on_as_with_them_off"),
     Handled(f"{LF} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
             "loads and generates where bitsandbytes runs; logit error within a same-size Llama's",
             QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
