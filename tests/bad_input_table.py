@@ -360,6 +360,10 @@ CASES = [
          r"--chat_template .* is not a file"),
     Case("loopformer.train", "--config file.txt", TRAIN("--config", "{tmp}/file.txt"), ValueError,
          r"config file must end in one of"),
+    Case("loopformer.train", "--preset synthetic-tiny --config my.yaml", lambda t: TRAIN(
+        "--preset", "synthetic-tiny", "--config", str(file_in(t, "my.yaml", b"num_loops: 4\n")))(t), ValueError,
+         r"Give one config file, got .*: a --preset NAME is itself one .*The rule: one file sets the defaults, and the "
+         r"flags given on the command line override its values"),
     Case("loopformer.train", "--config broken.json", lambda t: TRAIN("--config", str(file_in(
         t, "broken.json", b'{"num_loops": 3,')))(t), ValueError, r"broken\.json' is not plain JSON"),
     Case("loopformer.train", "--config tagged.yaml (a !!python/object tag)",

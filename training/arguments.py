@@ -37,7 +37,12 @@ def split_config_file(argv):
         else:
             i += 1
     if len(found) > 1:
-        raise ValueError(f"Give one config file, got {found}.")
+        raise ValueError(
+            f"Give one config file, got {found}: a --preset NAME is itself one (its YAML file), so --preset and "
+            f"--config (or two --config) do not combine. The rule: one file sets the defaults, and the flags given on "
+            f"the command line override its values. Give --preset NAME (or --config FILE) with the values to change as "
+            f"flags, or copy the preset's file, edit it and give the copy as --config."
+        )
     return (found[0] if found else None), rest
 
 
