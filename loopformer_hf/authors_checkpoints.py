@@ -278,7 +278,12 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     config._name_or_path = os.fspath(path)
-    model = load_reference_model(cls, path, config, dtype=dtype, hub_kwargs=hub_kwargs, device=device)
+    from .modeling_loopformer import LoopFormerForCausalLM
+
+    causal_lm = cls if issubclass(cls, LoopFormerForCausalLM) else LoopFormerForCausalLM
+    model = load_reference_model(causal_lm, path, config, dtype=dtype, hub_kwargs=hub_kwargs, device=device)
+    if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM
+        model = model.model
     if output_loading_info:
         return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return model

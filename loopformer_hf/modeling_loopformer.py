@@ -337,18 +337,10 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`; a weights file that is not safetensors (a pickle renamed
         `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
-        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same).
-
-        A repo in the layout of the authors' Hub checkpoints (their config keys and weight names) is translated
-        and mapped (`authors_checkpoints`); a tensor no mapping knows, or one the model misses, is a ValueError."""
+        safetensors' bare "Error while deserializing header" through (as Llama). A repo in the authors' Hub layout
+        is translated and mapped, never loaded at random (`authors_checkpoints`)."""
         from .authors_checkpoints import from_pretrained_reference  # it maps names onto this module's classes
-
-        if cls is LoopFormerModel:  # the base model of the translated causal LM
-            reference = from_pretrained_reference(LoopFormerForCausalLM, pretrained_model_name_or_path, args, kwargs)
-            if reference is not None:
-                return reference.model
-        reference = from_pretrained_reference(cls, pretrained_model_name_or_path, args, kwargs)
-        if reference is not None:
+        if (reference := from_pretrained_reference(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
             return reference
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
