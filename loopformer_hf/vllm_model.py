@@ -37,47 +37,11 @@ from vllm.sequence import IntermediateTensors
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
 from .modeling_loopformer import LoopFormerLoopConditioning
+from .vllm_plugin import server_trajectory
 
 
 # `rms_norm_eps=None`: float32's eps whatever the dtype, as `LoopFormerRMSNorm` (the reference's norms see float32).
 DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
-# Knobs of `LoopFormerForCausalLM.generate` that a LoopFormer server reads (--hf-overrides, generation_config.json).
-SERVER_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
-
-
-def server_trajectory(hf_config, generation_config=None):
-    """The step sizes (Δ_1, ..., Δ_M) this server runs every request with.
-
-    Each knob comes from the first of: an attribute of `hf_config` set by vLLM's `--hf-overrides`
-    (`loop_budget`, `step_schedule`), the checkpoint's generation_config.json (`generation_config`, a dict), the
-    config's own defaults. Validated by `LoopFormerConfig.resolve_trajectory` (the checks `generate` makes).
-    Raises `ValueError` for what a vLLM server cannot run exactly:
-    - `halt_eps` (per-token halting): a token's depth would depend on its values, while vLLM batches every request's
-      tokens through one fixed stack of cache layers;
-    - `cache_sharing="modulo"`: the shared slots are overwritten across decode steps in `generate`'s order, which
-      paged attention does not reproduce.
-    """
-    generation_config = generation_config or {}
-    knobs = {}
-    for name in SERVER_KNOBS:
-        value = getattr(hf_config, name, None)
-        knobs[name] = generation_config.get(name) if value is None else value
-    if knobs["halt_eps"] is not None:
-        raise ValueError(
-            f"halt_eps={knobs['halt_eps']!r} (per-token halting) is not supported by the vLLM LoopFormer model: vLLM "
-            f"runs every token through one fixed stack of (loop step, block) cache layers. Serve a fixed budget "
-            f"(remove halt_eps from the checkpoint's generation_config.json), or use "
-            f"`model.generate(..., halt_eps=...)`."
-        )
-    if getattr(hf_config, "cache_sharing", "none") != "none":
-        raise ValueError(
-            f"cache_sharing={hf_config.cache_sharing!r} is not supported by the vLLM LoopFormer model (its slots are "
-            f"shared across decode steps in generate's order); serve with --hf-overrides "
-            f"'{{\"cache_sharing\": \"none\"}}' (exact: one cache per loop step and block)."
-        )
-    return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
-
-
 def rms_norm(x, weight, eps):
     """RMSNorm in float32 (weight optional), as the checkpoint's `rms_norm`."""
     eps = DEFAULT_RMS_NORM_EPS if eps is None else eps

@@ -14,6 +14,7 @@ on this CPU). Fewer than a few hundred steps leave a model that repeats one toke
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -288,6 +289,25 @@ def test_halt_eps_and_bad_budgets_are_refused_with_a_message(vllm_results):
     assert "halt_eps=0.05" in vllm_results["halt_eps_refused"]["error"]
     assert "per-token halting" in vllm_results["halt_eps_refused"]["error"]
     assert "`loop_budget` must be an integer >= 1, got 0" in vllm_results["bad_budget_refused"]["error"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"loop_budget": 0}, "`loop_budget` must be an integer >= 1, got 0"),
+    ({"loop_budget": 99}, "`loop_budget`=99 exceeds the largest loop budget"),
+    ({"loop_budget": "two"}, "`loop_budget` must be an integer >= 1, got 'two'"),
+    ({"step_schedule": [0.3, 0.3]}, "`step_schedule` must sum to 1"),
+    ({"halt_eps": 0.1}, "halt_eps=0.1 (per-token halting) is not supported"),
+])
+def test_bad_overrides_are_refused_where_the_model_config_is_built(checkpoints, overrides, message):
+    """The plugin's config hook runs where vLLM builds its ModelConfig: in the user's process (API server, `LLM`),
+    so the message reaches the user, not only the engine core's log."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=checkpoints["loopformer"], hf_overrides=overrides, dtype="float32", max_model_len=128)
+    with pytest.raises(Exception, match=re.escape(message)):
+        args.create_model_config()
+    EngineArgs(model=checkpoints["loopformer"], hf_overrides={"loop_budget": 2}, dtype="float32",
+               max_model_len=128).create_model_config()  # a good one passes
 
 
 def test_server_trajectory_reads_overrides_then_generation_config_then_config(checkpoints):
