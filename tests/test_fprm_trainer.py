@@ -15,7 +15,8 @@ from tiny_models import sequence_fprm_config, tiny_fprm
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_model(seed=0):
+def training_fprm(seed=0):
+    """A tiny grid FPRM in training mode, z0 drawn at std 1 and a cap of 64 iterations."""
     return tiny_fprm(seed, init_std=1.0, max_loops=64).train()
 
 
@@ -37,7 +38,7 @@ def make_trainer(tmp_path, model, steps, **overrides):
 
 
 def test_alpha_parameters_get_no_weight_decay(tmp_path):
-    trainer = make_trainer(tmp_path, tiny_model(), 1)
+    trainer = make_trainer(tmp_path, training_fprm(), 1)
     trainer.create_optimizer()
     decay_of = {}
     names = {id(p): n for n, p in trainer.model.named_parameters()}
@@ -50,7 +51,7 @@ def test_alpha_parameters_get_no_weight_decay(tmp_path):
 
 
 def test_each_step_is_one_segment_with_detached_carry_and_replacement(tmp_path):
-    model = tiny_model()
+    model = training_fprm()
     trainer = make_trainer(tmp_path, model, 1)
     calls = []
     model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
@@ -78,7 +79,7 @@ def test_each_step_is_one_segment_with_detached_carry_and_replacement(tmp_path):
 
 
 def test_a_halted_sample_is_replaced_at_the_next_segment(tmp_path):
-    model = tiny_model()
+    model = training_fprm()
     trainer = make_trainer(tmp_path, model, 1, max_segments=100, train_halt_eps=1e3)  # everything halts at once
     trainer.train()
     # the authors' halting: the segment runs its n_backward = 3 iterations, then every sample halts
@@ -352,7 +353,7 @@ def test_after_segment_halting_runs_every_iteration_then_halts_per_sample(tmp_pa
     """The authors' training halting: a segment always runs its n_backward iterations (no freezing inside it); after
     it, a sample halts where its last residual < τ (or η < min_eta) and is then replaced."""
     def segment(tau, **kw):
-        model = tiny_model()
+        model = training_fprm()
         calls = []
         model.model.layers[0].register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape[0]))
         trainer = make_trainer(tmp_path, model, 1, train_halt_eps=tau, n_backward=3, max_segments=50, **kw)
@@ -466,14 +467,14 @@ def test_label_smoothing_and_compute_loss_func_which_fprm_trainer_does_not_apply
     with pytest.raises(ValueError, match=r"`label_smoothing_factor` .*got 0\.1.* use 0"):
         FPRMTrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"`compute_loss_func` .*got <lambda>.*loss_type"):
-        FPRMTrainer(model=tiny_model(), args=FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+        FPRMTrainer(model=training_fprm(), args=FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
                                                                     report_to="none"),
                     train_dataset=numbered_dataset(), compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
 
 
 def test_a_training_batch_without_labels_is_a_clear_error(tmp_path):
     # was KeyError: 'labels' deep in the segment step
-    trainer = make_trainer(tmp_path, tiny_model(), 1)
+    trainer = make_trainer(tmp_path, training_fprm(), 1)
     trainer.train_dataset = numbered_dataset().remove_columns("labels")
     with pytest.raises(ValueError, match=r"needs `labels` .*got \['input_ids'\]"):
         trainer.train()
@@ -488,7 +489,7 @@ def test_eval_gamma_applies_to_the_iterations_curve_too(tmp_path):
 
     from looped_training.fprm.evaluate import evaluate
 
-    model = tiny_model().eval()
+    model = training_fprm().eval()
     gammas = []
     model.register_forward_pre_hook(lambda mod, args, kwargs: gammas.append(kwargs.get("gamma")), with_kwargs=True)
     test = numbered_dataset(4).add_column("num_blanks", [1, 2, 3, 4])
@@ -509,7 +510,7 @@ def test_evaluation_sees_every_sample_with_the_drop_last_that_training_needs(tmp
         seen.append(eval_pred.label_ids.shape[0])
         return {}
 
-    trainer = make_trainer(tmp_path, tiny_model(), 1, per_device_eval_batch_size=8)
+    trainer = make_trainer(tmp_path, training_fprm(), 1, per_device_eval_batch_size=8)
     trainer.compute_metrics = metrics
     trainer.evaluate(numbered_dataset(20))
     assert seen == [20]
@@ -556,7 +557,7 @@ def test_authors_recipe_arguments_are_validated(tmp_path, overrides, message):
 
 def test_authors_recipe_options_that_the_model_cannot_follow_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"`q_loss_coefficient=0.5` needs a model with a Q-head"):
-        make_trainer(tmp_path, tiny_model(), 1, q_loss_coefficient=0.5)
+        make_trainer(tmp_path, training_fprm(), 1, q_loss_coefficient=0.5)
     no_prefix = tiny_fprm(0, num_prefix_tokens=0).train()
     with pytest.raises(ValueError, match=r"`puzzle_emb_optimizer='signsgd'` trains the prefix rows"):
         make_trainer(tmp_path, no_prefix, 1, puzzle_emb_optimizer="signsgd")
@@ -567,7 +568,7 @@ def test_authors_recipe_options_that_the_model_cannot_follow_are_refused(tmp_pat
 
 
 def test_defaults_do_not_clip_and_the_authors_lr_rule_starts_at_lr_over_w(tmp_path):
-    trainer = make_trainer(tmp_path, tiny_model(), 3, lr_schedule="authors", warmup_steps=4)
+    trainer = make_trainer(tmp_path, training_fprm(), 3, lr_schedule="authors", warmup_steps=4)
     assert trainer.args.max_grad_norm == 0
     lrs = []
     trainer.add_callback(type("LR", (TransformersCallback,), {
@@ -603,7 +604,7 @@ def test_ema_is_what_evaluation_and_the_saved_model_use_and_survives_a_resume(tm
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     torch.testing.assert_close(seen[0], ema)
     with pytest.raises(ValueError, match=r"has no fprm_ema.safetensors"):
-        plain = make_trainer(tmp_path / "plain", tiny_model(), 1, save_strategy="steps", save_steps=1)
+        plain = make_trainer(tmp_path / "plain", training_fprm(), 1, save_strategy="steps", save_steps=1)
         plain.train()
-        make_trainer(tmp_path / "plain", tiny_model(), 1, ema_decay=0.9).train(
+        make_trainer(tmp_path / "plain", training_fprm(), 1, ema_decay=0.9).train(
             resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
