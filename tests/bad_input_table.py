@@ -452,7 +452,8 @@ HANDLED = [
             "scale and layer applications under the same scheme (the test prints both)",
             QUANT + "test_dynamic_int8_fprm_solves_within_the_error_of_a_same_size_llama"),
     Handled(f"{FP} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
-            "loads and solves where bitsandbytes runs (skipped where it has no backend); the logit error of one "
+            "loads and solves where bitsandbytes runs (skipped where it is not installed, as in the default environment: "
+            "requirements-quant.txt is its own, or has no backend); the logit error of one "
             "iteration is printed beside the Llama's",
             QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
     Handled(f"{LF} quantised", "torch dynamic int8",

@@ -110,8 +110,12 @@ def test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_r
     # bitsandbytes 0.50.2 runs on this CPU (measured for 8-bit / 4-bit: LoopFormer 1e-4 / 6e-4 against an 8-layer
     # Llama's 0.023 / 0.30; one FPRM iteration at width 64, mean of 5 seeds, 0.029 / 0.474 against a 2-layer Llama at
     # FPRM's weight scale 0.034 / 0.536, on an AVX512-BF16 CPU; single seeds of the 4-bit error span 0.24-0.77, so
-    # 3 seeds did not separate them); where it is not installed or has no backend for the device, this is skipped
-    bnb = pytest.importorskip("bitsandbytes")
+    # 3 seeds did not separate them); where it is not installed (the default environment: requirements-quant.txt is
+    # its own) or has no backend for the device, this is skipped
+    bnb = pytest.importorskip("bitsandbytes", reason=(
+        "bitsandbytes is not in the default environment (through peft it prints a kernel warning on every command): "
+        "run this test in its own, `python3 -m venv .venv-quant && .venv-quant/bin/pip install -r "
+        "requirements-quant.txt`, then the package with `--no-deps -e .` (requirements-quant.txt says how)"))
     from transformers import BitsAndBytesConfig
 
     from fprm_hf import FPRMForReasoning
