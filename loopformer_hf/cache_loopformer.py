@@ -20,6 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
+from .halting_loopformer import probe_slots
 
 
 logger = logging.get_logger(__name__)
@@ -53,7 +54,7 @@ class LoopFormerCacheSpec(NamedTuple):
     @property
     def num_steps(self):
         """Loop-step slots per block that the cache stores."""
-        steps = len(self.trajectory)
+        steps = len(self.trajectory) + probe_slots(self.halt_criterion)  # "probe_entropy": its step's own slots
         return steps if self.share_n is None else min(steps, self.share_n)
 
     @property

@@ -28,8 +28,10 @@ HALT_KV_FILLS = ("recompute", "reuse")
 CACHE_SHARING_MODES = ("none", "modulo")
 # What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
 # successive steps' next-token distributions, or the entropy of the current one (both in nats). The "_shortcut" forms
-# exit through one step Δ = 1 − t to t = 1 before freezing (models conditioned on Δ only).
-HALT_CRITERIA = ("state_change", "kl", "entropy", "state_change_shortcut", "kl_shortcut", "entropy_shortcut")
+# exit through one step Δ = 1 − t to t = 1 before freezing; "probe_entropy" runs the one-step trajectory first and the
+# budget only for the tokens unsure there (models conditioned on Δ only).
+HALT_CRITERIA = ("state_change", "kl", "entropy", "state_change_shortcut", "kl_shortcut", "entropy_shortcut",
+                 "probe_entropy")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
@@ -216,6 +218,9 @@ class LoopFormerConfig(PreTrainedConfig):
             `"state_change_shortcut"`, `"kl_shortcut"`, `"entropy_shortcut"` (LoopFormer only): the same scores, but
             a token whose score falls after step i takes one more step, Δ = 1 − t_i to t = 1, and then stops, so that
             its path is a shortcut trajectory the objective trained (i + 1 steps) rather than a cut uniform one.
+            `"probe_entropy"` (LoopFormer only): every token first runs the one-step trajectory; where its next-token
+            entropy is below halt_eps it keeps that output (1 step), elsewhere it runs the budget from the
+            embeddings (1 + M steps; the probe's keys/values take M + 1-th cache slots of their own).
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.

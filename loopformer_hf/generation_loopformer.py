@@ -17,6 +17,7 @@ from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDeco
 
 from .cache_loopformer import LoopFormerCache
 from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
+from .halting_loopformer import probe_slots
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
@@ -104,7 +105,8 @@ class LoopFormerGenerationMixin(GenerationMixin):
         (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
-        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps)
+        rule = model_kwargs.get("halt_criterion") or self.config.halt_criterion  # "probe_entropy": its step's slots
+        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps + probe_slots(rule))
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has

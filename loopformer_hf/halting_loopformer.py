@@ -134,21 +134,31 @@ class LoopFormerHaltingStep(NamedTuple):
 
 
 SHORTCUT_EXIT_SUFFIX = "_shortcut"
+# "probe_entropy": every token first runs the one-step trajectory (Δ = 1, a trained endpoint); a token whose
+# next-token entropy there is below halt_eps keeps it (1 loop step), the others run the budget from the embeddings
+# (1 + M steps). The probe step has its own cache slots, after the budget's (`probe_slots`).
+PROBE_CRITERION = "probe_entropy"
+
+
+def probe_slots(criterion):
+    """Extra loop-step slots per block a cache needs under `criterion`: 1 for the probe's step, else 0."""
+    return int(criterion == PROBE_CRITERION)
 
 
 def split_criterion(criterion):
-    """("state_change" | "kl" | "entropy", exits through a shortcut step) of a `halt_criterion` value."""
+    """("state_change" | "kl" | "entropy" | "probe_entropy", exits through a shortcut step) of a `halt_criterion`
+    value."""
     if criterion.endswith(SHORTCUT_EXIT_SUFFIX):
         return criterion[:-len(SHORTCUT_EXIT_SUFFIX)], True
     return criterion, False
 
 
-def shortcut_exit_adaln(model, trajectory, dtype, device):
+def shortcut_exit_adaln(model, trajectory, dtype, device, first=1):
     """`exit[j][s]`: block j's adaLN vectors of a step that starts at step s's time t_s and jumps to t = 1
-    (Δ = 1 − t_s), for s = 1 .. M − 2 (None elsewhere: no token exits before step 1 has run, and at the last step the
-    exit step is the budget's own). The conditioning the shortcut trajectory trajectory[:s] + [1 − t_s] gives its
-    last step."""
-    steps = list(range(1, len(trajectory) - 1))
+    (Δ = 1 − t_s), for s = `first` .. M − 2 (None elsewhere: no token exits before step 1 has run, and at the last
+    step the exit step is the budget's own; s = 0 is the one-step trajectory, the probe's step). The conditioning the
+    shortcut trajectory trajectory[:s] + [1 − t_s] gives its last step."""
+    steps = list(range(first, max(len(trajectory) - 1, 1)))
     exit_adaln = [[None] * len(trajectory) for _ in model.layers]
     if not steps:
         return exit_adaln
@@ -199,6 +209,8 @@ class LoopFormerHaltingState:
     num_exiting: int = 0
     step: int = 0  # loop steps run so far in this call
     num_steps: int = 0  # the call's budget M
+    probe: bool = False  # "probe_entropy"
+    probe_states: torch.Tensor | None = None  # the one-step trajectory's output, kept by the tokens sure of it
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
@@ -209,30 +221,64 @@ class LoopFormerHaltingState:
                 f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
                 f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
             )
-        if shortcut_exit and config.loop_conditioning != "shortcut":
+        probe = score == PROBE_CRITERION
+        if (shortcut_exit or probe) and config.loop_conditioning != "shortcut":
             raise ValueError(
-                f"halt_criterion={criterion!r} exits through a step Δ = 1 − t, which only a model conditioned on Δ "
+                f"halt_criterion={criterion!r} runs a step Δ = 1 − t, which only a model conditioned on Δ "
                 f"(loop_conditioning='shortcut', LoopFormer) was trained for; this one has loop_conditioning="
-                f"{config.loop_conditioning!r}: use halt_criterion={score!r}."
+                f"{config.loop_conditioning!r}: use halt_criterion={'entropy' if probe else score!r}."
             )
-        return cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                   batch_seq.numel(), [None] * config.num_hidden_layers, score, readout,
-                   readout(hidden_states) if score == "kl" else None, shortcut_exit=shortcut_exit)
+        if probe and config.cache_sharing != "none":
+            raise ValueError(f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
+                             f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'.")
+        # the probe's tokens are frozen at the embeddings through the loop: their slots repeat the probe's keys/values
+        return cls(halt_eps, config.halt_kv_fill == "reuse" or probe,
+                   torch.ones(batch_seq, dtype=torch.bool, device=device), batch_seq.numel(),
+                   [None] * config.num_hidden_layers, score, readout,
+                   readout(hidden_states) if score == "kl" else None, shortcut_exit=shortcut_exit, probe=probe)
 
     def prepare_exits(self, model, trajectory, loop_adaln, cache):
         """Before the loop: with a "_shortcut" rule, the exit steps' adaLN vectors of `trajectory` (computed once per
         inference run: kept on `cache` beside the loop's own, `loop_adaln`, which is the same object while the cache
         keeps it)."""
         self.num_steps = len(trajectory)
-        if not self.shortcut_exit:
+        if not (self.shortcut_exit or self.probe):
             return
         memo = getattr(cache, "halting_exit_memo", None)
         if memo is not None and memo[0] is loop_adaln and not torch.is_grad_enabled():
             self.exit_adaln = memo[1]
             return
-        self.exit_adaln = shortcut_exit_adaln(model, trajectory, loop_adaln[0][0][0].dtype, loop_adaln[0][0][0].device)
+        self.exit_adaln = shortcut_exit_adaln(model, trajectory, loop_adaln[0][0][0].dtype, loop_adaln[0][0][0].device,
+                                              first=0 if self.probe else 1)
         if cache is not None and not torch.is_grad_enabled():
             cache.halting_exit_memo = (loop_adaln, self.exit_adaln)
+
+    def run_probe(self, blocks, hidden_states, mask, position_embeddings, cache):
+        """"probe_entropy", before the loop: every token runs the one-step trajectory (its keys/values in the cache
+        slots after the budget's); the tokens whose next-token entropy there is below halt_eps keep its output
+        (`final_states`) and sit out the loop, their slots repeating the probe's keys/values. Returns the loop's input
+        (the embeddings, unchanged)."""
+        if not self.probe:
+            return hidden_states
+        h = hidden_states
+        for j, block in enumerate(blocks):
+            h, _, self.last_kv[j] = block(
+                h, None, adaln=self.exit_adaln[j][0], attention_mask=mask, position_embeddings=position_embeddings,
+                cache=cache, cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0)
+        log_probs = self.readout(h)
+        sure = (log_probs.exp() * log_probs).sum(-1) > -self.halt_eps  # entropy < halt_eps (NaN: unsure)
+        self.probe_states, self.steps_all_ran = h, 1
+        self.active = ~sure
+        self.num_active = int(self.active.sum())  # one sync
+        return hidden_states
+
+    def final_states(self, hidden_states):
+        """The loop's output, with the probe's for the tokens that kept it."""
+        if self.probe_states is None:
+            return hidden_states
+        if self.num_active == 0:
+            return self.probe_states
+        return torch.where(self.active[..., None], hidden_states, self.probe_states)
 
     def exit_step_adaln(self, block, step, adaln):
         """Block `block`'s adaLN vectors at loop step `step` while some tokens take their exit step there: the exit
@@ -283,7 +329,7 @@ class LoopFormerHaltingState:
         a token whose score falls does not freeze yet: it takes one exit step (Δ = 1 − t) at the next step, then
         freezes (`_shortcut_update`)."""
         self.step += 1
-        if final:
+        if final or self.probe:  # the probe's unsure tokens run the whole budget
             self._count_step()
             return self
         if self.shortcut_exit:
@@ -361,5 +407,5 @@ class LoopFormerHaltingState:
                 cache.write(k, v, cache.slot(step, j))
 
 
-__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "shortcut_exit_adaln",
-           "split_criterion", "state_change_score"]
+__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "PROBE_CRITERION",
+           "probe_slots", "shortcut_exit_adaln", "split_criterion", "state_change_score"]

@@ -520,6 +520,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             loop_adaln = self._loop_adaln(trajectory, dtype, device, cache)
         if halting is not None:
             halting.prepare_exits(self, trajectory, loop_adaln, cache)
+            hidden_states = halting.run_probe(self.layers, hidden_states, mask, position_embeddings, cache)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for step in range(len(trajectory)):
@@ -536,6 +537,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 all_attentions += attentions
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+        if halting is not None:  # "probe_entropy": the tokens sure after the probe step keep its output
+            hidden_states = halting.final_states(hidden_states)
         return hidden_states, all_hidden_states, all_attentions, halting
 
     # ---- forward -------------------------------------------------------------------------------------------------
