@@ -156,18 +156,23 @@ def locked(tmp):
     return folder
 
 
-def resume_data_check(tmp, **data):
-    """The check a LoopFormer resume runs on its data flags (`data` over the defaults) against a checkpoint whose
-    record was written with the defaults (tests/test_final_save.py runs it through a real resume)."""
+def resume_data_check(tmp, trainer, **data):
+    """The check a resume of `trainer` ("loopformer" or "fprm") runs on its data flags (`data` over the defaults)
+    against a checkpoint whose record was written with the defaults (tests/test_final_save.py runs it through real
+    resumes)."""
     from dataclasses import asdict
 
-    from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments
-    from looped_training.loopformer.train import check_resume_data
+    from looped_training.checkpoints import check_resume_data
 
+    if trainer == "loopformer":
+        from looped_training.loopformer.data import TRAINING_META_FILE as record, DataArguments
+        from looped_training.loopformer.train import RESUME_FREE_DATA_FLAGS as free
+    else:
+        from looped_training.fprm.train import RESUME_FREE_DATA_FLAGS as free, RUN_FILE as record, DataArguments
     checkpoint = Path(tmp) / "checkpoint-3"
     checkpoint.mkdir()
-    file_in(checkpoint, TRAINING_META_FILE, json.dumps({"data": asdict(DataArguments())}).encode())
-    check_resume_data(checkpoint, {"data": asdict(DataArguments(**data))})
+    file_in(checkpoint, record, json.dumps({"data": asdict(DataArguments())}).encode())
+    check_resume_data(checkpoint, record, asdict(DataArguments(**data)), free)
 
 
 def earlier_lora(tmp):
@@ -393,8 +398,12 @@ CASES = [
     Case("fprm.train", "--output_dir of a running run", lambda t: FPRM_TRAIN("--output_dir", str(locked(t)))(t),
          ValueError, r"is being written by another run \(process \d+ on "),
     Case("loopformer.train", "--resume_from_checkpoint with --corpus_seed 1 (the checkpoint's record: 0)",
-         lambda t: resume_data_check(t, corpus_seed=1), ValueError,
+         lambda t: resume_data_check(t, "loopformer", corpus_seed=1), ValueError,
          r"data flags of this run differ from those .* in \['corpus_seed'\] \(e\.g\. --corpus_seed: 0 there, 1 here\)"),
+    Case("fprm.train", "--resume_from_checkpoint with --data_seed_offset 1 (the checkpoint's record: 0)",
+         lambda t: resume_data_check(t, "fprm", data_seed_offset=1), ValueError,
+         r"data flags of this run differ from those .* in \['data_seed_offset'\] \(e\.g\. --data_seed_offset: 0 "
+         r"there, 1 here\)"),
     Case("loopformer.train", "--max_steps 0", TRAIN("--output_dir", "{tmp}/run", "--max_steps", "0"), ValueError,
          r"--max_steps 0 would train nothing .*give --max_steps >= 1, or -1"),
     Case("fprm.train", "--max_steps 0", FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/run", "--max_steps", "0"),

@@ -130,3 +130,18 @@ def test_a_resume_with_other_data_flags_is_refused_and_a_checkpoint_carries_the_
 
     (out / "loopformer_training.json").unlink()  # as a run stranded in its final save left it
     assert load_checkpoint(str(out / "checkpoint-3"))[2]["variant"] == "loopformer"
+
+
+def test_an_fprm_resume_with_other_data_flags_is_refused(tmp_path, trained_steps):
+    # --data_seed_offset 1 (or another --seed) went on silently on other generated data
+    out = tmp_path / "run"
+    run_fprm(out, "--max_steps", "3")
+    assert json.loads((out / "checkpoint-3" / "fprm_run.json").read_text())["data"]["data_seed_offset"] == 0
+    trained_steps.clear()
+    with pytest.raises(ValueError, match=r"data flags of this run differ from those .*checkpoint-3 was trained with "
+                                         r"\(fprm_run\.json\) in \['data_seed_offset'\] \(e\.g\. --data_seed_offset: "
+                                         r"0 there, 1 here\)"):
+        run_fprm(out, "--resume_from_checkpoint", "last", "--data_seed_offset", "1")
+    with pytest.raises(ValueError, match=r"in \['seed'\] \(e\.g\. --seed: 0 there, 1 here\)"):
+        run_fprm(out, "--resume_from_checkpoint", "last", "--seed", "1")
+    assert trained_steps == []

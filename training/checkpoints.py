@@ -26,6 +26,7 @@ import struct
 import time
 import zipfile
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
@@ -427,6 +428,44 @@ def _naming_a_full_disk(output_dir):
             f"Free space (or give an --output_dir on another disk) and run again with --resume_from_checkpoint last",
             file,
         ) from err
+
+
+class RunRecordCallback(TrainerCallback):
+    """Writes the run's record `record` (a dict: its data flags, ...) as `filename` into each checkpoint (under a
+    temporary name, renamed when complete), so that a checkpoint can be evaluated or published on its own, and a
+    resume can check its data flags (`check_resume_data`)."""
+
+    def __init__(self, filename, record):
+        self.filename, self.record = filename, record
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):
+            path = os.path.join(folder, self.filename)
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.record, f, indent=2)
+            os.replace(path + ".tmp", path)
+
+
+def check_resume_data(checkpoint, filename, data, free_flags=()):
+    """A resumed run rebuilds its data from the flags: refuse flags (`--corpus_seed`, ...) that build other data
+    than the `data` section of the checkpoint's record `filename` says it was trained on (but for `free_flags`); it
+    would go on silently on other rows. A checkpoint without a record (of an earlier version) is not checked."""
+    path = os.path.join(checkpoint, filename)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f).get("data", {})
+    different = sorted(k for k in data if k not in free_flags and k in saved and saved[k] != data[k])
+    if different:
+        raise ValueError(
+            f"The data flags of this run differ from those {checkpoint} was trained with ({filename}) in "
+            f"{different} (e.g. --{different[0]}: {saved[different[0]]!r} there, {data[different[0]]!r} here): "
+            f"resume with the data flags of the run that wrote it, or give another --output_dir to train on other "
+            f"data."
+        )
 
 
 # config.json keys that training itself (the Trainer turns the cache off) or saving may change

@@ -34,9 +34,9 @@ from transformers import HfArgumentParser, TrainerState, set_seed
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, check_resume_config, check_run_length,
-                                         finish_final_save,
-                                         finished_run, output_dir_lock, resolve_resume, run_record, start_final_save)
+from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
+                                         check_resume_data, check_run_length, finish_final_save, finished_run,
+                                         output_dir_lock, resolve_resume, run_record, start_final_save)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
@@ -44,6 +44,10 @@ from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_c
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
 
+
+# each checkpoint's record of the data flags it was trained on, and those a resume may change
+RUN_FILE = "fprm_run.json"
+RESUME_FREE_DATA_FLAGS = ("preset",)
 
 # Presets: YAML files of flags of the four argument groups; `--preset NAME` reads training/configs/fprm/NAME.yaml.
 PRESETS_DIR = os.path.join(CONFIGS_DIR, "fprm")
@@ -271,11 +275,13 @@ def train(model_args, data_args, eval_args, train_args):
         **task_config,
     )
     model_dir = os.path.join(train_args.output_dir, "model")
+    data_record = {**asdict(data_args), "seed": train_args.seed}  # the seed draws the generated data too
     if resume is not None:
         # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment); a run
         # saved without checkpoints is its own record, its config in model/
         own_record = os.path.samefile(resume, train_args.output_dir)
         check_resume_config(model_dir if own_record else resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
+        check_resume_data(resume, RUN_FILE, data_record, RESUME_FREE_DATA_FLAGS)  # the same model on other data
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, train_args):
             if own_record or not train_args.should_save or run_record(train_args.output_dir) is not None:
@@ -294,7 +300,7 @@ def train(model_args, data_args, eval_args, train_args):
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
     train_dataset = ds["train"].select_columns(train_columns)
-    callbacks = []
+    callbacks = [RunRecordCallback(RUN_FILE, {"data": data_record})]
     if eval_args.time_budget_minutes:
         callbacks.append(TimeBudgetCallback(eval_args.time_budget_minutes, eval_args.time_budget_decay_fraction))
     curriculum = None

@@ -51,16 +51,16 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 import transformers
-from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments,
-                          default_data_collator, set_seed)
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
+                          set_seed)
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, check_checkpoint,
-                                         check_resume_config, check_run_length, finish_final_save, finished_run,
-                                         output_dir_lock, resolve_resume, start_final_save)
+from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, RunRecordCallback,
+                                         check_checkpoint, check_resume_config, check_resume_data, check_run_length,
+                                         finish_final_save, finished_run, output_dir_lock, resolve_resume,
+                                         start_final_save)
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
@@ -330,43 +330,6 @@ def run_record(model_args, data_args, shortcut_args, schedule_args, training_arg
 RESUME_FREE_DATA_FLAGS = ("preset", "chat_template")
 
 
-def check_resume_data(checkpoint, record):
-    """A resumed run rebuilds its data from the flags: refuse flags (`--corpus_seed`, ...) that build other data than
-    the checkpoint's run record says it was trained on; it would go on silently on other rows. A checkpoint without a
-    record (of an earlier version) is not checked."""
-    path = os.path.join(checkpoint, TRAINING_META_FILE)
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        saved = json.load(f).get("data", {})
-    now = record["data"]
-    different = sorted(k for k in now if k not in RESUME_FREE_DATA_FLAGS and k in saved and saved[k] != now[k])
-    if different:
-        raise ValueError(
-            f"The data flags of this run differ from those {checkpoint} was trained with ({TRAINING_META_FILE}) in "
-            f"{different} (e.g. --{different[0]}: {saved[different[0]]!r} there, {now[different[0]]!r} here): resume "
-            f"with the data flags of the run that wrote it, or give another --output_dir to train on other data."
-        )
-
-
-class RunRecordCallback(TrainerCallback):
-    """Writes the run's record into each checkpoint (under a temporary name, renamed when complete), so that a
-    checkpoint can be evaluated, published or resumed on its own, and a resume can check its data flags."""
-
-    def __init__(self, record):
-        self.record = record
-
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder):
-            path = os.path.join(folder, TRAINING_META_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(self.record, f, indent=2)
-            os.replace(path + ".tmp", path)
-
-
 def save_final(output_dir, model, tokenizer, record, write_state, saved=False):
     """A run's final files, written aside and moved into `output_dir` (`finish_final_save`): the model (`saved`: the
     Trainer has written it aside already) with its tokenizer and generation config, `trainer_state.json`
@@ -399,7 +362,7 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     record = run_record(model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset,
                         block_size)
     if resume is not None:
-        check_resume_data(resume, record)
+        check_resume_data(resume, TRAINING_META_FILE, record["data"], RESUME_FREE_DATA_FLAGS)
         check_resume_matches(resume, tokenizer, config)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, training_args):
@@ -417,7 +380,7 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
 
     trainer = build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
                             training_args)
-    trainer.add_callback(RunRecordCallback(record))
+    trainer.add_callback(RunRecordCallback(TRAINING_META_FILE, record))
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
     staging = start_final_save(training_args.output_dir) if trainer.is_world_process_zero() else None
