@@ -15,10 +15,13 @@ that mean. The rules:
 - "state_change_shortcut", "kl_shortcut", "entropy_shortcut" (LoopFormer, conditioned on Δ): the same scores, but a
   token whose score falls after step i takes one step Δ = 1 − t_i to t = 1 before it freezes (a shortcut trajectory
   of i + 1 steps the objective trains);
-- "probe_entropy" (LoopFormer; an emulation, not a model option): every token first runs the one-step trajectory;
-  where its next-token entropy is at least halt_eps it runs the full budget from the start (1 + L steps). Both
-  trajectories are run over the whole sequence, so the unsure tokens attend to every token's full-trajectory states:
-  an upper bound on what a cached implementation could give at that cost.
+- "probe_entropy" (LoopFormer): every token first runs the one-step trajectory; where its next-token entropy there
+  is at least halt_eps it runs the full budget from the embeddings (1 + L steps), else it keeps the one-step output
+  (and its keys/values stand in for the budget's in the cache, as for any halted token);
+- "probe_entropy_context" (LoopFormer; an emulation, not a model option): the same choice per token, but every token
+  runs both trajectories, so the unsure ones attend to every token's full-trajectory keys/values. Counted at the
+  probe's cost (1 or 1 + L per scored token), it is what the probe would give if the sure tokens' context were free;
+  the gap to "probe_entropy" is what reusing the probe's keys/values costs.
 
 Beside the fixed budgets, LoopFormer rows are also read against the best fixed trajectory at the same cost: the upper
 envelope of the uniform budgets and of the shortcut trajectories [1/L]·i + [1 − i/L] (i + 1 steps), the paths the
@@ -50,9 +53,9 @@ PROBE_THRESHOLDS = [0.01, 0.05, 0.2, 0.5, 1.0, 2.0]  # "probe_entropy": entropy 
 
 
 def rules_for(model):
-    """{rule: thresholds} that apply to `model`: the "_shortcut" rules only to a model conditioned on Δ."""
+    """{rule: thresholds} that apply to `model`: the "_shortcut" rules and the probe only to a model conditioned on Δ."""
     if model.config.loop_conditioning == "shortcut":
-        return {**THRESHOLDS, **SHORTCUT_RULES}
+        return {**THRESHOLDS, **SHORTCUT_RULES, "probe_entropy": PROBE_THRESHOLDS}
     return dict(THRESHOLDS)
 
 
@@ -136,8 +139,8 @@ def envelope(points):
 
 
 @torch.no_grad()
-def probe_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128):
-    """"probe_entropy" (see the module's docstring), teacher-forced: per threshold (mean loops, EM, perplexity)."""
+def probe_context_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128):
+    """"probe_entropy_context" (see the module's docstring), teacher-forced: per threshold (mean loops, EM, ppl)."""
     L = model.config.num_loops
     stats = {eps: dict(ce=0.0, count=0, correct=[], loops=[]) for eps in thresholds}
     for start in range(0, data["input_ids"].shape[0], batch_size):
@@ -145,12 +148,12 @@ def probe_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128):
         mask = data["attention_mask"][start:start + batch_size]
         labels = data["labels"][start:start + batch_size][:, 1:]
         valid = labels != -100
-        logits = {name: model(input_ids=ids, attention_mask=mask, step_schedule=schedule, use_cache=False)
-                  .logits[:, :-1].float().log_softmax(-1) for name, schedule in (("one", [1.0]), ("full", [1.0 / L] * L))}
-        entropy = -(logits["one"].exp() * logits["one"]).sum(-1)
+        one, full = (model(input_ids=ids, attention_mask=mask, step_schedule=schedule, use_cache=False)
+                     .logits[:, :-1].float().log_softmax(-1) for schedule in ([1.0], [1.0 / L] * L))
+        entropy = -(one.exp() * one).sum(-1)
         for eps, st in stats.items():
             sure = entropy < eps
-            mixed = torch.where(sure[..., None], logits["one"], logits["full"])
+            mixed = torch.where(sure[..., None], one, full)
             st["ce"] += float(-mixed.gather(-1, labels.clamp(min=0)[..., None])[..., 0][valid].sum())
             st["count"] += int(valid.sum())
             st["correct"] += ((mixed.argmax(-1) == labels) | ~valid).all(-1).tolist()
@@ -160,10 +163,10 @@ def probe_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128):
                  ppl=math.exp(st["ce"] / max(st["count"], 1))) for eps, st in stats.items()]
 
 
-def evaluate_criteria(model, data, thresholds=None, probe=None):
+def evaluate_criteria(model, data, thresholds=None):
     """Fixed budgets (and, for LoopFormer, the shortcut-exit trajectories), then each rule at each threshold: mean
     loops, EM and perplexity, with the fixed budgets' and the best fixed trajectory's at the same mean loops.
-    `thresholds` defaults to `rules_for(model)`; `probe` (default: LoopFormer only) adds the "probe_entropy" rows."""
+    `thresholds` defaults to `rules_for(model)`."""
     L = model.config.num_loops
     shortcut = model.config.loop_conditioning == "shortcut"
     thresholds = rules_for(model) if thresholds is None else thresholds
@@ -196,8 +199,9 @@ def evaluate_criteria(model, data, thresholds=None, probe=None):
                 rows.append(row(criterion, eps, sum(loops) / len(loops), sum(correct) / len(correct), ppl))
     finally:
         model.config.halt_criterion = kept
-    if probe if probe is not None else shortcut:
-        rows += [row("probe_entropy", p["halt_eps"], p["mean_loops"], p["em"], p["ppl"]) for p in probe_rows(model, data)]
+    if "probe_entropy" in thresholds:
+        rows += [row("probe_entropy_context", p["halt_eps"], p["mean_loops"], p["em"], p["ppl"])
+                 for p in probe_context_rows(model, data, thresholds["probe_entropy"])]
     return fixed, exits, rows
 
 

@@ -110,10 +110,11 @@ def test_exit_criteria_benchmark_on_a_trained_checkpoint(checkpoints, tmp_path):
     assert result["task"] == "synthetic" and result["rows"] == 8
     assert [f["loop_budget"] for f in result["fixed"]] == [1, 2, 3, 4]
     rules = {**bench_halt_criteria.THRESHOLDS, **bench_halt_criteria.SHORTCUT_RULES,
-             "probe_entropy": bench_halt_criteria.PROBE_THRESHOLDS}  # LoopFormer: every rule (issue 40)
+             "probe_entropy": bench_halt_criteria.PROBE_THRESHOLDS,  # LoopFormer: every rule (issue 40)
+             "probe_entropy_context": bench_halt_criteria.PROBE_THRESHOLDS}
     assert {(r["criterion"], r["halt_eps"]) for r in result["criteria"]} == {
         (c, e) for c, values in rules.items() for e in values}
-    assert all(1 <= r["mean_loops"] <= (5 if r["criterion"] == "probe_entropy" else 4) and 0 <= r["em"] <= 1
+    assert all(1 <= r["mean_loops"] <= (5 if r["criterion"].startswith("probe") else 4) and 0 <= r["em"] <= 1
                and r["ppl"] > 1 for r in result["criteria"])  # the probe's unsure tokens pay 1 + L
     assert set(result["targets"]) == set(rules) and [e["loops"] for e in result["shortcut_exits"]] == [2, 3]
 

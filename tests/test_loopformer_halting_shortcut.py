@@ -1,4 +1,4 @@
-"""Issue 40: the "_shortcut" exit rules (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
+"""Issue 40: the "_shortcut" exit rules and "probe_entropy" (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
 `halt_eps` after step i takes one step Δ = 1 − t_i to t = 1 before it freezes, so its path is a shortcut trajectory
 of i + 1 steps. Exact against the fixed trajectory, cached as uncached, static as dynamic, padded and gathered."""
 
@@ -143,3 +143,58 @@ def test_without_halt_eps_nothing_changes(model):
         ruled = model(ids)
     assert ruled.loop_counts is None
     assert torch.equal(plain.logits, ruled.logits)
+
+
+# ---- "probe_entropy": the one-step trajectory first, the budget only where it is unsure -------------------------------
+
+
+def probe_entropy(model, ids, **kwargs):
+    with torch.no_grad():
+        log_p = model(ids, step_schedule=[1.0], use_cache=False, **kwargs).logits.log_softmax(-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def test_probe_keeps_the_one_step_output_where_sure_and_runs_the_budget_elsewhere(model):
+    ids = torch.randint(3, 97, (2, 16))
+    entropy = probe_entropy(model, ids)
+    eps = split_threshold(entropy)
+    with torch.no_grad():
+        out = model(ids, halt_eps=eps, halt_criterion="probe_entropy", use_cache=False)
+        one = model(ids, step_schedule=[1.0], use_cache=False)
+        everyone_sure = model(ids, halt_eps=1e9, halt_criterion="probe_entropy", use_cache=False)
+        nobody_sure = model(ids, halt_eps=1e-12, halt_criterion="probe_entropy", use_cache=False)
+    sure = entropy < eps
+    assert 0 < int(sure.sum()) < ids.numel()
+    assert torch.equal(out.loop_counts, torch.where(sure, 1, 5))  # the probe, then 1 + M for the unsure
+    torch.testing.assert_close(out.logits[sure], one.logits[sure], atol=1e-5, rtol=0)
+    torch.testing.assert_close(everyone_sure.logits, one.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(nobody_sure.logits, model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fill", ["reuse", "recompute"])
+def test_probe_decodes_cached_as_uncached_and_static_as_dynamic(model, fill):
+    """The probe step's keys/values have slots of their own (M + 1 per block); decode equals one forward, and a
+    static cache sized by generate equals the dynamic one, left-padded batch included."""
+    model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 16))
+    eps = split_threshold(probe_entropy(model, ids))
+    full = model(ids, halt_eps=eps, halt_criterion="probe_entropy", use_cache=False)
+    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion="probe_entropy")
+    assert torch.equal(counts, full.loop_counts) and counts.min() < counts.max()
+    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
+    prompt, mask = ids[:, :7], torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    runs = [model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, halt_eps=eps,
+                           halt_criterion="probe_entropy", return_dict_in_generate=True, output_logits=True, **kw)
+            for kw in ({}, {"cache_implementation": "static"})]
+    assert torch.equal(runs[0].sequences, runs[1].sequences) and torch.equal(runs[0].loop_counts, runs[1].loop_counts)
+    torch.testing.assert_close(torch.stack(runs[0].logits), torch.stack(runs[1].logits), atol=1e-5, rtol=0)
+
+
+def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).eval()
+    with pytest.raises(ValueError, match=r"use halt_criterion='entropy'"):
+        model(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
+    shared = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(cache_sharing="modulo")).eval()
+    with pytest.raises(ValueError, match="cache_sharing='none'"):
+        shared(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
