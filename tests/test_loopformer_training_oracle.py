@@ -26,7 +26,7 @@ from looped_training.loopformer.data.text import chunk_text
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.loopformer.train import ModelArguments, ScheduleArguments, ShortcutArguments, build_trainer
 from loopformer_hf.convert_reference import convert, map_reference_state_dict
-from test_convert_reference import _embedder, _reference_block, reference_state_dict
+from reference_oracle import _embedder, _reference_block, reference_state_dict
 
 N_LAYER, N_LOOPS, D, N_HEAD, VOCAB, T = 2, 4, 32, 4, 61, 16
 STEPS, WARMUP, PEAK_LR, MIN_LR_RATE, WEIGHT_DECAY, CLIP, BATCH = 40, 10, 1e-3, 0.1, 0.2, 1.0, 4

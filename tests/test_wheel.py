@@ -238,7 +238,7 @@ def test_installed_converters_run_with_the_readmes_flags(venv, tmp_path):
     import torch
     import yaml
 
-    from test_convert_reference import reference_state_dict as loopformer_reference
+    from reference_oracle import reference_state_dict as loopformer_reference
     from test_fprm_reference import BASE, SEQ_LEN, VOCAB, reference_state_dict as fprm_reference
 
     python, site, env, work = venv
