@@ -141,6 +141,30 @@ def without_num_loops(tmp):
     return folder
 
 
+def authors_repo(tmp, config=None, **kwargs):
+    """A stand-in repo in the layout of the authors' Hub checkpoints (tests/reference_oracle.py), its config.json
+    updated with `config`."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the table also runs as `python -m tests.…`
+    folder = Path(tmp) / "authors"
+    importlib.import_module("reference_oracle").write_authors_repo(folder, **kwargs)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def auto_load(folder, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+
+
+def from_authors_repo(tmp, **kwargs):
+    return auto_load(authors_repo(tmp, **kwargs))
+
+
 # a config file with a Python-object tag: yaml.safe_load constructs nothing (the command must not run)
 PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
 
@@ -277,6 +301,19 @@ CASES = [
     Case(f"{LF} from_pretrained", "a config.json without num_loops (it loaded with 8, other logits)",
          lambda t: loopformer().from_pretrained(without_num_loops(t)), ValueError,
          r"config\.json must give `num_loops`, got none.*Add \"num_loops\": L"),
+    # the authors' Hub checkpoints (a repo in their layout never loads at random)
+    Case(f"{LF} from_pretrained", "an authors' repo with a tensor no mapping knows",
+         lambda t: from_authors_repo(t, extra={"gpt.transformer.h.blocks.0.attn.rotary.weight": torch.ones(4)}),
+         ValueError, r"unknown keys.*transformer\.h\.blocks\.0\.attn\.rotary\.weight"),
+    Case(f"{LF} from_pretrained", "an authors' repo without a tensor the model needs",
+         lambda t: from_authors_repo(t, drop=("transformer.norm_f.weight",)), ValueError,
+         r"missing keys.*model\.norm\.weight"),
+    Case(f"{LF} from_pretrained", "a config.json of model_type base_loop, neither ours nor theirs",
+         lambda t: from_authors_repo(t, config={"model_type": "base_loop", "width": 64}), ValueError,
+         r"neither this package's layout.*nor the authors'.*n_embd / hidden_size"),
+    Case(f"{LF} from_pretrained", "an authors' repo with quantum_mode=True (an unknown option)",
+         lambda t: auto_load(authors_repo(t), quantum_mode=True), ValueError,
+         r"neither config fields nor loading options: \['quantum_mode'\]"),
     # FPRM configuration
     *(refused_setting(f"{FP} config", fprm_config, field, value, message) for field, value, message in (
         ("causal", "no", r"`causal` must be True or False, got 'no'"),
