@@ -40,7 +40,7 @@ import torch
 import loopformer_hf
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
-from looped_training.loopformer.evaluate import build_eval_data, load_checkpoint, quality
+from looped_training.loopformer.evaluate import build_eval_data, halting_sweep_summary, load_checkpoint, quality
 from looped_training.loopformer.objective import sample_shortcut_trajectory
 
 THRESHOLDS = {
@@ -264,6 +264,7 @@ def evaluate_checkpoints(paths, max_rows, output, names=None):
         results[path] = dict(name=name, task=task, rows=len(data["input_ids"]), num_loops=model.config.num_loops,
                              loop_conditioning=model.config.loop_conditioning, fixed=fixed, shortcut_exits=exits,
                              criteria=rows, targets=verdicts)
+        print("", *halting_sweep_summary(results[path]), sep="\n", flush=True)
     write_json(output, dict(checkpoints=results))
     print(f"wrote {output}")
     return results

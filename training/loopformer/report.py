@@ -33,10 +33,13 @@ from pathlib import Path
 
 
 from looped_training.loopformer.data import TRAINING_META_FILE
-from looped_training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, halting_table, quality_by_budget
+from looped_training.loopformer.evaluate import (EVAL_FILE, SCHEDULES, format_table, halting_sweep_summary, halting_table,
+                                                 quality_by_budget)
 from looped_training.loopformer.evaluate import main as evaluate_checkpoints
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "loopformer"
+# issue 40's exit-rule sweeps (benchmarks/bench_halt_criteria.py), read into the halting sections when present
+HALTING_SWEEPS = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "results"
 PRESETS = ("cpu", "gpu")
 TASKS = ("synthetic", "shakespeare")
 # (run folder, variant, display name, comparison group, extra training flags). Seeds of one configuration share a
@@ -425,7 +428,25 @@ def halting_lines(records, task):
         if not rec.get("halting") or "seed" in rec["name"]:
             continue
         lines += [f"{rec['name']}:", "", *halting_table(rec), ""]
-    return lines + [f"![adaptive depth](plots/{task}_quality_vs_compute.png)", ""]
+    return lines + [f"![adaptive depth](plots/{task}_quality_vs_compute.png)", "", *halting_sweep_lines(task)]
+
+
+def halting_sweep_lines(task, results_dir=HALTING_SWEEPS):
+    """The exit-rule sweeps of issue 40 on `task` (`benchmarks/results/halting_rules_*.json`, written by
+    `python -m benchmarks.bench_halt_criteria --checkpoints ...`), one summary table per checkpoint: [] without them."""
+    lines = []
+    for path in sorted(Path(results_dir).glob("halting_rules_*.json")):
+        for result in json.loads(path.read_text())["checkpoints"].values():
+            if result["task"] != ("synthetic" if task == "synthetic" else "text"):
+                continue
+            if not lines:
+                lines = ["#### Every exit rule against the fixed budgets at equal compute (issue 40)", "",
+                         "From `python -m benchmarks.bench_halt_criteria --checkpoints ...` (the rows of every "
+                         "threshold: benchmarks/README.md); 'best fixed trajectory' also counts the shortcut "
+                         "trajectories [1/L]·i + [1 − i/L] the '_shortcut' rules end on.", ""]
+            lines += [f"{result['name']} (L = {result['num_loops']}, {result['rows']} held-out rows; "
+                      f"{path.relative_to(Path(results_dir).parent.parent)}):", "", *halting_sweep_summary(result), ""]
+    return lines
 
 
 def base_loop_verdict(records, task, at_full_budget):
