@@ -294,7 +294,7 @@ def halting_rows(record):
     out = []
     for h in record["halting"]:
         ref = fixed_at_equal_compute(record, h["mean_loops"], metric)
-        same = abs(h[metric] - ref) < 1e-9
+        same = abs(h[metric] - ref) <= 1e-6 * abs(ref)  # float noise is a tie
         out.append((h, ref, "equal" if same else "yes" if (h[metric] > ref) == higher else "no"))
     return out
 
@@ -308,7 +308,7 @@ def halting_verdict(record):
     full = quality_by_budget(record, "uniform", metric)[L]
     verdicts = {}
     for h, ref, better in halting_rows(record):
-        holds = better == "yes" if metric == "ppl" else (
+        holds = (better == "yes" and h["mean_loops"] <= L) if metric == "ppl" else (
             h["mean_loops"] <= L - 0.5 and h["em"] >= full - 0.01 and better != "no")
         settings = verdicts.setdefault(h.get("criterion", "state_change"), [])
         if holds:
