@@ -443,7 +443,8 @@ def halting_sweep_lines(task, results_dir=HALTING_SWEEPS):
                 lines = ["#### Every exit rule against the fixed budgets at equal compute (issue 40)", "",
                          "From `python -m benchmarks.bench_halt_criteria --checkpoints ...` (the rows of every "
                          "threshold: benchmarks/README.md); 'best fixed trajectory' also counts the shortcut "
-                         "trajectories [1/L]·i + [1 − i/L] the '_shortcut' rules end on.", ""]
+                         "trajectories [1/L]·i + [1 − i/L] the '_shortcut' rules end on. Which knob to use for which "
+                         "model, read from these sweeps: docs/loopformer.md ('Which knob to use').", ""]
             lines += [f"{result['name']} (L = {result['num_loops']}, {result['rows']} held-out rows; "
                       f"{path.relative_to(Path(results_dir).parent.parent)}):", "", *halting_sweep_summary(result), ""]
     return lines
