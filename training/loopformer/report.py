@@ -61,6 +61,9 @@ EE_GROUPS = ("TMLT-EE", "Naive-Loop-EE")
 LOOPED_BASELINES = ("Base-Loop", "TMLT", "TMLT-EE", "Naive-Loop-EE")
 REPORT_FLAGS = ["--save_strategy", "no", "--disable_tqdm", "true"]
 HALT_EPS = ["0.05", "0.1", "0.2", "0.3", "0.5", "0.8"]  # the adaptive-depth sweep (issue 6)
+# its exit rules: both threshold the relative state change; the '_shortcut' one only on models conditioned on Δ
+# (issue 40; every rule at its own thresholds: benchmarks/bench_halt_criteria.py, read in by halting_sweep_lines)
+HALT_CRITERIA_SWEPT = ["state_change", "state_change_shortcut"]
 # The authors' run (../shared/spec/loopformer.md, "What the authors' training code actually does"), for the scale
 # comparison: 50k iterations of ~0.5M tokens.
 AUTHORS_TOKENS = 50_000 * 524_288
@@ -112,7 +115,8 @@ def evaluate(runs_dir, task, max_rows):
     runs = [(f, n) for f, _, n, _, _ in RUNS if os.path.exists(os.path.join(runs_dir, task, f, TRAINING_META_FILE))]
     out = os.path.join(runs_dir, task, "eval")
     evaluate_checkpoints([*[os.path.join(runs_dir, task, f) for f, _ in runs], "--names", *[n for _, n in runs],
-                          "--output_dir", out, "--max_rows", str(max_rows), "--halt_eps", *HALT_EPS])
+                          "--output_dir", out, "--max_rows", str(max_rows), "--halt_eps", *HALT_EPS,
+                          "--halt_criteria", *HALT_CRITERIA_SWEPT])
     return out
 
 
