@@ -609,10 +609,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
                 halt_criterion=None, **kwargs):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
-        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): with `labels`, the targets already
-            aligned with the positions (`shift_labels[:, i]` is the target of position i), as transformers' causal-LM
-            loss takes them: a window of T tokens then trains T targets, its last one the token after the window
-            (the authors' windows). Not a named argument, so that the Trainer's `label_names` stay `["labels"]`.
+        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): targets already aligned with the
+            positions (the authors' windows: T tokens train T targets); a keyword, so `label_names` stay `["labels"]`.
         loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`]; also
             `generate` kwargs. With `halt_eps`, the output's `loop_counts` holds the loop steps each token ran.
         short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
@@ -622,9 +620,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             it, and the λs and D, to each forward with labels that does not.
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
         lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
-        consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` between the final normed hidden states (reference,
-            mean over every element) or `"kl"`: KL(p_full || p_short) of the next-token distributions on labelled
-            positions.
+        consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` of the final normed hidden states (reference) or
+            `"kl"`: KL(p_full || p_short) of the next-token distributions on labelled positions.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         shift_labels = kwargs.pop("shift_labels", None)
