@@ -9,7 +9,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import loopformer_hf
-from conftest import randomize_modulation, tiny_loopformer_config
+from tiny_models import randomize_modulation, tiny_loopformer_config
 from looped_training.loopformer.objective import (ShortcutConsistencyCallback, sample_early_exit_trajectory,
                                                   sample_shortcut_trajectory)
 

@@ -163,7 +163,7 @@ def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(
 def test_an_fprm_checkpoint_is_named_as_such(tmp_path):
     """The elastic evaluation of an FPRM folder used to fail on a missing training file or a field list; it now says
     what the folder holds."""
-    from fprm_fixtures import tiny_fprm
+    from tiny_models import tiny_fprm
 
     tiny_fprm().save_pretrained(tmp_path / "fprm")
     with pytest.raises(ValueError, match="is a 'fprm' checkpoint"):

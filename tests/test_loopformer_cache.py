@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from benchmarks import CountOps
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf.cache_loopformer import LoopFormerCache
 from loopformer_hf.modeling_loopformer import CACHE_FIELD

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 import loopformer_hf
 from loopformer_hf.modeling_loopformer import CACHE_FIELD
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 
 EPS = 0.5  # as in test_loopformer_halting.py: with the tiny model's random weights tokens halt after 1-4 steps
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from conftest import cache_of
+from tiny_models import cache_of
 import loopformer_hf
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4

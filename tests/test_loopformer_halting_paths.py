@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks import CountOps
-from conftest import cache_of
+from tiny_models import cache_of
 import loopformer_hf
 from loopformer_hf import halting_loopformer
 

@@ -5,7 +5,7 @@ of i + 1 steps. Exact against the fixed trajectory, cached as uncached, static a
 import pytest
 import torch
 
-from conftest import tiny_loopformer_config, cache_of
+from tiny_models import tiny_loopformer_config, cache_of
 from test_loopformer_halting_paths import decode_stepwise, split_threshold
 import loopformer_hf
 from loopformer_hf import halting_loopformer

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 from loopformer_hf import configuration_loopformer

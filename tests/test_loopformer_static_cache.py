@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import StaticCache
 
-from conftest import cache_of, randomize_modulation, tiny_loopformer_config
+from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf import LoopFormerCache, LoopFormerStaticCache
 

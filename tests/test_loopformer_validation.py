@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from _config_helpers import assert_refused_however_it_arrives
 from bad_input_table import CASES
-from conftest import randomize_modulation, tiny_loopformer_config
+from tiny_models import randomize_modulation, tiny_loopformer_config
 from loopformer_hf import LoopFormerForCausalLM
 
 
