@@ -51,17 +51,16 @@ def make_tokenizer(vocab_size=300):
 
 
 def tiny_config(tokenizer=None, **overrides):
-    from loopformer_hf import LoopFormerConfig
+    """tiny_models' LoopFormer at d=32 with the tokenizer's vocabulary and end-of-text token."""
+    from tiny_models import tiny_loopformer_config
 
-    vocab = len(tokenizer) if tokenizer is not None else 300
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     kwargs = dict(
-        vocab_size=vocab, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2,
-        num_loops=4, max_position_embeddings=128, frequency_embedding_size=16,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False,
+        vocab_size=len(tokenizer) if tokenizer is not None else 300, hidden_size=32, num_attention_heads=2,
+        intermediate_size=64, frequency_embedding_size=16, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        tie_word_embeddings=False,
     )
-    kwargs.update(overrides)
-    return LoopFormerConfig(**kwargs)
+    return tiny_loopformer_config(**{**kwargs, **overrides})
 
 
 def make_model(tokenizer=None, seed=0, **overrides):

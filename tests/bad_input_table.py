@@ -52,19 +52,16 @@ def refused_setting(area, make_config, field, value, message):
 # ---- tiny models, built once -------------------------------------------------------------------------------------
 
 def loopformer_config(**overrides):
-    from loopformer_hf import LoopFormerConfig
+    from tiny_models import tiny_loopformer_config
 
-    kwargs = dict(vocab_size=97, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1,
-                  num_loops=4, max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    return LoopFormerConfig(**{**kwargs, **overrides})
+    kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=32)
+    return tiny_loopformer_config(**{**kwargs, **overrides})
 
 
 def fprm_config(**overrides):
-    from fprm_hf import FPRMConfig
+    from tiny_models import tiny_fprm_config
 
-    kwargs = dict(vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=1,
-                  grid_size=4, conv_type="2d", num_prefix_tokens=2, max_loops=4)
-    return FPRMConfig(**{**kwargs, **overrides})
+    return tiny_fprm_config(**{"num_hidden_layers": 1, "max_loops": 4, **overrides})
 
 
 @lru_cache(maxsize=None)
