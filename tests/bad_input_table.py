@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -22,6 +23,9 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# the test helpers (tiny_models, reference_oracle) import alike under pytest and as `python -m tests.bad_input_table`
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
 DOC = REPO / "docs" / "bad_inputs.md"
 
 
@@ -141,12 +145,10 @@ def without_num_loops(tmp):
 def authors_repo(tmp, config=None, **kwargs):
     """A stand-in repo in the layout of the authors' Hub checkpoints (tests/reference_oracle.py), its config.json
     updated with `config`."""
-    import importlib
-    import sys
+    from reference_oracle import write_authors_repo
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the table also runs as `python -m tests.…`
     folder = Path(tmp) / "authors"
-    importlib.import_module("reference_oracle").write_authors_repo(folder, **kwargs)
+    write_authors_repo(folder, **kwargs)
     if config is not None:
         (folder / "config.json").write_text(json.dumps(config))
     return folder
@@ -571,6 +573,7 @@ def clean(message, tmp):
     # argparse names the program by sys.argv[0] (pytest, this module, ...): the table says `error:` alone
     message = re.sub(r"^[\w.\-]+: error: ", "error: ", message)
     message = message.replace(os.path.realpath(tmp), "<tmp>").replace(str(tmp), "<tmp>")
+    message = message.replace(str(REPO), "<repo>")  # the same table from any checkout
     message = " ".join(message.split())
     if len(message) > 220:
         message = message[:217] + "..."
@@ -581,7 +584,7 @@ def render():
     rows = ["# Bad inputs and the errors they raise", "",
             "Generated from the registry in tests/bad_input_table.py (`python -m tests.bad_input_table`); "
             "tests/test_bad_inputs.py runs every row and fails when this file is out of date. Messages are "
-            "shortened to 220 characters; `<tmp>` stands for the folder a case ran in. A config row holds however "
+            "shortened to 220 characters; `<tmp>` stands for the folder a case ran in, `<repo>` for the checkout. A config row holds however "
             "the value arrives: the constructor, an attribute set (the old value is kept), config.json, "
             "`from_pretrained` kwargs and the Auto class (tests/test_fprm_conventions.py, "
             "tests/test_loopformer_validation.py).", "",
