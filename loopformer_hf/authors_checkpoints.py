@@ -43,7 +43,8 @@ REQUIRED_REFERENCE_KEYS = ("vocab_size", "n_layer", "n_head", "n_embd")
 DEFAULT_BLOCK_SIZE = 1024  # their GPTConfig's
 DEFAULT_STEPS = 8  # their forward's default: steps=[1/8]*8 (LoopFormer) or steps=8 (TMLT, Base-Loop)
 WRAPPER_PREFIXES = ("gpt.", "model.", "module.")  # their loader's `_strip_prefixes`
-REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.", "lm_head.")  # their GPT's modules
+# their GPT's modules; `lm_head.` is both theirs and ours, so it decides nothing
+REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
@@ -171,6 +172,30 @@ def read_config_dict(path, hub_kwargs):
         return json.load(handle)
 
 
+def _refuse_reference_weights_under_our_config(path, hub_kwargs):
+    """Our config.json over weights named as theirs would load as a randomly initialised model (transformers only
+    warns about missing keys): refuse it, reading only the weight names (a safetensors header or shard index)."""
+    from safetensors import safe_open
+
+    resolved = _resolve(path, "model.safetensors", hub_kwargs)
+    if resolved is not None:
+        with safe_open(resolved, "pt") as handle:
+            names = list(handle.keys())
+    else:
+        index = _resolve(path, "model.safetensors.index.json", hub_kwargs)
+        if index is None:
+            return
+        with open(index, encoding="utf-8") as handle:
+            names = list(json.load(handle)["weight_map"])
+    theirs = sorted(name for name in names if is_reference_weight_name(name))
+    if theirs:
+        raise ValueError(
+            f"{os.fspath(path)!r}: config.json is in this package's layout (it has {' / '.join(OWN_CONFIG_KEYS)}), "
+            f"but the weights are named as the authors' GPT ({theirs[:3]}, …): the config was replaced or edited. "
+            f"Use their config.json (it is translated), or convert with `python -m loopformer_hf.convert_reference`."
+        )
+
+
 def read_weights(path, hub_kwargs):
     """The flat state dict of a repo's weights: model.safetensors, its sharded index, or pytorch_model.bin
     (read with `weights_only=True`)."""
@@ -247,7 +272,10 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     """`cls.from_pretrained(path, ...)` for a repo in the authors' layout, or None when `path` is not one."""
     hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if kwargs.get(key) is not None}
     config_dict = read_config_dict(path, hub_kwargs)
-    if config_dict is None or not is_reference_config(config_dict):
+    if config_dict is None or config_dict.get("model_type") not in MODEL_TYPES:
+        return None
+    if not is_reference_config(config_dict):
+        _refuse_reference_weights_under_our_config(path, hub_kwargs)
         return None
     from .configuration_loopformer import LoopFormerConfig
 

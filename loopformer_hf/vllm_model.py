@@ -259,13 +259,14 @@ def _from_authors_layout(weights, config):
     qkv) mapped onto ours, with the same checks as `from_pretrained`; other weights pass through unchanged."""
     from .authors_checkpoints import is_reference_weight_name, mapped_reference_state_dict
 
-    weights = iter(weights)
-    first = next(weights, None)
-    if first is None:
-        return iter(())
-    if not is_reference_weight_name(first[0]):
-        return itertools.chain([first], weights)
-    return iter(mapped_reference_state_dict(dict(itertools.chain([first], weights)), config).items())
+    weights, seen = iter(weights), []
+    for item in weights:  # up to the first name that tells the layouts apart (an untied lm_head does not)
+        seen.append(item)
+        if not item[0].startswith("lm_head."):
+            break
+    if not seen or not is_reference_weight_name(seen[-1][0]):
+        return itertools.chain(seen, weights)
+    return iter(mapped_reference_state_dict(dict(itertools.chain(seen, weights)), config).items())
 
 
 def _param(params, name):

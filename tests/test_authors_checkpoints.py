@@ -313,3 +313,13 @@ def test_our_weights_under_a_config_stripped_of_our_fields_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"none of this package's fields \(num_loops, loop_conditioning\).*"
                                          r"weights are in this package's layout"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+
+
+def test_their_weights_under_our_config_are_named(tmp_path):
+    """The converse: their weights under a config.json of ours would load at random (transformers only warns)."""
+    write_authors_repo(tmp_path / "repo")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    model.config.save_pretrained(tmp_path / "repo")  # our config.json over their model.safetensors
+    with pytest.raises(ValueError, match=r"config\.json is in this package's layout.*weights are named as the "
+                                         r"authors' GPT.*gpt\.dt_embedder"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
