@@ -175,12 +175,15 @@ def read_config_dict(path, hub_kwargs):
 def _refuse_reference_weights_under_our_config(path, hub_kwargs):
     """Our config.json over weights named as theirs would load as a randomly initialised model (transformers only
     warns about missing keys): refuse it, reading only the weight names (a safetensors header or shard index)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     resolved = _resolve(path, "model.safetensors", hub_kwargs)
     if resolved is not None:
-        with safe_open(resolved, "pt") as handle:
-            names = list(handle.keys())
+        try:
+            with safe_open(resolved, "pt") as handle:
+                names = list(handle.keys())
+        except SafetensorError:
+            return  # not a safetensors file: from_pretrained's own load names it
     else:
         index = _resolve(path, "model.safetensors.index.json", hub_kwargs)
         if index is None:
