@@ -21,7 +21,6 @@ import json
 import os
 
 import torch
-from transformers import GenerationConfig
 
 from .convert_reference import MODEL_TYPES, map_reference_state_dict
 
@@ -245,12 +244,20 @@ def load_reference_model(cls, path, config, dtype=None, hub_kwargs=None, device=
     if left_on_meta:  # map_reference_state_dict checked the keys; this would be a bug of the mapping
         raise RuntimeError(f"internal error: not loaded from the checkpoint: {left_on_meta}")
     model.config.dtype = dtype
-    # Their generation_config.json sets nothing ({"_from_model_config": true}); generation is greedy here, as our
-    # `generate` documents, and says so, so that pipelines do not fall back to their sampling defaults.
-    model.generation_config = GenerationConfig.from_model_config(config)
-    model.generation_config.do_sample = False
-    model.generation_config._from_model_config = False
     return model.eval()
+
+
+def load_generation_config(model, path, hub_kwargs):
+    """The repo's generation_config.json, through the hook `from_pretrained` uses (loop knobs written there by hand
+    count, and a bad one is refused naming the file). Theirs sets nothing ({"_from_model_config": true}): generation
+    is then greedy, as our `generate` documents, and says so, so that pipelines do not fall back to sampling."""
+    defaults = {"cache_dir": None, "force_download": False, "proxies": None, "local_files_only": False,
+                "token": None, "revision": "main", "subfolder": ""}  # from_pretrained's
+    options = {name: hub_kwargs.get(name, default) for name, default in defaults.items()}
+    model.adjust_generation_fn(None, False, False, path, trust_remote_code=False, **options)
+    if model.generation_config.do_sample is None:
+        model.generation_config.do_sample = False
+    model.generation_config._from_model_config = False
 
 
 __all__ = ["is_reference_config", "translate_config", "strip_wrapper_prefixes", "load_reference_model",
@@ -313,6 +320,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
 
     causal_lm = cls if issubclass(cls, LoopFormerForCausalLM) else LoopFormerForCausalLM
     model = load_reference_model(causal_lm, path, config, dtype=dtype, hub_kwargs=hub_kwargs, device=device)
+    load_generation_config(model, path, hub_kwargs)
     if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM
         model = model.model
     if output_loading_info:

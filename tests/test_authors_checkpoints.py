@@ -323,3 +323,18 @@ def test_their_weights_under_our_config_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"config\.json is in this package's layout.*weights are named as the "
                                          r"authors' GPT.*gpt\.dt_embedder"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+
+
+def test_loop_knobs_written_into_their_generation_config_count(tmp_path, ids):
+    sd = write_authors_repo(tmp_path / "repo")
+    path = tmp_path / "repo" / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "loop_budget": 2}))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    assert model.generation_config.loop_budget == 2 and model.generation_config.do_sample is False
+    prompt = ids[:1, :6]
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, max_new_tokens=3, pad_token_id=0),
+                           oracle_greedy(sd, prompt, SHORTEST, 3))
+    path.write_text(json.dumps({"_from_model_config": True, "loop_budget": 0}))
+    with pytest.raises(ValueError, match=r"generation_config\.json sets a loop knob.*`loop_budget` must be"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
