@@ -1,4 +1,4 @@
-"""The authors' published size (issue 38, item 5): a checkpoint of the FineWeb300K shape (armenjeddi/
+"""The authors' published size: a checkpoint of the FineWeb300K shape (armenjeddi/
 LoopFormer-3block-8iterations-FineWeb300K: 3 blocks, n_embd 2048, 32 heads, intermediate 5120, vocab 50304, context
 1024, 8 loops; 0.28B parameters) with random weights, written in their Hub layout (config.json with model_type
 "loopformer", nanoGPT keys and steps = [1/8]*8; bf16 model.safetensors under their GPT's names with a `gpt.` prefix,

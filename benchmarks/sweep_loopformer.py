@@ -165,7 +165,7 @@ def per_seed_verdicts(runs):
 
 
 def verdict_word(claim):
-    # (c) is two-sided as the issue states it: a LoopFormer more than 0.05 *ahead* of Base-Loop fails it too
+    # (c) is two-sided: a LoopFormer more than 0.05 *ahead* of Base-Loop fails it too
     if claim.get("ahead"):
         return f"no (ahead by {claim['gap']:.3f})"
     return "holds" if claim["holds"] else "no"

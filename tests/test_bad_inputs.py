@@ -1,4 +1,4 @@
-"""Issue 13: every row of the bad-input registry (tests/bad_input_table.py) raises the error it names, and
+"""Every row of the bad-input registry (tests/bad_input_table.py) raises the error it names, and
 docs/bad_inputs.md is the table the registry renders."""
 
 import re

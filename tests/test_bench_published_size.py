@@ -1,4 +1,4 @@
-"""Issue 38, item 5: the published-size benchmark (benchmarks/bench_published_size.py) runs as one command in its tiny
+"""The published-size benchmark (benchmarks/bench_published_size.py) runs as one command in its tiny
 `--quick` shape without the authors' code (their rows print "not run"), and the checkpoint it measures is in their
 layout and loads into the model the reference oracle computes.
 

@@ -1,4 +1,4 @@
-"""Issue 2, item 8: the benchmark runs as one command (quick mode here) and its JSON carries every ratio.
+"""The benchmark runs as one command (quick mode here) and its JSON carries every ratio.
 
 No timing assertions: the numbers of a smoke run on a shared machine mean nothing.
 """
@@ -57,7 +57,7 @@ def test_bad_arguments_are_rejected(tmp_path):
 
 def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
-    benchmarks add (issue 14)."""
+    benchmarks add (static cache, compiled decoding, shared cache)."""
     from benchmarks import bench_halting, report_table
 
     rows = bench_halting.halting_rows(tiny_model, [1e-9], ("reuse",), prompt_len=4, new_tokens=2, repeats=1)
@@ -96,7 +96,7 @@ def test_gather_rows_time_both_paths_at_mixed_halting_and_restore_the_constants(
 
 def test_report_table_cache_rows(monkeypatch):
     """The static / compiled rows compare tokens/s on the same prompt and check the sides' tokens agree; the shared
-    cache rows hold n/M of the exact cache's bytes (issue 14). The compiled side is an eager copy here: compiling
+    cache rows hold n/M of the exact cache's bytes. The compiled side is an eager copy here: compiling
     takes minutes on this machine, and the benchmark, not this test, measures it."""
     import copy
 

@@ -1,4 +1,4 @@
-"""Issue 13: a chat template path. `train --chat_template FILE` saves the template with the tokenizer, and
+"""A chat template path: `train --chat_template FILE` saves the template with the tokenizer, and
 pipeline("text-generation") with chat messages then works on a checkpoint that carries one."""
 
 import pytest

@@ -1,4 +1,5 @@
-"""Issue 13, "Faults not met": command-line faults that ended silently or in a raw traceback, each reproduced here."""
+"""Command-line faults that once ended silently or in a raw traceback, each reproduced here with the named error it
+now ends in."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Issue 2, item 7 and issue 12: weights from the reference code (nanoGPT-style keys) -> a saved LoopFormerForCausalLM.
+"""Weights from the reference code (nanoGPT-style keys) -> a saved LoopFormerForCausalLM.
 
 The converted model is checked against an independent, minimal re-implementation of the reference forward written
 here from the spec (learned positions, GELU, no biases, torch-default RMSNorm eps, adaLN without shift, separate
@@ -177,7 +177,7 @@ def test_command_line_reports_errors_without_traceback(tmp_path, ref_sd, capsys)
     assert "missing keys" in err and "model.norm.weight" in err and "Traceback" not in err
 
 
-# ---- TMLT, Base-Loop and Base (issue 12) -----------------------------------------------------------------------------
+# ---- TMLT, Base-Loop and Base: the other reference variants ----------------------------------------------------------
 
 BASE_LAYERS = 3  # Base: a plain list of blocks, one pass
 

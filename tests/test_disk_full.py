@@ -1,4 +1,4 @@
-"""Issue 25: a disk that fills during a checkpoint save. torch's zip writer says only "unexpected pos ..." and the
+"""A disk that fills during a checkpoint save. torch's zip writer says only "unexpected pos ..." and the
 C++ streams "basic_ios::clear"; the run must end with one line naming ENOSPC and the file, and lose nothing that a
 resume needs."""
 

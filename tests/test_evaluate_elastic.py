@@ -61,7 +61,7 @@ def test_every_budget_and_schedule_is_scored_and_written(checkpoints, tmp_path, 
 
 
 def test_halt_eps_sweep_reports_quality_against_mean_loops(checkpoints, tmp_path, capsys):
-    """Issue 6: quality against mean loop steps per token, next to the fixed budgets, and its plot."""
+    """Adaptive depth (halt_eps): quality against mean loop steps per token, next to the fixed budgets, and its plot."""
     paths = [str(checkpoints / v) for v in ("loopformer", "base")]
     records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--schedules", "uniform",
                                      "--halt_eps", "1e-9", "1e9"])
@@ -110,7 +110,7 @@ def test_exit_criteria_benchmark_on_a_trained_checkpoint(checkpoints, tmp_path):
     assert result["task"] == "synthetic" and result["rows"] == 8
     assert [f["loop_budget"] for f in result["fixed"]] == [1, 2, 3, 4]
     rules = {**bench_halt_criteria.THRESHOLDS, **bench_halt_criteria.SHORTCUT_RULES,
-             "probe_entropy": bench_halt_criteria.PROBE_THRESHOLDS,  # LoopFormer: every rule (issue 40)
+             "probe_entropy": bench_halt_criteria.PROBE_THRESHOLDS,  # LoopFormer: every exit rule
              "probe_entropy_context": bench_halt_criteria.PROBE_THRESHOLDS}
     assert {(r["criterion"], r["halt_eps"]) for r in result["criteria"]} == {
         (c, e) for c, values in rules.items() for e in values}

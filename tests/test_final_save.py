@@ -1,4 +1,4 @@
-"""Issue 39, nothing lost III: a finished run is never trained over (its own record counts when it kept no
+"""Nothing a finished run saved is lost: it is never trained over (its own record counts when it kept no
 checkpoint-N), a run killed (SIGKILL) during its final save leaves no half-written file and a resume finishes the
 save from its last checkpoint."""
 
@@ -20,7 +20,7 @@ def weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-# --- bug 1: a finished run without checkpoint-N ---------------------------------------------------------------------
+# --- a finished run without checkpoint-N is not trained over ----------------------------------------------------------
 
 def test_a_finished_loopformer_run_without_checkpoints_is_not_trained_over(tmp_path, trained_steps, caplog):
     # "No complete checkpoint ... training from scratch", exit 0, and model.safetensors overwritten (global_step 40->10)
@@ -58,7 +58,7 @@ def test_a_finished_fprm_run_of_the_default_save_strategy_is_not_trained_over(tm
     assert trained_steps == [] and folder_bytes(out) == before
 
 
-# --- bug 2: SIGKILL during the final save ---------------------------------------------------------------------------
+# --- SIGKILL during the final save loses nothing ----------------------------------------------------------------------
 
 def kill_at_final_save(name, output_dir):
     """Run `name`'s training in a subprocess that a real SIGKILL ends when it starts its final model's config.json

@@ -1,4 +1,4 @@
-"""Issue 39: a trained folder decodes the same through `pipeline()` as through `generate` (greedy, written into its
+"""A trained folder decodes the same through `pipeline()` as through `generate` (greedy, written into its
 generation_config.json), and loop knobs written by hand into generation_config.json are honoured by `generate`, or
 refused at load when invalid."""
 

@@ -1,4 +1,4 @@
-"""Issue 40: the halting table the Quickstart and the report print, with the fixed budgets at equal compute and a
+"""The halting table the Quickstart and the report print, with the fixed budgets at equal compute and a
 verdict per exit rule computed from the evaluation's own numbers."""
 
 import pytest

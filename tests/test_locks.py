@@ -1,4 +1,4 @@
-"""Issue 39: the output_dir lock. A run ended by SIGTERM releases it; a lock that is empty or garbage is taken over
+"""The output_dir lock: A run ended by SIGTERM releases it; a lock that is empty or garbage is taken over
 once it is clearly a leftover; one that is refused says how to take it over ("process ? on ?" said nothing)."""
 
 import json

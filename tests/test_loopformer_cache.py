@@ -1,4 +1,4 @@
-"""Issue 2, item 5: a KV cache that is right across loops (one slot per (loop step, block))."""
+"""A KV cache that is right across loops (one slot per (loop step, block))."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Issue 13: loop counts (`halt_eps`) under beam search (reordered with the beams), assisted and prompt-lookup
+"""Loop counts (`halt_eps`) under beam search (reordered with the beams), assisted and prompt-lookup
 decoding; each checked against a forward over the returned sequences (position i produced token i + 1)."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Issue 6: per-token adaptive depth (`halt_eps`) with a KV cache that stays right for tokens that halted early."""
+"""Per-token adaptive depth (`halt_eps`) with a KV cache that stays right for tokens that halted early."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""Issue 14: halting that skips the halted tokens' work (exact against computing every token), and the exit criteria
+"""Halting that skips the halted tokens' work (exact against computing every token), and the exit criteria
 `halt_criterion` chooses."""
 
 import pytest

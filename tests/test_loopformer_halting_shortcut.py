@@ -1,4 +1,4 @@
-"""Issue 40: the "_shortcut" exit rules and "probe_entropy" (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
+"""The "_shortcut" exit rules and "probe_entropy" (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
 `halt_eps` after step i takes one step Δ = 1 − t_i to t = 1 before it freezes, so its path is a shortcut trajectory
 of i + 1 steps. Exact against the fixed trajectory, cached as uncached, static as dynamic, padded and gathered."""
 

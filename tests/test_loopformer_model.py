@@ -1,4 +1,4 @@
-"""Issue 2, items 2-4 and 6: config, architecture, baselines as configurations, elastic inference, standard args."""
+"""Config, architecture, baselines as configurations, elastic inference, standard args."""
 
 import copy
 import math

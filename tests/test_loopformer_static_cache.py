@@ -1,4 +1,4 @@
-"""Issue 14: the preallocated loop cache (LoopFormerStaticCache) is exact against the dynamic one, and the opt-in
+"""The preallocated loop cache (LoopFormerStaticCache) is exact against the dynamic one, and the opt-in
 shared cache (cache_sharing="modulo") holds n step slots per block whatever the budget."""
 
 import pytest
@@ -23,7 +23,7 @@ def _model(**overrides):
 def assert_logits_match(got, expected):
     """Exact up to float64 round-off. These large random weights make the loop chaotic: in fp32 the round-off of the
     masked (static) and the causal (dynamic) attention paths grows to 1e-2 on logits of 8 after four loop steps,
-    while in float64 the two agree to the last bit (measured 0.0). The fp32 figure of issue 14 (1e-5) is checked at
+    while in float64 the two agree to the last bit (measured 0.0). The fp32 bound (1e-5) is checked at
     the default initialisation: test_static_cache_at_default_init_within_1e_5."""
     torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
 

@@ -1,4 +1,4 @@
-"""Issue 13 (model side): every LoopFormerConfig value validated however it arrives, a bounded loop budget, clear
+"""Model-side input checks: every LoopFormerConfig value validated however it arrives, a bounded loop budget, clear
 errors for empty inputs, and loop knobs read from `generation_config`."""
 
 import json

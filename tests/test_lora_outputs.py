@@ -1,4 +1,4 @@
-"""Issue 39: the LoRA tool keeps what a user saved (an --output that is a file, or that holds an earlier
+"""The LoRA tool keeps what a user saved (an --output that is a file, or that holds an earlier
 fine-tuning, is refused before any work), takes an FPRM training run's folder as --model, and fits its default
 block to a LoopFormer's context."""
 

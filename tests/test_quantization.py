@@ -1,4 +1,4 @@
-"""Issue 25, bug 7: quantised LoopFormer and FPRM load, generate and solve. The timestep embedder cast its features
+"""Quantised LoopFormer and FPRM load, generate and solve. The timestep embedder cast its features
 to the first weight's dtype, which a quantised Linear stores as int8 ("silu_cpu not implemented for 'Byte'"); the
 error quantisation brings is compared with a same-size tiny Llama's under the same scheme.
 

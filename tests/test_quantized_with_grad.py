@@ -1,4 +1,4 @@
-"""Issue 39: a torch dynamic-int8 LoopFormer runs with gradients on (a raw RuntimeError "dimension of input tensor
+"""A torch dynamic-int8 LoopFormer runs with gradients on (it once raised RuntimeError "dimension of input tensor
 should be larger than or equal to 2": the step's 1-D conditioning reached a quantised Linear), as a Llama does."""
 
 import torch

@@ -1,4 +1,4 @@
-"""The elastic report (issue 12): its verdicts computed from the numbers, seeds grouped with their spread, and the
+"""The elastic report: its verdicts computed from the numbers, seeds grouped with their spread, and the
 document written end to end from tiny runs of every configuration it trains."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The wheel as a user gets it (issues 13, 26): built from a copy of the checkout, installed into a fresh virtual
+"""The wheel as a user gets it: built from a copy of the checkout, installed into a fresh virtual
 environment outside it, and used from a folder outside it, each README command at tiny sizes: the README's quick
 snippet; `python -m looped_training.loopformer.train --preset NAME` (the synthetic preset, and the text preset on the
 user's files); `pipeline("text-generation", model=dir)(prompt)` with no other argument; `python -m

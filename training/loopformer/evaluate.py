@@ -300,7 +300,7 @@ def halting_rows(record):
 
 
 def halting_verdict(record):
-    """Issue 40's targets for one model's halting sweep, per exit rule: {rule: (met, halt_eps values where it holds)}.
+    """The targets for one model's halting sweep, per exit rule: {rule: (met, halt_eps values where it holds)}.
     Exact match: some halt_eps at ≤ L − 0.5 mean loops per token, within 0.01 of M = L and not below the fixed budgets
     at equal compute. Perplexity: below the fixed budgets at equal compute at ≥ 2 halt_eps."""
     metric, _ = halting_metric(record["task"])
@@ -318,7 +318,7 @@ def halting_verdict(record):
 
 def halting_table(record):
     """The halting sweep of one model as markdown lines, per exit rule: each halt_eps with the fixed budgets at equal
-    compute and whether the adaptive depth beats them, then the rule's verdict (issue 40's targets)."""
+    compute and whether the adaptive depth beats them, then the rule's verdict (halting_verdict's targets)."""
     metric, _ = halting_metric(record["task"])
     L = record["num_loops"]
     target = (f"≤ {L - 0.5:g} mean loops, exact match within 0.01 of M={L} and not below the fixed budgets at equal "
@@ -343,8 +343,8 @@ def halting_table(record):
 
 def halting_sweep_summary(result):
     """One checkpoint of `python -m benchmarks.bench_halt_criteria --checkpoints ...` (its JSON entry) as markdown
-    lines: per exit rule, whether issue 40's target holds and where, and its row of best margin over the fixed budgets
-    at equal compute (with the best fixed trajectory's quality there: uniform budgets or a shortcut exit)."""
+    lines: per exit rule, whether halting_verdict's target holds and where, and its row of best margin over the fixed
+    budgets at equal compute (with the best fixed trajectory's quality there: uniform budgets or a shortcut exit)."""
     metric, higher = halting_metric(result["task"])
     sign = 1 if higher else -1
     lines = [f"| rule | target met (halt_eps) | best row: halt_eps | mean loops | {metric} | fixed budgets at equal "

@@ -5,7 +5,7 @@ and writes the report.
     python -m looped_training.loopformer.report --no_train  # only evaluate existing runs and rewrite the docs
     python -m looped_training.loopformer.report --preset gpu --runs_dir runs/results-gpu   # one accelerator
 
-The study (issue 12), per task (the embedded synthetic task and, where --shakespeare exists, Shakespeare): the six
+The study, per task (the embedded synthetic task and, where --shakespeare exists, Shakespeare): the six
 variants (LoopFormer, Base-Loop, TMLT, TMLT-EE, Naive-Loop-EE, iso-FLOP Base), a second seed of LoopFormer and of
 TMLT-EE, and LoopFormer under the other initialisation (`initializer_scheme="zero_adaln"`): `RUNS`. Sizes: the
 preset's config files (training/configs/loopformer/report-<task>-<preset>.yaml). `cpu`: the synthetic runs are the
@@ -38,7 +38,7 @@ from looped_training.loopformer.evaluate import (EVAL_FILE, SCHEDULES, format_ta
 from looped_training.loopformer.evaluate import main as evaluate_checkpoints
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "loopformer"
-# issue 40's exit-rule sweeps (benchmarks/bench_halt_criteria.py), read into the halting sections when present
+# the exit-rule sweeps (benchmarks/bench_halt_criteria.py), read into the halting sections when present
 HALTING_SWEEPS = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "results"
 PRESETS = ("cpu", "gpu")
 TASKS = ("synthetic", "shakespeare")
@@ -60,9 +60,9 @@ GROUP = {name: group for _, _, name, group, _ in RUNS}
 EE_GROUPS = ("TMLT-EE", "Naive-Loop-EE")
 LOOPED_BASELINES = ("Base-Loop", "TMLT", "TMLT-EE", "Naive-Loop-EE")
 REPORT_FLAGS = ["--save_strategy", "no", "--disable_tqdm", "true"]
-HALT_EPS = ["0.05", "0.1", "0.2", "0.3", "0.5", "0.8"]  # the adaptive-depth sweep (issue 6)
+HALT_EPS = ["0.05", "0.1", "0.2", "0.3", "0.5", "0.8"]  # the adaptive-depth sweep
 # its exit rules: both threshold the relative state change; the '_shortcut' one only on models conditioned on Δ
-# (issue 40; every rule at its own thresholds: benchmarks/bench_halt_criteria.py, read in by halting_sweep_lines)
+# (every rule at its own thresholds: benchmarks/bench_halt_criteria.py, read in by halting_sweep_lines)
 HALT_CRITERIA_SWEPT = ["state_change", "state_change_shortcut"]
 # The authors' run (../shared/spec/loopformer.md, "What the authors' training code actually does"), for the scale
 # comparison: 50k iterations of ~0.5M tokens.
@@ -420,9 +420,9 @@ def representation_lines(records):
 
 
 def halting_lines(records, task):
-    """Adaptive depth per token (halt_eps) against fixed budgets at equal mean loops per token (issues 6 and 40), for
+    """Adaptive depth per token (halt_eps) against fixed budgets at equal mean loops per token, for
     the first seed of each configuration: evaluate's `halting_table` (each rule's rows, the fixed budgets at equal
-    compute and the issue's verdict)."""
+    compute and the rule's verdict)."""
     lines = ["### Adaptive depth per token (`halt_eps`) against fixed budgets", "",
              "Full budget M = L, uniform schedule; a token stops looping once its exit rule's score (`halt_criterion`, "
              "the rule column) falls below halt_eps. 'fixed budget at equal compute' interpolates the fixed-budget "
@@ -436,7 +436,7 @@ def halting_lines(records, task):
 
 
 def halting_sweep_lines(task, results_dir=HALTING_SWEEPS):
-    """The exit-rule sweeps of issue 40 on `task` (`benchmarks/results/halting_rules_*.json`, written by
+    """The exit-rule sweeps on `task` (`benchmarks/results/halting_rules_*.json`, written by
     `python -m benchmarks.bench_halt_criteria --checkpoints ...`), one summary table per checkpoint: [] without them."""
     lines = []
     for path in sorted(Path(results_dir).glob("halting_rules_*.json")):
