@@ -7,7 +7,7 @@ random weights in both (theirs built by their class, ours converted from its sta
   greedy tokens of both generation loops (equal or not);
 - the cross-entropies of the full and of a short trajectory on one batch (max |difference|), then one
   shortcut-consistency training step timed: their train.py's computation (full and short trajectory, CE +
-  0.1·CE_short + 0.1·MSE, AdamW) against ours (`forward(labels=..., short_step_schedule=...)`). The short trajectory
+  0.1·CE_short + 0.1·MSE, AdamW) against ours (`forward(labels=..., shortcut_consistency=...)`). The short trajectory
   is fixed here (L/2 uniform steps); their train.py samples one per step, which changes what is computed, not its
   cost;
 - greedy generation of n tokens: theirs has no KV cache (nanoGPT's loop: the whole sequence through the model for
@@ -39,6 +39,7 @@ import transformers
 
 from benchmarks import write_json
 from benchmarks.bench_loopformer import FULL, QUICK, generate_fn, interleaved
+from loopformer_hf import ShortcutConsistency
 from loopformer_hf.convert_reference import convert
 
 
@@ -140,7 +141,8 @@ def our_train_step_fn(model, batch, short_steps):
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=batch, labels=batch, short_step_schedule=short_steps, use_cache=False).loss.backward()
+        model(input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps),
+              use_cache=False).loss.backward()
         optimizer.step()
 
     return step
@@ -176,7 +178,8 @@ def authors_rows(cfg, repeats, authors_repo, log=print):
         with torch.no_grad():  # the objective's two CE terms on one batch (dropout is 0 in both)
             x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             theirs_ce = torch.stack([theirs(x, y, long_steps)[1], theirs(x, y, short_steps)[1]])
-            out = ours(input_ids=batch, labels=batch, short_step_schedule=short_steps, use_cache=False)
+            out = ours(input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps),
+                       use_cache=False)
             diff = (torch.stack([out.ce_full, out.ce_short]) - theirs_ce).abs().max().item()
         rows.append(row("CE of the full and the short trajectory, max abs(ours - theirs)", diff, 0.0, [diff],
                         "<= 1e-4", diff <= 1e-4))

@@ -38,6 +38,7 @@ import time
 import torch
 
 import loopformer_hf
+from loopformer_hf import ShortcutConsistency
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
 from looped_training.loopformer.evaluate import build_eval_data, halting_sweep_summary, load_checkpoint, quality
@@ -102,8 +103,8 @@ def train_tiny(steps, batch_size=64, eval_problems=512, max_depth=2, seed=0, log
     start = time.time()
     for step in range(steps):
         batch = {k: v[step * batch_size:(step + 1) * batch_size] for k, v in train.items()}
-        out = model(**batch, short_step_schedule=list(sample_shortcut_trajectory(rng, config.num_loops)),
-                    lambda_short=0.5, lambda_consistency=0.1, use_cache=False)
+        objective = ShortcutConsistency(sample_shortcut_trajectory(rng, config.num_loops), 0.5, 0.1)
+        out = model(**batch, shortcut_consistency=objective, use_cache=False)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -6,6 +6,7 @@ from .authors_checkpoints import reference_config_classes
 from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
 from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
+from .loss_loopformer import ShortcutConsistency
 from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
@@ -32,4 +33,5 @@ __all__ = [
     "LoopFormerGenerateDecoderOnlyOutput",
     "LoopFormerGenerateBeamDecoderOnlyOutput",
     "STEP_SCHEDULE_PRESETS",
+    "ShortcutConsistency",
 ]

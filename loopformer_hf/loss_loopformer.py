@@ -8,6 +8,7 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,43 @@ def check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
         raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
 
 
+@dataclass(frozen=True)
+class ShortcutConsistency:
+    """The shortcut-consistency objective's inputs for one training forward with labels: the short trajectory (step
+    sizes summing to 1), λ1, λ2 and the distance D (`"mse"` of the final normed hidden states, as the reference, or
+    `"kl"` of the next-token distributions on labelled positions). looped_training's ShortcutConsistencyCallback hands
+    one to each training forward; pass one yourself to compute the objective outside a Trainer."""
+
+    short_step_schedule: tuple
+    lambda_short: float = 0.1
+    lambda_consistency: float = 0.1
+    consistency_loss: str = "mse"
+
+    def __post_init__(self):
+        if isinstance(self.short_step_schedule, (list, tuple)):  # hashable and immutable, as the rest
+            object.__setattr__(self, "short_step_schedule", tuple(self.short_step_schedule))
+        check_consistency_args(self.lambda_short, self.lambda_consistency, self.consistency_loss)
+
+
+# What `LoopFormerForCausalLM.forward` took before the objective's inputs became one `ShortcutConsistency`.
+SHORTCUT_FORWARD_KWARGS = ("short_step_schedule", "lambda_short", "lambda_consistency", "consistency_loss")
+
+
+def check_shortcut_consistency(value, kwargs):
+    """`value` if it is a `ShortcutConsistency` or None; a `TypeError` for anything else, or for the former separate
+    arguments, which `**kwargs` would otherwise swallow and the objective silently not run."""
+    old = [name for name in SHORTCUT_FORWARD_KWARGS if name in kwargs]
+    if old:
+        raise TypeError(
+            f"`forward` got {old} as separate arguments; it takes the shortcut-consistency inputs as one "
+            f"`shortcut_consistency=ShortcutConsistency(short_step_schedule, lambda_short=0.1, "
+            f"lambda_consistency=0.1, consistency_loss='mse')`."
+        )
+    if value is not None and not isinstance(value, ShortcutConsistency):
+        raise TypeError(f"`shortcut_consistency` must be a ShortcutConsistency or None, got {type(value).__name__}.")
+    return value
+
+
 def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
                               consistency_loss, num_items_in_batch=None, shift_labels=None):
     """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
@@ -86,4 +124,5 @@ def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lam
     return loss, terms, n_local
 
 
-__all__ = ["CONSISTENCY_LOSSES", "check_consistency_args", "shortcut_consistency_loss"]
+__all__ = ["CONSISTENCY_LOSSES", "ShortcutConsistency", "check_consistency_args", "check_shortcut_consistency",
+           "shortcut_consistency_loss"]

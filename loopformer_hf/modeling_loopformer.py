@@ -21,11 +21,12 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
-from .loss_loopformer import check_consistency_args, check_labels, shortcut_consistency_loss
+from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
 from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
 from .halting_loopformer import LoopFormerHaltingState
 from .hub import LoopFormerHubMixin
@@ -395,7 +396,7 @@ class LoopFormerModelOutput(BaseModelOutputWithPast):
 class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
     """
     loop_counts (batch, seq): loop steps each token ran (only with `halt_eps`).
-    ce_full, ce_short, consistency: with `labels` and `short_step_schedule`, the three terms of the shortcut-consistency
+    ce_full, ce_short, consistency: with `labels` and `shortcut_consistency`, the three terms of the shortcut-consistency
         objective: per-token CE of the full and of the short trajectory, and the consistency distance D (detached;
         `loss` combines them).
     """
@@ -543,10 +544,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, loop_budget=None,
-                step_schedule=None, halt_eps=None, past_key_values=None, halt_criterion=None, halt_head=None,
-                **kwargs):
+                use_cache=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
+                halt_head=None, **kwargs):
         r"""
         loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
@@ -559,15 +560,15 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         halt_head (`nn.Module`, *optional*): the LM head the "kl" and "entropy" criteria read next-token
             distributions through (after the final norm); [`LoopFormerForCausalLM`] passes its `lm_head`.
 
-        `hidden_states` (with `output_hidden_states=True`) holds the embeddings followed by the residual stream after
-        each loop step: M + 1 tensors. `attentions` holds one tensor per (loop step, block).
+        `hidden_states` (with `output_hidden_states=True`, a keyword as for Llama) holds the embeddings followed by the
+        residual stream after each loop step: M + 1 tensors. `attentions` (`output_attentions=True`) holds one tensor
+        per (loop step, block). `return_dict=False` gives a tuple; `past_key_values` is `cache`'s former name.
         """
-        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else (
-            self.config.output_hidden_states)
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        output_attentions, output_hidden_states = (
+            kwargs.get(name) if kwargs.get(name) is not None else getattr(self.config, name)
+            for name in ("output_attentions", "output_hidden_states"))
         use_cache = use_cache if use_cache is not None else self.config.use_cache
-        cache = cache_argument(cache, past_key_values, type(self).__name__)
+        cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
         plan = LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
@@ -583,17 +584,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
             loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},
         )
-        return output if return_dict else output.to_tuple()
+        return output
 
 
-LOSS_KWARGS = ("num_items_in_batch", "ignore_index")  # what `forward` hands to `loss_function`
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
 
 
 class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # While a Trainer trains with looped_training's ShortcutConsistencyCallback: what a training forward with labels
-    # and no `short_step_schedule` asks for its shortcut-consistency fields, and gives its terms to (for the logs).
-    shortcut_objective = None
 
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -602,44 +600,36 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-                logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None, short_step_schedule=None,
-                lambda_short=0.1, lambda_consistency=0.1, consistency_loss="mse", past_key_values=None,
-                halt_criterion=None, **kwargs):
+                labels=None, use_cache=None, logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None,
+                halt_criterion=None, shortcut_consistency=None, **kwargs):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
         shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): targets already aligned with the
             positions (the authors' windows: T tokens train T targets); a keyword, so `label_names` stay `["labels"]`.
         loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`]; also
             `generate` kwargs. With `halt_eps`, the output's `loop_counts` holds the loop steps each token ran.
-        short_step_schedule (list of `float`, *optional*): with `labels`, train with LoopFormer's shortcut-consistency
-            objective: the same inputs also run this short trajectory (steps summing to 1) and
+        shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, train with LoopFormer's
+            shortcut-consistency objective: the same inputs also run its short trajectory and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency`. In training, `shortcut_objective` (looped_training's ShortcutConsistencyCallback) gives
-            it, and the λs and D, to each forward with labels that does not.
-        lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
-        lambda_consistency (`float`, defaults to 0.1): λ2, weight of the consistency term D.
-        consistency_loss (`str`, defaults to `"mse"`): D: `"mse"` of the final normed hidden states (reference) or
-            `"kl"`: KL(p_full || p_short) of the next-token distributions on labelled positions.
+            `consistency`. In a Trainer, looped_training's ShortcutConsistencyCallback passes one to each training
+            forward with labels.
+
+        `output_attentions`, `output_hidden_states`, `return_dict` and `past_key_values` are keywords, as for Llama.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        shift_labels = kwargs.pop("shift_labels", None)
+        shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                         "inputs_embeds": inputs_embeds}
         outputs = self.model(
-            **model_inputs, cache=cache_argument(cache, past_key_values, type(self).__name__), use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True,
-            loop_budget=loop_budget, step_schedule=step_schedule, halt_eps=halt_eps, halt_criterion=halt_criterion,
-            halt_head=self.lm_head,
+            **model_inputs, cache=cache, use_cache=use_cache, loop_budget=loop_budget, step_schedule=step_schedule,
+            halt_eps=halt_eps, halt_criterion=halt_criterion, halt_head=self.lm_head, **{**kwargs, "return_dict": True},
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
-        consistency = {"short_step_schedule": short_step_schedule, "lambda_short": lambda_short,
-                       "lambda_consistency": lambda_consistency, "consistency_loss": consistency_loss}
-        loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shift_labels, consistency, kwargs)
-        output = LoopFormerCausalLMOutput(
+        loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
+        return LoopFormerCausalLMOutput(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
@@ -648,41 +638,32 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             **terms,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
-        return output if return_dict else output.to_tuple()
 
-    def _loss(self, logits, hidden_states, model_inputs, labels, shift_labels, consistency, kwargs):
-        """(loss, the shortcut objective's terms): plain CE, or with a short trajectory (given, or drawn from
-        `shortcut_objective` in training) the shortcut-consistency loss of both trajectories."""
-        if consistency["short_step_schedule"] is not None and labels is None:
+    def _loss(self, logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs):
+        """(loss, the shortcut objective's terms): plain CE, or with `shortcut_consistency` the shortcut-consistency
+        loss of the full and the short trajectory."""
+        if shortcut_consistency is not None and labels is None:
             raise ValueError(
-                "`short_step_schedule` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
+                "`shortcut_consistency` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
                 "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
-                "pass labels, or drop short_step_schedule."
+                "pass labels, or drop shortcut_consistency."
             )
         if labels is None:
             return None, {}
+        shift_labels = kwargs.get("shift_labels")
         check_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size)
-        objective = None
-        if consistency["short_step_schedule"] is None and self.training:
-            objective = self.shortcut_objective
-        if objective is not None:
-            consistency = objective.training_forward_kwargs()
-        if consistency["short_step_schedule"] is None:
+        if shortcut_consistency is None:
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
-            if shift_labels is not None:
-                loss_kwargs["shift_labels"] = shift_labels
             return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                       **loss_kwargs), {}
-        lambdas = consistency["lambda_short"], consistency["lambda_consistency"], consistency["consistency_loss"]
-        check_consistency_args(*lambdas)
-        short = self.model(**model_inputs, step_schedule=consistency["short_step_schedule"], use_cache=False,
+        objective = shortcut_consistency
+        short = self.model(**model_inputs, step_schedule=list(objective.short_step_schedule), use_cache=False,
                            return_dict=True)
-        loss, terms, tokens = shortcut_consistency_loss(
-            logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels, *lambdas,
+        loss, terms, _ = shortcut_consistency_loss(
+            logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
+            objective.lambda_short, objective.lambda_consistency, objective.consistency_loss,
             kwargs.get("num_items_in_batch"), shift_labels,
         )
-        if objective is not None:
-            objective.record_terms(**terms, tokens=tokens)
         return loss, terms
 
     def save_pretrained(self, *args, **kwargs):

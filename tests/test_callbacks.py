@@ -9,6 +9,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import loopformer_hf
+from loopformer_hf import ShortcutConsistency
 from tiny_models import randomize_modulation, tiny_loopformer_config
 from looped_training.loopformer.objective import (ShortcutConsistencyCallback, sample_early_exit_trajectory,
                                                   sample_shortcut_trajectory)
@@ -129,7 +130,7 @@ def test_kl_option_matches_manual_kl_on_labelled_positions():
 def test_early_exit_models_get_uniform_prefixes_and_shortcut_is_refused():
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).train()
     cb = _attached(model)  # auto -> early_exit
-    traj = cb.training_forward_kwargs()["short_step_schedule"]
+    traj = cb.next_shortcut_consistency().short_step_schedule
     assert len(set(traj)) == 1
     with pytest.raises(ValueError, match="loop_conditioning='shortcut'"):
         _attached(model, trajectory="shortcut")
@@ -140,9 +141,9 @@ def test_lambda_warmup_follows_the_optimizer_step_of_each_micro_batch():
     cb = ShortcutConsistencyCallback(lambda_short=0.2, lambda_consistency=0.4, warmup_steps=2)
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none", gradient_accumulation_steps=2)
     cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
-    fields = [cb.training_forward_kwargs() for _ in range(6)]  # micro-batches of optimizer steps 0, 0, 1, 1, 2, 2
-    assert [f["lambda_short"] for f in fields] == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
-    assert [f["lambda_consistency"] for f in fields] == pytest.approx([0.0, 0.0, 0.2, 0.2, 0.4, 0.4])
+    fields = [cb.next_shortcut_consistency() for _ in range(6)]  # micro-batches of optimizer steps 0, 0, 1, 1, 2, 2
+    assert [f.lambda_short for f in fields] == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
+    assert [f.lambda_consistency for f in fields] == pytest.approx([0.0, 0.0, 0.2, 0.2, 0.4, 0.4])
 
 
 def test_a_model_that_does_not_compute_the_objective_is_refused():
@@ -210,8 +211,8 @@ def test_trainer_logs_the_three_terms_and_runs_two_trajectories_in_one_forward(t
     assert [s for training, s in calls if not training] == [None] * 4
     assert [i for i, _ in cb.sampled] == list(range(6)) and cb.micro_batches_seen == 6
     assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2, 3]
-    assert model.shortcut_objective is None  # detached at train end: a later training-mode forward is plain CE
-    ids, labels = _batch()
+    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks  # the test's own: the callback's are gone
+    ids, labels = _batch()  # so a later training-mode forward is plain CE and draws nothing
     assert model.train()(input_ids=ids, labels=labels).ce_full is None and cb.micro_batches_seen == 6
 
 
@@ -257,13 +258,13 @@ def test_resuming_with_restored_callback_states_keeps_the_trajectories(tmp_path)
 
 def test_label_smoothing_which_takes_the_labels_from_the_model_is_refused(tmp_path):
     """The Trainer computes a label-smoothed loss itself (it pops `labels`): the shortcut objective was silently
-    dropped. Refused at train start; a forward given `short_step_schedule` without labels is refused too."""
+    dropped. Refused at train start; a forward given `shortcut_consistency` without labels is refused too."""
     trainer, model = _trainer(tmp_path, ShortcutConsistencyCallback(), label_smoothing_factor=0.1)
     with pytest.raises(ValueError, match="label_smoothing_factor=0.1"):
         trainer.train()
     ids, _ = _batch()
-    with pytest.raises(ValueError, match="`short_step_schedule` .* needs `labels`"):
-        model(ids, short_step_schedule=[0.5, 0.5])
+    with pytest.raises(ValueError, match="`shortcut_consistency` .* needs `labels`"):
+        model(ids, shortcut_consistency=ShortcutConsistency([0.5, 0.5]))
 
 
 def test_kl_consistency_of_a_batch_without_labelled_tokens_is_zero_not_nan():
@@ -272,6 +273,6 @@ def test_kl_consistency_of_a_batch_without_labelled_tokens_is_zero_not_nan():
     ids, _ = _batch()
     labels = torch.full_like(ids, -100)
     for consistency in ("kl", "mse"):
-        out = model(ids, labels=labels, short_step_schedule=[0.5, 0.5], consistency_loss=consistency,
+        out = model(ids, labels=labels, shortcut_consistency=ShortcutConsistency([0.5, 0.5], consistency_loss=consistency),
                     num_items_in_batch=torch.tensor(10))
         assert out.loss.item() == 0.0 and torch.isfinite(out.consistency), consistency

@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from _hub_helpers import CORPUS, REPO_ROOT, make_model
+from loopformer_hf import ShortcutConsistency
 
 CONFIGS = REPO_ROOT / "training" / "configs" / "accelerate"
 BUDGETS = [1, 4, 2]
@@ -36,7 +37,7 @@ def _batch(generator, vocab_size):
 
 
 def _loss(model, ids, budget):
-    return model(input_ids=ids, labels=ids, loop_budget=budget, short_step_schedule=SHORT).loss
+    return model(input_ids=ids, labels=ids, loop_budget=budget, shortcut_consistency=ShortcutConsistency(SHORT)).loss
 
 
 def _free_port():
@@ -209,7 +210,7 @@ def test_every_parameter_gets_a_gradient_in_each_variants_training_forward(varia
         sample = sample_shortcut_trajectory if trajectory == "shortcut" else sample_early_exit_trajectory
         rng = random.Random(0)
         short = next(t for t in iter(lambda: sample(rng, config.num_loops), None) if len(t) == 1)
-        fields = {"short_step_schedule": list(short), "lambda_short": 0.1, "lambda_consistency": 0.1}
+        fields = {"shortcut_consistency": ShortcutConsistency(short, 0.1, 0.1)}
     model(input_ids=ids, labels=ids, **fields).loss.backward()
     assert [name for name, p in model.named_parameters() if p.grad is None] == []
 

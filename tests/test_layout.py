@@ -111,3 +111,24 @@ def test_checkout_has_the_users_layout():
 
     assert Path(looped_training.__file__).parent == ROOT / "training"
     assert Path(looped_training.model_cards.__file__).parent == ROOT / "model_cards"
+
+
+def test_the_causal_lm_forward_is_llama_sized_and_reads_its_objective_as_data():
+    """Llama's `forward` names 8 arguments; ours names those plus the loop knobs and one `shortcut_consistency` value
+    (≤ 13). The model holds no slot for a training callback to attach to, so the forward cannot call one back."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    from loopformer_hf import LoopFormerForCausalLM
+
+    def named(cls):
+        return [p.name for p in inspect.signature(cls.forward).parameters.values()
+                if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+    llama, ours = named(LlamaForCausalLM), named(LoopFormerForCausalLM)
+    assert len(ours) <= 13 and ours[:len(llama)] == llama, ours
+    assert set(ours) - set(llama) == {"loop_budget", "step_schedule", "halt_eps", "halt_criterion",
+                                      "shortcut_consistency"}
+    source = inspect.getsource(inspect.getmodule(LoopFormerForCausalLM))
+    assert "shortcut_objective" not in source and "record_terms" not in source

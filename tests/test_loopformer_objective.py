@@ -1,8 +1,10 @@
-"""The shortcut-consistency objective inside `LoopFormerForCausalLM.forward` (labels + `short_step_schedule`)."""
+"""The shortcut-consistency objective inside `LoopFormerForCausalLM.forward` (labels + `shortcut_consistency`)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from loopformer_hf import ShortcutConsistency
 
 SHORT = [0.5, 0.25, 0.25]
 
@@ -48,8 +50,7 @@ def _reference(model, ids, labels, short, lambda_short, lambda_consistency, kind
 def test_forward_returns_the_combined_loss_and_its_terms(model, kind, num_items):
     ids, labels = _batch()
     kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
-    out = model(input_ids=ids, labels=labels, short_step_schedule=SHORT, lambda_short=0.3, lambda_consistency=0.7,
-                consistency_loss=kind, **kwargs)
+    out = model(input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(SHORT, 0.3, 0.7, kind), **kwargs)
     with torch.no_grad():
         expected, terms = _reference(model, ids, labels, SHORT, 0.3, 0.7, kind, num_items)
     torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
@@ -75,7 +76,7 @@ def test_consistency_gradient_stops_at_the_full_trajectory(model):
 
     hook = model.model.norm.register_forward_hook(record_first)
     try:
-        out = model(input_ids=ids, labels=labels, short_step_schedule=SHORT, lambda_short=0.0, lambda_consistency=1.0)
+        out = model(input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(SHORT, 0.0, 1.0))
     finally:
         hook.remove()
     h_full["h"].retain_grad()
@@ -92,4 +93,26 @@ def test_consistency_gradient_stops_at_the_full_trajectory(model):
 def test_bad_objective_arguments_raise(model, kwargs, needle):
     ids, labels = _batch()
     with pytest.raises(ValueError, match=needle):
-        model(input_ids=ids, labels=labels, **{"short_step_schedule": SHORT, **kwargs})
+        model(input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(**{"short_step_schedule": SHORT,
+                                                                                         **kwargs}))
+
+
+@pytest.mark.parametrize("name", ["short_step_schedule", "lambda_short", "lambda_consistency", "consistency_loss"])
+def test_the_former_separate_objective_arguments_are_refused_not_swallowed(model, name):
+    """`**kwargs` took them silently once they left the signature: the objective would not have run."""
+    ids, labels = _batch()
+    with pytest.raises(TypeError, match=f"'{name}'.*ShortcutConsistency"):
+        model(input_ids=ids, labels=labels, **{name: getattr(ShortcutConsistency(SHORT), name)})
+
+
+def test_shortcut_consistency_is_a_frozen_value():
+    value = ShortcutConsistency([0.5, 0.5], 0.2)
+    assert value.short_step_schedule == (0.5, 0.5) and hash(value) == hash(ShortcutConsistency((0.5, 0.5), 0.2))
+    with pytest.raises(AttributeError):
+        value.lambda_short = 1.0
+
+
+def test_a_dict_for_shortcut_consistency_is_refused(model):
+    ids, labels = _batch()
+    with pytest.raises(TypeError, match="ShortcutConsistency or None, got dict"):
+        model(input_ids=ids, labels=labels, shortcut_consistency={"short_step_schedule": SHORT})

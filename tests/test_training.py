@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import loopformer_hf  # noqa: F401
+from loopformer_hf import ShortcutConsistency
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data import synthetic, text
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
@@ -169,8 +170,8 @@ def test_early_exit_objective_is_the_reference_train_py(variant):
     index = next(i for i in range(100) if len(cb.sample_trajectory(i, 4, cb.trajectory)) == 2)
     short = list(cb.sample_trajectory(index, 4, cb.trajectory))
     lambda_short, lambda_consistency = cb.lambdas(0)
-    out = model(input_ids=ids, labels=ids, short_step_schedule=short, lambda_short=lambda_short,
-                lambda_consistency=lambda_consistency, consistency_loss=cb.consistency)
+    out = model(input_ids=ids, labels=ids,
+                shortcut_consistency=ShortcutConsistency(short, lambda_short, lambda_consistency, cb.consistency))
     with torch.no_grad():
         def ce_and_x(loops):
             h = model.model(input_ids=ids, loop_budget=loops).last_hidden_state

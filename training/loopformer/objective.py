@@ -5,11 +5,12 @@ Per micro-batch the model runs two trajectories through the same weights (spec, 
 
     loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)
 
-The model computes this itself: `LoopFormerForCausalLM.forward(labels=..., short_step_schedule=..., lambda_short=...,
-lambda_consistency=..., consistency_loss=...)` returns the combined loss and its three terms, so both trajectories run
-inside the one forward the Trainer calls (under DDP, inside the wrapper). The callback decides what that forward gets:
-at train start it attaches itself to the model (`model.shortcut_objective`), and each training forward given labels
-asks it for the micro-batch's fields and hands back the three terms:
+The model computes this itself: `LoopFormerForCausalLM.forward(labels=..., shortcut_consistency=ShortcutConsistency(
+short_step_schedule, lambda_short, lambda_consistency, consistency_loss))` returns the combined loss and its three
+terms, so both trajectories run inside the one forward the Trainer calls (under DDP, inside the wrapper). The callback
+decides what that forward gets: while the Trainer trains, a forward pre-hook on the Trainer's model hands each
+training forward given labels the micro-batch's `ShortcutConsistency` (a frozen value; the model reads it and calls
+nothing back), and a forward hook reads the three terms off the output for the logs:
 
 - full: the training trajectory [1/L] * L (the model's default);
 - short: S ~ U{1..L-1} steps, each a multiple of 1/L drawn uniformly among those that leave at least 1/L for
@@ -37,6 +38,7 @@ CE_full, CE_short and the consistency term (per-token means over the logging win
 current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the progress/printer output).
 """
 
+import inspect
 import json
 import math
 import numbers
@@ -46,7 +48,8 @@ import random
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-CONSISTENCY_LOSSES = ("mse", "kl")
+from loopformer_hf.loss_loopformer import CONSISTENCY_LOSSES, ShortcutConsistency
+
 TRAJECTORY_KINDS = ("auto", "shortcut", "early_exit")
 
 
@@ -71,17 +74,26 @@ def sample_early_exit_trajectory(rng, num_loops):
 
 
 def _objective_host(model):
-    """The module of `model` (itself, or the causal LM inside a PEFT or other wrapper) whose forward asks a
-    `shortcut_objective` for the short trajectory, or None."""
-    return next((m for m in model.modules() if hasattr(type(m), "shortcut_objective")), None)
+    """The module of `model` (itself, or the causal LM inside a PEFT or other wrapper) whose forward computes the
+    objective from a `shortcut_consistency` argument, or None."""
+    return next((m for m in model.modules()
+                 if "shortcut_consistency" in inspect.signature(type(m).forward).parameters), None)
+
+
+def _labelled_tokens(kwargs):
+    """Labelled next-token positions of a forward's `labels` (shifted by one) or `shift_labels` (as given)."""
+    if kwargs.get("shift_labels") is not None:
+        return int((kwargs["shift_labels"] != -100).sum())
+    return int((kwargs["labels"][:, 1:] != -100).sum())
 
 
 class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
     """Decides the per-batch inputs of the shortcut-consistency objective that the model computes (λ1, λ2 and their
     warm-up, the seeded trajectory sampler, the consistency distance) and logs its three terms.
 
-    `Trainer(..., callbacks=[ShortcutConsistencyCallback(), ...])`: nothing else to pass. Training forwards with
-    labels ask it for their fields (`training_forward_kwargs`) and give back their terms (`record_terms`).
+    `Trainer(..., callbacks=[ShortcutConsistencyCallback(), ...])`: nothing else to pass. While training, each
+    training forward of the Trainer's model with labels and no `shortcut_consistency` of its own is given
+    `next_shortcut_consistency()`, and its terms are added to the logs.
 
     Args:
         lambda_short (`float`, defaults to 0.1): λ1, weight of CE on the short trajectory.
@@ -119,7 +131,7 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         self.log_trajectories_dir = log_trajectories_dir
         self.micro_batches_seen = 0  # the sampler's state: training forwards so far
         self.sampled = []  # (index, trajectory) this process trained, in order (this session only)
-        self._host = None  # the model module this callback is attached to while training
+        self._hooks = ()  # the forward hooks on the Trainer's model while training
         self._global_step = 0
         self._accumulation = 1
         self._kind = None
@@ -141,9 +153,9 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         ramp = 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
         return self.lambda_short * ramp, self.lambda_consistency * ramp
 
-    def training_forward_kwargs(self):
-        """The objective's forward arguments for the next training micro-batch; the model's training forward calls
-        this once per micro-batch, in training order, so the call count is the sampler's state."""
+    def next_shortcut_consistency(self):
+        """The `ShortcutConsistency` of the next training micro-batch; drawn once per training forward, in training
+        order, so the count is the sampler's state."""
         index = self.micro_batches_seen
         self.micro_batches_seen += 1
         trajectory = self.sample_trajectory(index, self._num_loops, self._kind)
@@ -154,8 +166,7 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         # a micro-batch belongs to optimizer step index // gradient_accumulation_steps (exact unless an epoch ends
         # with a shorter accumulation step)
         lambda_short, lambda_consistency = self.lambdas(index // self._accumulation)
-        return {"short_step_schedule": list(trajectory), "lambda_short": lambda_short,
-                "lambda_consistency": lambda_consistency, "consistency_loss": self.consistency}
+        return ShortcutConsistency(trajectory, lambda_short, lambda_consistency, self.consistency)
 
     def record_terms(self, ce_full, ce_short, consistency, tokens):
         """Add a training forward's detached terms (per-token CE means over its `tokens` labelled tokens, and D) to
@@ -211,7 +222,8 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         if self.log_trajectories_dir:
             self._open_trajectory_log(int(os.environ.get("RANK", args.process_index)))
         self._detach()
-        host.shortcut_objective, self._host = self, host
+        self._hooks = (model.register_forward_pre_hook(self._give, with_kwargs=True),
+                       model.register_forward_hook(self._read_terms, with_kwargs=True))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step
@@ -256,11 +268,23 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
             )
         return kind, num_loops
 
+    def _give(self, module, args, kwargs):
+        """Forward pre-hook: a training forward with labels gets the micro-batch's objective (evaluation, a forward
+        without labels, or one given its own, draws nothing)."""
+        if module.training and kwargs.get("labels") is not None and kwargs.get("shortcut_consistency") is None:
+            return args, {**kwargs, "shortcut_consistency": self.next_shortcut_consistency()}
+        return None
+
+    def _read_terms(self, module, args, kwargs, output):
+        """Forward hook: add a training forward's detached terms to the logging window."""
+        if module.training and getattr(output, "ce_full", None) is not None:
+            self.record_terms(output.ce_full, output.ce_short, output.consistency, _labelled_tokens(kwargs))
+
     def _detach(self):
         """Stop feeding the model: later forwards (after training, or of another Trainer) draw nothing."""
-        if self._host is not None and self._host.shortcut_objective is self:
-            self._host.shortcut_objective = None
-        self._host = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = ()
 
     def _open_trajectory_log(self, rank):
         """Keep the log's lines of the micro-batches the restored sampler has counted (the run's earlier segments)
