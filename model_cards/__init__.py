@@ -1,7 +1,6 @@
-"""The model cards that `looped_training.publish` and the models' `push_to_hub` write: huggingface_hub's
-`ModelCard.from_template` renders `<model_type>.md` here with `ModelCardData` metadata, a model-index of `EvalResult`s
-read from the run's evaluation JSON (the layouts docs/shipping.md lists), and the usage prompt and the Training
-section from the run's record. Installed as `looped_training.model_cards`."""
+"""The model cards that `looped_training.publish` and the models' `push_to_hub` write: huggingface_hub's `ModelCard`
+rendered from `<model_type>.md` here, with `ModelCardData` metadata, a model-index of `EvalResult`s read from the run's
+evaluation JSON (the layouts docs/shipping.md lists), and the prompt and Training section from the run's record."""
 
 import importlib
 import json
@@ -11,19 +10,19 @@ from pathlib import Path
 
 TEMPLATES_DIR = Path(__file__).resolve().parent
 EVAL_JSON_NAMES = ("eval_results.json", "evaluation.json", "elastic_eval.json", "results.json")
-# the training run's record of each model type: the folder it lies in, relative to the saved model
-RECORD_FILES = {"loopformer": "loopformer_training.json", "fprm": "results.json"}
-# model_type -> the package that registers it, its Auto class and the card's pipeline tag and tags
+RECORD_FILES = {"loopformer": "loopformer_training.json", "fprm": "results.json"}  # each training run's record
+# model_type -> the package that registers it, its Auto class (FPRM's head predicts one answer token per input token),
+# the card's pipeline tag and tags
 KINDS = {
     "loopformer": dict(package="loopformer_hf", auto_class="AutoModelForCausalLM", pipeline_tag="text-generation",
                        needs_tokenizer=True, tags=["loopformer", "looped-transformer", "elastic-depth", "custom_code"]),
-    # the head predicts one answer token per input token, the task of its Auto class
     "fprm": dict(package="fprm_hf", auto_class="AutoModelForTokenClassification",
                  pipeline_tag="token-classification", needs_tokenizer=False,
                  tags=["fprm", "looped-transformer", "fixed-point", "reasoning", "custom_code"]),
 }
 CARD_MAX_NEW_TOKENS = 16  # the card's snippets generate this many tokens, fewer where the context leaves less room
 CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a model without a grid
+EOS_TEXT = "<|endoftext|>"  # the start-of-text token of this package's tokenizers: a prompt with nothing better
 NO_RECORD_TEXT = ("This checkpoint was published without its training run's record (loopformer_training.json or "
                   "results.json), so how it was trained is not stated here.")
 
@@ -36,27 +35,25 @@ def kind_of(model_type):
     return KINDS[model_type]
 
 
-# ---- what the run recorded: its record and its evaluation -----------------------------------------------------------
-
-
 def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _read_json(path, what):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{what} {path} could not be read: {err}") from None
+
+
 def read_training_record(checkpoint, model_type):
-    """The training run's record of a saved model (a dict), or None: LoopFormer's loopformer_training.json in the
-    folder or the one above (a checkpoint-N folder), FPRM's results.json beside its model/ folder."""
+    """The training run's record of a saved model (a dict), or None: in the model's folder or the one above (a
+    checkpoint-N folder; FPRM's model/ folder)."""
     name = RECORD_FILES.get(model_type)
-    if name is None or checkpoint is None:
-        return None
-    for path in (Path(checkpoint) / name, Path(checkpoint).resolve().parent / name):
-        if path.is_file():
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                raise ValueError(f"The training record {path} could not be read: {err}") from None
-            if isinstance(record, dict) and ("data" in record or "args" in record):
-                return record
+    for path in [Path(checkpoint) / name, Path(checkpoint).resolve().parent / name] if name and checkpoint else []:
+        record = _read_json(path, "The training record") if path.is_file() else None
+        if isinstance(record, dict) and ("data" in record or "args" in record):
+            return record
     return None
 
 
@@ -87,13 +84,13 @@ def describe_dataset(model_type, record):
 
 def _result(task, dataset, metric, value, config=None, name=None):
     """One model-index entry, as the keyword arguments of huggingface_hub's `EvalResult`."""
-    return {"task_type": task["type"], "task_name": task.get("name"), "dataset_type": dataset.get("type", dataset["name"]),
-            "dataset_name": dataset["name"], "dataset_split": dataset.get("split"), "metric_type": metric,
-            "metric_value": float(value), "metric_config": config,
-            "metric_name": name or (f"{metric} ({config})" if config else metric)}
+    return dict(task_type=task["type"], task_name=task.get("name"), dataset_type=dataset.get("type", dataset["name"]),
+                dataset_name=dataset["name"], dataset_split=dataset.get("split"), metric_type=metric,
+                metric_value=float(value), metric_config=config,
+                metric_name=name or (f"{metric} ({config})" if config else metric))
 
 
-def _elastic_results(data, path, checkpoint, record):
+def _elastic_results(data, path, checkpoint, record, _):
     """elastic_eval.json: exact match and perplexity per loop budget (uniform schedule) of the model evaluated from
     `checkpoint`, or of the file's only model."""
     models = [m for m in data["models"] if isinstance(m, dict)]
@@ -111,7 +108,7 @@ def _elastic_results(data, path, checkpoint, record):
             for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if _is_number(r.get(key))]
 
 
-def _fprm_results(data, record):
+def _fprm_results(data, path, checkpoint, record, _):
     """An FPRM results.json: exact and cell accuracy and mean iterations, halting and at the cap."""
     name, kind = describe_dataset("fprm", record or data)
     solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
@@ -122,7 +119,7 @@ def _fprm_results(data, record):
             for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if _is_number(block.get(metric))]
 
 
-def _listed_results(data, path, default_task_type):
+def _listed_results(data, path, checkpoint, record, task_type):
     """This package's generic format: {"task": ..., "dataset": ..., "results": [{"metric", "value", ...}]}."""
     flat = []
     for i, item in enumerate(data["results"]):
@@ -132,46 +129,40 @@ def _listed_results(data, path, default_task_type):
         dataset = {**(data.get("dataset") or {}), **(item.get("dataset") or {})}
         if "name" not in dataset:
             raise ValueError(f"{path}: results[{i}] has no dataset name (give 'dataset': {{'name': ...}}).")
-        task = {"type": default_task_type, **(data.get("task") or {}), **(item.get("task") or {})}
+        task = {"type": task_type, **(data.get("task") or {}), **(item.get("task") or {})}
         config = ",".join(f"{k}={item[k]}" for k in ("loop_budget", "step_schedule") if item.get(k) is not None)
         flat.append(_result(task, dataset, str(item["metric"]), item["value"], config or None, item.get("metric_name")))
     return flat
 
 
-def _lm_eval_results(data, default_task_type):
+def _lm_eval_results(data, path, checkpoint, record, task_type):
     """An lm-eval-harness results file: {"results": {"<task>": {"acc,none": 0.61, ...}}, "config": ...}."""
     config = str((data.get("config") or {}).get("model_args") or "") or None
-    return [_result({"type": default_task_type, "name": task}, {"name": task}, metric, value, config,
+    return [_result({"type": task_type, "name": task}, {"name": task}, metric, value, config,
                     metric if filt in ("", "none") else f"{metric} ({filt})")
             for task, metrics in sorted(data["results"].items()) if isinstance(metrics, dict)
             for key, value in sorted(metrics.items()) for metric, _, filt in [key.partition(",")]
             if not metric.endswith("_stderr") and metric != "alias" and _is_number(value)]
 
 
+# each layout: the key and type that tell it, its name (for the error on an unknown file) and its reader
+EVAL_LAYOUTS = [("models", list, "elastic_eval.json (a 'models' list)", _elastic_results),
+                ("halting", dict, "an FPRM results.json (a 'halting' object)", _fprm_results),
+                ("results", list, "an object with a 'results' list (this package's generic format)", _listed_results),
+                ("results", dict, "a 'results' object of tasks (lm-eval-harness)", _lm_eval_results)]
+
+
 def load_eval_results(path, default_task_type="text-generation", *, checkpoint=None, record=None):
     """An evaluation JSON as a list of `EvalResult` keyword dicts; ValueError on an unknown layout. `checkpoint` picks
     the model of an elastic_eval.json; `record` (the training run's) names the dataset."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"Could not read the evaluation JSON {path}: {err}") from err
-    results = data.get("results") if isinstance(data, dict) else None
-    if isinstance(data, dict) and isinstance(data.get("models"), list):
-        flat = _elastic_results(data, path, checkpoint, record)
-    elif isinstance(data, dict) and isinstance(data.get("halting"), dict):
-        flat = _fprm_results(data, record)
-    elif isinstance(results, (list, dict)):
-        flat = (_listed_results(data, path, default_task_type) if isinstance(results, list)
-                else _lm_eval_results(data, default_task_type))
-    else:
-        raise ValueError(
-            f"{path} is not an evaluation JSON this command knows: expected elastic_eval.json (a 'models' list), an "
-            f"FPRM results.json (a 'halting' object), an object with a 'results' list (this package's generic "
-            f"format) or a 'results' object of tasks (lm-eval-harness); got "
-            f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}."
-        )
-    if not flat:
+    data = _read_json(path, "The evaluation JSON")
+    read = next((r for key, kind, _, r in EVAL_LAYOUTS if isinstance(data, dict) and isinstance(data.get(key), kind)),
+                None)
+    if read is None:
+        raise ValueError(f"{path} is not an evaluation JSON this command knows: expected "
+                         f"{', '.join(name for _, _, name, _ in EVAL_LAYOUTS[:-1])} or {EVAL_LAYOUTS[-1][2]}; got "
+                         f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}.")
+    if not (flat := read(data, path, checkpoint, record, default_task_type)):
         raise ValueError(f"{path} holds no numeric results.")
     return flat
 
@@ -181,28 +172,23 @@ def find_eval_json(checkpoint, model_type):
     folder) the run's eval/results.json and the run's own results.json."""
     run = Path(checkpoint).resolve().parent
     places = [Path(checkpoint) / n for n in EVAL_JSON_NAMES]
-    if model_type == "fprm":
-        places += [run / "eval" / "results.json", run / "results.json"]
+    places += [run / "eval" / "results.json", run / "results.json"] if model_type == "fprm" else []
     return next((p for p in places if p.is_file()), None)
 
 
-# ---- the card -------------------------------------------------------------------------------------------------------
-
-
 def card_prompt(record, tokenizer):
-    """The snippets' prompt: a held-out prompt of the task from the run's record, else the tokenizer's start-of-text
-    token (an unconditional sample), else None."""
+    """The snippets' prompt: the run's held-out prompt, else the tokenizer's start-of-text token (None if it has
+    none), else this package's tokenizers' one."""
     if record and isinstance(record.get("prompt"), str) and record["prompt"]:
         return record["prompt"]
-    return None if tokenizer is None else tokenizer.bos_token or tokenizer.eos_token
+    return EOS_TEXT if tokenizer is None else tokenizer.bos_token or tokenizer.eos_token
 
 
 def _card_max_new_tokens(config, prompt, tokenizer):
-    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions. A
-    prompt of no token is refused: generate() has nothing to continue."""
+    """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions."""
     # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
     length = len(tokenizer(prompt)["input_ids"]) if tokenizer is not None else len(prompt.encode()) + 1
-    if length == 0:
+    if length == 0:  # generate() has nothing to continue
         raise ValueError(f"--prompt {prompt!r} is 0 tokens; the card's snippets generate from it and need at least "
                          f"one token: give a non-empty --prompt.")
     context = getattr(config, "max_position_embeddings", None) or math.inf
@@ -240,32 +226,26 @@ def model_card(model, repo_id, checkpoint, *, tokenizer=None, eval_json=None, pr
     the checkpoint) the model-index. The snippets' lengths fit the model's context (`tokenizer` measures the prompt)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    config = model.config
-    kind = kind_of(config.model_type)
+    config, kind, model_name = model.config, kind_of(model.config.model_type), repo_id.split("/")[-1]
     record = read_training_record(checkpoint, config.model_type)
-    if eval_json is None and checkpoint is not None:
-        eval_json = find_eval_json(checkpoint, config.model_type)
+    eval_json = eval_json or (checkpoint and find_eval_json(checkpoint, config.model_type))
     results = load_eval_results(eval_json, kind["pipeline_tag"], checkpoint=checkpoint, record=record) if eval_json else []
-    if datasets is None and ((record or {}).get("data") or {}).get("dataset_name"):
-        datasets = [record["data"]["dataset_name"]]  # a Hub dataset id
+    datasets = datasets or ([record["data"]["dataset_name"]] if ((record or {}).get("data") or {}).get("dataset_name")
+                            else None)  # a Hub dataset id
     prompt = prompt if prompt is not None else card_prompt(record, tokenizer)
     if prompt is None and kind["needs_tokenizer"]:
-        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and no "
-                         f"tokenizer; give --prompt.")
-    model_name = repo_id.split("/")[-1]
+        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and its "
+                         f"tokenizer no start-of-text token; give --prompt.")
     card_data = ModelCardData(
         language=language, license=license, library_name="transformers", pipeline_tag=kind["pipeline_tag"],
-        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=list(datasets) if datasets else None,
-        base_model=base_model, model_name=model_name if results else None,
-        eval_results=[EvalResult(**r) for r in results] or None,
-    )
-    values = {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)}
-    values.update(_template_values(config, prompt or "", tokenizer, record))
+        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=datasets, base_model=base_model,
+        model_name=model_name if results else None, eval_results=[EvalResult(**r) for r in results] or None)
+    values = {**{k: v for k, v in config.to_dict().items() if not isinstance(v, dict)},
+              **_template_values(config, prompt or "", tokenizer, record)}
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATES_DIR / f"{config.model_type}.md"), **values, repo_id=repo_id,
         model_name=model_name, num_parameters=f"{model.num_parameters():,}", results=results, record=record,
         eval_source=Path(eval_json).name if eval_json else None, dataset_name=(describe_dataset(
             config.model_type, record) or ("",))[0], training_text=training_text or (None if record else NO_RECORD_TEXT),
         # the inside of a double-quoted Python string literal that holds `prompt` exactly (newlines, backslashes)
-        prompt=json.dumps(prompt or "", ensure_ascii=False)[1:-1],
-    )
+        prompt=json.dumps(prompt or "", ensure_ascii=False)[1:-1])

@@ -3,42 +3,33 @@
     python -m looped_training.publish --checkpoint runs/loopformer-tiny --repo_id org/loopformer-tiny \
         [--token hf_...] [--private] [--eval_json runs/eval.json] [--dataset org/data] [--license apache-2.0]
 
-The repo gets the re-saved weights, `config.json` with `auto_map` and the modeling code (trust_remote_code), the
-tokenizer, and the README.md of `looped_training.model_cards` (huggingface_hub's `ModelCard` from a template, the
-model-index from the evaluation JSON). `HfApi.upload_folder` pushes it; a repeated push replaces the top-level weight
-files of an older one and keeps every other file. The checkpoint is only read; the files are staged in a temporary
-folder, or in `--stage_dir` (outside the checkpoint), filled only once everything is staged (`--dry_run` stops
-there). Exit status 2: bad input, one line naming the flag or the file; 1: the Hub refused or could not be reached.
+The weights, `config.json` with `auto_map`, the modeling code, the tokenizer and the card of
+`looped_training.model_cards` are staged in `--stage_dir` (outside the checkpoint, which is only read; `--dry_run`
+stops there) or a temporary folder, then `HfApi.upload_folder` replaces an older push's top-level weight files and
+keeps every other file. Exit status 2: bad input, one line naming the flag or the file; 1: the Hub refused or could
+not be reached.
 """
 
 import argparse
-import glob
+import contextlib
 import importlib
-import json
-import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from looped_training.model_cards import KINDS, card_prompt, kind_of, model_card, read_training_record
+from looped_training.model_cards import KINDS, kind_of, model_card
 
 
-# Weight files a previous push may have left that this push replaces (another shard count, a .bin checkpoint), at the
-# top of the repo only: files in folders (an ONNX export, an adapter, older checkpoints) are the user's.
-STALE_WEIGHT_FILE = re.compile(
-    r"(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
-    r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)"
-)
+# Weight files an older push may have left (another shard count, a .bin checkpoint), deleted by upload_folder unless
+# uploaded again. No `*`, which crosses `/`: files in folders (an ONNX export, an adapter, checkpoints) are the user's.
+_SHARD = "-" + "[0-9]" * 5 + "-of-" + "[0-9]" * 5  # transformers' shard names
+STALE_WEIGHT_FILES = [f"model{_SHARD}.safetensors", f"pytorch_model{_SHARD}.bin", "model.safetensors",
+                      "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-EOS_TEXT = "<|endoftext|>"  # the start-of-text token of this package's tokenizers: a card's prompt with nothing better
 
 
 class PublishError(RuntimeError):
     """The Hub refused or could not be reached; the message says why and what to do. Nothing local was changed."""
-
-
-# ---- staging --------------------------------------------------------------------------------------------------------
 
 
 def _has_tokenizer(folder):
@@ -50,9 +41,7 @@ def _first_line(err):
 
 
 def _load_model(checkpoint, kind):
-    """The model of a checkpoint that `check_checkpoint` passed; weights that do not fit the config are a
-    `CheckpointError` naming both files (a mis-shaped tensor was a deep traceback, a missing one was published
-    freshly initialised)."""
+    """The checkpoint's model; weights that do not fit the config are a `CheckpointError` naming both files."""
     import transformers
 
     from looped_training.checkpoints import CheckpointError
@@ -79,9 +68,9 @@ def _load_model(checkpoint, kind):
 
 
 def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
-    """Write everything the repo should hold into `out_dir` (empty or absent, outside the checkpoint). Returns the
-    model type and the files. They are written to a temporary folder beside `out_dir`, which becomes `out_dir` only
-    once all are there: a failure leaves `out_dir` as it was, so the same command can be rerun."""
+    """Write everything the repo should hold into `out_dir` (empty or absent, outside the checkpoint); returns the
+    model type and the files. They go to a temporary folder beside `out_dir` that becomes `out_dir` only once all are
+    there: a failure leaves `out_dir` as it was, so the same command can be rerun."""
     from huggingface_hub.utils import validate_repo_id
 
     validate_repo_id(repo_id)  # HFValidationError is a ValueError
@@ -96,20 +85,18 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"--stage_dir {out_dir} is not an empty folder; give an empty or new folder.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        model_type = _stage_files(checkpoint, repo_id, partial, tokenizer, card_fields)
+    # removed on a failure; renamed to out_dir on success, so its cleanup finds nothing (errors ignored)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent,
+                                     ignore_cleanup_errors=True) as partial:
+        model_type = _stage_files(checkpoint, repo_id, Path(partial), tokenizer, card_fields)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
-        partial.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        Path(partial).rename(out_dir)
     return {"model_type": model_type, "files": sorted(p.name for p in out_dir.iterdir())}
 
 
 def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
     # transformers' Trainer utilities (seconds)
@@ -124,10 +111,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
         raise CheckpointError(f"{checkpoint / 'config.json'}: {err}") from None
     kind = kind_of(config.model_type)
     model = _load_model(checkpoint, kind)
-    model.save_pretrained(out_dir)  # safetensors + config with auto_map + modeling code (+ generation config)
-    if not json.loads((out_dir / "config.json").read_text()).get("auto_map") or not any(out_dir.glob("*.py")):
-        raise RuntimeError(f"save_pretrained wrote no auto_map/modeling code for {type(model).__name__}: is "
-                           f"register_for_auto_class() called in the package's __init__?")
+    model.save_pretrained(out_dir)  # weights, config with auto_map, modeling code, generation config
     source, tokenizer = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None), None
     if source is not None:
         try:
@@ -138,20 +122,15 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
         tokenizer.save_pretrained(out_dir)
     elif kind["needs_tokenizer"]:
         raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); pass --tokenizer PATH.")
-    if model.can_generate() and not (out_dir / "generation_config.json").exists():
-        GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
     model_card(model, repo_id, checkpoint, tokenizer=tokenizer, **card_fields).save(out_dir / "README.md")
     return config.model_type
 
 
-# ---- pushing --------------------------------------------------------------------------------------------------------
-
-
 def push_to_hub_with_card(model, repo_id, *, commit_message=None, commit_description=None, private=None, token=None,
                           revision=None, create_pr=False, max_shard_size="50GB", tags=None):
-    """What transformers' `push_to_hub` does (create the repo, save the model, upload in one commit), with this
-    package's card where the repo has none yet; a card already in the repo is kept, tags added, as transformers
-    keeps it. The folder the model was loaded from, if any, gives the record, the tokenizer and the evaluation."""
+    """transformers' `push_to_hub` (create the repo, save the model, upload in one commit) with this package's card
+    where the repo has none yet; a card already there is kept, tags added. The folder the model was loaded from, if
+    any, gives the record, the tokenizer and the evaluation."""
     from huggingface_hub import HfApi, ModelCard
     from huggingface_hub.errors import EntryNotFoundError
     from transformers import AutoTokenizer
@@ -164,8 +143,7 @@ def push_to_hub_with_card(model, repo_id, *, commit_message=None, commit_descrip
     except EntryNotFoundError:
         folder = Path(model.name_or_path) if model.name_or_path and Path(model.name_or_path).is_dir() else None
         tokenizer = AutoTokenizer.from_pretrained(folder) if folder is not None and _has_tokenizer(folder) else None
-        prompt = card_prompt(read_training_record(folder, model.config.model_type), tokenizer) or EOS_TEXT
-        card = model_card(model, repo_id, folder, tokenizer=tokenizer, tags=tags, prompt=prompt)
+        card = model_card(model, repo_id, folder, tokenizer=tokenizer, tags=tags)
     if revision is not None and not revision.startswith("refs/pr"):
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,72 +164,51 @@ def _explain(err, endpoint, checkpoint):
     """A huggingface_hub or network exception as a PublishError: what happened and what to do."""
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
-    untouched = f"Nothing local was changed: the checkpoint at {checkpoint} is as it was."
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, LocalTokenNotFoundError):
-        return PublishError(f"No Hub token: pass --token, set HF_TOKEN or run `hf auth login`. {untouched}")
-    if isinstance(err, OfflineModeIsEnabled):
-        return PublishError(f"HF_HUB_OFFLINE is set, so nothing can be pushed to {endpoint}. {untouched}")
-    if isinstance(err, HfHubHTTPError) and status in (401, 403):
+        why = "No Hub token: pass --token, set HF_TOKEN or run `hf auth login`."
+    elif isinstance(err, OfflineModeIsEnabled):
+        why = f"HF_HUB_OFFLINE is set, so nothing can be pushed to {endpoint}."
+    elif isinstance(err, HfHubHTTPError) and status in (401, 403):
         server = (getattr(err, "server_message", None) or str(err).splitlines()[0]).strip()
-        return PublishError(f"The Hub at {endpoint} rejected the token (HTTP {status}{': ' + server if server else ''}). "
-                            f"Pass a valid token with write access via --token, HF_TOKEN or `hf auth login`. {untouched}")
-    if isinstance(err, HfHubHTTPError):
-        return PublishError(f"The Hub at {endpoint} answered HTTP {status}: {err}. {untouched}")
-    return PublishError(f"Could not reach the Hub endpoint {endpoint} ({type(err).__name__}: {err}). Check --endpoint "
-                        f"/ HF_ENDPOINT and the network. {untouched}")
+        why = (f"The Hub at {endpoint} rejected the token (HTTP {status}{': ' + server if server else ''}). Pass a "
+               f"valid token with write access via --token, HF_TOKEN or `hf auth login`.")
+    elif isinstance(err, HfHubHTTPError):
+        why = f"The Hub at {endpoint} answered HTTP {status}: {err}."
+    else:
+        why = (f"Could not reach the Hub endpoint {endpoint} ({type(err).__name__}: {err}). Check --endpoint / "
+               f"HF_ENDPOINT and the network.")
+    return PublishError(f"{why} Nothing local was changed: the checkpoint at {checkpoint} is as it was.")
 
 
 def _network_errors():
-    """Base exception classes of the HTTP clients huggingface_hub may use (httpx2 in 2.x, httpx in 1.x, requests)."""
+    """The base exception class of the HTTP client huggingface_hub uses: httpx2 (2.x) or httpx (1.x)."""
     errors = []
-    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
-        try:
-            errors.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
+    for name in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError):
+            errors.append(importlib.import_module(name).HTTPError)
     return tuple(errors)
 
 
 def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit_message=None, revision=None,
          checkpoint=None):
-    """create_repo (exist_ok) + upload_folder of the staged files, deleting the stale top-level weight files. Returns
-    the commit."""
+    """create_repo (exist_ok) + upload_folder of the staged files, deleting stale top-level weight files."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError, HfUriError, OfflineModeIsEnabled
 
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
-    staged = {p.name for p in Path(stage_dir).iterdir()}
     try:
         api.whoami()  # a bad token fails here, before anything is created
         try:
             api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
-        except HfUriError:
-            # huggingface_hub 2.x, repo exists but the token may not create repos: it confirms the repo with
-            # repo_info, then fails to parse the repo URL of a non-default endpoint. The repo is there; go on.
+        except HfUriError:  # huggingface_hub 2.x on another endpoint, for a repo that exists: it is there; go on
             pass
-        # exact names (glob characters escaped): upload_folder's fnmatch `*` crosses `/` and would reach folders
-        stale = [glob.escape(name) for name in api.list_repo_files(repo_id, revision=revision)
-                 if STALE_WEIGHT_FILE.fullmatch(name) and name not in staged]
         return api.upload_folder(folder_path=str(stage_dir), repo_id=repo_id, revision=revision,
                                  commit_message=commit_message or "Upload model with looped_training.publish",
-                                 delete_patterns=stale or None)
+                                 delete_patterns=STALE_WEIGHT_FILES)
     except (HfHubHTTPError, OfflineModeIsEnabled, OSError, *_network_errors()) as err:
         raise _explain(err, endpoint, checkpoint or stage_dir) from err
-
-
-def publish(checkpoint, repo_id, *, endpoint=None, token=None, private=False, stage_dir=None, dry_run=False,
-            commit_message=None, revision=None, **stage_kwargs):
-    """Stage `checkpoint` for `repo_id` and push it (unless dry_run). Returns (summary, commit or None)."""
-    if stage_dir is None and dry_run:
-        raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
-    with tempfile.TemporaryDirectory(prefix="publish-") as tmp:
-        stage_dir = stage_dir or Path(tmp) / "repo"
-        summary = stage(checkpoint, repo_id, stage_dir, **stage_kwargs)
-        commit = None if dry_run else push(stage_dir, repo_id, endpoint=endpoint, token=token, private=private,
-                                           commit_message=commit_message, revision=revision, checkpoint=checkpoint)
-    return summary, commit
 
 
 def build_parser():
@@ -266,8 +223,9 @@ def build_parser():
     p.add_argument("--tokenizer", default=None, help="tokenizer folder if the checkpoint has none")
     p.add_argument("--eval_json", default=None, help="evaluation results for the card's model-index")
     p.add_argument("--license", default="apache-2.0")
-    p.add_argument("--dataset", action="append", default=None, help="training dataset id (repeatable)")
-    p.add_argument("--tag", action="append", default=None, help="extra tag (repeatable)")
+    p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET",
+                   help="training dataset id (repeatable)")
+    p.add_argument("--tag", action="append", dest="tags", metavar="TAG", help="extra tag (repeatable)")
     p.add_argument("--base_model", default=None, help="the model this one was fine-tuned from")
     p.add_argument("--language", action="append", default=None, help="language code (repeatable)")
     p.add_argument("--training_text", default=None,
@@ -281,22 +239,23 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    card = {k: getattr(args, k) for k in ("tokenizer", "eval_json", "license", "datasets", "tags", "base_model",
+                                          "language", "training_text", "prompt")}
     try:
-        summary, commit = publish(
-            args.checkpoint, args.repo_id, endpoint=args.endpoint, token=args.token, private=args.private,
-            stage_dir=args.stage_dir, dry_run=args.dry_run, commit_message=args.commit_message, revision=args.revision,
-            tokenizer=args.tokenizer, eval_json=args.eval_json, license=args.license, datasets=args.dataset,
-            tags=args.tag, base_model=args.base_model, language=args.language, training_text=args.training_text,
-            prompt=args.prompt,
-        )
+        if args.dry_run and args.stage_dir is None:
+            raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
+        with tempfile.TemporaryDirectory(prefix="publish-") as tmp:
+            stage_dir = args.stage_dir or Path(tmp) / "repo"
+            summary = stage(args.checkpoint, args.repo_id, stage_dir, **card)
+            commit = None if args.dry_run else push(
+                stage_dir, args.repo_id, endpoint=args.endpoint, token=args.token, private=args.private,
+                commit_message=args.commit_message, revision=args.revision, checkpoint=args.checkpoint)
     except (ValueError, PublishError) as err:  # bad input (a flag, the checkpoint, the evaluation JSON); the Hub
         print(f"error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
     print(f"staged {summary['model_type']} files: {', '.join(summary['files'])}")
-    if commit is not None:
-        print(f"pushed to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
-    else:
-        print(f"dry run: nothing pushed; files are in {args.stage_dir}")
+    print(f"pushed to {args.repo_id}: {getattr(commit, 'commit_url', commit)}" if commit is not None else
+          f"dry run: nothing pushed; files are in {args.stage_dir}")
     return 0
 
 
