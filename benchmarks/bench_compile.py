@@ -10,9 +10,13 @@ after a warm-up that compiles, medians over `--repeats` rounds:
 - eager, static cache (`cache_implementation="static"`, a `LoopFormerStaticCache`);
 - compiled, static cache: `model.forward = torch.compile(model.forward, fullgraph=True)` (prefill and decode steps
   both compiled; one graph per distinct prompt length / decode step and trajectory);
+- compiled, dynamic cache: a second compiled copy with generate's default cache (a prefill and a decode graph per
+  trajectory: generate marks the prompt and cached lengths dynamic). Dynamo keeps at most
+  `torch._dynamo.config.recompile_limit` (8) graphs per code object, shared by every copy of the model, so each copy
+  is compiled with `isolate_recompiles=True` where torch has it (2.13), else the limit is raised for this run;
 - on CUDA, also generate's own compilation: `cache_implementation="static"` alone, where transformers compiles the
   decode steps with its default `CompileConfig` (inductor, mode "reduce-overhead", i.e. CUDA graphs).
-The first three pass `disable_compile=True`, so on CUDA transformers does not compile them behind our back.
+The first four pass `disable_compile=True`, so on CUDA transformers does not compile them behind our back.
 
 Tokens/s counts the new tokens over the whole `generate` call (prefill of the prompt included). Every side's tokens
 are checked against the others'. Recompiles are counted with `torch._dynamo.utils.counters` ("unique_graphs").
@@ -20,6 +24,7 @@ are checked against the others'. Recompiles are counted with `torch._dynamo.util
 
 import argparse
 import copy
+import inspect
 import statistics
 import time
 
@@ -41,7 +46,10 @@ def tiny_random_model(hidden_size=256):
 def compiled_copy(model, backend="inductor", mode=None):
     """A copy of `model` whose forward is `torch.compile`d with fullgraph=True (prefill and decode steps)."""
     compiled = copy.deepcopy(model)
-    compiled.forward = torch.compile(compiled.forward, backend=backend, mode=mode, fullgraph=True)
+    own = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    if not own:  # older torch: one limit for the forward of both compiled copies
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    compiled.forward = torch.compile(compiled.forward, backend=backend, mode=mode, fullgraph=True, **own)
     return compiled
 
 
@@ -68,6 +76,7 @@ def main(argv=None):
         "eager dynamic": (eager, {"disable_compile": True}),
         "eager static": (eager, {"cache_implementation": "static", "disable_compile": True}),
         "compiled static": (compiled, {"cache_implementation": "static", "disable_compile": True}),
+        "compiled dynamic": (compiled_copy(eager, args.backend, args.mode), {"disable_compile": True}),
     }
     if prompt.is_cuda:
         sides["generate compile"] = (copy.deepcopy(eager), {"cache_implementation": "static"})
@@ -104,6 +113,8 @@ def main(argv=None):
                 c / e for c, e in zip(speeds["compiled static"], speeds["eager static"])),
             "compiled_over_eager_dynamic": statistics.median(
                 c / e for c, e in zip(speeds["compiled static"], speeds["eager dynamic"])),
+            "compiled_dynamic_over_eager_dynamic": statistics.median(
+                c / e for c, e in zip(speeds["compiled dynamic"], speeds["eager dynamic"])),
             **({"generate_compile_over_eager_dynamic": statistics.median(
                 c / e for c, e in zip(speeds["generate compile"], speeds["eager dynamic"]))}
                if "generate compile" in speeds else {}),

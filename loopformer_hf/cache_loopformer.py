@@ -214,6 +214,12 @@ class LoopFormerCacheMixin:
     # computes them once and its later decode steps read them here (see `LoopFormerModel._loop_adaln`)
     adaln_memo = None
 
+    def _init_binding(self, spec=None):
+        """Give every attribute `bind` and `for_call` read an instance slot before the first call: a compiled
+        forward guards on what it reads, and an attribute first set by a call would flip its guard from "absent" to
+        "present" between the prefill and the decode steps (one extra graph per budget)."""
+        self.spec, self.plan, self.adaln_memo = spec, None, None
+
     def slot(self, step, block):
         """The index `update` takes for loop step `step` (0-based) and block `block`."""
         return step * self.spec.num_blocks + block
@@ -291,7 +297,7 @@ class LoopFormerCacheMixin:
 
     def reset(self):
         super().reset()
-        self.spec = self.plan = self.adaln_memo = None
+        self._init_binding()
 
     @classmethod
     def for_call(cls, cache, spec):
@@ -352,7 +358,7 @@ class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
         super().__init__(**kwargs)
         if self.layer_class_to_replicate is DynamicLayer:
             self.layer_class_to_replicate = LoopFormerDynamicLayer
-        self.spec = spec
+        self._init_binding(spec)
 
     def mask_lengths(self, query_length):
         """(tokens already cached, key/value length attention sees) for a call adding `query_length` tokens."""
@@ -388,6 +394,7 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(steps * config.num_hidden_layers)]
         # StaticCache's own __init__ makes one layer per block from the config; a looped model needs steps x blocks.
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+        self._init_binding()
         self.max_loop_budget = int(max_loop_budget) if max_loop_budget is not None else None
 
     def bind(self, spec):

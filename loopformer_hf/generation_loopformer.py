@@ -69,6 +69,24 @@ def _loop_counts_unsupported(kwargs, generation_config):
     return None
 
 
+def _mark_lengths_dynamic(model_inputs):
+    """With a dynamic `LoopFormerCache`, mark the sequence lengths of a forward's inputs and of the cached keys and
+    values dynamic (a hint to Dynamo). A compiled `forward` then traces one prefill graph for any prompt length and
+    one decode graph for every cached length from its first call on, instead of a graph for the first length seen and
+    another once it changes (a third graph per budget: four budgets would pass Dynamo's `recompile_limit` of 8)."""
+    cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
+    if type(cache) is not LoopFormerCache:  # a static cache has fixed shapes already
+        return
+    for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids"):
+        tensor = model_inputs.get(name)
+        if isinstance(tensor, torch.Tensor) and tensor.ndim >= 2 and tensor.shape[1] > 1:  # 0 and 1 specialise
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "_keys", None), getattr(layer, "_values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.ndim == 4 and tensor.shape[-2] > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
+
+
 class LoopFormerGenerationMixin(GenerationMixin):
     """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
 
@@ -156,7 +174,10 @@ class LoopFormerGenerationMixin(GenerationMixin):
         and, in `_update_model_kwargs_for_generation`, its loop counts and how many tokens were accepted."""
         if loop_counts_log is not None:
             loop_counts_log.append({"length": input_ids.shape[1]})
-        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        if getattr(self.forward, "__func__", None) is not type(self).forward:  # replaced, e.g. by torch.compile
+            _mark_lengths_dynamic(model_inputs)
+        return model_inputs
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
         log = model_kwargs.get("loop_counts_log")

@@ -58,24 +58,40 @@ def test_same_budget_reuses_graphs_new_budget_recompiles():
         assert counter.frame_count == after_four  # ... which are then cached too
 
 
+def _graphs_per_generate(model, calls, **kw):
+    """Decode greedily each (prompt, budget) of `calls` in turn with `model.forward` compiled (a counting backend,
+    `fullgraph`, and the recompile limit made an error: past it Dynamo would go on in eager with a log line): the
+    graphs each `generate` call compiled, after checking its tokens against eager decoding."""
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, **kw)
+    with torch.no_grad():
+        eager = [model.generate(ids, loop_budget=b, **kw) for ids, b in calls]
+        counter = CompileCounter()
+        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+        graphs = []
+        with dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for (ids, b), expected in zip(calls, eager):
+                before = counter.frame_count
+                assert torch.equal(model.generate(ids, loop_budget=b, **kw), expected), f"budget {b}"
+                graphs.append(counter.frame_count - before)
+    print("graphs per generate call at budgets", [b for _, b in calls], ":", graphs)
+    return graphs
+
+
 def test_generate_across_budgets_compiled_with_static_cache():
     """Issue 14: `model.forward = torch.compile(model.forward, fullgraph=True)` decodes with the static loop cache
     at budget 4, then 1, 2, 3: no error, eager's tokens, and graphs bounded by one prefill and one decode graph per
     trajectory (Dynamo guards on the trajectory as plain values; seen budgets reuse their graphs)."""
-    model = make_model()
-    ids = IDS[:, :5]
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation="static")
-    budgets = (4, 1, 2, 3)
-    with torch.no_grad():
-        eager = {b: model.generate(ids, loop_budget=b, **kw) for b in budgets}
-        counter = CompileCounter()
-        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
-        frames = []
-        for b in budgets:
-            assert torch.equal(model.generate(ids, loop_budget=b, **kw), eager[b]), f"budget {b}"
-            frames.append(counter.frame_count)
-        assert torch.equal(model.generate(ids, loop_budget=4, **kw), eager[4])
-    new_graphs = [frames[0]] + [b - a for a, b in zip(frames, frames[1:])]
-    print("graphs per new budget:", new_graphs, "then budget 4 again:", counter.frame_count - frames[-1])
-    assert new_graphs == [2] * len(budgets)  # one prefill and one decode graph, no recompile per token
-    assert counter.frame_count == frames[-1]  # budget 4 seen before: no recompile
+    calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4)]
+    graphs = _graphs_per_generate(make_model(), calls, cache_implementation="static")
+    assert graphs == [2, 2, 2, 2, 0]  # one prefill and one decode graph, no recompile per token
+
+
+def test_generate_across_budgets_compiled_with_dynamic_cache():
+    """Issue 41 item 5: the same with generate's default dynamic cache, budgets 4, 1, 2, 3 twice, then a longer
+    prompt: two graphs per budget (prefill + decode: the cache's plan/spec slots exist before its first call, and
+    generate marks the prompt and cached lengths dynamic), none for a budget seen before nor for another prompt
+    length, eager's tokens, and Dynamo's recompile limit (8 versions of `forward`) is not reached. Before: 3 graphs
+    for the first budget (decode again once the cached length changed) and 2 for each later one, so the limit was
+    hit at the fourth budget and its decode steps ran eager."""
+    calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4, 1, 2, 3)] + [(IDS[:, :9], 2)]
+    assert _graphs_per_generate(make_model(), calls) == [2, 2, 2, 2, 0, 0, 0, 0, 0]
