@@ -21,7 +21,6 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
 from .configuration_loopformer import LoopFormerConfig
@@ -544,7 +543,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
-    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
                 halt_head=None, **kwargs):
@@ -584,7 +582,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
             loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},
         )
-        return output
+        return as_requested(output, kwargs.get("return_dict"), self.config)
+
+
+def as_requested(output, return_dict, config):
+    """`output`, or its tuple with `return_dict=False` (the call's, else the config's), as Llama's `can_return_tuple`
+    (inline: a compiled forward stays this file's own code object, not a wrapper whose recompile limit every
+    transformers model in the process shares)."""
+    return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `forward` hands to `loss_function`
@@ -600,7 +605,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None,
                 halt_criterion=None, shortcut_consistency=None, **kwargs):
@@ -629,7 +633,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
-        return LoopFormerCausalLMOutput(
+        output = LoopFormerCausalLMOutput(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
@@ -638,6 +642,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             **terms,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
+        return as_requested(output, kwargs.get("return_dict"), self.config)
 
     def _loss(self, logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs):
         """(loss, the shortcut objective's terms): plain CE, or with `shortcut_consistency` the shortcut-consistency
