@@ -1,4 +1,4 @@
-"""Exit rules for adaptive depth (`halt_criterion`) against fixed budgets at equal mean loops (issue 40), on trained
+"""Exit rules for adaptive depth (`halt_criterion`) against fixed budgets at equal mean loops, on trained
 checkpoints or on a tiny LoopFormer trained here on the synthetic arithmetic task (a few hundred steps,
 shortcut-consistency objective).
 

@@ -78,7 +78,7 @@ def _graphs_per_generate(model, calls, **kw):
 
 
 def test_generate_across_budgets_compiled_with_static_cache():
-    """Issue 14: `model.forward = torch.compile(model.forward, fullgraph=True)` decodes with the static loop cache
+    """`model.forward = torch.compile(model.forward, fullgraph=True)` decodes with the static loop cache
     at budget 4, then 1, 2, 3: no error, eager's tokens, and graphs bounded by one prefill and one decode graph per
     trajectory (Dynamo guards on the trajectory as plain values; seen budgets reuse their graphs)."""
     calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4)]
@@ -87,7 +87,7 @@ def test_generate_across_budgets_compiled_with_static_cache():
 
 
 def test_generate_across_budgets_compiled_with_dynamic_cache():
-    """Issue 41 item 5: the same with generate's default dynamic cache, budgets 4, 1, 2, 3 twice, then a longer
+    """The same with generate's default dynamic cache, budgets 4, 1, 2, 3 twice, then a longer
     prompt: two graphs per budget (prefill + decode: the cache's plan/spec slots exist before its first call, and
     generate marks the prompt and cached lengths dynamic), none for a budget seen before nor for another prompt
     length, eager's tokens, and Dynamo's recompile limit (8 versions of `forward`) is not reached. Before: 3 graphs
