@@ -444,7 +444,7 @@ def halting_sweep_lines(task, results_dir=HALTING_SWEEPS):
             if result["task"] != ("synthetic" if task == "synthetic" else "text"):
                 continue
             if not lines:
-                lines = ["#### Every exit rule against the fixed budgets at equal compute (issue 40)", "",
+                lines = ["#### Every exit rule against the fixed budgets at equal compute", "",
                          "From `python -m benchmarks.bench_halt_criteria --checkpoints ...` (the rows of every "
                          "threshold: benchmarks/README.md); 'best fixed trajectory' also counts the shortcut "
                          "trajectories [1/L]·i + [1 − i/L] the '_shortcut' rules end on. Which knob to use for which "
