@@ -22,7 +22,8 @@ from unittest import mock
 import torch
 
 # sys.path setup, skip-if-missing and the common-test imports are shared with the LoopFormer module
-from test_transformers_common import ConfigTester, ModelTesterMixin, ids_tensor, modeling_auto, torch_device
+from test_transformers_common import (ConfigTester, ModelTesterMixin, ids_tensor, modeling_auto, skip_precisely,
+                                      torch_device)
 
 from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel
 
@@ -246,3 +247,14 @@ for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_match
             "needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa"
         )(getattr(ModelTesterMixin, _name)))
 del _cls, _name  # a module-level TestCase name would be collected a third time
+
+# the common tests whose own skip message misstates why (test_transformers_common.PRECISE_SKIPS), on each class: the
+# mixin copies its tests onto every subclass
+for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
+    skip_precisely(_cls)
+    skip_precisely(_cls, {
+        "test_enable_input_require_grads_with_gradient_checkpointing":
+            "FPRM does not support gradient checkpointing (`supports_gradient_checkpointing = False`), so no model "
+            "here can run it; its training backpropagates through only `n_backward` solver iterations per segment",
+    })
+del _cls
