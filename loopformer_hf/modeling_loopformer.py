@@ -21,6 +21,8 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
 from .configuration_loopformer import LoopFormerConfig
@@ -545,7 +547,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
-                halt_head=None, **kwargs):
+                halt_head=None, **kwargs: Unpack[TransformersKwargs]):
         r"""
         loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
@@ -607,7 +609,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None,
-                halt_criterion=None, shortcut_consistency=None, **kwargs):
+                halt_criterion=None, shortcut_consistency=None, **kwargs: Unpack[TransformersKwargs]):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
         shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): targets already aligned with the

@@ -288,11 +288,3 @@ def skip_precisely(cls, reasons=PRECISE_SKIPS):
 for _cls in (LoopFormerModelTest, LoopFormerBaseLoopModelTest):  # each: the mixin copies its tests onto every subclass
     skip_precisely(_cls)
 del _cls  # a module-level TestCase name would be collected again
-# transformers reads output_attentions support from forward's signature: LoopFormerModel.forward takes it in a
-# plain `**kwargs` (not `Unpack[TransformersKwargs]`), so this comparison would skip as "does not support" it
-skip_precisely(LoopFormerBaseLoopModelTest, {
-    "test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions":
-        "gap: transformers finds output_attentions support in forward's signature, and LoopFormerModel.forward "
-        "takes it in a plain `**kwargs` (not `Unpack[TransformersKwargs]`); eager attention maps are checked by "
-        "test_attention_outputs",
-})
