@@ -25,7 +25,7 @@ that mean. The rules:
 
 Beside the fixed budgets, LoopFormer rows are also read against the best fixed trajectory at the same cost: the upper
 envelope of the uniform budgets and of the shortcut trajectories [1/L]·i + [1 − i/L] (i + 1 steps), the paths the
-"_shortcut" rules take. A rule pays where its quality beats the fixed budgets' at the same mean loops. The issue's
+"_shortcut" rules take. A rule pays where its quality beats the fixed budgets' at the same mean loops. The planned
 targets (`targets`): on exact-match tasks, some halt_eps at ≤ L − 0.5 mean loops with exact match within 0.01 of M = L
 and not below the fixed-budget curve; on text, perplexity below the fixed-budget curve at ≥ 2 settings.
 """
@@ -207,7 +207,7 @@ def evaluate_criteria(model, data, thresholds=None):
 
 
 def targets(task, fixed, rows):
-    """The issue's targets, per rule: {rule: dict(met, settings)}: on exact match, the halt_eps values at ≤ L − 0.5
+    """The planned targets, per rule: {rule: dict(met, settings)}: on exact match, the halt_eps values at ≤ L − 0.5
     mean loops with EM within 0.01 of M = L and not below the fixed-budget curve; on text, those whose perplexity is
     below the fixed-budget curve (met with ≥ 2)."""
     L = len(fixed)
