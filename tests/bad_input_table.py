@@ -76,6 +76,12 @@ def loopformer():
     return LoopFormerForCausalLM(loopformer_config()).eval()
 
 
+def shortcut_consistency(*args, **kwargs):
+    from loopformer_hf import ShortcutConsistency
+
+    return ShortcutConsistency(*args, **kwargs)
+
+
 @lru_cache(maxsize=None)
 def fprm(**overrides):
     from fprm_hf import FPRMForReasoning
@@ -258,6 +264,12 @@ CASES = [
          r"step_schedule.*got 'bogus'"),
     Case(f"{LF} forward", "halt_eps=0", lambda t: loopformer()(IDS, halt_eps=0), ValueError,
          r"halt_eps.*positive finite float, got 0"),
+    Case(f"{LF} forward", "labels=..., short_step_schedule=[0.5, 0.5] (the former separate objective arguments)",
+         lambda t: loopformer()(IDS, labels=IDS, short_step_schedule=[0.5, 0.5]), TypeError,
+         r"got \['short_step_schedule'\] as separate arguments.*shortcut_consistency=ShortcutConsistency"),
+    Case(f"{LF} forward", "shortcut_consistency=ShortcutConsistency([0.5, 0.5], lambda_short=-1)",
+         lambda t: shortcut_consistency([0.5, 0.5], lambda_short=-1), ValueError,
+         r"`lambda_short` must be a finite number >= 0, got -1"),
     Case(f"{LF} forward", "input_ids of shape (1, 0)", lambda t: loopformer()(torch.zeros(1, 0, dtype=torch.long)),
          ValueError, r"input_ids.*at least one token"),
     Case(f"{LF} generate", "halt_eps=0.1, prefill_chunk_size=2",
