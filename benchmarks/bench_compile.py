@@ -8,10 +8,10 @@ after a warm-up that compiles, medians over `--repeats` rounds:
 
 - eager, dynamic cache (a `LoopFormerCache`);
 - eager, static cache (`cache_implementation="static"`, a `LoopFormerStaticCache`);
-- compiled, static cache: `model.forward = torch.compile(model.forward, fullgraph=True)` (prefill and decode steps
-  both compiled; one graph per distinct prompt length / decode step and trajectory);
-- compiled, dynamic cache: a second compiled copy with generate's default cache (a prefill and a decode graph per
-  trajectory: generate marks the prompt and cached lengths dynamic). Dynamo keeps at most
+- compiled, static cache: `model.forward = torch.compile(model.forward, fullgraph=True)` (the decode steps compiled,
+  one graph per trajectory; generate runs the prefill eager, as transformers' own compiled generation does);
+- compiled, dynamic cache: a second compiled copy with generate's default cache (one decode graph per trajectory:
+  generate marks the cached lengths dynamic). Dynamo keeps at most
   `torch._dynamo.config.recompile_limit` (8) graphs per code object, shared by every copy of the model, so each copy
   is compiled with `isolate_recompiles=True` where torch has it (2.13), else the limit is raised for this run;
 - on CUDA, also generate's own compilation: `cache_implementation="static"` alone, where transformers compiles the
@@ -44,7 +44,7 @@ def tiny_random_model(hidden_size=256):
 
 
 def compiled_copy(model, backend="inductor", mode=None):
-    """A copy of `model` whose forward is `torch.compile`d with fullgraph=True (prefill and decode steps)."""
+    """A copy of `model` whose forward is `torch.compile`d with fullgraph=True (generate compiles its decode steps)."""
     compiled = copy.deepcopy(model)
     own = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
     if not own:  # older torch: one limit for the forward of both compiled copies

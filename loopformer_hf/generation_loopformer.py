@@ -168,6 +168,19 @@ class LoopFormerGenerationMixin(GenerationMixin):
                 model_kwargs[name] = value
         return generation_config, model_kwargs
 
+    def _forward_replaced(self):
+        """Whether `forward` was replaced on the instance (e.g. `model.forward = torch.compile(model.forward)`)."""
+        return getattr(self.forward, "__func__", None) is not type(self).forward
+
+    def _prefill(self, *args, **kwargs):
+        """As transformers' own compiled generation (`compile_config`), the prefill runs eager and only the decode
+        steps run a compiled `forward`: one graph per trajectory, not a prefill graph beside each decode graph
+        (Dynamo's recompile limit of 8 then holds 8 budgets, not 4)."""
+        if not self._forward_replaced():
+            return super()._prefill(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            return super()._prefill(*args, **kwargs)
+
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
         """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
         input: each forward adds an entry with the length of the sequence it is asked about (drafted tokens included)
@@ -175,7 +188,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
         if loop_counts_log is not None:
             loop_counts_log.append({"length": input_ids.shape[1]})
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        if getattr(self.forward, "__func__", None) is not type(self).forward:  # replaced, e.g. by torch.compile
+        if self._forward_replaced():
             _mark_lengths_dynamic(model_inputs)
         return model_inputs
 

@@ -79,19 +79,22 @@ def _graphs_per_generate(model, calls, **kw):
 
 def test_generate_across_budgets_compiled_with_static_cache():
     """`model.forward = torch.compile(model.forward, fullgraph=True)` decodes with the static loop cache
-    at budget 4, then 1, 2, 3: no error, eager's tokens, and graphs bounded by one prefill and one decode graph per
-    trajectory (Dynamo guards on the trajectory as plain values; seen budgets reuse their graphs)."""
+    at budget 4, then 1, 2, 3: no error, eager's tokens, and one decode graph per trajectory (the prefill runs
+    eager, as in transformers' own compiled generation; Dynamo guards on the trajectory as plain values; seen budgets
+    reuse their graphs)."""
     calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4)]
     graphs = _graphs_per_generate(make_model(), calls, cache_implementation="static")
-    assert graphs == [2, 2, 2, 2, 0]  # one prefill and one decode graph, no recompile per token
+    assert graphs == [1, 1, 1, 1, 0]  # no recompile per token
 
 
 def test_generate_across_budgets_compiled_with_dynamic_cache():
-    """The same with generate's default dynamic cache, budgets 4, 1, 2, 3 twice, then a longer
-    prompt: two graphs per budget (prefill + decode: the cache's plan/spec slots exist before its first call, and
-    generate marks the prompt and cached lengths dynamic), none for a budget seen before nor for another prompt
-    length, eager's tokens, and Dynamo's recompile limit (8 versions of `forward`) is not reached. Before: 3 graphs
-    for the first budget (decode again once the cached length changed) and 2 for each later one, so the limit was
-    hit at the fourth budget and its decode steps ran eager."""
-    calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4, 1, 2, 3)] + [(IDS[:, :9], 2)]
-    assert _graphs_per_generate(make_model(), calls) == [2, 2, 2, 2, 0, 0, 0, 0, 0]
+    """The same with generate's default dynamic cache, budgets 4, 1, 2, 3 twice, then 5..8 (beyond L, extrapolating)
+    and a longer prompt: one graph per budget (the decode steps'; the prefill runs eager, the cache's plan/spec slots
+    exist before its first call, and generate marks the cached lengths dynamic), none for a budget seen before nor
+    for another prompt length, eager's tokens, and Dynamo's recompile limit (8 versions of `forward`) holds 8
+    budgets. Before: 3 graphs for the first budget (decode again once the cached length changed) and 2 for each later
+    one, so the limit was hit at the fourth budget and its decode steps ran eager."""
+    calls = [(IDS[:, :5], b) for b in (4, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 8)] + [(IDS[:, :9], 2)]
+    with pytest.warns(UserWarning, match="extrapolates beyond training"):
+        graphs = _graphs_per_generate(make_model(), calls)
+    assert graphs == [1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0]
