@@ -21,7 +21,6 @@ KINDS = {
                  tags=["fprm", "looped-transformer", "fixed-point", "reasoning", "custom_code"]),
 }
 CARD_MAX_NEW_TOKENS = 16  # the card's snippets generate this many tokens, fewer where the context leaves less room
-CARD_INPUT_LENGTH = 16  # FPRM: the length of the card's random input for a model without a grid
 EOS_TEXT = "<|endoftext|>"  # the start-of-text token of this package's tokenizers: a prompt with nothing better
 NO_RECORD_TEXT = ("This checkpoint was published without its training run's record (loopformer_training.json or "
                   "results.json), so how it was trained is not stated here.")
@@ -103,7 +102,8 @@ def _elastic_results(data, path, checkpoint, record, _):
     name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
     task = {"type": "text-generation",
             "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
-    return [_result(task, {"name": name, "type": kind, "split": "held-out"}, label, r[key], f"loop_budget={r['budget']}")
+    dataset = {"name": name, "type": kind, "split": "held-out"}
+    return [_result(task, dataset, label, r[key], f"loop_budget={r['budget']}")
             for r in model.get("results") or [] if r.get("schedule") == "uniform"
             for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if _is_number(r.get(key))]
 
@@ -112,7 +112,8 @@ def _fprm_results(data, path, checkpoint, record, _):
     """An FPRM results.json: exact and cell accuracy and mean iterations, halting and at the cap."""
     name, kind = describe_dataset("fprm", record or data)
     solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
-    task, dataset = {"type": "token-classification", "name": "Puzzle solving"}, {"name": name, "type": kind, "split": "test"}
+    task = {"type": "token-classification", "name": "Puzzle solving"}
+    dataset = {"name": name, "type": kind, "split": "test"}
     return [_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
             for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
             if isinstance(block := data.get(key), dict)
@@ -176,14 +177,6 @@ def find_eval_json(checkpoint, model_type):
     return next((p for p in places if p.is_file()), None)
 
 
-def card_prompt(record, tokenizer):
-    """The snippets' prompt: the run's held-out prompt, else the tokenizer's start-of-text token (None if it has
-    none), else this package's tokenizers' one."""
-    if record and isinstance(record.get("prompt"), str) and record["prompt"]:
-        return record["prompt"]
-    return EOS_TEXT if tokenizer is None else tokenizer.bos_token or tokenizer.eos_token
-
-
 def _card_max_new_tokens(config, prompt, tokenizer):
     """min(16, context - prompt length): generating past max_position_embeddings fails with learned positions."""
     # without the tokenizer, one token per byte (+ a BOS) bounds the prompt's length from above
@@ -199,13 +192,17 @@ def _card_max_new_tokens(config, prompt, tokenizer):
     return min(CARD_MAX_NEW_TOKENS, context - length)
 
 
-def _template_values(config, prompt, tokenizer, record):
-    """What the model type's template computes from beyond the config's fields."""
-    if config.model_type == "fprm":
-        length = config.num_grid_tokens if config.grid_size else CARD_INPUT_LENGTH
-        if config.position_embedding_type == "learned":  # the table holds the prefix rows too
-            length = min(length, config.max_position_embeddings - config.num_prefix_tokens)
-        return {"example_length": length}
+def _loopformer_values(config, prompt, tokenizer, record, checkpoint):
+    """What LoopFormer's template computes from beyond the config's fields (FPRM's computes its own). The snippets'
+    prompt: `prompt`, else the run's held-out prompt, else the tokenizer's start-of-text token, else this package's
+    tokenizers' one."""
+    if prompt is None:
+        held_out = (record or {}).get("prompt")
+        prompt = held_out if isinstance(held_out, str) and held_out else (
+            EOS_TEXT if tokenizer is None else tokenizer.bos_token or tokenizer.eos_token)
+    if prompt is None:
+        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and its "
+                         f"tokenizer no start-of-text token; give --prompt.")
     budget = max(1, config.num_loops // 2)
     schedule = config.step_schedule_preset("coarse_to_fine" if config.loop_conditioning == "shortcut" else "uniform",
                                            budget)
@@ -215,7 +212,8 @@ def _template_values(config, prompt, tokenizer, record):
         from looped_training.loopformer.train import VARIANTS
 
         lambda2 = VARIANTS.get(record.get("variant"), (None,) * 4)[3]
-    return {"example_budget": budget, "example_schedule": "[" + ", ".join(repr(round(s, 6)) for s in schedule) + "]",
+    # the prompt as the inside of a double-quoted Python string literal that holds it exactly (newlines, backslashes)
+    return {"prompt": json.dumps(prompt, ensure_ascii=False)[1:-1], "example_budget": budget, "schedule": schedule,
             "max_new_tokens": _card_max_new_tokens(config, prompt, tokenizer), "lambda_consistency": lambda2}
 
 
@@ -229,23 +227,18 @@ def model_card(model, repo_id, checkpoint, *, tokenizer=None, eval_json=None, pr
     config, kind, model_name = model.config, kind_of(model.config.model_type), repo_id.split("/")[-1]
     record = read_training_record(checkpoint, config.model_type)
     eval_json = eval_json or (checkpoint and find_eval_json(checkpoint, config.model_type))
-    results = load_eval_results(eval_json, kind["pipeline_tag"], checkpoint=checkpoint, record=record) if eval_json else []
-    datasets = datasets or ([record["data"]["dataset_name"]] if ((record or {}).get("data") or {}).get("dataset_name")
-                            else None)  # a Hub dataset id
-    prompt = prompt if prompt is not None else card_prompt(record, tokenizer)
-    if prompt is None and kind["needs_tokenizer"]:
-        raise ValueError(f"No prompt for the card's snippets: {checkpoint} has no training record with one and its "
-                         f"tokenizer no start-of-text token; give --prompt.")
+    results = eval_json and load_eval_results(eval_json, kind["pipeline_tag"], checkpoint=checkpoint, record=record)
+    hub_dataset = ((record or {}).get("data") or {}).get("dataset_name")  # a Hub dataset id
     card_data = ModelCardData(
         language=language, license=license, library_name="transformers", pipeline_tag=kind["pipeline_tag"],
-        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=datasets, base_model=base_model,
-        model_name=model_name if results else None, eval_results=[EvalResult(**r) for r in results] or None)
-    values = {**{k: v for k, v in config.to_dict().items() if not isinstance(v, dict)},
-              **_template_values(config, prompt or "", tokenizer, record)}
+        tags=sorted(set(kind["tags"]) | set(tags or [])), datasets=datasets or ([hub_dataset] if hub_dataset else None),
+        base_model=base_model, model_name=model_name if results else None,
+        eval_results=[EvalResult(**r) for r in results or []] or None)
+    values = {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)}
+    if config.model_type == "loopformer":
+        values.update(_loopformer_values(config, prompt, tokenizer, record, checkpoint))
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATES_DIR / f"{config.model_type}.md"), **values, repo_id=repo_id,
         model_name=model_name, num_parameters=f"{model.num_parameters():,}", results=results, record=record,
-        eval_source=Path(eval_json).name if eval_json else None, dataset_name=(describe_dataset(
-            config.model_type, record) or ("",))[0], training_text=training_text or (None if record else NO_RECORD_TEXT),
-        # the inside of a double-quoted Python string literal that holds `prompt` exactly (newlines, backslashes)
-        prompt=json.dumps(prompt or "", ensure_ascii=False)[1:-1])
+        eval_source=Path(eval_json).name if eval_json else None, dataset=describe_dataset(config.model_type, record),
+        training_text=training_text or (None if record else NO_RECORD_TEXT))

@@ -11,7 +11,6 @@ not be reached.
 """
 
 import argparse
-import contextlib
 import importlib
 import sys
 import tempfile
@@ -121,7 +120,8 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
                                   f"{_first_line(err)}).") from None
         tokenizer.save_pretrained(out_dir)
     elif kind["needs_tokenizer"]:
-        raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); pass --tokenizer PATH.")
+        raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); "
+                         f"pass --tokenizer PATH.")
     model_card(model, repo_id, checkpoint, tokenizer=tokenizer, **card_fields).save(out_dir / "README.md")
     return config.model_type
 
@@ -162,18 +162,18 @@ class ModelCardMixin:
 
 def _explain(err, endpoint, checkpoint):
     """A huggingface_hub or network exception as a PublishError: what happened and what to do."""
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
     status = getattr(getattr(err, "response", None), "status_code", None)
     if isinstance(err, LocalTokenNotFoundError):
         why = "No Hub token: pass --token, set HF_TOKEN or run `hf auth login`."
     elif isinstance(err, OfflineModeIsEnabled):
         why = f"HF_HUB_OFFLINE is set, so nothing can be pushed to {endpoint}."
-    elif isinstance(err, HfHubHTTPError) and status in (401, 403):
+    elif status in (401, 403):
         server = (getattr(err, "server_message", None) or str(err).splitlines()[0]).strip()
         why = (f"The Hub at {endpoint} rejected the token (HTTP {status}{': ' + server if server else ''}). Pass a "
                f"valid token with write access via --token, HF_TOKEN or `hf auth login`.")
-    elif isinstance(err, HfHubHTTPError):
+    elif status is not None:
         why = f"The Hub at {endpoint} answered HTTP {status}: {err}."
     else:
         why = (f"Could not reach the Hub endpoint {endpoint} ({type(err).__name__}: {err}). Check --endpoint / "
@@ -181,21 +181,15 @@ def _explain(err, endpoint, checkpoint):
     return PublishError(f"{why} Nothing local was changed: the checkpoint at {checkpoint} is as it was.")
 
 
-def _network_errors():
-    """The base exception class of the HTTP client huggingface_hub uses: httpx2 (2.x) or httpx (1.x)."""
-    errors = []
-    for name in ("httpx2", "httpx"):
-        with contextlib.suppress(ImportError):
-            errors.append(importlib.import_module(name).HTTPError)
-    return tuple(errors)
-
-
 def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit_message=None, revision=None,
          checkpoint=None):
     """create_repo (exist_ok) + upload_folder of the staged files, deleting stale top-level weight files."""
     from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError, HfUriError, OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, HfUriError
 
+    # huggingface_hub's errors (HfHubHTTPError, OfflineModeIsEnabled, LocalTokenNotFoundError) are OSErrors; a refused
+    # connection or a timeout is the HTTP client's own error, the base HfHubHTTPError extends (httpx2's or httpx's)
+    network_error = HfHubHTTPError.__bases__[0]
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     try:
@@ -207,7 +201,7 @@ def push(stage_dir, repo_id, *, endpoint=None, token=None, private=False, commit
         return api.upload_folder(folder_path=str(stage_dir), repo_id=repo_id, revision=revision,
                                  commit_message=commit_message or "Upload model with looped_training.publish",
                                  delete_patterns=STALE_WEIGHT_FILES)
-    except (HfHubHTTPError, OfflineModeIsEnabled, OSError, *_network_errors()) as err:
+    except (OSError, network_error) as err:
         raise _explain(err, endpoint, checkpoint or stage_dir) from err
 
 
@@ -215,24 +209,25 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m looped_training.publish", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a folder written by save_pretrained / Trainer")
     p.add_argument("--repo_id", required=True, help="owner/name on the Hub")
-    p.add_argument("--token", default=None, help="write token (default: HF_TOKEN or the stored login)")
-    p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
-    p.add_argument("--endpoint", default=None, help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
-    p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    p.add_argument("--commit_message", default=None)
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder if the checkpoint has none")
-    p.add_argument("--eval_json", default=None, help="evaluation results for the card's model-index")
+    p.add_argument("--token", help="write token (default: HF_TOKEN or the stored login)")
+    p.add_argument("--private", action="store_true",
+                   help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or https://huggingface.co)")
+    p.add_argument("--revision", help="branch to commit to (default: main)")
+    p.add_argument("--commit_message")
+    p.add_argument("--tokenizer", help="tokenizer folder if the checkpoint has none")
+    p.add_argument("--eval_json", help="evaluation results for the card's model-index")
     p.add_argument("--license", default="apache-2.0")
     p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET",
                    help="training dataset id (repeatable)")
     p.add_argument("--tag", action="append", dest="tags", metavar="TAG", help="extra tag (repeatable)")
-    p.add_argument("--base_model", default=None, help="the model this one was fine-tuned from")
-    p.add_argument("--language", action="append", default=None, help="language code (repeatable)")
-    p.add_argument("--training_text", default=None,
+    p.add_argument("--base_model", help="the model this one was fine-tuned from")
+    p.add_argument("--language", action="append", help="language code (repeatable)")
+    p.add_argument("--training_text",
                    help="a paragraph for the card's Training section (default: written from the run's record)")
-    p.add_argument("--prompt", default=None, help="prompt of the card's usage snippets (default: the record's "
-                                                  "held-out prompt, else the tokenizer's start-of-text token)")
-    p.add_argument("--stage_dir", default=None, help="stage the repo here and keep it (default: a temp folder)")
+    p.add_argument("--prompt", help="prompt of the card's usage snippets (default: the record's held-out prompt, "
+                                    "else the tokenizer's start-of-text token)")
+    p.add_argument("--stage_dir", help="stage the repo here and keep it (default: a temp folder)")
     p.add_argument("--dry_run", action="store_true", help="stage only (needs --stage_dir); push nothing")
     return p
 
