@@ -52,10 +52,15 @@ def _token_ce_sum(logits, labels, shift_labels=None):
     return ce, int((labels != -100).sum())
 
 
-def check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
+def check_lambdas(lambda_short, lambda_consistency):
+    """λ1 and λ2 are finite numbers >= 0 (a NaN or a negative weight would train on a meaningless loss)."""
     for name, value in (("lambda_short", lambda_short), ("lambda_consistency", lambda_consistency)):
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
             raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+
+
+def check_consistency_args(lambda_short, lambda_consistency, consistency_loss):
+    check_lambdas(lambda_short, lambda_consistency)
     if consistency_loss not in CONSISTENCY_LOSSES:
         raise ValueError(f"`consistency_loss` must be one of {CONSISTENCY_LOSSES}, got {consistency_loss!r}.")
 
@@ -124,5 +129,5 @@ def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lam
     return loss, terms, n_local
 
 
-__all__ = ["CONSISTENCY_LOSSES", "ShortcutConsistency", "check_consistency_args", "check_shortcut_consistency",
-           "shortcut_consistency_loss"]
+__all__ = ["CONSISTENCY_LOSSES", "ShortcutConsistency", "check_consistency_args", "check_lambdas",
+           "check_shortcut_consistency", "shortcut_consistency_loss"]

@@ -40,15 +40,13 @@ current λ1, λ2 are added to the Trainer's logs (`state.log_history` and the pr
 
 import inspect
 import json
-import math
-import numbers
 import os
 import random
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from loopformer_hf.loss_loopformer import CONSISTENCY_LOSSES, ShortcutConsistency
+from loopformer_hf.loss_loopformer import CONSISTENCY_LOSSES, ShortcutConsistency, check_lambdas
 
 TRAJECTORY_KINDS = ("auto", "shortcut", "early_exit")
 
@@ -111,9 +109,7 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
 
     def __init__(self, lambda_short=0.1, lambda_consistency=0.1, warmup_steps=0, consistency="mse",
                  trajectory="auto", seed=0, log_trajectories_dir=None):
-        for name, value in (("lambda_short", lambda_short), ("lambda_consistency", lambda_consistency)):
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value >= 0 or math.isinf(value):
-                raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+        check_lambdas(lambda_short, lambda_consistency)
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
         if consistency not in CONSISTENCY_LOSSES:
