@@ -273,9 +273,10 @@ def reference_config_classes():
             for name in MODEL_TYPES if name != LoopFormerConfig.model_type]
 
 
-# from_pretrained kwargs that change nothing here (the weights are read whole, on the CPU, without remote code)
+# from_pretrained kwargs that change nothing here (the weights are read whole, on the CPU, without remote code; a
+# tensor of another shape than the config's is refused whatever ignore_mismatched_sizes says, never re-initialised)
 _ACCEPTED_NOOPS = ("trust_remote_code", "low_cpu_mem_usage", "_from_auto", "_from_pipeline", "use_safetensors",
-                   "code_revision", "adapter_kwargs")
+                   "code_revision", "adapter_kwargs", "ignore_mismatched_sizes")
 
 
 def from_pretrained_reference(cls, path, model_args, kwargs):

@@ -34,7 +34,7 @@ def kind_of(model_type):
     return KINDS[model_type]
 
 
-def _is_number(value):
+def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -81,7 +81,7 @@ def describe_dataset(model_type, record):
     return ("text files: " + ", ".join(names) if names else "text"), "text"
 
 
-def _result(task, dataset, metric, value, config=None, name=None):
+def eval_result(task, dataset, metric, value, config=None, name=None):
     """One model-index entry, as the keyword arguments of huggingface_hub's `EvalResult`."""
     return dict(task_type=task["type"], task_name=task.get("name"), dataset_type=dataset.get("type", dataset["name"]),
                 dataset_name=dataset["name"], dataset_split=dataset.get("split"), metric_type=metric,
@@ -89,42 +89,11 @@ def _result(task, dataset, metric, value, config=None, name=None):
                 metric_name=name or (f"{metric} ({config})" if config else metric))
 
 
-def _elastic_results(data, path, checkpoint, record, _):
-    """elastic_eval.json: exact match and perplexity per loop budget (uniform schedule) of the model evaluated from
-    `checkpoint`, or of the file's only model."""
-    models = [m for m in data["models"] if isinstance(m, dict)]
-    here = Path(checkpoint).resolve() if checkpoint is not None else None
-    models = [m for m in models if m.get("path") and Path(m["path"]).resolve() == here] or models
-    if len(models) != 1:
-        raise ValueError(f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
-                         f"from {checkpoint}: give the elastic_eval.json of this checkpoint's evaluation.")
-    (model,) = models
-    name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
-    task = {"type": "text-generation",
-            "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
-    dataset = {"name": name, "type": kind, "split": "held-out"}
-    return [_result(task, dataset, label, r[key], f"loop_budget={r['budget']}")
-            for r in model.get("results") or [] if r.get("schedule") == "uniform"
-            for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if _is_number(r.get(key))]
-
-
-def _fprm_results(data, path, checkpoint, record, _):
-    """An FPRM results.json: exact and cell accuracy and mean iterations, halting and at the cap."""
-    name, kind = describe_dataset("fprm", record or data)
-    solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
-    task = {"type": "token-classification", "name": "Puzzle solving"}
-    dataset = {"name": name, "type": kind, "split": "test"}
-    return [_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
-            for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
-            if isinstance(block := data.get(key), dict)
-            for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if _is_number(block.get(metric))]
-
-
 def _listed_results(data, path, checkpoint, record, task_type):
     """This package's generic format: {"task": ..., "dataset": ..., "results": [{"metric", "value", ...}]}."""
     flat = []
     for i, item in enumerate(data["results"]):
-        if not isinstance(item, dict) or "metric" not in item or not _is_number(item.get("value")):
+        if not isinstance(item, dict) or "metric" not in item or not is_number(item.get("value")):
             raise ValueError(f"{path}: results[{i}] must be an object with 'metric' (str) and a finite numeric "
                              f"'value', got {item!r}.")
         dataset = {**(data.get("dataset") or {}), **(item.get("dataset") or {})}
@@ -132,23 +101,25 @@ def _listed_results(data, path, checkpoint, record, task_type):
             raise ValueError(f"{path}: results[{i}] has no dataset name (give 'dataset': {{'name': ...}}).")
         task = {"type": task_type, **(data.get("task") or {}), **(item.get("task") or {})}
         config = ",".join(f"{k}={item[k]}" for k in ("loop_budget", "step_schedule") if item.get(k) is not None)
-        flat.append(_result(task, dataset, str(item["metric"]), item["value"], config or None, item.get("metric_name")))
+        flat.append(eval_result(task, dataset, str(item["metric"]), item["value"], config or None,
+                                item.get("metric_name")))
     return flat
 
 
 def _lm_eval_results(data, path, checkpoint, record, task_type):
     """An lm-eval-harness results file: {"results": {"<task>": {"acc,none": 0.61, ...}}, "config": ...}."""
     config = str((data.get("config") or {}).get("model_args") or "") or None
-    return [_result({"type": task_type, "name": task}, {"name": task}, metric, value, config,
+    return [eval_result({"type": task_type, "name": task}, {"name": task}, metric, value, config,
                     metric if filt in ("", "none") else f"{metric} ({filt})")
             for task, metrics in sorted(data["results"].items()) if isinstance(metrics, dict)
             for key, value in sorted(metrics.items()) for metric, _, filt in [key.partition(",")]
-            if not metric.endswith("_stderr") and metric != "alias" and _is_number(value)]
+            if not metric.endswith("_stderr") and metric != "alias" and is_number(value)]
 
 
-# each layout: the key and type that tell it, its name (for the error on an unknown file) and its reader
-EVAL_LAYOUTS = [("models", list, "elastic_eval.json (a 'models' list)", _elastic_results),
-                ("halting", dict, "an FPRM results.json (a 'halting' object)", _fprm_results),
+# each layout: the key and type that tell it, its name (for the error on an unknown file) and its reader; the files
+# this package's evaluations write are read beside their writers, by the module's `card_results`
+EVAL_LAYOUTS = [("models", list, "elastic_eval.json (a 'models' list)", "looped_training.loopformer.evaluate"),
+                ("halting", dict, "an FPRM results.json (a 'halting' object)", "looped_training.fprm.evaluate"),
                 ("results", list, "an object with a 'results' list (this package's generic format)", _listed_results),
                 ("results", dict, "a 'results' object of tasks (lm-eval-harness)", _lm_eval_results)]
 
@@ -163,6 +134,7 @@ def load_eval_results(path, default_task_type="text-generation", *, checkpoint=N
         raise ValueError(f"{path} is not an evaluation JSON this command knows: expected "
                          f"{', '.join(name for _, _, name, _ in EVAL_LAYOUTS[:-1])} or {EVAL_LAYOUTS[-1][2]}; got "
                          f"{type(data).__name__} with keys {sorted(data) if isinstance(data, dict) else '-'}.")
+    read = importlib.import_module(read).card_results if isinstance(read, str) else read
     if not (flat := read(data, path, checkpoint, record, default_task_type)):
         raise ValueError(f"{path} holds no numeric results.")
     return flat

@@ -523,6 +523,11 @@ HANDLED = [
     Handled(f"{LF} quantised", "`BitsAndBytesConfig(load_in_8bit=True)` / `load_in_4bit=True`",
             "loads and generates where bitsandbytes runs; logit error within a same-size Llama's",
             QUANT + "test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_runs"),
+    Handled("both models, this package's commands", "a saved model whose weights lack a tensor the config needs",
+            "`from_pretrained` itself does as Llama's (the tensor is initialised at random, `missing_keys` and a log "
+            "line say so); every command that loads a saved model (both evaluations, LoRA fine-tuning, publish, a "
+            "killed run's final save) refuses it: `CheckpointError` (exit 2) naming the weights file and the tensor",
+            "tests/test_cli_faults.py::test_evaluate_refuses_a_checkpoint_that_lacks_a_tensor"),
     # faults of a training run (both trainers hold the output_dir lock and resume through the same checks)
     Handled("both trainers", "the disk fills during a checkpoint save",
             "one line `No space left on device while writing FILE (N MiB free)` naming the last complete checkpoint, "

@@ -265,3 +265,52 @@ def test_a_user_error_is_one_line_and_exit_2(tmp_path, argv, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and message in lines[-1] and lines[-1].startswith("python -m "), lines
+
+
+# A saved model that lacks a tensor: transformers initialises it at random and only logs it, so an evaluation scored a
+# half-random model, a LoRA run fine-tuned one and a publish pushed one. Each command now refuses it, naming the tensor.
+
+
+def _without(folder, tmp_path, prefix):
+    """A copy of the saved model `folder` (and its run's files beside it) whose weights lack the first tensor whose
+    name starts with `prefix`; returns (copy of the model folder, the tensor's name)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(folder.parent if folder.name == "model" else folder, run)
+    model = run / "model" if folder.name == "model" else run
+    state = load_file(model / "model.safetensors")
+    name = next(k for k in sorted(state) if k.startswith(prefix))
+    del state[name]
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    return model, name
+
+
+def test_evaluate_refuses_a_checkpoint_that_lacks_a_tensor(checkpoints, tmp_path):
+    model, name = _without(checkpoints / "loopformer", tmp_path, "model.layers.0.")
+    with pytest.raises(ValueError, match=rf"model.safetensors lacks 1 tensor\(s\) that .*config.json needs: {name}\."):
+        evaluate_elastic.main([str(model), "--output_dir", str(tmp_path / "eval"), "--max_rows", "4"])
+    assert not (tmp_path / "eval" / "elastic_eval.json").exists()
+
+
+def test_fprm_evaluate_refuses_a_model_that_lacks_a_tensor(fprm_checkpoint, tmp_path):
+    from looped_training.fprm import evaluate as evaluate_fprm
+
+    model, name = _without(fprm_checkpoint.parent / "model", tmp_path, "model.layers.0.")
+    with pytest.raises(ValueError, match=rf"model.safetensors lacks 1 tensor\(s\) that .*config.json needs: {name}\."):
+        evaluate_fprm.main([str(model.parent), "--output_dir", str(tmp_path / "eval"), "--num_test", "2"])
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("model_type", ["loopformer", "fprm"])
+def test_finetune_lora_refuses_a_base_model_that_lacks_a_tensor(lora_inputs, tmp_path, model_type):
+    from pathlib import Path
+
+    inputs = list(lora_inputs[model_type])
+    model, name = _without(Path(inputs[1]), tmp_path, "model.")
+    inputs[1] = str(model)
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor\(s\) that .*config.json needs: {name}\."):
+        _finetune({model_type: inputs}, model_type, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ newer one it skips, so a run killed at any point resumes from its last good chec
 
 import contextlib
 import errno
+import glob
 import json
 import logging
 import os
@@ -92,6 +93,38 @@ def check_checkpoint(path, for_resume=False):
         optional = sorted(n for n in os.listdir(path) if re.fullmatch(r"rng_state(_\d+)?\.pth|scaler\.pt", n))
         for name in ("optimizer.pt", "scheduler.pt", *optional):
             _check_torch_file(os.path.join(path, name))
+
+
+def load_model(model_class, checkpoint, **kwargs):
+    """`model_class.from_pretrained(checkpoint, **kwargs)`, refusing weights that do not fit the config: a tensor the
+    config needs that the weights lack, or one of another shape, is a `CheckpointError` naming the files and the
+    tensor, where transformers initialises it at random and only logs it (a model that evaluates, resumes or publishes
+    as if trained)."""
+    import transformers
+
+    weights = ", ".join(sorted(glob.glob(os.path.join(glob.escape(str(checkpoint)), "*.safetensors")))) or checkpoint
+    config_file = os.path.join(checkpoint, "config.json")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report would repeat, in a table, what the error says
+    try:
+        model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                  **kwargs)
+    except (OSError, RuntimeError) as err:
+        raise CheckpointError(f"{weights} could not be loaded with {config_file}: {_first_line(err)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if mismatched := sorted(info.get("mismatched_keys") or []):
+        name, in_file, in_config = mismatched[0]
+        raise CheckpointError(f"{weights} does not fit {config_file}: {len(mismatched)} tensor(s) differ in shape, "
+                              f"e.g. {name} is {list(in_file)} in the weights and {list(in_config)} by the config.")
+    if missing := sorted(info.get("missing_keys") or []):
+        raise CheckpointError(f"{weights} lacks {len(missing)} tensor(s) that {config_file} needs: "
+                              f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}.")
+    return model
+
+
+def _first_line(err):
+    return (str(err).strip() or type(err).__name__).splitlines()[0]
 
 
 def _check_torch_file(file):

@@ -288,6 +288,8 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
+    from looped_training.checkpoints import load_model
+
     _import_packages()
     set_seed(args.seed)
     args.model = resolve_model(args.model)
@@ -300,7 +302,7 @@ def main(argv=None):
     tokenizer = None
     if config.model_type == "loopformer":
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model)
+        model = load_model(AutoModelForCausalLM, args.model)
         train = _text_dataset(args, tokenizer)
         collator = ExtraKwargsCollator(choices={"loop_budget": args.loop_budgets or []}, seed=args.seed)
     else:  # fprm
@@ -308,7 +310,7 @@ def main(argv=None):
 
         if not args.task_data:
             raise ValueError("FPRM fine-tuning needs --task_data (a datasets folder or JSON-lines file).")
-        model = fprm_hf.FPRMForReasoning.from_pretrained(args.model)
+        model = load_model(fprm_hf.FPRMForReasoning, args.model)
         train = _task_dataset(args.task_data)
         collator = ExtraKwargsCollator(fixed=None if args.max_loops is None else {"max_loops": args.max_loops})
 

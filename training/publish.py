@@ -35,37 +35,6 @@ def _has_tokenizer(folder):
     return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
 
 
-def _first_line(err):
-    return (str(err).strip() or type(err).__name__).splitlines()[0]
-
-
-def _load_model(checkpoint, kind):
-    """The checkpoint's model; weights that do not fit the config are a `CheckpointError` naming both files."""
-    import transformers
-
-    from looped_training.checkpoints import CheckpointError
-
-    config_file = checkpoint / "config.json"
-    weights = ", ".join(str(p) for p in sorted(checkpoint.glob("*.safetensors"))) or str(checkpoint)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the load report would repeat, in a table, what the error says
-    try:
-        model, info = getattr(transformers, kind["auto_class"]).from_pretrained(
-            checkpoint, output_loading_info=True, ignore_mismatched_sizes=True)
-    except (OSError, RuntimeError) as err:
-        raise CheckpointError(f"{weights} could not be loaded with {config_file}: {_first_line(err)}") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    if mismatched := sorted(info.get("mismatched_keys") or []):
-        name, in_file, in_config = mismatched[0]
-        raise CheckpointError(f"{weights} does not fit {config_file}: {len(mismatched)} tensor(s) differ in shape, "
-                              f"e.g. {name} is {list(in_file)} in the weights and {list(in_config)} by the config.")
-    if missing := sorted(info.get("missing_keys") or []):
-        raise CheckpointError(f"{weights} lacks {len(missing)} tensor(s) that {config_file} needs: "
-                              f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}.")
-    return model
-
-
 def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
     """Write everything the repo should hold into `out_dir` (empty or absent, outside the checkpoint); returns the
     model type and the files. They go to a temporary folder beside `out_dir` that becomes `out_dir` only once all are
@@ -95,11 +64,12 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
 
 
 def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
+    import transformers
     from transformers import AutoConfig, AutoTokenizer
 
     # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
     # transformers' Trainer utilities (seconds)
-    from looped_training.checkpoints import CheckpointError, check_checkpoint
+    from looped_training.checkpoints import CheckpointError, check_checkpoint, load_model
 
     for kind in KINDS.values():
         importlib.import_module(kind["package"])  # registers the model types with AutoConfig
@@ -109,7 +79,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
     except (OSError, ValueError) as err:  # a value the config's validation refuses, an unknown model_type
         raise CheckpointError(f"{checkpoint / 'config.json'}: {err}") from None
     kind = kind_of(config.model_type)
-    model = _load_model(checkpoint, kind)
+    model = load_model(getattr(transformers, kind["auto_class"]), checkpoint)
     model.save_pretrained(out_dir)  # weights, config with auto_map, modeling code, generation config
     source, tokenizer = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None), None
     if source is not None:
@@ -117,7 +87,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
             tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as err:  # tokenizers and transformers raise several types for a broken file
             raise CheckpointError(f"The tokenizer in {source} could not be loaded ({type(err).__name__}: "
-                                  f"{_first_line(err)}).") from None
+                                  f"{str(err).strip().splitlines()[0]}).") from None
         tokenizer.save_pretrained(out_dir)
     elif kind["needs_tokenizer"]:
         raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); "

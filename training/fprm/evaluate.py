@@ -361,12 +361,28 @@ class _OneLineErrors:
         raise ValueError(message)
 
 
+def card_results(data, path, checkpoint, record, _):
+    """A results.json of this command or of training as the card's model-index (`looped_training.model_cards`): exact
+    and cell accuracy and mean iterations, halting and at the cap."""
+    from looped_training.model_cards import describe_dataset, eval_result, is_number
+
+    name, kind = describe_dataset("fprm", record or data)
+    solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
+    task = {"type": "token-classification", "name": "Puzzle solving"}
+    dataset = {"name": name, "type": kind, "split": "test"}
+    return [eval_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
+            for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
+            if isinstance(block := data.get(key), dict)
+            for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if is_number(block.get(metric))]
+
+
 def main(argv=None):
     import torch
 
     from transformers import set_seed
 
     from fprm_hf import FPRMForReasoning
+    from looped_training.checkpoints import load_model
     from looped_training.fprm.tasks import build_task
     from looped_training.fprm.train import DataArguments, EvalArguments, _strict_json, check_run_flags
 
@@ -386,7 +402,7 @@ def main(argv=None):
     ds, _, difficulty_columns = build_task(data_args, seed)
     if extra.num_test is not None:
         ds["test"] = ds["test"].select(range(min(extra.num_test, len(ds["test"]))))
-    model = FPRMForReasoning.from_pretrained(model_dir).to(device).eval()
+    model = load_model(FPRMForReasoning, model_dir).to(device).eval()
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
     results.update({key: record.get(key) for key in ("preset", "task", "train_seconds", "train_steps", "parameters",
                                                      "max_train_length") if key in record})

@@ -36,7 +36,7 @@ from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_un
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
                                          check_resume_data, check_run_length, finish_final_save, finished_run,
-                                         output_dir_lock, resolve_resume, run_record, start_final_save)
+                                         load_model, output_dir_lock, resolve_resume, run_record, start_final_save)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
@@ -289,7 +289,7 @@ def train(model_args, data_args, eval_args, train_args):
             # killed during its final save, after its last checkpoint: finish that save (and the evaluation) from it
             print(f"{train_args.output_dir} has no final model (a run killed while saving it?): writing it from "
                   f"{resume}.")
-            model = FPRMForReasoning.from_pretrained(resume)
+            model = load_model(FPRMForReasoning, resume)
             ema = os.path.join(resume, ema_file(train_args))
             if os.path.exists(ema):  # the authors save and evaluate the EMA weights
                 model.load_state_dict(load_file(ema), strict=False)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
 from loopformer_hf.configuration_loopformer import HALT_CRITERIA
-from looped_training.checkpoints import check_checkpoint, check_model_type
+from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
 from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
 from looped_training.loopformer.data.text import chunk_text
@@ -54,7 +54,7 @@ def load_checkpoint(path):
                          f"held-out data it was trained for is unknown.")
     with open(meta_path) as f:
         meta = json.load(f)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_model(AutoModelForCausalLM, path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer, meta
 
@@ -578,6 +578,30 @@ def progress_bars_disabled(disable_tqdm=None):
     if disable_tqdm is None and not transformers.utils.logging.is_progress_bar_enabled():
         return True
     return disable_tqdm
+
+
+def card_results(data, path, checkpoint, record, _):
+    """This command's elastic_eval.json as the card's model-index (`looped_training.model_cards`): exact match and
+    perplexity per loop budget (uniform schedule) of the model evaluated from `checkpoint`, or of the file's only
+    model."""
+    from pathlib import Path
+
+    from looped_training.model_cards import describe_dataset, eval_result, is_number
+
+    models = [m for m in data["models"] if isinstance(m, dict)]
+    here = Path(checkpoint).resolve() if checkpoint is not None else None
+    models = [m for m in models if m.get("path") and Path(m["path"]).resolve() == here] or models
+    if len(models) != 1:
+        raise ValueError(f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
+                         f"from {checkpoint}: give the {EVAL_FILE} of this checkpoint's evaluation.")
+    (model,) = models
+    name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
+    task = {"type": "text-generation",
+            "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
+    dataset = {"name": name, "type": kind, "split": "held-out"}
+    return [eval_result(task, dataset, label, r[key], f"loop_budget={r['budget']}")
+            for r in model.get("results") or [] if r.get("schedule") == "uniform"
+            for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if is_number(r.get(key))]
 
 
 def main(argv=None):

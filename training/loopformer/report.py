@@ -347,7 +347,9 @@ def optimiser_lines(run_dir):
     (no decay on biases and norms) against theirs (decay exactly the parameters with >= 2 dimensions)."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    model = AutoModelForCausalLM.from_pretrained(run_dir)
+    from looped_training.checkpoints import load_model
+
+    model = load_model(AutoModelForCausalLM, run_dir)
     names = set(Trainer(model=model, args=TrainingArguments(output_dir=os.path.join(run_dir, "_decay_check"),
                                                             report_to="none", use_cpu=True)).get_decay_parameter_names(model))
     # by tensor, not by name: the tied lm_head is the embedding under a second name

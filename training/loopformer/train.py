@@ -59,8 +59,8 @@ from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
 from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, RunRecordCallback,
                                          check_checkpoint, check_resume_config, check_resume_data, check_run_length,
-                                         finish_final_save, finished_run, output_dir_lock, resolve_resume,
-                                         start_final_save)
+                                         finish_final_save, finished_run, load_model, output_dir_lock,
+                                         resolve_resume, start_final_save)
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
@@ -370,7 +370,7 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
                 # killed during its final save, after its last checkpoint: finish that save from the checkpoint
                 logger.warning("%s has no complete final model (a run killed while saving it?): writing it from %s.",
                                training_args.output_dir, resume)
-                save_final(training_args.output_dir, LoopFormerForCausalLM.from_pretrained(resume), tokenizer, record,
+                save_final(training_args.output_dir, load_model(LoopFormerForCausalLM, resume), tokenizer, record,
                            lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder))
             return None
     model = LoopFormerForCausalLM(config)
