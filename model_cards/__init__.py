@@ -110,7 +110,7 @@ def _lm_eval_results(data, path, checkpoint, record, task_type):
     """An lm-eval-harness results file: {"results": {"<task>": {"acc,none": 0.61, ...}}, "config": ...}."""
     config = str((data.get("config") or {}).get("model_args") or "") or None
     return [eval_result({"type": task_type, "name": task}, {"name": task}, metric, value, config,
-                    metric if filt in ("", "none") else f"{metric} ({filt})")
+                        metric if filt in ("", "none") else f"{metric} ({filt})")
             for task, metrics in sorted(data["results"].items()) if isinstance(metrics, dict)
             for key, value in sorted(metrics.items()) for metric, _, filt in [key.partition(",")]
             if not metric.endswith("_stderr") and metric != "alias" and is_number(value)]

@@ -109,7 +109,7 @@ def load_model(model_class, checkpoint, **kwargs):
     try:
         model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True,
                                                   **kwargs)
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, ValueError) as err:  # a value the config's validation refuses, an unreadable file
         raise CheckpointError(f"{weights} could not be loaded with {config_file}: {_first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)

@@ -11,12 +11,12 @@ not be reached.
 """
 
 import argparse
-import importlib
+import json
 import sys
 import tempfile
 from pathlib import Path
 
-from looped_training.model_cards import KINDS, kind_of, model_card
+from looped_training.model_cards import kind_of, model_card
 
 
 # Weight files an older push may have left (another shard count, a .bin checkpoint), deleted by upload_folder unless
@@ -65,20 +65,14 @@ def stage(checkpoint, repo_id, out_dir, *, tokenizer=None, **card_fields):
 
 def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
     import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
     # transformers' Trainer utilities (seconds)
     from looped_training.checkpoints import CheckpointError, check_checkpoint, load_model
 
-    for kind in KINDS.values():
-        importlib.import_module(kind["package"])  # registers the model types with AutoConfig
     check_checkpoint(checkpoint)  # config.json parses, every safetensors file is complete
-    try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (OSError, ValueError) as err:  # a value the config's validation refuses, an unknown model_type
-        raise CheckpointError(f"{checkpoint / 'config.json'}: {err}") from None
-    kind = kind_of(config.model_type)
+    kind = kind_of(json.loads((checkpoint / "config.json").read_text()).get("model_type"))
     model = load_model(getattr(transformers, kind["auto_class"]), checkpoint)
     model.save_pretrained(out_dir)  # weights, config with auto_map, modeling code, generation config
     source, tokenizer = tokenizer or (checkpoint if _has_tokenizer(checkpoint) else None), None
@@ -93,7 +87,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
         raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); "
                          f"pass --tokenizer PATH.")
     model_card(model, repo_id, checkpoint, tokenizer=tokenizer, **card_fields).save(out_dir / "README.md")
-    return config.model_type
+    return model.config.model_type
 
 
 def push_to_hub_with_card(model, repo_id, *, commit_message=None, commit_description=None, private=None, token=None,
