@@ -116,6 +116,26 @@ def _positive_float(value, name):
     return value
 
 
+def _rope_parameters(value, name):
+    """None or transformers' `rope_parameters` dict: a known "rope_type", a positive "rope_theta" and "factor", a
+    "partial_rotary_factor" in (0, 1] (the rules transformers' own validation adds run in `__init__`)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if value is None:
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"`{name}` must be a dict (rope_type, rope_theta, ...), got {value!r}.")
+    if value.get("rope_type", "default") not in (kinds := ("default", *ROPE_INIT_FUNCTIONS)):
+        raise ValueError(f"`{name}['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
+    for key in ("rope_theta", "factor"):
+        if key in value:
+            _positive_float(value[key], f"{name}['{key}']")
+    partial = value.get("partial_rotary_factor", 1.0)
+    if not (_is_real_number(partial) and 0 < partial <= 1):
+        raise ValueError(f"`{name}['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
+    return value
+
+
 def _optional(check, allowed=None):
     """None, or what `check` allows (then its message, or "`name` must be {allowed}, got ...")."""
     def optional(value, name):
@@ -174,7 +194,8 @@ FIELD_CHECKS = {
                      "max_position_embeddings", "num_puzzle_identifiers"), _positive_int),
     **dict.fromkeys(("causal", "outer_only", "conv_bias", "normalize_input_injection", "fixed_init", "attention_bias",
                      "mlp_bias", "tie_word_embeddings", "use_q_head"), _boolean),
-    **dict.fromkeys(("init_std", "rope_theta", "rms_norm_eps", "expansion", "softmax_temperature"), _positive_float),
+    **dict.fromkeys(("init_std", "rms_norm_eps", "expansion", "softmax_temperature"), _positive_float),
+    "rope_parameters": _rope_parameters,
     "residual_scaling": _one_of(RESIDUAL_SCALINGS),
     "norm_type": _one_of(NORM_TYPES),
     "norm_placement": _one_of(NORM_PLACEMENTS),
@@ -228,7 +249,11 @@ class FPRMConfig(PreTrainedConfig):
         position_embedding_type (`str`, defaults to `"rope"`): `"rope"` (on q and k), `"learned"` absolute
             positions (x = √d·(emb + pos)/√2), or `"none"`.
         max_position_embeddings (`int`, defaults to 1024): rows of the learned position table (prefix included).
-        rope_theta (`float`, defaults to 10000.0): RoPE base.
+        rope_parameters (`dict`, *optional*): transformers' RoPE settings, with `position_embedding_type="rope"`:
+            `{"rope_type": "default", "rope_theta": 10000.0}` (the authors') unless given; "linear", "dynamic",
+            "yarn", ... scale the frequencies as for Llama, "partial_rotary_factor" < 1 rotates that share of each
+            head. A `rope_theta` keyword (configs saved before this field, the authors' converted configs) is read
+            into it.
         num_prefix_tokens (`int`, defaults to 16): learned prefix rows put before the input (their puzzle
             embedding; 0 disables them). The conv leaves them unchanged.
         num_puzzle_identifiers (`int`, defaults to 1): rows of the prefix table, chosen per sample by
@@ -295,7 +320,7 @@ class FPRMConfig(PreTrainedConfig):
         causal=False,
         position_embedding_type="rope",
         max_position_embeddings=1024,
-        rope_theta=10000.0,
+        rope_parameters=None,
         num_prefix_tokens=16,
         num_puzzle_identifiers=1,
         puzzle_emb_ndim=None,
@@ -349,7 +374,14 @@ class FPRMConfig(PreTrainedConfig):
         self.causal = causal
         self.position_embedding_type = position_embedding_type
         self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = rope_theta
+        if position_embedding_type == "rope":  # transformers fills in rope_type and rope_theta (kwargs, else 1e4)
+            self.rope_parameters = ({"partial_rotary_factor": 1.0, **rope_parameters} if isinstance(rope_parameters, dict)
+                                    else rope_parameters or {"partial_rotary_factor": 1.0})
+        elif rope_parameters is not None:
+            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {rope_parameters!r} "
+                             f"with position_embedding_type={position_embedding_type!r}.")
+        else:
+            kwargs.pop("rope_theta", None)  # saved by earlier versions for every model; these positions have none
         self.num_prefix_tokens = num_prefix_tokens
         self.num_puzzle_identifiers = num_puzzle_identifiers
         self.puzzle_emb_ndim = puzzle_emb_ndim
@@ -377,12 +409,22 @@ class FPRMConfig(PreTrainedConfig):
         self.attention_dropout = attention_dropout
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
-        super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, **kwargs)
+        try:  # transformers validates `rope_parameters` per RoPE type here; a missing key is a KeyError
+            super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, **kwargs)
+        except KeyError as error:
+            if "rope_parameters" not in str(error):
+                raise
+            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
         self.validate_architecture()
 
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self):
+        """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
+        return int(self.head_dim * (getattr(self, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
 
     @property
     def num_grid_tokens(self):
@@ -423,8 +465,9 @@ class FPRMConfig(PreTrainedConfig):
                 f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} (the "
                 f"values of the prefix rows), or None."
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
+            raise ValueError(f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
+                             f"rope_parameters {self.rope_parameters}).")
 
 
 __all__ = [

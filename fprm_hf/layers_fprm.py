@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -43,19 +44,32 @@ def sample_truncated_normal(shape, std, generator=None, device=None, dtype=torch
 
 
 class FPRMRotaryEmbedding(nn.Module):
-    """RoPE over the flattened positions (prefix included), in float32. The frequencies are computed per call rather
-    than kept in a non-persistent buffer, which from_pretrained would leave uninitialised."""
+    """RoPE of `config.rope_parameters` (transformers' RoPE types, as Llama's) over the flattened positions (prefix
+    included), in float32. The frequencies are computed per call (the "dynamic" and "longrope" types: for the call's
+    length) rather than kept in a non-persistent buffer, which from_pretrained would leave uninitialised."""
 
     def __init__(self, config):
         super().__init__()
-        self.dim = config.head_dim
-        self.base = config.rope_theta
+        self.config, self.rope_type = config, config.rope_parameters["rope_type"]
 
-    def forward(self, seq_len, device):
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float, device=device) / self.dim))
-        freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+    def frequencies(self, device, seq_len=None):
+        """(inverse frequencies, attention scaling)."""
+        if self.rope_type != "default":
+            return ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device, seq_len=seq_len)
+        dim, base = self.config.rotary_dim, self.config.rope_parameters["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)), 1.0
+
+    @property
+    def inv_freq(self):
+        """The inverse frequencies up to `max_position_embeddings` (what Llama's module keeps as a buffer)."""
+        return self.frequencies(None)[0]
+
+    def forward(self, x, position_ids):
+        """(cos, sin), each (batch, seq, rotary_dim), as Llama's."""
+        length = int(position_ids.max()) + 1 if self.rope_type in ("dynamic", "longrope") else None
+        inv_freq, scaling = self.frequencies(x.device, length)
+        emb = torch.cat([position_ids[..., None].float() * inv_freq] * 2, dim=-1)
+        return emb.cos() * scaling, emb.sin() * scaling
 
 
 def rotate_half(x):
@@ -64,8 +78,13 @@ def rotate_half(x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    dtype = q.dtype  # rotate in float32 (cos/sin's dtype), as the authors
+    """q and k rotated in float32 (cos/sin's dtype), as the authors; with a partial rotation (`cos` narrower than a
+    head) only the first channels of each head."""
+    dtype, d = q.dtype, cos.shape[-1]
     q, k = q.to(cos.dtype), k.to(cos.dtype)
+    if d < q.shape[-1]:
+        return tuple(torch.cat((t[..., :d] * cos + rotate_half(t[..., :d]) * sin, t[..., d:]), -1).to(dtype)
+                     for t in (q, k))
     return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
 
 

@@ -376,8 +376,8 @@ class FPRMModel(FPRMPreTrainedModel):
     def position_embeddings(self, x):
         if self.rotary_emb is None:
             return None
-        cos, sin = self.rotary_emb(x.shape[1], x.device)
-        return cos[None, None], sin[None, None]
+        cos, sin = self.rotary_emb(x, torch.arange(x.shape[1], device=x.device)[None])
+        return cos[:, None], sin[:, None]  # (1, 1, seq, rotary_dim): one for every head
 
     # ---- one loop step ------------------------------------------------------------------------------------------
 

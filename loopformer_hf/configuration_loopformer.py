@@ -80,6 +80,26 @@ def _positive_number(name, value):
         raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
 
 
+def _rope_parameters(name, value):
+    """transformers' `rope_parameters`: "rope_type" one of its RoPE types ("default", "linear", "dynamic", "yarn",
+    ...), a positive "rope_theta", "factor" and "partial_rotary_factor" in (0, 1]; keys left out take the defaults."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"`rope_parameters` must be a dict (rope_type, rope_theta, ...), got {value!r}.")
+    kinds = ("default", *ROPE_INIT_FUNCTIONS)
+    if value.get("rope_type", "default") not in kinds:
+        raise ValueError(f"`rope_parameters['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
+    for key in ("rope_theta", "factor"):
+        if key in value and not (_is_real_number(value[key]) and 0 < value[key] < math.inf):
+            raise ValueError(f"`rope_parameters['{key}']` must be a positive number, got {value[key]!r}.")
+    partial = value.get("partial_rotary_factor", 1.0)
+    if not (_is_real_number(partial) and 0 < partial <= 1):
+        raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
+
+
 def _activation(name, value):
     from transformers.activations import ACT2FN
 
@@ -130,7 +150,7 @@ FIELD_CHECKS = {
     **{name: _one_of(choices) for name, choices in CHOICE_FIELDS.items()},
     "hidden_act": _activation,
     "rms_norm_eps": _rms_norm_eps,
-    "rope_theta": _positive_number,
+    "rope_parameters": _rope_parameters,
     "max_period": _positive_number,
     "attention_dropout": _dropout,
     "initializer_range": _initializer_range,
@@ -187,7 +207,10 @@ class LoopFormerConfig(PreTrainedConfig):
             (integer loop index, TMLT) or `"none"` (Base-Loop, no modulation).
         position_embedding_type (`str`, defaults to `"learned"`): `"learned"` absolute positions (reference) or
             `"rope"`.
-        rope_theta (`float`, defaults to 10000.0): RoPE base, used when `position_embedding_type="rope"`.
+        rope_parameters (`dict`, *optional*): transformers' RoPE settings, used when `position_embedding_type="rope"`:
+            `{"rope_type": "default", "rope_theta": 10000.0}` unless given; "linear", "dynamic", "yarn", ... scale
+            the frequencies as for Llama, and "partial_rotary_factor" < 1 rotates that share of each head. A
+            `rope_theta` keyword (configs saved before this field) is read into it.
         max_position_embeddings (`int`, defaults to 1024): longest sequence the model accepts.
         tie_word_embeddings (`bool`, defaults to `True`): share the input embedding with `lm_head`.
         rms_norm_eps (`float`, *optional*): epsilon of every RMSNorm; `None` (the reference) uses torch's default
@@ -260,7 +283,7 @@ class LoopFormerConfig(PreTrainedConfig):
         num_loops=8,
         loop_conditioning="shortcut",
         position_embedding_type="learned",
-        rope_theta=10000.0,
+        rope_parameters=None,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         rms_norm_eps=None,
@@ -295,7 +318,14 @@ class LoopFormerConfig(PreTrainedConfig):
         self.num_loops = num_loops
         self.loop_conditioning = loop_conditioning
         self.position_embedding_type = position_embedding_type
-        self.rope_theta = rope_theta
+        if position_embedding_type == "rope":  # transformers fills in rope_type and rope_theta (kwargs, else 1e4)
+            self.rope_parameters = ({"partial_rotary_factor": 1.0, **rope_parameters} if isinstance(rope_parameters, dict)
+                                    else rope_parameters or {"partial_rotary_factor": 1.0})
+        elif rope_parameters is not None:
+            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {rope_parameters!r} "
+                             f"with position_embedding_type={position_embedding_type!r}.")
+        else:
+            kwargs.pop("rope_theta", None)  # saved by earlier versions for every model; learned positions have none
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.frequency_embedding_size = frequency_embedding_size
@@ -317,7 +347,12 @@ class LoopFormerConfig(PreTrainedConfig):
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        try:  # transformers validates `rope_parameters` per RoPE type here; a missing key is a KeyError
+            super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        except KeyError as error:
+            if "rope_parameters" not in str(error):
+                raise
+            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
         self._validate_fields()
 
     @classmethod
@@ -338,6 +373,11 @@ class LoopFormerConfig(PreTrainedConfig):
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self):
+        """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
+        return int(self.head_dim * (getattr(self, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
 
     @property
     def max_loop_budget(self):
@@ -371,7 +411,7 @@ class LoopFormerConfig(PreTrainedConfig):
 
     def _validate_fields(self):
         for name, check in FIELD_CHECKS.items():
-            check(name, getattr(self, name))
+            check(name, getattr(self, name, None))  # rope_parameters: RoPE models only
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
@@ -382,8 +422,9 @@ class LoopFormerConfig(PreTrainedConfig):
                 f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}.")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
+            raise ValueError(f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
+                             f"rope_parameters {self.rope_parameters}).")
         self._check_loop_budget_fields()
 
     # ---- trajectories ------------------------------------------------------------------------------------------

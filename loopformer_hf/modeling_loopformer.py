@@ -20,6 +20,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
@@ -41,8 +42,7 @@ DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
 
 def rms_norm(x, weight=None, eps=None):
     """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`."""
-    if eps is None:
-        eps = DEFAULT_RMS_NORM_EPS
+    eps = DEFAULT_RMS_NORM_EPS if eps is None else eps
     if weight is not None and weight.dim() > 1:  # one weight per token (a halting rule's exit step): norm, then weight
         return rms_norm(x, None, eps) * weight.to(x.dtype)
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
@@ -69,25 +69,39 @@ class LoopFormerRMSNorm(nn.Module):
 
 
 class LoopFormerRotaryEmbedding(nn.Module):
+    """Llama's: `config.rope_parameters` gives the frequencies (transformers' RoPE types) and the rotated share."""
     def __init__(self, config):
         super().__init__()
-        self.register_buffer("inv_freq", self.compute_inv_freq(config), persistent=False)
+        self.config, self.rope_type = config, config.rope_parameters["rope_type"]
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        inv_freq, self.attention_scaling = self.frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
-    @staticmethod
-    def compute_inv_freq(config):
-        dim = config.head_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    def frequencies(self, config):
+        """(inverse frequencies, attention scaling) of `config.rope_parameters`: a scaled RoPE type, or plain RoPE."""
+        if self.rope_type != "default":
+            return ROPE_INIT_FUNCTIONS[self.rope_type](config)
+        dim = config.rotary_dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
+    @dynamic_rope_update  # "dynamic" and "longrope" recompute the frequencies for long inputs
     def forward(self, x, position_ids):
-        """(cos, sin), each (batch, 1, seq, head_dim): broadcast over the heads, shaped once per forward."""
-        freqs = position_ids[:, None, :, None].float() * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        """(cos, sin), each (batch, seq, rotary_dim), as Llama's."""
+        emb = torch.cat([position_ids[..., None].float() * self.inv_freq.to(x.device)] * 2, dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """RoPE on the first `cos.shape[-1]` channels of each head; the rest (partial_rotary_factor < 1) pass."""
+    if cos.shape[-1] == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    return torch.cat((apply_rotary(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1]:]), dim=-1)
 
 
 def repeat_kv(hidden_states, n_rep):
@@ -135,8 +149,7 @@ class LoopFormerAttention(nn.Module):
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
-            cos, sin = position_embeddings
-            k = k * cos + rotate_half(k) * sin
+            k = apply_rotary(k, *position_embeddings)
         return k, v
 
     def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
@@ -149,8 +162,7 @@ class LoopFormerAttention(nn.Module):
         input_shape = queries.shape[:-1]
         q = self.q_proj(queries).view(*input_shape, -1, self.head_dim).transpose(1, 2)
         if query_positions is not None:
-            cos, sin = query_positions
-            q = q * cos + rotate_half(q) * sin
+            q = apply_rotary(q, *query_positions)
         if halting is None:
             new_kv = k, v = self.project_kv(hidden_states, position_embeddings)
         else:
@@ -337,10 +349,9 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`; a weights file that is not safetensors (a pickle renamed
-        `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
-        safetensors' bare "Error while deserializing header" through (as Llama). A repo in the authors' Hub layout
-        is translated and mapped, never loaded at random (`authors_checkpoints`)."""
+        """transformers' `from_pretrained`; weights that are not safetensors (a renamed pickle, a truncated download)
+        are an OSError naming the file, not safetensors' bare "Error while deserializing header" (as Llama's). A repo
+        in the authors' Hub layout is translated and mapped, never loaded at random (`authors_checkpoints`)."""
         from .authors_checkpoints import from_pretrained_reference  # it maps names onto this module's classes
         if (reference := from_pretrained_reference(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
             return reference
@@ -375,7 +386,8 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
             init.zeros_(module.weight)
             init.zeros_(module.bias)
         elif isinstance(module, LoopFormerRotaryEmbedding):  # non-persistent: rebuilt when loading from meta
-            init.copy_(module.inv_freq, module.compute_inv_freq(self.config))
+            for buffer in (module.inv_freq, module.original_inv_freq):
+                init.copy_(buffer, module.frequencies(self.config)[0])
         elif getattr(module, "residual_projection", False) and reference:
             # GPT-2's scaled init, N(0, σ/√(2k)) with k = shared blocks (the reference's n_layer)
             init.normal_(module.weight, mean=0.0,
@@ -430,7 +442,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
     def _add_positions(self, inputs_embeds, position_ids):
         """(hidden states, rotary (cos, sin) or None): learned positions are added, RoPE is applied in attention."""
         if self.config.position_embedding_type != "learned":
-            return inputs_embeds, self.rotary_emb(inputs_embeds, position_ids)
+            return inputs_embeds, tuple(t[:, None] for t in self.rotary_emb(inputs_embeds, position_ids))  # per head
         if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"Position {int(position_ids.max())} is beyond max_position_embeddings="

@@ -97,7 +97,7 @@ class LoopFormerAttention(nn.Module):
         if config.position_embedding_type == "rope":
             self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
                                        is_neox_style=True,  # rotate_half, as the checkpoint's model
-                                       rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+                                       rope_parameters=config.rope_parameters)  # scaling, partial
         k = config.num_hidden_layers
         self.attn = nn.ModuleList(
             Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,

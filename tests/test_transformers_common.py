@@ -265,16 +265,16 @@ PRECISE_SKIPS = {
     "test_resize_position_vector_embeddings":
         "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
         "rows (as GPT-2's), RoPE has no table",
-    "test_model_rope_with_partial_rotation":
-        "gap: RoPE here reads only `rope_theta`, not transformers' `rope_parameters` (rope_type, "
-        "partial_rotary_factor), so a partial rotation cannot be configured",
-    "test_model_rope_scaling_frequencies":
-        "gap: RoPE here reads only `rope_theta`, not `rope_parameters`: no linear/dynamic/YaRN scaling",
-    "test_model_rope_scaling_from_config":
-        "gap: RoPE here reads only `rope_theta`, not `rope_parameters`: no linear/dynamic/YaRN scaling",
     "test_tp_plan_matches_params":
         "gap: the config has no `base_model_tp_plan`, so tensor-parallel loading (`tp_plan=\"auto\"`) is not supported",
 }
+
+
+# transformers' RoPE tests (`rope_parameters`: scaling types, partial rotation) on a model without RoPE
+LEARNED_POSITIONS_SKIPS = dict.fromkeys(
+    ("test_model_rope_with_partial_rotation", "test_model_rope_scaling_frequencies", "test_model_rope_scaling_from_config"),
+    "learned absolute positions (the authors' GPT-2 layout) have no RoPE; LoopFormerBaseLoopModelTest runs these tests "
+    "with RoPE")
 
 
 def skip_precisely(cls, reasons=PRECISE_SKIPS):
@@ -288,3 +288,4 @@ def skip_precisely(cls, reasons=PRECISE_SKIPS):
 for _cls in (LoopFormerModelTest, LoopFormerBaseLoopModelTest):  # each: the mixin copies its tests onto every subclass
     skip_precisely(_cls)
 del _cls  # a module-level TestCase name would be collected again
+skip_precisely(LoopFormerModelTest, LEARNED_POSITIONS_SKIPS)

@@ -258,3 +258,14 @@ for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
             "here can run it; its training backpropagates through only `n_backward` solver iterations per segment",
     })
 del _cls
+# transformers' RoPE tests that run a model on 10 and 1.5 × max_position_embeddings tokens
+for _cls in (FPRMModelTest, FPRMFixedInitModelTest):
+    skip_precisely(_cls, dict.fromkeys(
+        ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation"),
+        "a grid model reads exactly height × width tokens, and the test feeds 10 and 1.5 × max_position_embeddings; "
+        "tests/test_rope.py runs the same checks on a sequence FPRM with RoPE (test_model_rope_scaling_frequencies "
+        "runs here)"))
+del _cls  # a module-level TestCase name would be collected again
+skip_precisely(FPRMStateTrackingModelTest, dict.fromkeys(
+    ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation", "test_model_rope_scaling_frequencies"),
+    "learned absolute positions have no RoPE; FPRMModelTest runs the RoPE tests"))

@@ -38,6 +38,10 @@ VARIANTS = {
     # variant also takes one other code path of the vLLM model)
     "loopformer": dict(loop_conditioning="shortcut", num_hidden_layers=2, num_loops=3),
     "tmlt": dict(loop_conditioning="timestep", num_hidden_layers=2, num_loops=3, position_embedding_type="rope"),
+    # transformers' `rope_parameters` reach vLLM's own RoPE: linear scaling of half of each head
+    "tmlt_scaled_rope": dict(loop_conditioning="timestep", num_hidden_layers=2, num_loops=3,
+                             position_embedding_type="rope",
+                             rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
     "base_loop": dict(loop_conditioning="none", block_norm_weight=True, num_hidden_layers=2, num_loops=3,
                       hidden_act="swiglu"),
     "base": dict(loop_conditioning="none", block_norm_weight=True, num_hidden_layers=6, num_loops=1,
@@ -51,6 +55,7 @@ JOBS = {
     "lf_M2": ("loopformer", {"loop_budget": 2, "step_schedule": "uniform"}, (2, "uniform")),
     "lf_M3": ("loopformer", {"loop_budget": 3, "step_schedule": "uniform"}, (3, "uniform")),
     "tmlt_M2": ("tmlt", {"loop_budget": 2}, (2, "uniform")),
+    "tmlt_scaled_rope_M2": ("tmlt_scaled_rope", {"loop_budget": 2}, (2, "uniform")),
     "base_loop_M3": ("base_loop", {}, (3, "uniform")),
     "base_M1": ("base", {}, (1, "uniform")),
     # a repo in the authors' Hub layout (their config keys and weight names): translated on load, as by from_pretrained
