@@ -375,6 +375,19 @@ class LoopFormerConfig(PreTrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def base_model_tp_plan(self):
+        """Llama's tensor-parallel plan (`from_pretrained(..., tp_plan="auto")` under torchrun): attention heads and
+        MLP columns split across ranks (gate_proj: the SwiGLU MLP's), the adaLN modulation and the loop conditioning
+        replicated."""
+        plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                "layers.*.mlp.down_proj": "rowwise"}
+        if self.hidden_act != "swiglu":
+            del plan["layers.*.mlp.gate_proj"]
+        return plan
+
+    @property
     def rotary_dim(self):
         """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
         return int(self.head_dim * (getattr(self, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))

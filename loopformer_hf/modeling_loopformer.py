@@ -611,6 +611,7 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")  # what `fo
 
 class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # as Llama's (the blocks': LoopFormerConfig.base_model_tp_plan)
 
     def __init__(self, config: LoopFormerConfig):
         super().__init__(config)
@@ -648,8 +649,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
         output = LoopFormerCausalLMOutput(
-            loss=loss,
-            logits=logits,
+            loss=loss, logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             loop_counts=outputs.loop_counts,

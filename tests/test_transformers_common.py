@@ -265,8 +265,6 @@ PRECISE_SKIPS = {
     "test_resize_position_vector_embeddings":
         "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
         "rows (as GPT-2's), RoPE has no table",
-    "test_tp_plan_matches_params":
-        "gap: the config has no `base_model_tp_plan`, so tensor-parallel loading (`tp_plan=\"auto\"`) is not supported",
 }
 
 

@@ -256,6 +256,9 @@ for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
         "test_enable_input_require_grads_with_gradient_checkpointing":
             "FPRM does not support gradient checkpointing (`supports_gradient_checkpointing = False`), so no model "
             "here can run it; its training backpropagates through only `n_backward` solver iterations per segment",
+        "test_tp_plan_matches_params":
+            "FPRM has no tensor-parallel plan: its attention is one fused q/k/v projection, which transformers' "
+            "parallel styles cannot split by head (`packed_colwise` splits in two); LoopFormer has Llama's plan",
     })
 del _cls
 # transformers' RoPE tests that run a model on 10 and 1.5 × max_position_embeddings tokens
