@@ -50,6 +50,12 @@ CHOICE_FIELDS = {
 # Fields whose bound depends on another field; re-checked together whenever one of them is set.
 LOOP_BUDGET_FIELDS = ("num_loops", "default_loop_budget", "max_loop_budget_factor")
 
+# Llama's tensor-parallel plan (`from_pretrained(..., tp_plan="auto")` under torchrun): attention heads and MLP columns
+# split across ranks (gate_proj: the SwiGLU MLP's only), the adaLN modulation and the loop conditioning replicated
+TP_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+           "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+           "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+
 # Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
 _warned_trajectories = set()
 
@@ -327,6 +333,8 @@ class LoopFormerConfig(PreTrainedConfig):
         else:
             kwargs.pop("rope_theta", None)  # saved by earlier versions for every model; learned positions have none
         self.max_position_embeddings = max_position_embeddings
+        # an instance's plan (not saved: transformers leaves it out of config.json)
+        self.base_model_tp_plan = {k: v for k, v in TP_PLAN.items() if hidden_act == "swiglu" or "gate" not in k}
         self.rms_norm_eps = rms_norm_eps
         self.frequency_embedding_size = frequency_embedding_size
         self.max_period = max_period
@@ -373,19 +381,6 @@ class LoopFormerConfig(PreTrainedConfig):
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def base_model_tp_plan(self):
-        """Llama's tensor-parallel plan (`from_pretrained(..., tp_plan="auto")` under torchrun): attention heads and
-        MLP columns split across ranks (gate_proj: the SwiGLU MLP's), the adaLN modulation and the loop conditioning
-        replicated."""
-        plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-                "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-                "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
-                "layers.*.mlp.down_proj": "rowwise"}
-        if self.hidden_act != "swiglu":
-            del plan["layers.*.mlp.gate_proj"]
-        return plan
 
     @property
     def rotary_dim(self):
