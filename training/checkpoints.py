@@ -110,7 +110,7 @@ def load_model(model_class, checkpoint, **kwargs):
         model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True,
                                                   **kwargs)
     except (OSError, RuntimeError, ValueError) as err:  # a value the config's validation refuses, an unreadable file
-        raise CheckpointError(f"{weights} could not be loaded with {config_file}: {_first_line(err)}") from None
+        raise CheckpointError(f"{weights} could not be loaded with {config_file}: {first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     if mismatched := sorted(info.get("mismatched_keys") or []):
@@ -123,7 +123,8 @@ def load_model(model_class, checkpoint, **kwargs):
     return model
 
 
-def _first_line(err):
+def first_line(err):
+    """The first line of an exception's message, or its type name when the message is empty."""
     return (str(err).strip() or type(err).__name__).splitlines()[0]
 
 

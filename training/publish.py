@@ -69,7 +69,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
 
     # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
     # transformers' Trainer utilities (seconds)
-    from looped_training.checkpoints import CheckpointError, check_checkpoint, load_model
+    from looped_training.checkpoints import CheckpointError, check_checkpoint, first_line, load_model
 
     check_checkpoint(checkpoint)  # config.json parses, every safetensors file is complete
     kind = kind_of(json.loads((checkpoint / "config.json").read_text()).get("model_type"))
@@ -81,7 +81,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
             tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as err:  # tokenizers and transformers raise several types for a broken file
             raise CheckpointError(f"The tokenizer in {source} could not be loaded ({type(err).__name__}: "
-                                  f"{str(err).strip().splitlines()[0]}).") from None
+                                  f"{first_line(err)}).") from None
         tokenizer.save_pretrained(out_dir)
     elif kind["needs_tokenizer"]:
         raise ValueError(f"No tokenizer in {checkpoint} (looked for {', '.join(TOKENIZER_FILES)}); "
