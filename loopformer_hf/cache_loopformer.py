@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
 from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
-from .halting_loopformer import probe_slots
+from .halting_loopformer import PROBE_CRITERION, probe_slots, split_criterion
 
 
 logger = logging.get_logger(__name__)
@@ -50,11 +50,19 @@ class LoopFormerCacheSpec(NamedTuple):
     halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
     share_n: int | None = None  # cache_sharing="modulo": loop step i is stored in the slot of step i mod share_n
     halt_criterion: str | None = None  # only recorded with halt_eps: another criterion halts other tokens
+    # Per-row trajectories (`LoopFormerRows`): the largest budget, and `trajectory` is (). Their values stay on the
+    # plan, out of the spec, so that a compiled forward guards on the largest budget alone, not on the mix of rows.
+    row_steps: int | None = None
+
+    @property
+    def loop_steps(self):
+        """Loop steps a call runs: M, or the largest budget of per-row trajectories."""
+        return len(self.trajectory) if self.row_steps is None else self.row_steps
 
     @property
     def num_steps(self):
         """Loop-step slots per block that the cache stores."""
-        steps = len(self.trajectory) + probe_slots(self.halt_criterion)  # "probe_entropy": its step's own slots
+        steps = self.loop_steps + probe_slots(self.halt_criterion)  # "probe_entropy": its step's own slots
         return steps if self.share_n is None else min(steps, self.share_n)
 
     @property
@@ -62,19 +70,112 @@ class LoopFormerCacheSpec(NamedTuple):
         return self.num_steps * self.num_blocks
 
     def describe(self):
+        if self.row_steps is not None:
+            return f"per-row trajectories (largest loop budget {self.row_steps})"
         sharing = "" if self.share_n is None else f", cache shared modulo {self.share_n}"
         return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
 
 
+class LoopFormerRows:
+    """Per-row trajectories of one call: row b runs its own M_b steps Δ_1..Δ_{M_b}; the loop runs the largest budget
+    and a row's tokens freeze after its last step (as halted tokens do, `LoopFormerHaltingState`). A plain object,
+    not a tuple: a compiled forward guards only on the attributes it reads (the tensors), not on every value."""
+
+    def __init__(self, trajectories, budgets, steps):
+        # per row, Δ_1..Δ_{M_b} as plain floats: read in eager code only (a compiled forward would guard on them, one
+        # graph per mix of rows)
+        self.trajectories = trajectories
+        self.budgets = budgets  # (batch,) M_b
+        self.steps = steps  # (batch, largest budget) Δ in float64, 0 after a row's last step
+
+    @property
+    def num_steps(self):
+        return self.steps.shape[1]
+
+    @classmethod
+    def from_trajectories(cls, trajectories):
+        steps = torch.zeros(len(trajectories), max(map(len, trajectories)), dtype=torch.float64)
+        for b, trajectory in enumerate(trajectories):
+            steps[b, :len(trajectory)] = torch.tensor(trajectory, dtype=torch.float64)
+        return cls(tuple(trajectories), torch.tensor([len(t) for t in trajectories]), steps)
+
+
+def _rows_of(value, is_per_row):
+    """`value` as one value per row (a list), or None when it is one value for the whole batch."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.ndim == 1 and is_per_row(value) else None
+    return list(value) if isinstance(value, (list, tuple)) and is_per_row(value) else None
+
+
+def _per_row_budget(value):
+    return not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex())
+
+
+def _per_row_schedule(value):
+    """A list whose entries are schedules (None, a preset name, a list or a 1-D tensor), not step sizes."""
+    return not isinstance(value, torch.Tensor) and len(value) > 0 and all(
+        s is None or isinstance(s, (str, list, tuple)) or (isinstance(s, torch.Tensor) and s.ndim == 1) for s in value)
+
+
+def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
+    """The trajectories of a call whose `loop_budget` (a list or 1-D integer tensor) or `step_schedule` (a list of
+    schedules, None for a row's default) gives one value per row: a `LoopFormerRows`, or None when every knob is one
+    value for the batch. A wrong row is a `ValueError` naming it. Rows given as lists that all resolve to one
+    trajectory give that trajectory (a tuple): the batch then computes what a single budget computes. A tensor of
+    budgets always gives rows, so that a compiled forward does not switch paths with the values it holds."""
+    budgets = _rows_of(loop_budget, _per_row_budget)
+    schedules = _rows_of(step_schedule, _per_row_schedule)
+    if budgets is None and schedules is None:
+        return None
+    for name, values in (("loop_budget", budgets), ("step_schedule", schedules)):
+        if values is not None and batch_size is not None and len(values) != batch_size:
+            raise ValueError(f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
+                             f"give one value per row, or one value for the batch.")
+    rows = max(len(budgets or ()), len(schedules or ()))
+    trajectories = []
+    for b in range(rows):
+        budget = loop_budget if budgets is None else budgets[b]
+        schedule = step_schedule if schedules is None else schedules[b]
+        try:
+            trajectories.append(config.resolve_trajectory(budget, schedule))
+        except ValueError as error:
+            raise ValueError(f"Row {b} of the batch: {error}") from None
+    if len(set(trajectories)) == 1 and not isinstance(loop_budget, torch.Tensor):
+        return trajectories[0]
+    return LoopFormerRows.from_trajectories(trajectories)
+
+
+def max_loop_steps(config, loop_budget=None, step_schedule=None):
+    """Loop steps a call with these knobs runs (the largest per-row budget), for sizing a cache before the batch is
+    known."""
+    resolved = resolve_rows(config, loop_budget, step_schedule)
+    if resolved is None:
+        return len(config.resolve_trajectory(loop_budget, step_schedule))
+    return resolved.num_steps if isinstance(resolved, LoopFormerRows) else len(resolved)
+
+
+def _plain(value):
+    """`value` as a plain value that a later call's can be compared with, or `NotImplemented` if it is none (compared
+    by identity: a compiled forward traces this). A 1-D integer tensor (per-row budgets) stands as its shape: a
+    compiled forward guards on that, and its values are compared in eager code (`LoopFormerPlan.for_call`)."""
+    if value is None or type(value) in (int, float, str):
+        return value
+    if isinstance(value, torch.Tensor) and value.ndim == 1 and _per_row_budget(value):
+        return ("tensor", tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        items = tuple(_plain(v) for v in value)
+        return NotImplemented if any(item is NotImplemented for item in items) else items
+    return NotImplemented
+
+
 def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
     """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
-    can be compared with (None when a knob is not such a value, e.g. a tensor: that call resolves its own plan)."""
-    if step_schedule is not None and not isinstance(step_schedule, str):
-        if not isinstance(step_schedule, (list, tuple)) or not all(type(s) in (int, float) for s in step_schedule):
-            return None
-        step_schedule = tuple(step_schedule)
-    knobs = (loop_budget, halt_eps)
-    if not all(k is None or type(k) in (int, float) for k in knobs) or (
+    can be compared with (None when a knob is not such a value, e.g. a tensor schedule: that call resolves its own
+    plan)."""
+    loop_budget, step_schedule = _plain(loop_budget), _plain(step_schedule)
+    if loop_budget is NotImplemented or step_schedule is NotImplemented or isinstance(loop_budget, str):
+        return None
+    if not (halt_eps is None or type(halt_eps) in (int, float)) or (
             halt_criterion is not None and not isinstance(halt_criterion, str)):
         return None
     return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
@@ -84,31 +185,45 @@ def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
 
 class LoopFormerPlan(NamedTuple):
     """One forward call's loop, resolved and validated once: the call's knobs as given (`request`) and what they
-    resolve to, the trajectory and halting rule in `spec`. A cache keeps the plan of the calls that fill it
-    (`bind`), so the decode steps of a `generate` call reuse it instead of resolving the budget and schedule again."""
+    resolve to, the trajectory and halting rule in `spec` (and per-row trajectories in `rows`). A cache keeps the plan
+    of the calls that fill it (`bind`), so the decode steps of a `generate` call reuse it instead of resolving the
+    budget and schedule again."""
 
     request: tuple | None  # None: knobs that cannot be compared as values (e.g. a tensor schedule), never reused
     spec: LoopFormerCacheSpec
+    rows: LoopFormerRows | None = None  # per-row trajectories (`resolve_rows`)
 
     @classmethod
-    def for_call(cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None):
+    def for_call(cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
+                 batch_size=None):
         """The plan of a call with these knobs: the one `cache` holds if the call asks the same (a decode step of the
-        call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one)."""
+        call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one, or the row
+        of a bad per-row value)."""
         request = _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion)
         kept = getattr(cache, "plan", None)
-        if request is not None and kept is not None and kept.request == request:
+        if request is not None and kept is not None and kept.request == request and (
+                torch.compiler.is_compiling() or _same_budgets(kept, loop_budget)):
             return kept
-        trajectory = config.resolve_trajectory(loop_budget, step_schedule)
         halt_eps = check_halt_eps(halt_eps)
         halt_criterion = config.halt_criterion if halt_criterion is None else halt_criterion
         if halt_criterion not in HALT_CRITERIA:
             raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {halt_criterion!r}.")
         halting = halt_eps is not None
+        rows = _resolve_rows_eagerly(config, loop_budget, step_schedule, batch_size) if (
+            _gives_rows(loop_budget, step_schedule)) else None
+        if rows is None:
+            trajectory = config.resolve_trajectory(loop_budget, step_schedule)
+        elif not isinstance(rows, LoopFormerRows):
+            trajectory, rows = rows, None  # every row resolved to one trajectory
+        else:
+            trajectory = ()
+            _check_rows_supported(config, halt_criterion if halting else None)
         share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
         spec = LoopFormerCacheSpec(tuple(trajectory), config.num_hidden_layers, halt_eps,
                                    config.halt_kv_fill if halting else None, share_n,
-                                   halt_criterion if halting else None)
-        return cls(request, spec)
+                                   halt_criterion if halting else None,
+                                   None if rows is None else rows.num_steps)
+        return cls(request, spec, rows)
 
     @property
     def trajectory(self):
@@ -123,10 +238,43 @@ class LoopFormerPlan(NamedTuple):
         return self.spec.halt_criterion
 
 
+# Read outside a compiled graph: the per-row values become a plan whose spec holds only the largest budget, so a
+# compiled forward without a cache breaks its graph here once and guards on that budget, not on the rows' values.
+_resolve_rows_eagerly = torch.compiler.disable(resolve_rows)
+
+
+def _gives_rows(loop_budget, step_schedule):
+    """Whether a knob is given per row (by its type alone: no value is read)."""
+    return isinstance(loop_budget, (list, tuple)) or (isinstance(loop_budget, torch.Tensor) and loop_budget.ndim == 1) or (
+        isinstance(step_schedule, (list, tuple)) and _per_row_schedule(step_schedule))
+
+
+def _same_budgets(kept, loop_budget):
+    """Whether per-row budgets given as a tensor hold the values of the plan `kept` (compared by `request` otherwise)."""
+    if not isinstance(loop_budget, torch.Tensor):
+        return True
+    return kept.rows is not None and torch.equal(kept.rows.budgets, loop_budget.detach().cpu().long())
+
+
+def _check_rows_supported(config, halt_criterion):
+    """Refuse what per-row trajectories cannot run exactly: a shared cache slot holds several steps of a row, and an
+    exit or probe step's conditioning comes from one trajectory."""
+    if config.cache_sharing != "none":
+        raise ValueError(f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
+                         f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
+                         f"Use cache_sharing='none', or one budget for the batch.")
+    if halt_criterion is not None and (split_criterion(halt_criterion)[1] or halt_criterion == PROBE_CRITERION):
+        raise ValueError(f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
+                         f"or schedules take 'state_change', 'kl' or 'entropy' (or one budget for the batch).")
+
+
 def _mismatch_message(was, now):
-    if was is None:
+    """`was` and `now`: specs, or the `LoopFormerRows` of two per-row plans of one spec."""
+    if isinstance(now, LoopFormerRows):
+        was_text, now_text = (f"per-row trajectories {[list(t) for t in rows.trajectories]}" for rows in (was, now))
+    elif was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
-    elif was.trajectory == now.trajectory and was.share_n == now.share_n:
+    elif (was.trajectory, was.share_n, was.row_steps) == (now.trajectory, now.share_n, now.row_steps):
         was_text, now_text = (f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
                               + ("" if spec.halt_criterion in (None, "state_change") else
                                  f"; halt_criterion={spec.halt_criterion}") + ")" for spec in (was, now))
@@ -234,6 +382,11 @@ class LoopFormerCacheMixin:
             if self.spec is not None and not self._is_empty():
                 raise ValueError(_mismatch_message(self.spec, spec))
             self.spec, self.adaln_memo = spec, None
+        elif plan is not None and spec.row_steps is not None and plan is not self.plan and self.plan is not None and (
+                not torch.compiler.is_compiling() and plan.rows.trajectories != self.plan.rows.trajectories
+                and not self._is_empty()):
+            # per-row trajectories live on the plan (the spec holds the largest budget only)
+            raise ValueError(_mismatch_message(self.plan.rows, plan.rows))
         if plan is not None:
             self.plan = plan
         return self
@@ -426,4 +579,4 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
 
 
 __all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer",
-           "LoopFormerStaticCache"]
+           "LoopFormerRows", "LoopFormerStaticCache", "max_loop_steps", "resolve_rows"]

@@ -15,7 +15,7 @@ import torch
 from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
                                      UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
-from .cache_loopformer import LoopFormerCache
+from .cache_loopformer import LoopFormerCache, max_loop_steps
 from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
 from .halting_loopformer import probe_slots
 
@@ -122,7 +122,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
         `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
         (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        steps = len(self.config.resolve_trajectory(model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")))
+        steps = max_loop_steps(self.config, model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule"))
         rule = model_kwargs.get("halt_criterion") or self.config.halt_criterion  # "probe_entropy": its step's slots
         LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps + probe_slots(rule))
 

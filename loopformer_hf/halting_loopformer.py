@@ -126,6 +126,12 @@ class LoopFormerHaltingStep(NamedTuple):
         keys, values = self.active.gather_rows(keys), self.active.gather_rows(values)
         return keys, values, self.active.gather_mask(attention_mask, q_len, keys.shape[2])
 
+    def gather_adaln(self, vectors):
+        """Per-row adaLN vectors ((batch, 1, d), per-row trajectories) of the rows this step computes."""
+        if self.active is None:
+            return vectors
+        return tuple(v if v.dim() < 3 else self.active.gather_rows(v) for v in vectors)
+
     def merge(self, frozen, computed):
         """The block's output: `computed` for the tokens that ran, `frozen` (the input) for the halted ones."""
         if self.active is not None:
@@ -187,9 +193,12 @@ class LoopFormerHaltingState:
     `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
     (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
     thresholds (see `update`). Updated in place, one loop step at a time.
+
+    Per-row trajectories (`row_budgets`) freeze a row's tokens after its own last step the same way, with or without
+    `halt_eps` (None: only the budgets halt).
     """
 
-    halt_eps: float
+    halt_eps: float | None
     reuse_kv: bool  # halt_kv_fill == "reuse": skipped slots repeat the token's last computed keys/values
     active: torch.BoolTensor  # (batch, seq)
     num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
@@ -211,10 +220,17 @@ class LoopFormerHaltingState:
     num_steps: int = 0  # the call's budget M
     probe: bool = False  # "probe_entropy"
     probe_states: torch.Tensor | None = None  # the one-step trajectory's output, kept by the tokens sure of it
+    row_budgets: torch.LongTensor | None = None  # (batch,) per-row budgets M_b
+    # the same as plain ints in eager code, which counts the active tokens without a device sync; None in a compiled
+    # forward, which reads no value of the rows and computes every token (`num_active` is then None after step 1)
+    row_steps: tuple | None = None
 
     @classmethod
-    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None):
+    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None, rows=None):
+        """The state before step 1; `rows` (a `LoopFormerRows`) halts each row after its own budget."""
         batch_seq, device = hidden_states.shape[:2], hidden_states.device
+        if halt_eps is None:  # per-row budgets alone: no score
+            criterion = "state_change"
         score, shortcut_exit = split_criterion(criterion)
         if score != "state_change" and readout is None:
             raise ValueError(
@@ -232,10 +248,15 @@ class LoopFormerHaltingState:
             raise ValueError(f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
                              f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'.")
         # the probe's tokens are frozen at the embeddings through the loop: their slots repeat the probe's keys/values
-        return cls(halt_eps, config.halt_kv_fill == "reuse" or probe,
-                   torch.ones(batch_seq, dtype=torch.bool, device=device), batch_seq.numel(),
-                   [None] * config.num_hidden_layers, score, readout,
-                   readout(hidden_states) if score == "kl" else None, shortcut_exit=shortcut_exit, probe=probe)
+        state = cls(halt_eps, config.halt_kv_fill == "reuse" or probe,
+                    torch.ones(batch_seq, dtype=torch.bool, device=device), batch_seq.numel(),
+                    [None] * config.num_hidden_layers, score, readout,
+                    readout(hidden_states) if score == "kl" and halt_eps is not None else None,
+                    shortcut_exit=shortcut_exit, probe=probe)
+        if rows is not None:
+            state.num_steps, state.row_budgets = rows.num_steps, rows.budgets.to(device)
+            state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
+        return state
 
     def prepare_exits(self, model, trajectory, loop_adaln, cache):
         """Before the loop: with a "_shortcut" rule, the exit steps' adaLN vectors of `trajectory` (computed once per
@@ -297,7 +318,7 @@ class LoopFormerHaltingState:
         return counts if self.partial_counts is None else counts + self.partial_counts
 
     def all_active(self):
-        return self.num_active == self.active.numel()
+        return self.num_active == self.active.numel()  # False for an unknown count (None)
 
     def halted(self):
         """(batch, seq) bool mask of frozen tokens, or None while every token is active."""
@@ -310,7 +331,8 @@ class LoopFormerHaltingState:
         """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
         (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
         halted = self.halted()
-        if halted is None or not gather or self.exiting is not None:  # an exit step's adaLN is per token: dense
+        if halted is None or not gather or self.exiting is not None or self.num_active is None:
+            # an exit step's adaLN is per token, and a compiled forward reads no count: dense
             return halted, None
         return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
 
@@ -329,6 +351,8 @@ class LoopFormerHaltingState:
         a token whose score falls does not freeze yet: it takes one exit step (Δ = 1 − t) at the next step, then
         freezes (`_shortcut_update`)."""
         self.step += 1
+        if self.row_budgets is not None:
+            return self._row_update(previous, hidden_states, final)
         if final or self.probe:  # the probe's unsure tokens run the whole budget
             self._count_step()
             return self
@@ -345,6 +369,23 @@ class LoopFormerHaltingState:
             still &= self.active
         self.active = still
         self.num_active = int(still.sum())  # one sync per step
+        return self
+
+    def _row_update(self, previous, hidden_states, final):
+        """`update` under per-row budgets: the rows whose last step this was stop, and with `halt_eps` the tokens
+        whose score fell below it."""
+        if self.halt_eps is not None:  # the counts are only returned with halt_eps
+            self._count_step()
+        still = self.active & (self.row_budgets > self.step)[:, None]
+        if self.halt_eps is not None and not final:
+            still &= ~(self._score(previous, hidden_states) < self.halt_eps)  # a NaN score keeps looping
+        self.active = still
+        if self.halt_eps is not None:
+            self.num_active = int(still.sum())  # one sync per step, as for halting alone
+        elif self.row_steps is not None:  # counted in Python: whole rows stop
+            self.num_active = self.active.shape[1] * sum(m > self.step for m in self.row_steps)
+        else:
+            self.num_active = None
         return self
 
     def _score(self, previous, hidden_states):
@@ -396,7 +437,7 @@ class LoopFormerHaltingState:
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
         if cache is None:
             return
-        steps = range(first_step, len(cache.spec.trajectory))
+        steps = range(first_step, cache.spec.loop_steps)
         for j, block in enumerate(blocks):
             if self.reuse_kv:
                 per_step = [self.last_kv[j]] * len(steps)

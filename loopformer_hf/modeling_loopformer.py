@@ -246,11 +246,20 @@ class LoopFormerLoopConditioning(nn.Module):
             self.dt_embedder = LoopFormerTimestepEmbedder(config)
 
     def forward(self, trajectory, device, dtype):
-        """(M, d) conditioning vectors (in `dtype`) for the step sizes `trajectory`, or None without conditioning."""
+        """(M, d) conditioning vectors (in `dtype`) for the step sizes `trajectory`, or None without conditioning.
+        Per-row trajectories, `trajectory` a (batch, M) tensor of step sizes (0 after a row's last step): (batch, M, d)
+        for "shortcut"; "timestep" gives (M, d), the loop index being every row's own."""
         if self.mode == "none":
             return None
+        per_row = isinstance(trajectory, torch.Tensor)
         if self.mode == "timestep":
-            return self.time_embedder(torch.arange(len(trajectory), device=device, dtype=torch.float32), dtype)
+            steps = trajectory.shape[-1] if per_row else len(trajectory)
+            return self.time_embedder(torch.arange(steps, device=device, dtype=torch.float32), dtype)
+        if per_row:
+            dt = trajectory.to(device=device, dtype=torch.float64)
+            t = torch.cumsum(dt, -1) - dt  # each row's time at the start of each of its steps
+            c = self.time_embedder(t.flatten().float(), dtype) + self.dt_embedder(dt.flatten().float(), dtype)
+            return c.view(*dt.shape, -1)
         dt = torch.tensor(trajectory, device=device, dtype=torch.float64)
         t = torch.cumsum(dt, 0) - dt  # time at the start of each step
         return self.time_embedder(t.float(), dtype) + self.dt_embedder(dt.float(), dtype)
@@ -306,6 +315,8 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         residual = hidden_states
         if halting is not None:
             hidden_states = halting.gather(hidden_states)
+            if adaln is not None:  # per-row vectors: those of the rows computed
+                gate_attn, gate_mlp, weight_mlp = halting.gather_adaln((gate_attn, gate_mlp, weight_mlp))
         # x + gate·f(x) as one addcmul
         hidden_states = hidden_states + attn_out if adaln is None else hidden_states.addcmul(gate_attn, attn_out)
         mlp_out = self.mlp(self.post_attention_layernorm(hidden_states, weight_mlp))
@@ -450,20 +461,28 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             )
         return inputs_embeds + self.embed_positions(position_ids), None
 
-    def _loop_adaln(self, trajectory, dtype, device, cache):
-        """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning). They depend on
-        the trajectory alone (c_i is a function of t and Δ), so they are computed once per call, for all steps at
-        once, and kept on the cache (`adaln_memo`) for the later decode steps of an inference run."""
+    def _loop_adaln(self, plan, dtype, device, cache):
+        """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning); with per-row
+        trajectories (`plan.rows`) each is (batch, 1, d), row b's of its step i. They depend on the trajectory alone
+        (c_i is a function of t and Δ), so they are computed once per call, for all steps at once, and kept on the
+        cache (`adaln_memo`) for the later decode steps of an inference run."""
         keep = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        key = (tuple(trajectory), dtype, str(device))
+        rows = plan.rows
+        # read only in eager code: a compiled forward would guard on the rows' values
+        key = (plan.trajectory if rows is None else rows.trajectories, dtype, str(device)) if keep else None
         kept = cache.kept_adaln(key) if keep else None
         if kept is not None:
             return kept
-        conditioning = self.loop_conditioning(trajectory, device, dtype)
+        conditioning = self.loop_conditioning(plan.trajectory if rows is None else rows.steps, device, dtype)
         loop_adaln = None
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
-            loop_adaln = [[tuple(v[i] for v in vectors) for i in range(len(trajectory))] for vectors in per_block]
+            if conditioning.dim() == 3:  # per row: (batch, 1, d) for each step
+                loop_adaln = [[tuple(v[:, i, None] for v in vectors) for i in range(rows.num_steps)]
+                              for vectors in per_block]
+            else:
+                loop_adaln = [[tuple(v[i] for v in vectors) for i in range(plan.spec.loop_steps)]
+                              for vectors in per_block]
         if keep:
             cache.keep_adaln(key, loop_adaln)
         return loop_adaln
@@ -518,34 +537,37 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
               output_hidden_states):
         """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
         the halting state or None)."""
-        trajectory, halting = plan.trajectory, None
-        if plan.halt_eps is not None:
+        trajectory, num_steps, halting = plan.trajectory, plan.spec.loop_steps, None
+        if plan.halt_eps is not None or plan.rows is not None:  # per-row budgets halt a row after its last step
             readout = None if halt_head is None else (
                 lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
             halting = LoopFormerHaltingState.start(plan.halt_eps, self.config, hidden_states, plan.halt_criterion,
-                                                   readout)
+                                                   readout, plan.rows)
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
-        # positional tensors. At inference they are computed once for every step (and kept on the cache).
+        # positional tensors. At inference (and for per-row trajectories) they are computed once for every step (and
+        # kept on the cache).
         dtype, device = hidden_states.dtype, hidden_states.device
-        conditioning = self.loop_conditioning(trajectory, device, dtype) if torch.is_grad_enabled() else None
+        conditioning = None
+        if torch.is_grad_enabled() and plan.rows is None:
+            conditioning = self.loop_conditioning(trajectory, device, dtype)
         loop_adaln = None
         if conditioning is None or halting is not None:  # halting fills skipped slots from the per-block vectors
-            loop_adaln = self._loop_adaln(trajectory, dtype, device, cache)
-        if halting is not None:
+            loop_adaln = self._loop_adaln(plan, dtype, device, cache)
+        if halting is not None and plan.rows is None:
             halting.prepare_exits(self, trajectory, loop_adaln, cache)
             hidden_states = halting.run_probe(self.layers, hidden_states, mask, position_embeddings, cache)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        for step in range(len(trajectory)):
+        for step in range(num_steps):
             if halting is not None and halting.all_halted():  # no block runs any more
                 halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
                 if output_hidden_states:
-                    all_hidden_states += (hidden_states,) * (len(trajectory) - step)
+                    all_hidden_states += (hidden_states,) * (num_steps - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
                 step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                output_attentions, final=step == len(trajectory) - 1,
+                output_attentions, final=step == num_steps - 1,
             )
             if output_attentions:
                 all_attentions += attentions
@@ -561,9 +583,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 use_cache=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
                 halt_head=None, **kwargs: Unpack[TransformersKwargs]):
         r"""
-        loop_budget (`int`, *optional*): number of loop steps M (defaults to the config's).
+        loop_budget (`int`, list of `int` or 1-D integer tensor, *optional*): number of loop steps M (defaults to the
+            config's), or one per row: the loop runs the largest, and a row's tokens freeze after its own last step.
         step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
-            ("uniform", "coarse_to_fine", "fine_to_coarse").
+            ("uniform", "coarse_to_fine", "fine_to_coarse"); or a list of one per row (`None`: that row's default).
         halt_eps (`float`, *optional*): adaptive depth per token: a token stops looping once its `halt_criterion`
             score falls below halt_eps, never beyond the budget; `loop_counts` reports the steps. Halted tokens are
             left out of the later steps' computation (their keys and values are still filled).
@@ -581,8 +604,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             for name in ("output_attentions", "output_hidden_states"))
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
-        plan = LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
+        plan = LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion,
+                                       batch_size=inputs_embeds.shape[0])
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
         # checkpointing in training uses none: recomputed blocks would write it twice).
         checkpointing = self.gradient_checkpointing and self.training
@@ -594,7 +618,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states)
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
-            loop_counts=None if halting is None else halting.loop_counts, **{CACHE_FIELD: cache},
+            loop_counts=None if plan.halt_eps is None else halting.loop_counts, **{CACHE_FIELD: cache},
         )
         return as_requested(output, kwargs.get("return_dict"), self.config)
 

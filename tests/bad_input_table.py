@@ -91,6 +91,15 @@ def fprm(**overrides):
 
 
 IDS = torch.tensor([[3, 4, 5]])
+IDS2 = IDS.repeat(2, 1)  # a batch of two rows, for per-row knobs
+
+
+def modulo_loopformer():
+    from loopformer_hf import LoopFormerForCausalLM
+
+    return LoopFormerForCausalLM(loopformer_config(cache_sharing="modulo")).eval()
+
+
 GRID = torch.zeros(1, 16, dtype=torch.long)
 
 
@@ -275,6 +284,24 @@ CASES = [
          ValueError, r"must sum to 1"),
     Case(f"{LF} forward", "step_schedule='bogus'", lambda t: loopformer()(IDS, step_schedule="bogus"), ValueError,
          r"step_schedule.*got 'bogus'"),
+    # per-row knobs (tests/test_loopformer_per_row_budget.py), on a batch of two rows
+    Case(f"{LF} forward", "loop_budget=[1, 2, 4] for a batch of 2", lambda t: loopformer()(IDS2, loop_budget=[1, 2, 4]),
+         ValueError, r"`loop_budget` gives 3 values, one per row, but the batch has 2 rows"),
+    Case(f"{LF} forward", "loop_budget=torch.tensor([2, 0])", lambda t: loopformer()(IDS2, loop_budget=torch.tensor([2, 0])),
+         ValueError, r"Row 1 of the batch: `loop_budget` must be an integer >= 1, got 0"),
+    Case(f"{LF} forward", "loop_budget=[2, 10**6]", lambda t: loopformer()(IDS2, loop_budget=[2, 10**6]), ValueError,
+         r"Row 1 of the batch: `loop_budget`=1000000 exceeds the largest loop budget"),
+    Case(f"{LF} forward", "step_schedule=[None, [0.5, 0.4]]",
+         lambda t: loopformer()(IDS2, step_schedule=[None, [0.5, 0.4]]), ValueError, r"Row 1 of the batch: .*must sum to 1"),
+    Case(f"{LF} forward", "step_schedule=[[0.5, 0.5], None] with loop_budget=3",
+         lambda t: loopformer()(IDS2, loop_budget=3, step_schedule=[[0.5, 0.5], None]), ValueError,
+         r"Row 0 of the batch: `loop_budget`=3 disagrees with `step_schedule` of length 2"),
+    Case(f"{LF} forward", "loop_budget=[1, 2], halt_eps=0.1, halt_criterion='kl_shortcut'",
+         lambda t: loopformer()(IDS2, loop_budget=[1, 2], halt_eps=0.1, halt_criterion="kl_shortcut"), ValueError,
+         r"halt_criterion='kl_shortcut' runs an exit step of one trajectory; per-row"),
+    Case(f"{LF} forward", "loop_budget=[1, 2] with cache_sharing='modulo'",
+         lambda t: modulo_loopformer()(IDS2, loop_budget=[1, 2]), ValueError,
+         r"Per-row loop budgets or schedules need a slot per \(loop step, block\).*cache_sharing='modulo'"),
     Case(f"{LF} forward", "halt_eps=0", lambda t: loopformer()(IDS, halt_eps=0), ValueError,
          r"halt_eps.*positive finite float, got 0"),
     Case(f"{LF} forward", "labels=..., short_step_schedule=[0.5, 0.5] (the former separate objective arguments)",

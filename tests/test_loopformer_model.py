@@ -272,7 +272,7 @@ def test_presets_are_valid_trajectories(budget, preset):
         assert all(abs(s * 4 - round(s * 4)) < 1e-9 for s in steps)
 
 
-BAD_BUDGETS = [0, -1, 2.0, 1.5, True, float("nan"), "3", [2], None.__class__]
+BAD_BUDGETS = [0, -1, 2.0, 1.5, True, float("nan"), "3", {2}, None.__class__]  # a list gives one budget per row
 
 
 @pytest.mark.parametrize("budget", BAD_BUDGETS)
