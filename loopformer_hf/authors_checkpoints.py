@@ -1,30 +1,55 @@
 """The authors' published checkpoints (armenjeddi/LoopFormer-*, Base-Loop-*) loaded into this package's classes.
 
-Their Hub repos were written by their own wrapper around the GitHub `GPT` (models/loopformer.py and siblings) and are
-read back by its `GPT.from_pretrained`; the layout below is rebuilt from that loader (the Hub files themselves could
-not be reached from the machine this was written on):
+What is known of the published files (public traces of armenjeddi/LoopFormer-3block-8iterations at 2b4fbaa; the Hub
+cannot be reached from where this was written): config.json of 296 bytes with `architectures`
+["LoopFormerGPTForCausalLM"], `auto_map` (their custom code), `dtype`, `model_type` ("loopformer"; the Base-Loop repos
+"base_loop" and "base_loop_ee") and `transformers_version`, and no sizes: those come from the defaults of the
+configuration class in the repo's own code. model.safetensors holds 29 bf16 tensors named as their GitHub `GPT`'s
+state dict under a `gpt.` prefix, the tied head stored once as `transformer.wte.weight`; GPT-2's tokenizer files.
+What is inferred: which keys the 1- and 2-block repos state (most likely `n_layer`, perhaps `steps`).
 
-- config.json: `model_type` (loopformer, tmlt, base_loop, base_loop_ee, …), nanoGPT keys or their GPT-2 aliases
-  (`n_embd`/`hidden_size`, `n_layer`/`num_hidden_layers`, `n_head`/`num_attention_heads`, `block_size`/
-  `n_positions`/`max_position_embeddings`, `intermediate_dim`/`n_inner` (default 4·n_embd), `dropout`/`resid_pdrop`,
-  `bias`) and `steps`: LoopFormer's default trajectory (step sizes summing to 1) or Base-Loop's loop count;
-  their forward's default (`[1/8]*8`, 8) when absent.
-- weights: their `GPT`'s state-dict names under a wrapper prefix (`gpt.`, `model.`, `module.`, stripped as their
-  loader strips them), the tied head saved only as `transformer.wte.weight`.
+So a value is taken, in order, from what the files determine (`resolve_config`):
 
-`LoopFormerConfig.from_dict` translates such a config (`translate_config`), and `from_pretrained` maps the weights
-through `convert_reference.map_reference_state_dict`, which names every key it cannot map or the model misses in one
-`ValueError`: a repo in their layout never loads as a randomly initialised model.
+1. the weights: vocabulary, width, block count, FFN width, context, biases, the model family and the sinusoid
+   width, read from the safetensors header (or its shard index), never by reading the tensors;
+2. config.json, where it states a value (nanoGPT keys or the GPT-2 aliases their loader accepts);
+3. the defaults of the configuration class named in `auto_map`, its source read as text and parsed, never executed;
+4. the repo's name ("…-2block-12iterations") for the loop count only;
+5. their GitHub `GPTConfig` defaults (32 heads, `steps=[1/8]*8`).
+
+A value a later source states that the weights contradict is a `ValueError` naming both; the attention-head count and
+the trajectory, which no tensor shape gives, are recorded in `config.authors_config_sources` and logged once.
+
+The weights are then read by transformers' own `from_pretrained` (sharding, dtype, `device_map`, quantisation, the
+missing/unexpected-key report) through a checkpoint conversion mapping (`WeightRenaming`, and a `WeightConverter`
+with `Chunk` for the fused `c_attn`), registered for the class `LoopFormerGPTForCausalLM` that exists only while
+loading: the loaded model is a `LoopFormerForCausalLM`, so `save_pretrained` writes this package's layout. A key
+left unmapped or a parameter left unfilled is refused, never initialised at random.
 """
 
+import ast
 import json
+import math
 import os
+import re
 
 import torch
+from transformers.utils import cached_file, logging
 
-from .convert_reference import MODEL_TYPES, map_reference_state_dict
+logger = logging.get_logger(__name__)
 
-
+# the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list); the early-exit
+# variants (the Hub's Base-Loop-EE) are trained differently but hold the weights of their looped model
+MODEL_TYPES = {
+    "loopformer": ("shortcut", False, False),
+    "tmlt": ("timestep", False, False),
+    "tmlt_ee": ("timestep", False, False),
+    "base_loop": ("none", True, False),
+    "base_loop_ee": ("none", True, False),
+    "base": ("none", True, True),
+}
+# the class name their config.json's `architectures` gives (their remote code's causal LM)
+ARCHITECTURE = "LoopFormerGPTForCausalLM"
 # Fields only this package's configs carry: a config.json with any of them is ours, not the authors'.
 OWN_CONFIG_KEYS = ("num_loops", "loop_conditioning")
 # nanoGPT name -> the names their loader also accepts, in its order of preference (`_get` in GPT.from_pretrained).
@@ -37,15 +62,21 @@ REFERENCE_CONFIG_KEYS = {
     "dropout": ("dropout", "resid_pdrop"),
     "bias": ("bias",),
     "intermediate_dim": ("intermediate_dim", "n_inner"),
+    "steps": ("steps",),
 }
-REQUIRED_REFERENCE_KEYS = ("vocab_size", "n_layer", "n_head", "n_embd")
-DEFAULT_BLOCK_SIZE = 1024  # their GPTConfig's
-DEFAULT_STEPS = 8  # their forward's default: steps=[1/8]*8 (LoopFormer) or steps=8 (TMLT, Base-Loop)
+# their GitHub GPTConfig (models/{loopformer,tmlt,base_loop,base}.py) and their forward's default `steps`
+GITHUB_DEFAULTS = dict(block_size=1024, vocab_size=50304, n_layer=3, n_head=32, n_embd=2048, dropout=0.0, bias=False,
+                       intermediate_dim=5120)
+GITHUB_STEPS = {"loopformer": [1 / 8] * 8}  # list of Δ for LoopFormer; the others take an integer count
+GITHUB_STEP_COUNT = 8
+GITHUB = "their GitHub GPTConfig's default"
 WRAPPER_PREFIXES = ("gpt.", "model.", "module.")  # their loader's `_strip_prefixes`
 # their GPT's modules; `lm_head.` is both theirs and ours, so it decides nothing
 REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+REPO_NAME = re.compile(r"(\d+)\s*blocks?-(\d+)\s*iterations?", re.IGNORECASE)
+SUM_TOLERANCE = 1e-6
 
 
 def is_reference_config(config_dict):
@@ -53,70 +84,15 @@ def is_reference_config(config_dict):
     return config_dict.get("model_type") in MODEL_TYPES and not any(key in config_dict for key in OWN_CONFIG_KEYS)
 
 
-def _reference_value(config_dict, name):
+# ---- what the files say ----------------------------------------------------------------------------------------------
+
+
+def _stated(values, name):
+    """The value a dict of their keys states for the nanoGPT field `name` (its aliases included), or None."""
     for key in REFERENCE_CONFIG_KEYS[name]:
-        if config_dict.get(key) is not None:
-            return config_dict[key]
+        if values.get(key) is not None:
+            return values[key]
     return None
-
-
-def _trajectory(steps, model_type):
-    """(L, default step schedule) from their `steps`: a list of step sizes, or a loop count."""
-    if steps is None:
-        return DEFAULT_STEPS, "uniform"
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
-        return steps, "uniform"
-    if isinstance(steps, (list, tuple)) and steps:
-        if len({round(float(s), 9) for s in steps}) == 1:
-            return len(steps), "uniform"
-        if model_type != "loopformer":
-            raise ValueError(f"`steps`={steps!r}: a {model_type!r} model only counts its loop steps; unequal step "
-                             "sizes need model_type 'loopformer'.")
-        return len(steps), [float(s) for s in steps]
-    raise ValueError(f"`steps` must be a loop count >= 1 or a list of step sizes summing to 1, got {steps!r}.")
-
-
-def translate_config(config_dict):
-    """`LoopFormerConfig` keyword arguments for a config.json in the authors' layout (`is_reference_config`)."""
-    model_type = config_dict["model_type"]
-    values = {name: _reference_value(config_dict, name) for name in REFERENCE_CONFIG_KEYS}
-    missing = [name for name in REQUIRED_REFERENCE_KEYS if values[name] is None]
-    if missing:
-        raise ValueError(
-            f"config.json claims model_type {model_type!r} but is neither this package's layout (no "
-            f"{' / '.join(OWN_CONFIG_KEYS)}) nor the authors' (no "
-            f"{', '.join(' / '.join(REFERENCE_CONFIG_KEYS[name]) for name in missing)}); its keys are "
-            f"{sorted(config_dict)}."
-        )
-    loop_conditioning, block_norm_weight, plain_list = MODEL_TYPES[model_type]
-    num_loops, schedule = (1, "uniform") if plain_list else _trajectory(config_dict.get("steps"), model_type)
-    n_embd, bias = int(values["n_embd"]), bool(values["bias"] or False)
-    return dict(
-        vocab_size=int(values["vocab_size"]),
-        hidden_size=n_embd,
-        num_attention_heads=int(values["n_head"]),
-        intermediate_size=int(values["intermediate_dim"] or 4 * n_embd),
-        num_hidden_layers=int(values["n_layer"]),
-        num_loops=num_loops,
-        default_step_schedule=schedule,
-        loop_conditioning=loop_conditioning,
-        block_norm_weight=block_norm_weight,
-        hidden_act="gelu",
-        position_embedding_type="learned",
-        max_position_embeddings=int(values["block_size"] or DEFAULT_BLOCK_SIZE),
-        tie_word_embeddings=True,
-        rms_norm_eps=None,  # torch's default, as their nn.RMSNorm
-        attention_bias=bias,
-        mlp_bias=bias,
-        attention_dropout=float(values["dropout"] or 0.0),
-        architectures=["LoopFormerForCausalLM"],  # the class that now holds the weights (vLLM resolves by it)
-        bos_token_id=config_dict.get("bos_token_id"),
-        eos_token_id=config_dict.get("eos_token_id"),
-        pad_token_id=config_dict.get("pad_token_id"),
-    )
-
-
-# ---- weights -------------------------------------------------------------------------------------------------------
 
 
 def strip_wrapper_prefixes(state_dict):
@@ -133,30 +109,212 @@ def strip_wrapper_prefixes(state_dict):
     return out
 
 
-def reference_model_type(config, keys):
-    """The reference file a model of `config` comes from, as `MODEL_TYPES` names it (blocks in a plain list: base)."""
-    if config.loop_conditioning == "shortcut":
+def weight_family(names):
+    """The reference model type whose modules the weight names hold, or None when they hold none of theirs."""
+    if any(name.startswith("dt_embedder.") for name in names):
         return "loopformer"
-    if config.loop_conditioning == "timestep":
+    if any(name.startswith("time_embedder.") for name in names):
         return "tmlt"
-    return "base" if any(k.startswith("transformer.h.") and not k.startswith("transformer.h.blocks.")
-                         for k in keys) else "base_loop"
+    if any(name.startswith("transformer.h.blocks.") for name in names):
+        return "base_loop"
+    if any(re.match(r"transformer\.h\.\d+\.", name) for name in names):
+        return "base"
+    return None
 
 
-def is_reference_weight_name(name):
-    """True for a tensor name of their `GPT` (after the wrapper prefixes), never for one of ours (`model.…`)."""
-    return next(iter(strip_wrapper_prefixes({name: None}))).startswith(REFERENCE_WEIGHT_ROOTS)
+def weight_values(shapes):
+    """{nanoGPT field: (value, what in the weights shows it)} of the fields tensor shapes determine; `shapes` maps
+    the prefix-stripped names to shapes."""
+    found = {}
+
+    def shown_by(name, dim, field):
+        if name in shapes:
+            found[field] = (shapes[name][dim], f"{name} has shape {tuple(shapes[name])}")
+
+    embedding = "transformer.wte.weight" if "transformer.wte.weight" in shapes else "lm_head.weight"
+    shown_by(embedding, 0, "vocab_size")
+    shown_by(embedding, 1, "n_embd")
+    shown_by("transformer.wpe.weight", 0, "block_size")
+    blocks = sorted({int(m.group(2)) for name in shapes if (m := re.match(r"(transformer\.h\.(?:blocks\.)?)(\d+)\.",
+                                                                           name))})
+    if blocks:
+        block = next(m.group(1) for name in shapes if (m := re.match(r"(transformer\.h\.(?:blocks\.)?)\d+\.", name)))
+        found["n_layer"] = (len(blocks), f"they hold {block}{{{', '.join(map(str, blocks))}}}")
+        shown_by(f"{block}{blocks[0]}.mlp.c_fc.weight", 0, "intermediate_dim")
+        bias = f"{block}{blocks[0]}.attn.c_attn.bias"
+        found["bias"] = (bias in shapes, f"{bias} is {'present' if bias in shapes else 'absent'}")
+    for embedder in ("time_embedder", "dt_embedder"):
+        shown_by(f"{embedder}.mlp.0.weight", 1, "frequency_embedding_size")
+    return found
 
 
-def mapped_reference_state_dict(state_dict, config):
-    """Their state dict (wrapper prefixes allowed) under our names, every key checked (`map_reference_state_dict`)."""
-    reference = strip_wrapper_prefixes(state_dict)
-    return map_reference_state_dict(reference, config, reference_model_type(config, reference))
+def _constant(node):
+    """The value of a constant expression in parsed source (literals, lists, + - * / of them), or raise ValueError:
+    defaults such as `steps=[1/8]*8` are read without executing anything."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_constant(item) for item in node.elts]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _constant(node.operand)
+        return -value if isinstance(node.op, ast.USub) else +value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        left, right = _constant(node.left), _constant(node.right)
+        operators = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+                     ast.Div: lambda a, b: a / b}
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+            return left * min(right, 4096)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
+            return operators[type(node.op)](left, right)
+    raise ValueError("not a constant")
+
+
+def source_defaults(text, class_name):
+    """{name: default} of the configuration class `class_name` in Python source `text`: its `__init__` keyword
+    defaults and class-level assignments, its bases in the same file first. Parsed with `ast`, never executed."""
+    classes = {node.name: node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ClassDef)}
+
+    def defaults_of(name, seen):
+        node = classes.get(name)
+        if node is None or name in seen:
+            return {}
+        found = {}
+        for base in node.bases:
+            if isinstance(base, ast.Name):
+                found.update(defaults_of(base.id, seen | {name}))
+        for statement in node.body:
+            pairs = []
+            if isinstance(statement, ast.Assign):
+                pairs = [(t.id, statement.value) for t in statement.targets if isinstance(t, ast.Name)]
+            elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) and statement.value:
+                pairs = [(statement.target.id, statement.value)]
+            elif isinstance(statement, ast.FunctionDef) and statement.name == "__init__":
+                args = statement.args
+                positional = args.posonlyargs + args.args
+                pairs = list(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
+                pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for key, value in pairs:
+                try:
+                    found[key] = _constant(value)
+                except ValueError:
+                    found.pop(key, None)  # a default computed at run time states nothing we can read
+        return found
+
+    return defaults_of(class_name, frozenset())
+
+
+def _trajectory(steps, model_type, source):
+    """(L, default step schedule) from their `steps`: a list of step sizes, or a loop count. LoopFormer's step sizes
+    must sum to 1 (their forward would end below t = 1, a trajectory it never trained): refused, never renormalised."""
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+        return steps, "uniform"
+    if isinstance(steps, (list, tuple)) and steps and all(
+            isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 for s in steps):
+        if model_type != "loopformer":  # TMLT and Base-Loop count their steps; their sizes change nothing
+            if len({round(float(s), 9) for s in steps}) > 1:
+                raise ValueError(f"`steps`={steps!r} ({source}): a {model_type!r} model only counts its loop steps; "
+                                 "unequal step sizes need model_type 'loopformer'.")
+            return len(steps), "uniform"
+        total = math.fsum(steps)
+        if abs(total - 1.0) > SUM_TOLERANCE:
+            raise ValueError(
+                f"`steps`={list(steps)!r} ({source}) sum to {total!r}, not 1: LoopFormer's time t runs from 0 to 1, "
+                f"and this trajectory would stop at t={total!r}. Nothing was loaded; give step sizes summing to 1 "
+                f"(e.g. [{1 / len(steps)!r}] * {len(steps)})."
+            )
+        if len({round(float(s), 9) for s in steps}) == 1:
+            return len(steps), "uniform"
+        return len(steps), [float(s) for s in steps]
+    raise ValueError(f"`steps` ({source}) must be a loop count >= 1 or a list of positive step sizes summing to 1, "
+                     f"got {steps!r}.")
+
+
+def resolve_config(config_dict, shapes=None, code_defaults=None, code_source=None, name_or_path=None):
+    """`LoopFormerConfig` keyword arguments for a config.json in the authors' layout (`is_reference_config`), every
+    value from the first source that determines it (the module docstring's order). `shapes`: the weights' prefix-
+    stripped name -> shape (None: not read yet); `code_defaults`: the defaults of their configuration class, read
+    from `code_source`."""
+    model_type = config_dict["model_type"]
+    from_weights = weight_values(shapes or {})
+    family = weight_family(shapes or {})
+    if family is not None and MODEL_TYPES[family] != MODEL_TYPES[model_type]:
+        raise ValueError(f"config.json says model_type {model_type!r}, but the weights hold a {family!r} model "
+                         f"({sorted(shapes)[:4]}, …).")
+    stated = [("config.json", config_dict)] + ([(code_source, code_defaults)] if code_defaults else [])
+    values, sources = {}, {}
+    for name in REFERENCE_CONFIG_KEYS:
+        claims = [(source, value) for source, d in stated if (value := _stated(d, name)) is not None]
+        if name in from_weights:
+            value, evidence = from_weights[name]
+            for source, claimed in claims[:1]:  # the first stated value (config.json overrides its class defaults)
+                if claimed != value and not (name == "bias" and bool(claimed) == value):
+                    raise ValueError(f"`{name}`: {source} says {claimed!r}, but the weights say {value!r} "
+                                     f"({evidence}). Nothing was loaded.")
+            values[name], sources[name] = value, f"the weights ({evidence})"
+        elif claims:
+            sources[name], values[name] = claims[0]
+        elif name == "steps":
+            values[name], sources[name] = _steps_default(model_type, name_or_path)
+        else:
+            values[name], sources[name] = GITHUB_DEFAULTS[name], GITHUB
+    loop_conditioning, block_norm_weight, plain_list = MODEL_TYPES[model_type]
+    if plain_list:
+        num_loops, schedule = 1, "uniform"
+    else:
+        num_loops, schedule = _trajectory(values["steps"], model_type, sources["steps"])
+    n_embd, n_head = int(values["n_embd"]), int(values["n_head"])
+    if n_embd % n_head:
+        raise ValueError(f"{n_head} attention heads ({sources['n_head']}) do not divide the width {n_embd} "
+                         f"({sources['n_embd']}).")
+    dtype = config_dict.get("dtype") or config_dict.get("torch_dtype")  # transformers >= 4.56 writes `dtype`
+    return dict(
+        vocab_size=int(values["vocab_size"]),
+        hidden_size=n_embd,
+        num_attention_heads=n_head,
+        intermediate_size=int(values["intermediate_dim"]),
+        num_hidden_layers=int(values["n_layer"]),
+        num_loops=num_loops,
+        default_step_schedule=schedule,
+        loop_conditioning=loop_conditioning,
+        block_norm_weight=block_norm_weight,
+        hidden_act="gelu",
+        position_embedding_type="learned",
+        max_position_embeddings=int(values["block_size"]),
+        tie_word_embeddings=True,
+        rms_norm_eps=None,  # torch's default, as their nn.RMSNorm
+        attention_bias=bool(values["bias"]),
+        mlp_bias=bool(values["bias"]),
+        attention_dropout=float(values["dropout"]),
+        frequency_embedding_size=int(from_weights.get("frequency_embedding_size", (256, None))[0]),
+        architectures=["LoopFormerForCausalLM"],  # the class that now holds the weights (vLLM resolves by it)
+        authors_config_sources={"num_attention_heads": sources["n_head"], "trajectory": sources["steps"]},
+        **({"dtype": dtype} if dtype else {}),
+        bos_token_id=config_dict.get("bos_token_id"),
+        eos_token_id=config_dict.get("eos_token_id"),
+        pad_token_id=config_dict.get("pad_token_id"),
+    )
+
+
+def _steps_default(model_type, name_or_path):
+    """Their trajectory when neither config.json nor their code states one: the repo's name (…-12iterations), else
+    their forward's default."""
+    match = REPO_NAME.search(os.fspath(name_or_path or ""))
+    if match:
+        count = int(match.group(2))
+        return ([1 / count] * count if model_type == "loopformer" else count), f"the repo's name ({match.group(0)})"
+    return GITHUB_STEPS.get(model_type, GITHUB_STEP_COUNT), "their forward's default (steps=[1/8]*8 or 8)"
+
+
+def translate_config(config_dict):
+    """`LoopFormerConfig` keyword arguments from config.json alone (AutoConfig gives no path): what it states, else
+    their GitHub defaults. `from_pretrained` resolves the same config again against the weights and the repo's code."""
+    return resolve_config(config_dict) if is_reference_config(config_dict) else None
+
+
+# ---- reading the repo ----------------------------------------------------------------------------------------------
 
 
 def _resolve(path, filename, hub_kwargs):
-    from transformers.utils import cached_file
-
     return cached_file(path, filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
 
 
@@ -171,24 +329,174 @@ def read_config_dict(path, hub_kwargs):
         return json.load(handle)
 
 
-def _refuse_reference_weights_under_our_config(path, hub_kwargs):
-    """Our config.json over weights named as theirs would load as a randomly initialised model (transformers only
-    warns about missing keys): refuse it, reading only the weight names (a safetensors header or shard index)."""
+def read_weight_shapes(path, hub_kwargs):
+    """{tensor name: shape} of a repo's weights, from the safetensors header (of each shard named by the index) or
+    a memory-mapped pytorch_model.bin: no tensor is read. A truncated or missing file is an OSError naming it."""
     from safetensors import SafetensorError, safe_open
 
-    resolved = _resolve(path, "model.safetensors", hub_kwargs)
-    if resolved is not None:
+    def header(file):
         try:
-            with safe_open(resolved, "pt") as handle:
-                names = list(handle.keys())
-        except SafetensorError:
-            return  # not a safetensors file: from_pretrained's own load names it
-    else:
-        index = _resolve(path, "model.safetensors.index.json", hub_kwargs)
-        if index is None:
-            return
-        with open(index, encoding="utf-8") as handle:
-            names = list(json.load(handle)["weight_map"])
+            with safe_open(file, "pt") as handle:
+                return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        except (SafetensorError, OSError) as error:
+            raise OSError(f"{file!r} is not a whole safetensors file ({error}): it may be truncated or still "
+                          "downloading. Nothing was loaded; download it again.") from None
+
+    for filename in WEIGHT_FILES:
+        resolved = _resolve(path, filename, hub_kwargs)
+        if resolved is None:
+            continue
+        if filename.endswith(".index.json"):
+            with open(resolved, encoding="utf-8") as handle:
+                shards = sorted(set(json.load(handle)["weight_map"].values()))
+            shapes = {}
+            for shard in shards:
+                file = _resolve(path, shard, hub_kwargs)
+                if file is None:
+                    raise OSError(f"{os.fspath(path)!r}: {filename} names the shard {shard!r}, which the repo does "
+                                  "not hold. Nothing was loaded; download the repo again.")
+                shapes.update(header(file))
+            return shapes
+        if filename.endswith(".safetensors"):
+            return header(resolved)
+        try:
+            state_dict = torch.load(resolved, map_location="meta", weights_only=True, mmap=True)
+        except Exception as error:  # torch raises RuntimeError / UnpicklingError for a damaged file
+            raise OSError(f"{resolved!r} could not be read ({error}). Nothing was loaded.") from None
+        return {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+    raise OSError(f"{os.fspath(path)!r} holds none of {WEIGHT_FILES}: there are no weights to load.")
+
+
+def read_code_defaults(path, config_dict, hub_kwargs):
+    """(defaults, source name) of the configuration class `auto_map` names in the repo's own code, or (None, None)."""
+    reference = (config_dict.get("auto_map") or {}).get("AutoConfig")
+    if not isinstance(reference, str) or "--" in reference or "." not in reference:
+        return None, None  # no code, or code in another repo
+    module, class_name = reference.rsplit(".", 1)
+    filename = module.replace(".", "/") + ".py"
+    resolved = _resolve(path, filename, hub_kwargs)
+    if resolved is None:
+        return None, None
+    with open(resolved, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        defaults = source_defaults(text, class_name)
+    except SyntaxError as error:
+        raise ValueError(f"{filename} (named by config.json's auto_map) is not valid Python: {error}.") from None
+    return defaults, f"{filename}'s {class_name} default"
+
+
+def wrapper_prefix(names):
+    """The wrapper prefix their weights are stored under (`gpt.`, `gpt.model.`, …; '' for none), checked to be one."""
+    prefixes = set()
+    for name in names:
+        stripped = next(iter(strip_wrapper_prefixes({name: None})))
+        prefixes.add(name[:len(name) - len(stripped)])
+    if len(prefixes) > 1:
+        raise ValueError(f"the weights are stored under several wrapper prefixes {sorted(prefixes)}; their loader "
+                         "strips them, but one checkpoint is written under one.")
+    return prefixes.pop() if prefixes else ""
+
+
+def is_reference_weight_name(name):
+    """True for a tensor name of their `GPT` (after the wrapper prefixes), never for one of ours (`model.…`)."""
+    return next(iter(strip_wrapper_prefixes({name: None}))).startswith(REFERENCE_WEIGHT_ROOTS)
+
+
+# ---- their names onto ours -----------------------------------------------------------------------------------------
+
+
+# (their name, ours) after the wrapper prefix, applied in order; the fused c_attn is split by `weight_conversions`
+RENAMES = (
+    (r"^transformer\.wte\.", "model.embed_tokens."),
+    (r"^transformer\.wpe\.", "model.embed_positions."),
+    (r"^transformer\.norm_f\.", "model.norm."),
+    (r"^transformer\.h\.blocks\.", "model.layers."),
+    (r"^transformer\.h\.", "model.layers."),  # Base keeps its blocks in a plain list
+    (r"\.attn\.c_proj\.", ".self_attn.o_proj."),
+    (r"\.mlp\.c_fc\.", ".mlp.up_proj."),
+    (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+    (r"\.norm_1\.", ".input_layernorm."),
+    (r"\.norm_2\.", ".post_attention_layernorm."),
+    (r"^time_embedder\.", "model.loop_conditioning.time_embedder."),
+    (r"^dt_embedder\.", "model.loop_conditioning.dt_embedder."),
+)
+FUSED_QKV = ("attn.c_attn.", ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."))
+
+
+def _renames(prefix, names):
+    """`RENAMES` for one checkpoint: its wrapper prefix removed first; a head stored only as `lm_head.weight` (their
+    loader's `_fix_tied` accepts it) becomes the embedding it is tied to."""
+    renames = ([(f"^{re.escape(prefix)}", "")] if prefix else []) + list(RENAMES)
+    if "lm_head.weight" in names and "transformer.wte.weight" not in names:
+        renames.append((r"^lm_head\.weight$", "model.embed_tokens.weight"))
+    return renames
+
+
+def weight_conversions(prefix, names):
+    """transformers' conversion mapping from their names (`names`, prefix-stripped) to ours."""
+    from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
+
+    fused, parts = FUSED_QKV
+    return [WeightRenaming(source, target) for source, target in _renames(prefix, names)] + [
+        WeightConverter(fused + kind, [part + kind for part in parts], operations=[Chunk(dim=0)])
+        for kind in ("weight", "bias")
+    ]
+
+
+def our_name(key, renames):
+    """The name `key` (as stored) takes in this package's model: `renames` in order, then the fused q/k/v split (its
+    first part)."""
+    for source, target in renames:
+        key = re.sub(source, target, key, count=1)
+    return key.replace(FUSED_QKV[0], FUSED_QKV[1][0])
+
+
+def mapped_reference_state_dict(state_dict, config=None):
+    """Their state dict (wrapper prefix allowed) under our names, by the same table (vLLM's loader and the converter's
+    `.pt` path read tensors themselves); the tied `lm_head.weight` is dropped when the embedding is there."""
+    prefix = wrapper_prefix(state_dict)
+    names = set(strip_wrapper_prefixes(dict.fromkeys(state_dict)))
+    parts = FUSED_QKV[1]
+    renames, out = _renames(prefix, names), {}
+    for key, tensor in state_dict.items():
+        name = our_name(key, renames)
+        if name == "lm_head.weight":
+            continue
+        if parts[0] in name:
+            for part, chunk in zip(parts, tensor.chunk(3, dim=0)):
+                out[name.replace(parts[0], part)] = chunk
+        else:
+            out[name] = tensor
+    return out
+
+
+def _check_tied_head(path, prefix, names, hub_kwargs):
+    """Both `lm_head.weight` and `transformer.wte.weight` stored: their model ties them, so they must be equal."""
+    if not {"lm_head.weight", "transformer.wte.weight"} <= names:
+        return
+    from safetensors import safe_open
+
+    resolved = _resolve(path, "model.safetensors", hub_kwargs)
+    if resolved is None:
+        return  # sharded or pickled: transformers loads both into the one tied parameter
+    with safe_open(resolved, "pt") as handle:
+        head, wte = handle.get_tensor(prefix + "lm_head.weight"), handle.get_tensor(prefix + "transformer.wte.weight")
+    if head.shape != wte.shape or not torch.equal(head, wte):
+        raise ValueError(f"{resolved!r}: lm_head.weight differs from transformer.wte.weight; their model ties them "
+                         "(one tensor), so this checkpoint is not one of theirs.")
+
+
+# ---- from_pretrained -----------------------------------------------------------------------------------------------
+
+
+def _refuse_reference_weights_under_our_config(path, hub_kwargs):
+    """Our config.json over weights named as theirs would load as a randomly initialised model (transformers only
+    warns about missing keys): refuse it, reading only the weight names."""
+    try:
+        names = read_weight_shapes(path, hub_kwargs)
+    except OSError:
+        return  # from_pretrained's own load names the file
     theirs = sorted(name for name in names if is_reference_weight_name(name))
     if theirs:
         raise ValueError(
@@ -198,85 +506,29 @@ def _refuse_reference_weights_under_our_config(path, hub_kwargs):
         )
 
 
-def read_weights(path, hub_kwargs):
-    """The flat state dict of a repo's weights: model.safetensors, its sharded index, or pytorch_model.bin
-    (read with `weights_only=True`)."""
-    from safetensors.torch import load_file
-
-    for filename in WEIGHT_FILES:
-        resolved = _resolve(path, filename, hub_kwargs)
-        if resolved is None:
-            continue
-        if filename.endswith(".index.json"):
-            with open(resolved, encoding="utf-8") as handle:
-                shards = sorted(set(json.load(handle)["weight_map"].values()))
-            state_dict = {}
-            for shard in shards:
-                state_dict.update(load_file(_resolve(path, shard, hub_kwargs)))
-            return state_dict
-        if filename.endswith(".safetensors"):
-            return load_file(resolved)
-        return torch.load(resolved, map_location="cpu", weights_only=True)
-    raise OSError(f"{os.fspath(path)!r} holds none of {WEIGHT_FILES}: there are no weights to load.")
+def _loading_class(cls):
+    """A subclass named as their architecture, for which the conversion mapping is registered: transformers looks
+    mappings up by class name, and the loaded model is switched back to `cls`, so saving keeps our layout."""
+    return type(ARCHITECTURE, (cls,), {"__module__": cls.__module__})
 
 
-def load_reference_model(cls, path, config, dtype=None, hub_kwargs=None, device=None):
-    """A `LoopFormerForCausalLM` (eval) with the weights of the authors' repo `path`, whose translated config is
-    `config`. `dtype`: None or "auto" keeps the checkpoint's dtype."""
-    weights = read_weights(path, hub_kwargs or {})
-    if "model.embed_tokens.weight" in weights:
-        raise ValueError(
-            f"{os.fspath(path)!r}: config.json has none of this package's fields ({', '.join(OWN_CONFIG_KEYS)}), as "
-            f"the authors' configs, but the weights are in this package's layout (model.embed_tokens.weight, …): the "
-            f"config was edited or truncated. Restore it (num_loops is the number of loop steps L it was trained with)."
-        )
-    state_dict = mapped_reference_state_dict(weights, config)
-    if dtype in (None, "auto"):
-        dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
-    elif isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):  # every parameter comes from the checkpoint: nothing to initialise
-        model = cls(config)
-    model.load_state_dict({k: v.to(dtype=dtype, device=device or "cpu") for k, v in state_dict.items()},
-                          strict=False, assign=True)
-    model.lm_head.weight = model.model.embed_tokens.weight  # the tie their checkpoint stores once
-    left_on_meta = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left_on_meta:  # map_reference_state_dict checked the keys; this would be a bug of the mapping
-        raise RuntimeError(f"internal error: not loaded from the checkpoint: {left_on_meta}")
-    model.config.dtype = dtype
-    return model.eval()
-
-
-def load_generation_config(model, path, hub_kwargs):
-    """The repo's generation_config.json, through the hook `from_pretrained` uses (loop knobs written there by hand
-    count, and a bad one is refused naming the file). Theirs sets nothing ({"_from_model_config": true}): generation
-    is then greedy, as our `generate` documents, and says so, so that pipelines do not fall back to sampling."""
-    defaults = {"cache_dir": None, "force_download": False, "proxies": None, "local_files_only": False,
-                "token": None, "revision": "main", "subfolder": ""}  # from_pretrained's
-    options = {name: hub_kwargs.get(name, default) for name, default in defaults.items()}
-    model.adjust_generation_fn(None, False, False, path, trust_remote_code=False, **options)
-    if model.generation_config.do_sample is None:
-        model.generation_config.do_sample = False
-    model.generation_config._from_model_config = False
-
-
-__all__ = ["is_reference_config", "translate_config", "strip_wrapper_prefixes", "load_reference_model",
-           "read_config_dict", "read_weights"]
-
-
-def reference_config_classes():
-    """One `LoopFormerConfig` subclass per model type of theirs other than "loopformer" (ours), so that
-    `AutoConfig` recognises their repos; `from_dict` returns a plain `LoopFormerConfig` for each."""
+def resolved_reference_config(path, config_dict, hub_kwargs, shapes):
+    """The `LoopFormerConfig` the repo's files determine, with one info line on where the head count and the
+    trajectory came from."""
     from .configuration_loopformer import LoopFormerConfig
 
-    return [type(f"Reference_{name}_Config", (LoopFormerConfig,), {"model_type": name, "__module__": __name__})
-            for name in MODEL_TYPES if name != LoopFormerConfig.model_type]
+    code_defaults, code_source = read_code_defaults(path, config_dict, hub_kwargs)
+    kwargs = resolve_config(config_dict, strip_wrapper_prefixes(shapes), code_defaults, code_source,
+                            name_or_path=path)
+    config = LoopFormerConfig(**kwargs)
+    sources = config.authors_config_sources
+    logger.info(f"{os.fspath(path)}: {config.num_attention_heads} attention heads from {sources['num_attention_heads']}"
+                f"; trajectory (L={config.num_loops}, {config.default_step_schedule}) from {sources['trajectory']}.")
+    return config
 
 
-# from_pretrained kwargs that change nothing here (the weights are read whole, on the CPU, without remote code; a
-# tensor of another shape than the config's is refused whatever ignore_mismatched_sizes says, never re-initialised)
-_ACCEPTED_NOOPS = ("trust_remote_code", "low_cpu_mem_usage", "_from_auto", "_from_pipeline", "use_safetensors",
-                   "code_revision", "adapter_kwargs", "ignore_mismatched_sizes")
+# from_pretrained kwargs that change nothing here (no remote code is run)
+_ACCEPTED_NOOPS = ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")
 
 
 def from_pretrained_reference(cls, path, model_args, kwargs):
@@ -289,41 +541,80 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
         _refuse_reference_weights_under_our_config(path, hub_kwargs)
         return None
     from .configuration_loopformer import LoopFormerConfig
+    from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerPreTrainedModel
 
-    # None is transformers' default for every option (lm-eval's HFLM passes gguf_file=None, max_memory=None, …)
-    kwargs = {key: value for key, value in kwargs.items()
-              if value is not None and key not in HUB_KWARGS and key not in _ACCEPTED_NOOPS}
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for the authors' layout.")
-    config = kwargs.pop("config", None)
-    if not isinstance(config, LoopFormerConfig):  # Auto passes the config it translated already
-        config = LoopFormerConfig.from_dict(config_dict)
-    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
-    device = kwargs.pop("device_map", None)
-    if isinstance(device, dict) and len(set(map(str, device.values()))) == 1:  # {"": "cpu"}: one device
-        device = next(iter(device.values()))
-    if device in ("auto", None):
-        device = "cpu"
-    elif not isinstance(device, (str, torch.device)):
-        raise ValueError(f"`device_map`={device!r}: the authors' layout loads onto one device; give a device string or a map onto one device.")
-    attn_implementation = kwargs.pop("attn_implementation", None)
-    output_loading_info = kwargs.pop("output_loading_info", False)
-    unknown = sorted(key for key in kwargs if not hasattr(config, key))
-    if unknown:
-        raise ValueError(f"from_pretrained got keyword arguments that are neither config fields nor loading options: "
-                         f"{unknown}.")
-    for key, value in kwargs.items():  # config overrides, as transformers applies them (validated on assignment)
-        setattr(config, key, value)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    config._name_or_path = os.fspath(path)
-    from .modeling_loopformer import LoopFormerForCausalLM
+    kwargs = {key: value for key, value in kwargs.items() if key not in _ACCEPTED_NOOPS}
+    shapes = read_weight_shapes(path, hub_kwargs)
+    if "model.embed_tokens.weight" in shapes:
+        raise ValueError(
+            f"{os.fspath(path)!r}: config.json has none of this package's fields ({', '.join(OWN_CONFIG_KEYS)}), as "
+            f"the authors' configs, but the weights are in this package's layout (model.embed_tokens.weight, …): the "
+            f"config was edited or truncated. Restore it (num_loops is the number of loop steps L it was trained with)."
+        )
+    given = kwargs.pop("config", None)
+    config = resolved_reference_config(path, config_dict, hub_kwargs, shapes)
+    if isinstance(given, LoopFormerConfig) and getattr(given, "authors_config_sources", None) is not None:
+        # AutoConfig translated config.json alone and applied the caller's overrides: keep those overrides
+        plain = LoopFormerConfig.from_dict(config_dict).to_dict()
+        for key, value in given.to_dict().items():
+            if plain.get(key) != value and key not in ("_name_or_path", "transformers_version"):
+                setattr(config, key, value)
+    elif given is not None:
+        config = given  # the caller's own configuration, as transformers uses it
+    fields = config.to_dict()
+    for key in [key for key in kwargs if key in fields and key not in ("dtype", "torch_dtype")]:
+        setattr(config, key, kwargs.pop(key))  # config overrides, validated on assignment
+    names = set(strip_wrapper_prefixes(dict.fromkeys(shapes)))
+    prefix = wrapper_prefix(shapes)
+    _check_tied_head(path, prefix, names, hub_kwargs)
+
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
     causal_lm = cls if issubclass(cls, LoopFormerForCausalLM) else LoopFormerForCausalLM
-    model = load_reference_model(causal_lm, path, config, dtype=dtype, hub_kwargs=hub_kwargs, device=device)
-    load_generation_config(model, path, hub_kwargs)
+    loading = _loading_class(causal_lm)
+    register_checkpoint_conversion_mapping(ARCHITECTURE, weight_conversions(prefix, names), overwrite=True)
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    try:  # transformers' own loading, past our from_pretrained (which routed here)
+        model, info = super(LoopFormerPreTrainedModel, loading).from_pretrained(path, config=config,
+                                                                                output_loading_info=True, **kwargs)
+    except TypeError as error:  # an option transformers passed on to the model's constructor
+        unknown = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
+        if not unknown:
+            raise
+        raise ValueError(f"from_pretrained got keyword arguments that are neither config fields nor loading options: "
+                         f"{unknown}.") from None
+    model.__class__ = causal_lm
+    model._weight_conversions = None  # save_pretrained: no reverse mapping, this package's layout
+    missing = sorted(set(info["missing_keys"]) - {"lm_head.weight"})
+    stored = {our_name(name, _renames(prefix, names)): name for name in shapes}  # named as the files name them
+    unexpected = sorted(stored.get(key, key) for key in info["unexpected_keys"])
+    mismatched = sorted(map(str, info["mismatched_keys"]))
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"{os.fspath(path)!r} in the authors' layout does not fill a {config.num_hidden_layers}-block "
+            f"{config_dict['model_type']!r} model: "
+            + "; ".join(f"{what}: {keys}" for what, keys in (("unknown keys (no mapping knows them)", unexpected),
+                                                             ("missing keys (parameters nothing fills)", missing),
+                                                             ("shapes that differ", mismatched)) if keys)
+            + ". Nothing was initialised at random."
+        )
+    if model.generation_config.do_sample is None:  # theirs sets nothing: greedy, as our generate documents
+        model.generation_config.do_sample = False
     if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM
         model = model.model
-    if output_loading_info:
-        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-    return model
+    return (model, info) if output_loading_info else model
+
+
+__all__ = ["is_reference_config", "translate_config", "resolve_config", "strip_wrapper_prefixes",
+           "read_config_dict", "read_weight_shapes", "from_pretrained_reference", "mapped_reference_state_dict"]
+
+
+def reference_config_classes():
+    """One `LoopFormerConfig` subclass per model type of theirs other than "loopformer" (ours), so that
+    `AutoConfig` recognises their repos; `from_dict` returns a plain `LoopFormerConfig` for each."""
+    from .configuration_loopformer import LoopFormerConfig
+
+    return [type(f"Reference_{name}_Config", (LoopFormerConfig,), {"model_type": name, "__module__": __name__})
+            for name in MODEL_TYPES if name != LoopFormerConfig.model_type]

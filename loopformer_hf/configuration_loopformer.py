@@ -363,14 +363,18 @@ class LoopFormerConfig(PreTrainedConfig):
             raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
         self._validate_fields()
 
+    # Other layouts of config.json (the authors' Hub repos) register a translation here, `translate(config_dict)` ->
+    # constructor kwargs or None (`loopformer_hf/__init__.py`): this module imports no loader.
+    config_translators = []
+
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """As `PretrainedConfig.from_dict`; a config.json in the layout of the authors' Hub repos (nanoGPT keys,
-        their model types) is translated (`authors_checkpoints.translate_config`)."""
-        from .authors_checkpoints import is_reference_config, translate_config
-
-        if is_reference_config(config_dict):  # always a plain LoopFormerConfig, whichever model_type it claimed
-            return super(LoopFormerConfig, LoopFormerConfig).from_dict(translate_config(config_dict), **kwargs)
+        """As `PretrainedConfig.from_dict`; a config.json in another registered layout (the authors' Hub repos) is
+        translated (`config_translators`)."""
+        for translate in LoopFormerConfig.config_translators:
+            translated = translate(config_dict)
+            if translated is not None:  # always a plain LoopFormerConfig, whichever model_type it claimed
+                return super(LoopFormerConfig, LoopFormerConfig).from_dict(translated, **kwargs)
         if "num_loops" not in config_dict and "num_loops" not in kwargs:
             # the constructor's default (8) would load silently and change the logits
             raise ValueError("A LoopFormer config.json must give `num_loops`, got none: the loop count a looped model "

@@ -50,6 +50,7 @@ import sys
 
 import torch
 
+from .authors_checkpoints import MODEL_TYPES
 from .configuration_loopformer import LoopFormerConfig
 from .modeling_loopformer import LoopFormerForCausalLM
 
@@ -59,16 +60,6 @@ WRAPPER_KEYS = ("model", "state_dict")
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list); the early-exit
-# variants (the Hub's Base-Loop-EE) are trained differently but hold the weights of their looped model
-MODEL_TYPES = {
-    "loopformer": ("shortcut", False, False),
-    "tmlt": ("timestep", False, False),
-    "tmlt_ee": ("timestep", False, False),
-    "base_loop": ("none", True, False),
-    "base_loop_ee": ("none", True, False),
-    "base": ("none", True, True),
-}
 _SHARED_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
 _LIST_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 _BLOCK_NORMS = {"norm_1.weight": "input_layernorm.weight", "norm_2.weight": "post_attention_layernorm.weight"}

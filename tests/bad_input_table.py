@@ -179,6 +179,20 @@ def from_authors_repo(tmp, **kwargs):
     return auto_load(authors_repo(tmp, **kwargs))
 
 
+def _restate(folder, **values):
+    """`folder` with config.json stating `values` as well."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, **values)))
+    return folder
+
+
+def _truncated(file):
+    """`file` cut to half its size, as an interrupted download leaves it."""
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return file
+
+
 # a config file with a Python-object tag: yaml.safe_load constructs nothing (the command must not run)
 PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
 
@@ -355,13 +369,26 @@ CASES = [
     # the authors' Hub checkpoints (a repo in their layout never loads at random)
     Case(f"{LF} from_pretrained", "an authors' repo with a tensor no mapping knows",
          lambda t: from_authors_repo(t, extra={"gpt.transformer.h.blocks.0.attn.rotary.weight": torch.ones(4)}),
-         ValueError, r"unknown keys.*transformer\.h\.blocks\.0\.attn\.rotary\.weight"),
+         ValueError, r"unknown keys.*'gpt\.transformer\.h\.blocks\.0\.attn\.rotary\.weight'"),
     Case(f"{LF} from_pretrained", "an authors' repo without a tensor the model needs",
          lambda t: from_authors_repo(t, drop=("transformer.norm_f.weight",)), ValueError,
-         r"missing keys.*model\.norm\.weight"),
-    Case(f"{LF} from_pretrained", "a config.json of model_type base_loop, neither ours nor theirs",
+         r"missing keys.*model\.norm\.weight.*Nothing was initialised at random"),
+    Case(f"{LF} from_pretrained", "a config.json of model_type base_loop over LoopFormer's weights",
          lambda t: from_authors_repo(t, config={"model_type": "base_loop", "width": 64}), ValueError,
-         r"neither this package's layout.*nor the authors'.*n_embd / hidden_size"),
+         r"model_type 'base_loop', but the weights hold a 'loopformer' model"),
+    Case(f"{LF} from_pretrained", "an authors' config.json stating n_embd=128 over weights 64 wide",
+         lambda t: auto_load(_restate(authors_repo(t), n_embd=128)), ValueError,
+         r"`n_embd`: config\.json says 128, but the weights say 64 \(transformer\.wte\.weight has shape"),
+    Case(f"{LF} from_pretrained", "an authors' config.json with steps [0.125]*4 (sum 0.5)",
+         lambda t: auto_load(_restate(authors_repo(t), steps=[0.125] * 4)), ValueError,
+         r"`steps`=\[0\.125, 0\.125, 0\.125, 0\.125\] \(config\.json\) sum to 0\.5, not 1"),
+    Case(f"{LF} from_pretrained", "an authors' repo with a truncated model.safetensors",
+         lambda t: auto_load(_truncated(authors_repo(t) / "model.safetensors").parent), OSError,
+         r"model\.safetensors' is not a whole safetensors file.*truncated"),
+    Case("loopformer_hf.convert_reference", "--hub_repo FOLDER whose model.safetensors is truncated",
+         lambda t: LF_CONVERT("--hub_repo", str(_truncated(authors_repo(t) / "model.safetensors").parent),
+                              "--output_dir", "{tmp}/out")(t), SystemExit,
+         r"model\.safetensors' is not a whole safetensors file"),
     Case(f"{LF} from_pretrained", "an authors' repo with quantum_mode=True (an unknown option)",
          lambda t: auto_load(authors_repo(t), quantum_mode=True), ValueError,
          r"neither config fields nor loading options: \['quantum_mode'\]"),

@@ -129,16 +129,39 @@ def reference_forward(sd, idx, trajectory, n_head=N_HEAD, model_type="loopformer
 # ---- a repo in the authors' Hub layout ------------------------------------------------------------------------------
 
 
+# what the published config.json (296 bytes) holds besides the sizes it leaves to its configuration class
+PUBLISHED_KEYS = ("architectures", "auto_map", "dtype", "model_type", "transformers_version")
+# a configuration class as their repos' custom code would define it; its module raises when imported, so a load that
+# passes proves the source was parsed, never executed
+CODE_TEMPLATE = """raise RuntimeError("the repo's own code was executed")
+from transformers import PretrainedConfig
+
+
+class LoopFormerGPTBaseConfig(PretrainedConfig):
+    model_type = {model_type!r}
+    bias: bool = False
+
+
+class LoopFormerGPTConfig(LoopFormerGPTBaseConfig):
+    def __init__(self, {defaults}, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
 def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=torch.float32, aliases=False,
                        bias=False, steps=None, tokenizer=None, seed=0, extra=None, drop=(), d=N_EMBD, n_head=N_HEAD,
-                       n_layer=N_LAYER, block=BLOCK, loops=N_LOOPS):
+                       n_layer=N_LAYER, block=BLOCK, loops=N_LOOPS, stated=None, code=None, vocab=None):
     """A repo in the authors' Hub layout, as their GitHub `GPT.from_pretrained` reads it: config.json with their model
     type and nanoGPT keys (or the GPT-2 aliases their loader also accepts) and `steps`, weights named as their `GPT`'s
     state dict under a wrapper `prefix`, the tied head stored once as `transformer.wte.weight`, their
-    generation_config.json and, if given, a tokenizer. Returns the oracle's state dict (tensors at `dtype`)."""
+    generation_config.json and, if given, a tokenizer. Returns the oracle's state dict (tensors at `dtype`).
+
+    As published: `stated` keeps only those config.json keys besides `PUBLISHED_KEYS` (() keeps none: the 296-byte
+    config), and `code` ({name: default source text}) writes configuration_loopformer.py with their configuration
+    class `LoopFormerGPTConfig` carrying those defaults, named by `auto_map`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = len(tokenizer) if tokenizer is not None else VOCAB
+    vocab = vocab or (len(tokenizer) if tokenizer is not None else VOCAB)
     sd = reference_state_dict(seed=seed, model_type=ARCHITECTURE[model_type], vocab=vocab, bias=bias, d=d,
                               n_layer=n_layer, block=block)
     sd = {k: v.to(dtype) for k, v in sd.items()}
@@ -151,10 +174,17 @@ def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=tor
                  n_inner=4 * d, resid_pdrop=0.0) if aliases else
             dict(n_embd=d, n_layer=n_layer, n_head=n_head, block_size=block, intermediate_dim=4 * d, dropout=0.0))
     config = dict(model_type=model_type, vocab_size=vocab, bias=bias, steps=steps, **keys,
-                  architectures=["LoopFormerLMHeadModel"],  # not ours: the translation names our class
-                  auto_map={"AutoConfig": "configuration_loopformer.LoopFormerConfig",
-                            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerForCausalLM"},
+                  architectures=["LoopFormerGPTForCausalLM"],  # theirs: the translation names our class
+                  auto_map={"AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
+                            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM"},
                   torch_dtype=str(dtype).replace("torch.", ""), transformers_version="4.57.0")
+    if stated is not None:  # as published: transformers 4.57 writes `dtype`, and no size the class defaults give
+        config["dtype"] = config.pop("torch_dtype")
+        config = {key: config[key] for key in config if key in PUBLISHED_KEYS or key in stated}
+    if code is not None:
+        defaults = ", ".join(f"{name}={value}" for name, value in code.items())
+        (folder / "configuration_loopformer.py").write_text(CODE_TEMPLATE.format(model_type=model_type,
+                                                                                 defaults=defaults))
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps({"_from_model_config": True,
                                                                "transformers_version": "4.57.0"}))

@@ -24,7 +24,7 @@ from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerMod
 
 from _hub_helpers import REPO_ROOT, make_tokenizer
 from reference_oracle import (ARCHITECTURE, BLOCK, N_EMBD, N_HEAD, N_LAYER, N_LOOPS, VOCAB, reference_forward,
-                              write_authors_repo)
+                              reference_state_dict, write_authors_repo)
 
 FULL = [1 / N_LOOPS] * N_LOOPS
 SHORT = [0.5, 0.25, 0.25]  # M=3, a shortcut trajectory
@@ -114,7 +114,7 @@ def test_the_base_model_and_config_overrides(tmp_path, ids):
 
 def test_a_tensor_no_mapping_knows_is_named(tmp_path):
     write_authors_repo(tmp_path / "repo", extra={"gpt.transformer.h.blocks.0.attn.rotary.weight": torch.ones(4)})
-    with pytest.raises(ValueError, match=r"unknown keys.*transformer\.h\.blocks\.0\.attn\.rotary\.weight"):
+    with pytest.raises(ValueError, match=r"unknown keys.*'gpt\.transformer\.h\.blocks\.0\.attn\.rotary\.weight'"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
 
 
@@ -124,19 +124,24 @@ def test_a_tensor_the_model_needs_is_named(tmp_path):
         LoopFormerForCausalLM.from_pretrained(tmp_path / "repo")
 
 
-def test_a_shape_the_config_does_not_give_is_named(tmp_path):
+@pytest.mark.parametrize("key,value,evidence", [
+    ("n_layer", N_LAYER + 1, r"they hold transformer\.h\.blocks\.\{0, 1\}"),
+    ("n_embd", 2 * N_EMBD, r"transformer\.wte\.weight has shape \(97, 64\)"),
+    ("intermediate_dim", 5120, r"transformer\.h\.blocks\.0\.mlp\.c_fc\.weight has shape \(256, 64\)"),
+])
+def test_a_size_config_json_states_against_the_weights_is_named(tmp_path, key, value, evidence):
     write_authors_repo(tmp_path / "repo")
     config = json.loads((tmp_path / "repo" / "config.json").read_text())
-    (tmp_path / "repo" / "config.json").write_text(json.dumps(dict(config, n_layer=N_LAYER + 1)))
-    with pytest.raises(ValueError, match=r"missing keys.*model\.layers\.2\."):
+    (tmp_path / "repo" / "config.json").write_text(json.dumps(dict(config, **{key: value})))
+    with pytest.raises(ValueError, match=rf"`{key}`: config\.json says {value}, but the weights say .*{evidence}"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
 
 
-def test_a_config_neither_ours_nor_theirs_is_named(tmp_path):
-    write_authors_repo(tmp_path / "repo")
+def test_a_model_type_the_weights_contradict_is_named(tmp_path):
+    write_authors_repo(tmp_path / "repo")  # LoopFormer's weights (t and Δ embedders)
     (tmp_path / "repo" / "config.json").write_text(json.dumps({"model_type": "base_loop", "width": 64}))
-    with pytest.raises(ValueError, match=r"neither this package's layout.*nor the authors'.*n_embd / hidden_size.*"
-                                         r"'width'"):
+    with pytest.raises(ValueError, match=r"model_type 'base_loop', but the weights hold a 'loopformer' model.*"
+                                         r"dt_embedder"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
 
 
@@ -338,3 +343,218 @@ def test_loop_knobs_written_into_their_generation_config_count(tmp_path, ids):
     path.write_text(json.dumps({"_from_model_config": True, "loop_budget": 0}))
     with pytest.raises(ValueError, match=r"generation_config\.json sets a loop knob.*`loop_budget` must be"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+
+
+# ---- 5. the repos as published: a config.json that states no sizes ------------------------------------------------
+# Public traces of armenjeddi/LoopFormer-3block-8iterations: a 296-byte config.json (architectures, auto_map, dtype,
+# model_type, transformers_version); the sizes come from the configuration class in the repo's own code. Unknown:
+# which keys the 1- and 2-block repos state. Every case below is loaded and checked against the oracle.
+
+GITHUB_HEADS = 32  # their GitHub GPTConfig's n_head, the last source of a head count
+CODE = {"n_head": str(N_HEAD), "n_embd": str(N_EMBD), "steps": f"[1/{N_LOOPS}]*{N_LOOPS}", "dropout": "0.0"}
+
+
+def assert_computes_their_forward(model, sd, ids, model_type, n_head, loops):
+    """The repo's default trajectory (M = L) and one shorter, against the oracle of their forward (fp32, 1e-4)."""
+    arch = ARCHITECTURE[model_type]
+    full, short = [1 / loops] * loops, ([0.5, 0.5] if model_type == "loopformer" else [1 / 2] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits,
+                                   reference_forward(sd, ids, full, n_head=n_head, model_type=arch), atol=1e-4, rtol=0)
+        torch.testing.assert_close(model(ids, step_schedule=short, use_cache=False).logits,
+                                   reference_forward(sd, ids, short, n_head=n_head, model_type=arch), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["loopformer", "base_loop", "base_loop_ee"])
+@pytest.mark.parametrize("with_code", [False, True], ids=["no-code", "their-config-class"])
+def test_a_config_that_states_no_sizes(tmp_path, ids, model_type, with_code):
+    """Sizes from the weights; heads and trajectory from their configuration class (parsed, never run: its module
+    raises when imported) or, without one, their GitHub defaults (32 heads, steps [1/8]*8 or 8)."""
+    sd = write_authors_repo(tmp_path / "repo", model_type=model_type, stated=(), code=CODE if with_code else None,
+                            n_head=N_HEAD if with_code else GITHUB_HEADS)
+    config = json.loads((tmp_path / "repo" / "config.json").read_text())
+    assert sorted(config) == ["architectures", "auto_map", "dtype", "model_type", "transformers_version"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    n_head, loops = (N_HEAD, N_LOOPS) if with_code else (GITHUB_HEADS, 8)
+    assert (model.config.num_attention_heads, model.config.num_loops, model.config.hidden_size) == (n_head, loops,
+                                                                                                     N_EMBD)
+    source = "configuration_loopformer.py's LoopFormerGPTConfig default" if with_code else None
+    sources = model.config.authors_config_sources
+    assert sources["num_attention_heads"] == (source or "their GitHub GPTConfig's default")
+    assert sources["trajectory"] == (source or "their forward's default (steps=[1/8]*8 or 8)")
+    assert_computes_their_forward(model, sd, ids, model_type, n_head, loops)
+
+
+@pytest.mark.parametrize("model_type", ["loopformer", "base_loop", "base_loop_ee"])
+@pytest.mark.parametrize("n_layer", [1, 2])
+@pytest.mark.parametrize("trajectory_in", ["config.json", "code", "name", "nowhere"])
+def test_one_and_two_block_repos_that_state_only_n_layer(tmp_path, ids, model_type, n_layer, trajectory_in):
+    loops = {"config.json": 3, "code": N_LOOPS, "name": 6, "nowhere": 8}[trajectory_in]
+    folder = tmp_path / (f"LoopFormer-{n_layer}block-{loops}iterations" if trajectory_in == "name" else "repo")
+    steps = [1 / loops] * loops if model_type == "loopformer" else loops
+    code = dict(CODE, n_layer="3", steps=repr(steps) if trajectory_in == "code" else "None")
+    sd = write_authors_repo(folder, model_type=model_type, n_layer=n_layer, loops=loops, steps=steps, code=code,
+                            stated=("n_layer", "steps") if trajectory_in == "config.json" else ("n_layer",))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert (model.config.num_hidden_layers, model.config.num_loops) == (n_layer, loops)
+    assert model.config.authors_config_sources["trajectory"].startswith(
+        {"config.json": "config.json", "code": "configuration_loopformer.py", "name": "the repo's name",
+         "nowhere": "their forward's default"}[trajectory_in])
+    assert_computes_their_forward(model, sd, ids, model_type, N_HEAD, loops)
+
+
+def test_where_the_heads_and_trajectory_came_from_is_logged_once(tmp_path, caplog):
+    import transformers
+
+    write_authors_repo(tmp_path / "repo", stated=(), code=CODE)
+    transformers.logging.set_verbosity_info()
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("INFO", logger="loopformer_hf.authors_checkpoints"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    finally:
+        transformers.logging.disable_propagation()
+        transformers.logging.set_verbosity_warning()
+    lines = [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.authors_checkpoints"]
+    assert len(lines) == 1 and f"{N_HEAD} attention heads from configuration_loopformer.py" in lines[0], lines
+    assert "trajectory (L=4, uniform) from configuration_loopformer.py" in lines[0]
+
+
+@pytest.mark.parametrize("where", ["config.json", "code"])
+def test_steps_not_summing_to_one_are_refused_naming_the_sum(tmp_path, where):
+    """Their forward would run t from 0 to 0.5 ([0.125]*4): refused, never renormalised to [0.25]*4."""
+    steps = [0.125] * 4
+    code = dict(CODE, steps=repr(steps)) if where == "code" else CODE
+    write_authors_repo(tmp_path / "repo", steps=steps, code=code,
+                       stated=("steps",) if where == "config.json" else ())
+    source = {"config.json": r"config\.json", "code": r"configuration_loopformer\.py's LoopFormerGPTConfig"}[where]
+    with pytest.raises(ValueError, match=rf"`steps`=\[0\.125, 0\.125, 0\.125, 0\.125\] \({source}.*sum to 0\.5, not 1"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+
+
+def test_a_default_of_their_code_that_the_weights_contradict_is_named(tmp_path):
+    write_authors_repo(tmp_path / "repo", stated=(), code=dict(CODE, n_layer="3"))  # 2 blocks stored
+    with pytest.raises(ValueError, match=r"`n_layer`: configuration_loopformer\.py's LoopFormerGPTConfig default says "
+                                         r"3, but the weights say 2"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+
+
+def test_their_architecture_name_and_dtype_spelling(tmp_path):
+    write_authors_repo(tmp_path / "repo", stated=(), code=CODE, dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "repo" / "config.json").read_text())
+    assert config["architectures"] == ["LoopFormerGPTForCausalLM"] and config["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    assert type(model) is LoopFormerForCausalLM and model.dtype == torch.bfloat16
+    assert model.config.architectures == ["LoopFormerForCausalLM"]
+
+
+def test_a_head_stored_only_as_lm_head_loads_as_their_loader_does(tmp_path, ids):
+    """Their `_fix_tied` fills transformer.wte.weight from lm_head.weight when only the head was saved."""
+    sd = write_authors_repo(tmp_path / "repo", drop=("transformer.wte.weight",),
+                            extra={"gpt.lm_head.weight": reference_state_dict()["transformer.wte.weight"]})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert_matches_oracle(model, sd, ids, "loopformer")
+
+
+def test_saving_a_loaded_repo_writes_this_packages_layout(tmp_path):
+    """transformers reverts a load's conversion mapping on save; the loaded model keeps none, so the folder is ours."""
+    from safetensors import safe_open
+
+    write_authors_repo(tmp_path / "repo", stated=(), code=CODE)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "repo").save_pretrained(tmp_path / "ours")
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("c_attn" in n for n in names)
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["authors_config_sources"]["num_attention_heads"].startswith("configuration_loopformer.py")
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def _shard(folder):
+    """Their model.safetensors split into two shards with an index, as save_pretrained shards a large model."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, str(folder / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing shard"])
+def test_a_damaged_or_missing_weights_file_is_named_by_from_pretrained_and_the_converter(tmp_path, damage):
+    folder = tmp_path / "repo"
+    write_authors_repo(folder)
+    if damage == "truncated":
+        _truncate(folder / "model.safetensors")
+        named = "model.safetensors"
+    else:
+        _shard(folder)
+        (folder / "model-00002-of-00002.safetensors").unlink()
+        named = "model-00002-of-00002.safetensors"
+    with pytest.raises(OSError, match=named.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(folder)
+    proc = _convert(dict(os.environ), "--hub_repo", str(folder), "--output_dir", str(tmp_path / "out"))
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_sharded_repo_loads(tmp_path, ids):
+    sd = write_authors_repo(tmp_path / "repo")
+    _shard(tmp_path / "repo")
+    assert_matches_oracle(AutoModelForCausalLM.from_pretrained(tmp_path / "repo"), sd, ids, "loopformer")
+
+
+def test_the_converter_prints_no_runpy_warning():
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "loopformer_hf.convert_reference", "--help"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr and "sys.modules" not in proc.stderr, proc.stderr
+
+
+def write_gpt2_style_tokenizer(folder):
+    """GPT-2's files as transformers 4.57 saved them (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json
+    naming GPT2Tokenizer, special_tokens_map.json), from a small byte-level BPE trained with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from _hub_helpers import CORPUS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    tok.model.save(str(folder))  # vocab.json, merges.txt
+    eot = "<|endoftext|>"
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": eot, "eos_token": eot, "unk_token": eot}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "add_prefix_space": False, "bos_token": eot, "eos_token": eot, "unk_token": eot,
+        "clean_up_tokenization_spaces": False, "model_max_length": 1024, "tokenizer_class": "GPT2Tokenizer",
+        "added_tokens_decoder": {"0": {"content": eot, "lstrip": False, "normalized": True, "rstrip": False,
+                                       "single_word": False, "special": True}}}))
+    return tok.get_vocab_size()
+
+
+def test_gpt2_style_tokenizer_files_with_autotokenizer_and_a_pipeline(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    assert write_gpt2_style_tokenizer(folder) <= 320
+    sd = write_authors_repo(folder, stated=(), code=CODE, vocab=320)  # padded to a multiple of 64, as theirs
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.decode(tokenizer("the cat")["input_ids"]) == "the cat"
+    generator = pipeline("text-generation", model=str(folder))
+    text = generator("the cat sat on", max_new_tokens=4)[0]["generated_text"]
+    ids = torch.tensor([tokenizer("the cat sat on")["input_ids"]])
+    assert text == tokenizer.decode(oracle_greedy(sd, ids, [1 / N_LOOPS] * N_LOOPS, 4)[0])
