@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -37,7 +38,8 @@ from vllm.sequence import IntermediateTensors
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
 from .modeling_loopformer import LoopFormerLoopConditioning
-from .vllm_plugin import server_trajectory
+from .vllm_plugin import max_request_loop_budget, server_trajectory
+from .vllm_requests import LoopPlan, requests_of
 
 
 # `rms_norm_eps=None`: float32's eps whatever the dtype, as `LoopFormerRMSNorm` (the reference's norms see float32).
@@ -107,12 +109,21 @@ class LoopFormerAttention(nn.Module):
             for step in range(num_steps)
         )
 
-    def forward(self, positions, hidden_states, step):
+    def forward(self, positions, hidden_states, step, active=None):
+        """`active`: (token indices, batch size) when `hidden_states` holds only the tokens whose budget reaches
+        this step. vLLM's attention metadata covers the whole batch, so the others enter it as zeros: they write
+        zeros to their slots of this step's cache, which their requests (budget <= step) never read."""
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        output, _ = self.o_proj(self.attn[step](q, k, v))
+        if active is None:
+            output = self.attn[step](q, k, v)
+        else:
+            index, num_tokens = active
+            q, k, v = (x.new_zeros(num_tokens, x.shape[-1]).index_copy_(0, index, x) for x in (q, k, v))
+            output = self.attn[step](q, k, v).index_select(0, index)
+        output, _ = self.o_proj(output)
         return output
 
 
@@ -145,14 +156,29 @@ class LoopFormerBlock(nn.Module):
                     self.post_attention_layernorm.weight * (1 + scale_mlp))
         return gate_attn, gate_mlp, 1 + scale_attn, 1 + scale_mlp
 
-    def forward(self, positions, hidden_states, step, adaln):
-        gate_attn, gate_mlp, weight_attn, weight_mlp = adaln
-        if gate_attn is not None:  # conditioned: this step's row of each
-            gate_attn, gate_mlp, weight_attn, weight_mlp = (v[step] for v in adaln)
-        attn_out = self.self_attn(positions, rms_norm(hidden_states, weight_attn, self.eps), step)
+    @staticmethod
+    def step_rows(adaln, step, trajectory_ids=None):
+        """This step's (gate_attn, gate_mlp, attention norm weight, MLP norm weight) from `adaln`: one row of each
+        (M, d) table, or with `trajectory_ids`, one row per token from (trajectories, M, d) tables."""
+        if adaln[0] is None:  # unconditioned: no gates, the norms' own weights
+            return adaln
+        if trajectory_ids is None:
+            return tuple(v[step] for v in adaln)
+        return tuple(v[:, step].index_select(0, trajectory_ids) for v in adaln)
+
+    def forward(self, positions, hidden_states, step, rows, active=None):
+        gate_attn, gate_mlp, weight_attn, weight_mlp = rows
+        attn_out = self.self_attn(positions, _norm(hidden_states, weight_attn, self.eps), step, active)
         hidden_states = hidden_states + attn_out if gate_attn is None else hidden_states.addcmul(gate_attn, attn_out)
-        mlp_out = self.mlp(rms_norm(hidden_states, weight_mlp, self.eps))
+        mlp_out = self.mlp(_norm(hidden_states, weight_mlp, self.eps))
         return hidden_states + mlp_out if gate_mlp is None else hidden_states.addcmul(gate_mlp, mlp_out)
+
+
+def _norm(x, weight, eps):
+    """`rms_norm`, also with one weight row per token (tokens of several trajectories)."""
+    if weight is not None and weight.dim() == 2:
+        return rms_norm(x, None, eps) * weight.to(x.dtype)
+    return rms_norm(x, weight, eps)
 
 
 class _NormWeight(nn.Module):
@@ -168,7 +194,11 @@ class LoopFormerModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        self.trajectory = server_trajectory(config, vllm_config.model_config.try_get_generation_config())
+        generation_config = vllm_config.model_config.try_get_generation_config()
+        self.trajectory = server_trajectory(config, generation_config)
+        # cache layers for the deepest trajectory a request may ask for; each request runs its own
+        self.num_steps = max_request_loop_budget(config, generation_config)
+        self.requests_key = id(vllm_config)  # where its requests' trajectories are (vllm_requests)
         quant_config, cache_config = vllm_config.quant_config, vllm_config.cache_config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
@@ -177,7 +207,7 @@ class LoopFormerModel(nn.Module):
                                                           prefix=f"{prefix}.embed_positions")
         self.loop_conditioning = LoopFormerLoopConditioning(config)
         self.layers = nn.ModuleList(
-            LoopFormerBlock(config, j, len(self.trajectory), cache_config, quant_config, f"{prefix}.layers.{j}",
+            LoopFormerBlock(config, j, self.num_steps, cache_config, quant_config, f"{prefix}.layers.{j}",
                             prefix)
             for j in range(config.num_hidden_layers)
         )
@@ -190,13 +220,56 @@ class LoopFormerModel(nn.Module):
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         if self.config.position_embedding_type == "learned":
             hidden_states = hidden_states + self.embed_positions(positions)
-        conditioning = self.loop_conditioning(self.trajectory, hidden_states.device, hidden_states.dtype)
+        plan = self.plan(hidden_states.shape[0], hidden_states.device)
         # every step's adaLN vectors at once: they depend on the trajectory alone
-        adaln = [block.adaln(conditioning, hidden_states.dtype) for block in self.layers]
-        for step in range(len(self.trajectory)):
-            for block, block_adaln in zip(self.layers, adaln):
-                hidden_states = block(positions, hidden_states, step, block_adaln)
+        adaln = [self.adaln(block, plan.trajectories, hidden_states) for block in self.layers]
+        if plan.uniform:
+            for step in range(len(plan.trajectories[0])):
+                for block, block_adaln in zip(self.layers, adaln):
+                    hidden_states = block(positions, hidden_states, step, block.step_rows(block_adaln, step))
+        else:
+            hidden_states = self.run_plan(plan, positions, hidden_states, adaln)
         return rms_norm(hidden_states, self.norm.weight, self.config.rms_norm_eps)
+
+    def plan(self, num_tokens, device):
+        """Which tokens run which trajectory in this forward (`LoopPlan`): the server's for every token, unless a
+        request in the batch asked for its own."""
+        requests = requests_of(self.requests_key)
+        metadata = get_forward_context().attn_metadata if requests is not None and requests.rows else None
+        if isinstance(metadata, dict):  # one per cache layer, the same rows for all: take step 0's
+            metadata = metadata.get(self.layers[0].self_attn.attn[0].layer_name)
+        if metadata is None or isinstance(metadata, list):  # a profiling run; micro-batches (not on CPU)
+            return LoopPlan([self.trajectory], None, device)
+        return LoopPlan.build(self.trajectory, requests.rows, metadata.query_start_loc.tolist(), num_tokens, device)
+
+    def adaln(self, block, trajectories, hidden_states):
+        """The block's adaLN tables: (M, d) for one trajectory, else (trajectories, deepest M, d), zero past a
+        trajectory's own budget."""
+        device, dtype = hidden_states.device, hidden_states.dtype
+        tables = [block.adaln(self.loop_conditioning(t, device, dtype), dtype) for t in trajectories]
+        if len(tables) == 1 or tables[0][0] is None:
+            return tables[0]
+        depth = max(map(len, trajectories))
+        return tuple(torch.stack([F.pad(t[i], (0, 0, 0, depth - t[i].shape[0])) for t in tables])
+                     for i in range(4))
+
+    def run_plan(self, plan, positions, hidden_states, adaln):
+        """The loop when requests of several trajectories share the batch: step i runs only the tokens whose budget
+        reaches it (gathered, then written back), each with its own trajectory's adaLN rows."""
+        num_tokens = hidden_states.shape[0]
+        for step, loop_step in enumerate(plan.steps):
+            index = loop_step.index
+            x = hidden_states if index is None else hidden_states.index_select(0, index)
+            x_positions = positions if index is None else positions.index_select(0, index)
+            active = None if index is None else (index, num_tokens)
+            for block, block_adaln in zip(self.layers, adaln):
+                if loop_step.trajectory_ids is None and block_adaln[0] is not None:
+                    rows = tuple(v[loop_step.trajectory_id, step] for v in block_adaln)
+                else:
+                    rows = block.step_rows(block_adaln, step, loop_step.trajectory_ids)
+                x = block(x_positions, x, step, rows, active)
+            hidden_states = x if index is None else hidden_states.index_copy(0, index, x)
+        return hidden_states
 
 
 class LoopFormerForCausalLM(nn.Module):

@@ -6,11 +6,32 @@ Nothing here imports vLLM's model code: the model class is registered by its imp
 `loopformer_hf.vllm_model` only when a LoopFormer checkpoint is loaded.
 """
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 # The `architectures` that this package's `save_pretrained` writes into config.json, and vLLM's model for each.
 VLLM_ARCHITECTURES = {"LoopFormerForCausalLM": "loopformer_hf.vllm_model:LoopFormerForCausalLM"}
 
 # Knobs of `LoopFormerForCausalLM.generate` that a LoopFormer server reads (--hf-overrides, generation_config.json).
 SERVER_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
+# What a request may set in `SamplingParams.extra_args` (the OpenAI server's `vllm_xargs`).
+REQUEST_KNOBS = ("loop_budget", "step_schedule")
+# --hf-overrides only: the largest budget a request may ask for (the server holds this many loop steps of KV cache).
+MAX_REQUEST_BUDGET_KNOB = "max_request_loop_budget"
+# The custom logits processor that carries each request's trajectory to the model (vLLM's V1 model runner).
+REQUESTS_LOGITS_PROCESSOR = "loopformer_hf.vllm_requests:LoopFormerRequestTrajectories"
+
+
+def server_knobs(hf_config, generation_config=None):
+    """The server's knobs: each from an attribute of `hf_config` set by `--hf-overrides`, else the checkpoint's
+    generation_config.json (`generation_config`, a dict), else None (the config's own default)."""
+    generation_config = generation_config or {}
+    knobs = {}
+    for name in SERVER_KNOBS:
+        value = getattr(hf_config, name, None)
+        knobs[name] = generation_config.get(name) if value is None else value
+    return knobs
 
 
 def server_trajectory(hf_config, generation_config=None):
@@ -25,11 +46,7 @@ def server_trajectory(hf_config, generation_config=None):
     - `cache_sharing="modulo"`: the shared slots are overwritten across decode steps in `generate`'s order, which
       paged attention does not reproduce.
     """
-    generation_config = generation_config or {}
-    knobs = {}
-    for name in SERVER_KNOBS:
-        value = getattr(hf_config, name, None)
-        knobs[name] = generation_config.get(name) if value is None else value
+    knobs = server_knobs(hf_config, generation_config)
     if knobs["halt_eps"] is not None:
         raise ValueError(
             f"halt_eps={knobs['halt_eps']!r} (per-token halting) is not supported by the vLLM LoopFormer model: vLLM "
@@ -46,6 +63,54 @@ def server_trajectory(hf_config, generation_config=None):
     return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
 
 
+def max_request_loop_budget(hf_config, generation_config=None):
+    """The largest loop budget a request may ask for: `--hf-overrides '{"max_request_loop_budget": N}'`, else the
+    larger of `num_loops` and the server's own budget. The model holds that many loop steps of paged KV cache."""
+    default = len(server_trajectory(hf_config, generation_config))
+    limit = getattr(hf_config, MAX_REQUEST_BUDGET_KNOB, None)
+    if limit is None:
+        return max(hf_config.num_loops, default)
+    limit = hf_config._check_budget(limit, MAX_REQUEST_BUDGET_KNOB)
+    if limit < default:
+        raise ValueError(f"`{MAX_REQUEST_BUDGET_KNOB}`={limit} is below the server's own loop budget {default}.")
+    return limit
+
+
+def request_trajectory(hf_config, generation_config, extra_args):
+    """The step sizes one request runs with, from its `SamplingParams.extra_args` (`loop_budget`, `step_schedule`),
+    or None when it asks for neither (the server's trajectory).
+
+    A knob the request leaves out comes from the server's knobs, as `generate` takes the generation config's: except
+    that a schedule list sets its own budget, and a budget alone takes the server's schedule only when that is a
+    preset name. Raises `ValueError` naming the bad value (checked as `generate` checks it), a budget above
+    `max_request_loop_budget`, and `halt_eps` (per-token halting is not served)."""
+    extra_args = extra_args or {}
+    if "halt_eps" in extra_args:
+        raise ValueError(f"halt_eps={extra_args['halt_eps']!r} (per-token halting) is not supported by the vLLM "
+                         f"LoopFormer model; ask for a fixed `loop_budget`.")
+    if not any(name in extra_args for name in REQUEST_KNOBS):
+        return None
+    knobs = server_knobs(hf_config, generation_config)
+    budget, schedule = extra_args.get("loop_budget"), extra_args.get("step_schedule")
+    if "step_schedule" not in extra_args and isinstance(knobs["step_schedule"], str):
+        schedule = knobs["step_schedule"]
+    if "loop_budget" not in extra_args and "step_schedule" not in extra_args:
+        budget = knobs["loop_budget"]
+    steps = hf_config.resolve_trajectory(budget, schedule)
+    limit = max_request_loop_budget(hf_config, generation_config)
+    if len(steps) > limit:
+        raise ValueError(
+            f"`loop_budget`={len(steps)} exceeds this server's largest per-request loop budget, {limit} (its KV "
+            f"cache holds {limit} loop steps; start it with --hf-overrides "
+            f"'{{\"{MAX_REQUEST_BUDGET_KNOB}\": {len(steps)}}}' to serve more).")
+    return steps
+
+
+# The model configs this process built a LoopFormer server from (the API server's, `LLM(...)`'s): the front-end's
+# admission check (`LoopFormerRequestTrajectories.validate_params`) is a classmethod and gets no config of its own.
+SERVED_MODEL_CONFIGS = []
+
+
 class LoopFormerServerConfig:
     """vLLM's per-architecture config hook (the `VerifyAndUpdateConfig` protocol of
     vllm.model_executor.models.config): vLLM calls it where the `ModelConfig` is built, in the user's own process
@@ -54,7 +119,21 @@ class LoopFormerServerConfig:
 
     @staticmethod
     def verify_and_update_config(vllm_config):
-        return None
+        """Per-request trajectories: the logits processor that carries them to the model (and checks them at
+        admission, in this process), and no prefix cache, since its blocks are keyed by token ids alone."""
+        model_config = vllm_config.model_config
+        max_request_loop_budget(model_config.hf_config, model_config.try_get_generation_config())
+        SERVED_MODEL_CONFIGS[:] = [model_config]  # the latest server of this process
+        processors = list(model_config.logits_processors or ())
+        if REQUESTS_LOGITS_PROCESSOR not in processors:
+            model_config.logits_processors = [*processors, REQUESTS_LOGITS_PROCESSOR]
+        if vllm_config.cache_config.enable_prefix_caching:
+            # KV computed under one trajectory is wrong under another, and vLLM 0.32 lets no model key its cached
+            # blocks by a request's sampling params (a request's `cache_salt` comes from the prompt, before any
+            # model hook sees the request); a cache hit would serve another trajectory's prompt KV.
+            logger.info("LoopFormer: prefix caching disabled (its blocks are keyed by token ids alone, and each "
+                        "request may run its own loop budget and schedule).")
+            vllm_config.cache_config.enable_prefix_caching = False
 
     @staticmethod
     def verify_and_update_model_config(model_config):

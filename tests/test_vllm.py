@@ -60,7 +60,25 @@ JOBS = {
     "base_M1": ("base", {}, (1, "uniform")),
     # a repo in the authors' Hub layout (their config keys and weight names): translated on load, as by from_pretrained
     "authors_M2": ("authors", {"loop_budget": 2}, (2, "uniform")),
+    # per-request trajectories (PER_REQUEST) next to the server's own, which stays the saved one
+    "lf_per_request": ("loopformer", {"max_request_loop_budget": 4}, (2, "coarse_to_fine")),
 }
+PER_REQUEST_JOB = "lf_per_request"
+# (prompt, loop_budget, step_schedule, engine step at which it arrives): budgets {1, 2, 4, L=3} under two schedules,
+# arriving while the earlier ones decode; None: no extra_args, the server's trajectory
+PER_REQUEST = [(p, budget, schedule, arrival)
+               for arrival, schedule in ((0, "uniform"), (3, "coarse_to_fine"), (6, "fine_to_coarse"))
+               for p, budget in enumerate((1, 2, 4, 3))] + [(0, None, None, 3), (2, None, None, 6)]
+# the same long prompt (more than a cache block) in turn under trajectories that differ, each after the previous ended
+PREFIX_SEQUENCE = [(2, "uniform"), (3, "uniform"), (2, "coarse_to_fine"), (2, "uniform")]
+PREFIX_BLOCK_SIZE = 32  # vLLM's CPU default, 128, is longer than any prompt here: no block would be reused
+BAD_REQUESTS = [  # extra_args -> what the refusal must say (each names the value)
+    ({"loop_budget": 0}, "`loop_budget` must be an integer >= 1, got 0"),
+    ({"loop_budget": 5}, "`loop_budget`=5 exceeds this server's largest per-request loop budget, 4"),
+    ({"step_schedule": [0.3, 0.3]}, "`step_schedule` must sum to 1 within 1e-06, got [0.3, 0.3]"),
+    ({"loop_budget": "two"}, "`loop_budget` must be an integer >= 1, got 'two'"),
+    ({"halt_eps": 0.1}, "halt_eps=0.1 (per-token halting) is not supported"),
+]
 SAMPLING_JOB = "lf_M3"  # also runs seeded sampling
 LLM_KWARGS = dict(dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
                   # the engine and its worker in this process: no ~30 s import of vLLM in two spawned processes
@@ -158,7 +176,7 @@ def drive(spec_path, out_path):
     for name, job in spec["jobs"].items():
         started = time.perf_counter()
         try:
-            llm = LLM(model=job["checkpoint"], hf_overrides=job["overrides"], **LLM_KWARGS)
+            llm = LLM(model=job["checkpoint"], hf_overrides=job["overrides"], **LLM_KWARGS, **job.get("llm", {}))
         except Exception as error:  # noqa: BLE001 -- recorded for the refusal test
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             continue
@@ -182,6 +200,8 @@ def drive(spec_path, out_path):
                                                                 max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
                                   use_tqdm=False)[0].outputs[0].token_ids)
                 for i in reversed(range(len(prompts)))][::-1]
+        if name == PER_REQUEST_JOB:
+            result.update(drive_per_request(llm, spec))
         results[name] = result
         del llm
         import gc
@@ -190,11 +210,58 @@ def drive(spec_path, out_path):
     json.dump(results, open(out_path, "w"))
 
 
+def drive_per_request(llm, spec):
+    """Per-request trajectories in one engine: PER_REQUEST arriving at their engine steps (continuous batching),
+    PREFIX_SEQUENCE one after another, and each of BAD_REQUESTS followed by a good request."""
+    from vllm import SamplingParams
+
+    def params(budget=None, schedule=None, **extra):
+        knobs = {k: v for k, v in (("loop_budget", budget), ("step_schedule", schedule)) if v is not None}
+        return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=1, ignore_eos=True,
+                              extra_args={**knobs, **extra} or None)
+
+    def tokens_and_logprobs(output):
+        out = output.outputs[0]
+        return list(out.token_ids), [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)]
+
+    engine, prompts = llm.llm_engine, [{"prompt_token_ids": ids} for ids in spec["prompt_ids"]]
+    finished, in_flight_at_arrival, step = {}, [], 0
+    while len(finished) < len(PER_REQUEST):
+        for i, (p, budget, schedule, arrival) in enumerate(PER_REQUEST):
+            if arrival == step:
+                in_flight_at_arrival.append(engine.get_num_unfinished_requests())
+                engine.add_request(str(i), prompts[p], params(budget, schedule))
+        finished.update((o.request_id, tokens_and_logprobs(o)) for o in engine.step() if o.finished)
+        step += 1
+    prefix_prompt = {"prompt_token_ids": spec["long_prompt_ids"]}
+    prefix = [tokens_and_logprobs(llm.generate([prefix_prompt], params(b, s), use_tqdm=False)[0])
+              for b, s in PREFIX_SEQUENCE]
+    refused = []
+    for extra_args, _ in BAD_REQUESTS:
+        try:
+            llm.generate([prompts[0]], SamplingParams(max_tokens=2, extra_args=extra_args), use_tqdm=False)
+            refused.append([None, None])
+        except Exception as error:  # noqa: BLE001 -- the message is the result
+            refused.append([f"{type(error).__name__}: {error}",
+                            tokens_and_logprobs(llm.generate([prompts[0]], params(1, "uniform"), use_tqdm=False)[0])])
+    return {"per_request": [finished[str(i)] for i in range(len(PER_REQUEST))],
+            "in_flight_at_arrival": in_flight_at_arrival, "prefix": prefix, "refused": refused,
+            "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
+
+
 def _prompt_ids(checkpoint):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def _long_prompt_ids(checkpoint):
+    """More than two cache blocks of PREFIX_BLOCK_SIZE tokens, with room for MAX_NEW_TOKENS in max_model_len."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(checkpoint)(_corpus(seed=1))["input_ids"]
+    return ids[:2 * PREFIX_BLOCK_SIZE + 8]
 
 
 @pytest.fixture(scope="session")
@@ -217,7 +284,9 @@ def vllm_results(checkpoints, halting_checkpoint, tmp_path_factory):
             for name, (ckpt, overrides, _) in JOBS.items()}
     jobs["halt_eps_refused"] = {"checkpoint": halting_checkpoint, "overrides": {}}
     jobs["bad_budget_refused"] = {"checkpoint": checkpoints["loopformer"], "overrides": {"loop_budget": 0}}
-    spec = {"jobs": jobs, "prompt_ids": _prompt_ids(checkpoints["loopformer"]), "sampling_job": SAMPLING_JOB}
+    jobs[PER_REQUEST_JOB]["llm"] = {"block_size": PREFIX_BLOCK_SIZE}
+    spec = {"jobs": jobs, "prompt_ids": _prompt_ids(checkpoints["loopformer"]), "sampling_job": SAMPLING_JOB,
+            "long_prompt_ids": _long_prompt_ids(checkpoints["loopformer"])}
     (root / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -251,6 +320,24 @@ def reference(checkpoint, loop_budget, step_schedule):
         logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
         chosen = logprobs.gather(-1, new[..., None])[..., 0]
         _REFERENCE[key] = (new.tolist(), chosen.tolist())
+    return _REFERENCE[key]
+
+
+def reference_solo(checkpoint, prompt_ids, loop_budget, step_schedule):
+    """`generate` on one prompt alone: (new tokens, their log-probabilities)."""
+    key = (checkpoint, tuple(prompt_ids), loop_budget, step_schedule)
+    if key not in _REFERENCE:
+        import loopformer_hf  # noqa: F401
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, loop_budget=loop_budget,
+                             step_schedule=step_schedule, return_dict_in_generate=True, output_logits=True,
+                             pad_token_id=model.config.pad_token_id)
+        new = out.sequences[0, ids.shape[1]:]
+        logprobs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
+        _REFERENCE[key] = (new.tolist(), logprobs.gather(-1, new[:, None])[:, 0].tolist())
     return _REFERENCE[key]
 
 
@@ -294,6 +381,46 @@ def test_halt_eps_and_bad_budgets_are_refused_with_a_message(vllm_results):
     assert "halt_eps=0.05" in vllm_results["halt_eps_refused"]["error"]
     assert "per-token halting" in vllm_results["halt_eps_refused"]["error"]
     assert "`loop_budget` must be an integer >= 1, got 0" in vllm_results["bad_budget_refused"]["error"]
+
+
+def _assert_matches(got, expected):
+    assert got[0] == expected[0]
+    torch.testing.assert_close(torch.tensor(got[1], dtype=torch.float64),
+                               torch.tensor(expected[1], dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_per_request_trajectories_equal_generate(vllm_results, checkpoints):
+    """Requests at budgets {1, 2, 4, L} under three schedules (and the server's own) in one engine, arriving while
+    others decode: each one's greedy tokens and log-probabilities are `generate`'s for its prompt alone."""
+    result, ckpt = vllm_results[PER_REQUEST_JOB], checkpoints["loopformer"]
+    prompt_ids = _prompt_ids(ckpt)
+    assert min(result["in_flight_at_arrival"][len(PROMPTS):]) > 0  # later arrivals joined a running batch
+    for (p, budget, schedule, _), got in zip(PER_REQUEST, result["per_request"]):
+        budget, schedule = budget or 2, schedule or "coarse_to_fine"
+        _assert_matches(got, reference_solo(ckpt, prompt_ids[p], budget, schedule))
+        # another budget's log-probabilities are far off: the match tells the trajectories apart
+        other = reference_solo(ckpt, prompt_ids[p], 3 if budget == 1 else 1, "uniform")
+        assert (torch.tensor(got[1]) - torch.tensor(other[1])).abs().max() > 100 * LOGPROB_ATOL
+
+
+def test_prefix_cache_never_serves_another_trajectory(vllm_results, checkpoints):
+    """One long prompt (more than two cache blocks) at budget 2, then L, then under another schedule, then at 2
+    again: every run is `generate`'s, though vLLM keys its cached blocks by token ids alone."""
+    result, ckpt = vllm_results[PER_REQUEST_JOB], checkpoints["loopformer"]
+    long_prompt = _long_prompt_ids(ckpt)
+    assert len(long_prompt) > 2 * PREFIX_BLOCK_SIZE
+    for (budget, schedule), got in zip(PREFIX_SEQUENCE, result["prefix"]):
+        _assert_matches(got, reference_solo(ckpt, long_prompt, budget, schedule))
+    assert result["prefix_caching"] is False  # how: the plugin turns vLLM's prefix cache off
+
+
+def test_bad_request_knobs_fail_that_request_at_admission(vllm_results, checkpoints):
+    """Each bad value fails its own request with a message naming it; the engine serves the next request exactly."""
+    result, ckpt = vllm_results[PER_REQUEST_JOB], checkpoints["loopformer"]
+    expected = reference_solo(ckpt, _prompt_ids(ckpt)[0], 1, "uniform")
+    for (extra_args, message), (error, after) in zip(BAD_REQUESTS, result["refused"]):
+        assert error is not None and message in error, (extra_args, error)
+        _assert_matches(after, expected)
 
 
 @pytest.mark.parametrize("overrides,message", [
