@@ -466,7 +466,7 @@ class LoopFormerConfig(PreTrainedConfig):
 
         A schedule list alone sets the budget; a preset name uses `loop_budget` (or the config default). A budget
         that disagrees with the schedule's length, and every malformed value, raises `ValueError`. A budget above
-        `num_loops` or a step off the 1/L grid is allowed with one warning (extrapolation).
+        `num_loops`, or a trajectory the variant was not trained for, is allowed with one warning (`_warn_if_extrapolating`).
         """
         if loop_budget is not None:
             loop_budget = self._check_budget(loop_budget)
@@ -524,20 +524,28 @@ class LoopFormerConfig(PreTrainedConfig):
         return [float(s) for s in schedule]
 
     def _warn_if_extrapolating(self, steps):
-        L = self.num_loops
-        off_grid = any(abs(s * L - round(s * L)) > 1e-6 for s in steps)
-        if len(steps) <= L and not off_grid:
-            return
-        key = (L, tuple(round(s, 9) for s in steps))
+        """One warning per variant and trajectory that the model was not trained for, saying why for the variant:
+        LoopFormer interpolates Δ for a uniform budget M <= L (the paper's elastic budgets, silent) but not beyond L
+        or off the grid of a given schedule; TMLT and Base-Loop have no Δ, so every M != L is a count never run."""
+        L, M = self.num_loops, len(steps)
+        if self.loop_conditioning == "shortcut":
+            uniform = all(abs(s - steps[0]) <= SCHEDULE_SUM_TOLERANCE for s in steps)
+            off_grid = not uniform and any(abs(s * L - round(s * L)) > 1e-6 for s in steps)
+            if M <= L and not off_grid:
+                return
+            reason = (f"LoopFormer trajectory {[round(s, 6) for s in steps]} extrapolates beyond training (" +
+                      (f"budget {M} > num_loops {L})." if M > L else f"steps off the 1/{L} grid it was trained on)."))
+        else:
+            if M == L:
+                return
+            variant = "TMLT" if self.loop_conditioning == "timestep" else "Base-Loop"
+            reason = (f"{variant} was trained at exactly num_loops={L} loop steps and has no step-size conditioning to "
+                      f"interpolate: loop_budget={M} is a loop count it never ran.")
+        key = (self.loop_conditioning, L, tuple(round(s, 9) for s in steps))
         if key in _warned_trajectories:
             return
         _warned_trajectories.add(key)
-        reason = f"budget {len(steps)} > num_loops {L}" if len(steps) > L else f"steps off the 1/{L} grid"
-        warnings.warn(
-            f"LoopFormer trajectory {[round(s, 6) for s in steps]} extrapolates beyond training ({reason}).",
-            UserWarning,
-            stacklevel=3,
-        )
+        warnings.warn(reason, UserWarning, stacklevel=3)
 
 
 __all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "HALT_CRITERIA",

@@ -481,3 +481,32 @@ def test_a_half_precision_model_computes_what_autocast_computes(dtype):
     autocast_error = (autocast - fp32).abs().max()
     assert autocast_error > 0  # the comparison has a scale
     assert (cast - fp32).abs().max() <= 2 * autocast_error
+
+
+def test_the_untrained_trajectory_warning_says_what_is_true_for_the_variant(monkeypatch):
+    """LoopFormer interpolates Δ: a uniform budget M <= L (the README's loop_budget=2 on the Quickstart's L=3) is
+    silent. Base-Loop and TMLT have no Δ: every M != L, on the 1/L grid or not, is a loop count never run, said once
+    per trajectory with the variant's name."""
+    from tiny_models import tiny_loopformer_config
+
+    def tiny_loopformer(**overrides):
+        return loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(**overrides)).eval()
+
+    monkeypatch.setattr(configuration_loopformer, "_warned_trajectories", set())
+    ids = torch.randint(3, 97, (1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_loopformer(num_loops=3)(ids, loop_budget=2)
+    for conditioning, variant in (("none", "Base-Loop"), ("timestep", "TMLT")):
+        model = tiny_loopformer(num_loops=8, loop_conditioning=conditioning, block_norm_weight=conditioning == "none")
+        for budget in (2, 3, 4):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model(ids, loop_budget=budget)
+                model(ids, loop_budget=budget)
+            said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+            assert said == [f"{variant} was trained at exactly num_loops=8 loop steps and has no step-size "
+                            f"conditioning to interpolate: loop_budget={budget} is a loop count it never ran."], said
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(ids, loop_budget=8)
