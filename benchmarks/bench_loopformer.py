@@ -86,8 +86,9 @@ def count_params(model):
 # ---- timing --------------------------------------------------------------------------------------------------------
 
 
-def interleaved(fns, repeats, warmup=1):
-    """Run every callable `warmup` times, then `repeats` rounds in alternating order; seconds per call by name."""
+def interleaved(fns, repeats, warmup=1, clock=time.perf_counter):
+    """Run every callable `warmup` times, then `repeats` rounds in alternating order; seconds per call by name
+    (`clock`: wall time, or e.g. `time.process_time`, this process's CPU time, on a machine others load)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -96,9 +97,9 @@ def interleaved(fns, repeats, warmup=1):
     for r in range(repeats):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
@@ -271,12 +272,29 @@ def format_table(report):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", default=DEFAULT_OUTPUT, help=f"JSON file to write (default: {DEFAULT_OUTPUT})")
+def timing_arguments(doc, default_output, repeats_help):
+    """The options every timing script here takes: --output, --quick, --threads, --repeats."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--output", default=default_output, help=f"JSON file to write (default: {default_output})")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run (timings meaningless)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1, the least noisy)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds per measurement (default: 5; 2 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    return p
+
+
+def write_report(report, output, table):
+    """Print `table`, write `report` as JSON to `output` (its folder made)."""
+    print()
+    print(table)
+    out_dir = os.path.dirname(os.path.abspath(output))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(output, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {output} ({report['wall_s']:.0f} s)")
+
+
+def main(argv=None):
+    p = timing_arguments(__doc__, DEFAULT_OUTPUT, "rounds per measurement (default: 5; 2 with --quick)")
     p.add_argument("--repeats_long", type=int, default=None,
                    help="rounds for the long cached-vs-uncached pair (default: 3; 2 with --quick)")
     p.add_argument("--position_embedding", default="rope", choices=("rope", "learned"),
@@ -304,13 +322,7 @@ def main(argv=None):
         wall_s=time.time() - start,
         **report,
     )
-    print()
-    print(format_table(report))
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {args.output} ({report['wall_s']:.0f} s)")
+    write_report(report, args.output, format_table(report))
     return 0
 
 

@@ -130,7 +130,8 @@ def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
     for name, values in (("loop_budget", budgets), ("step_schedule", schedules)):
         if values is not None and batch_size is not None and len(values) != batch_size:
             raise ValueError(f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
-                             f"give one value per row, or one value for the batch.")
+                             f"give one value per row, or one value for the batch (generate's num_return_sequences "
+                             f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated).")
     rows = max(len(budgets or ()), len(schedules or ()))
     trajectories = []
     for b in range(rows):

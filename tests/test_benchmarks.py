@@ -55,6 +55,20 @@ def test_bad_arguments_are_rejected(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_mixed_budgets_quick_run_is_exact(tmp_path):
+    """bench_mixed_budgets times every side and checks every mixed row's tokens against its budget's batch."""
+    out = tmp_path / "mixed.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_mixed_budgets", "--quick", "--output", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["rows_equal_to_their_budget"] == {"mixed": report["rows"], "mixed_dense": report["rows"]}
+    assert sorted(report["results"]) == ["all_1", "all_L", "mixed", "mixed_dense"]
+    for name in ("all_1", "mixed", "mixed_dense"):
+        assert math.isfinite(report["results"][name]["tokens_per_s_over_all_L"])
+        assert name in proc.stdout
+
+
 def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
     benchmarks add (static cache, compiled decoding, shared cache)."""
