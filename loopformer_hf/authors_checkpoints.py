@@ -452,23 +452,24 @@ def our_name(key, renames):
     return key.replace(FUSED_QKV[0], FUSED_QKV[1][0])
 
 
-def mapped_reference_state_dict(state_dict, config=None):
-    """Their state dict (wrapper prefix allowed) under our names, by the same table (vLLM's loader and the converter's
-    `.pt` path read tensors themselves); the tied `lm_head.weight` is dropped when the embedding is there."""
+def map_names(state_dict):
+    """(their name, ours, tensor) for every tensor of their state dict (wrapper prefix allowed), by the same table
+    transformers loads with: the fused c_attn yields three rows. For the readers that hold tensors themselves
+    (vLLM's loader, the converter's `.pt` path)."""
     prefix = wrapper_prefix(state_dict)
-    names = set(strip_wrapper_prefixes(dict.fromkeys(state_dict)))
+    renames = _renames(prefix, set(strip_wrapper_prefixes(dict.fromkeys(state_dict))))
     parts = FUSED_QKV[1]
-    renames, out = _renames(prefix, names), {}
     for key, tensor in state_dict.items():
         name = our_name(key, renames)
-        if name == "lm_head.weight":
-            continue
         if parts[0] in name:
-            for part, chunk in zip(parts, tensor.chunk(3, dim=0)):
-                out[name.replace(parts[0], part)] = chunk
+            yield from ((key, name.replace(parts[0], part), chunk) for part, chunk in zip(parts, tensor.chunk(3)))
         else:
-            out[name] = tensor
-    return out
+            yield key, name, tensor
+
+
+def mapped_reference_state_dict(state_dict, config=None):
+    """Their state dict under our names (`map_names`); the tied `lm_head.weight` is dropped (the embedding holds it)."""
+    return {name: tensor for _, name, tensor in map_names(state_dict) if name != "lm_head.weight"}
 
 
 def _check_tied_head(path, prefix, names, hub_kwargs):

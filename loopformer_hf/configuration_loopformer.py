@@ -538,7 +538,7 @@ class LoopFormerConfig(PreTrainedConfig):
         else:
             if M == L:
                 return
-            variant = "TMLT" if self.loop_conditioning == "timestep" else "Base-Loop"
+            variant = "TMLT" if self.loop_conditioning == "timestep" else "Base" if L == 1 else "Base-Loop"
             reason = (f"{variant} was trained at exactly num_loops={L} loop steps and has no step-size conditioning to "
                       f"interpolate: loop_budget={M} is a loop count it never ran.")
         key = (self.loop_conditioning, L, tuple(round(s, 9) for s in steps))

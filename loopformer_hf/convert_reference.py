@@ -50,7 +50,7 @@ import sys
 
 import torch
 
-from .authors_checkpoints import MODEL_TYPES
+from .authors_checkpoints import MODEL_TYPES, map_names
 from .configuration_loopformer import LoopFormerConfig
 from .modeling_loopformer import LoopFormerForCausalLM
 
@@ -62,8 +62,6 @@ SAFETENSORS_EXTENSIONS = (".safetensors",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SHARED_BLOCK_KEY = re.compile(r"^transformer\.h\.blocks\.(\d+)\.(.+)$")
 _LIST_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
-_BLOCK_NORMS = {"norm_1.weight": "input_layernorm.weight", "norm_2.weight": "post_attention_layernorm.weight"}
-_LINEARS = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 
 
 # ---- reading the checkpoint --------------------------------------------------------------------------------------
@@ -167,81 +165,43 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
     )
 
 
-def _map_block_key(rest, tensor, key, prefix, config, put, problems):
-    """Map the reference key `key` of a block (`rest` after its block prefix) with `put`, or note its problem; False
-    for a key the reference's blocks do not have."""
-    d = config.hidden_size
-    module, _, kind = rest.rpartition(".")  # kind: weight or bias (config.bias=True in the reference)
-    if module == "attn.c_attn" and kind in ("weight", "bias"):
-        if tensor.shape[0] != 3 * d or tensor.dim() != (2 if kind == "weight" else 1):
-            expected = f"({3 * d}, {d})" if kind == "weight" else f"({3 * d},)"
-            problems.append(f"{key}: fused qkv must have shape {expected}, got {tuple(tensor.shape)}")
-            return True
-        for name, part in zip("qkv", tensor.split(d, dim=0)):
-            put(f"{prefix}self_attn.{name}_proj.{kind}", part, key)
-    elif module in _LINEARS and kind in ("weight", "bias"):
-        put(f"{prefix}{_LINEARS[module]}.{kind}", tensor, key)
-    elif rest in ("adaLN_modulation.1.weight", "adaLN_modulation.1.bias"):
-        put(prefix + rest, tensor, key)
-    elif rest in _BLOCK_NORMS:
-        put(prefix + _BLOCK_NORMS[rest], tensor, key)
-    elif rest == "attn.bias":  # nanoGPT's causal mask buffer (no flash attention): not a weight
-        n = config.max_position_embeddings
-        if tuple(tensor.shape) != (1, 1, n, n):
-            problems.append(f"{key}: causal-mask buffer must have shape (1, 1, {n}, {n}), got {tuple(tensor.shape)}")
-    else:
-        return False
-    return True
-
-
 def map_reference_state_dict(reference, config, model_type="loopformer"):
-    """Map reference keys onto `LoopFormerForCausalLM` keys. Raises `ValueError` listing every problem at once."""
+    """Map reference keys onto `LoopFormerForCausalLM` keys by the table `from_pretrained` loads their Hub repos with
+    (`authors_checkpoints.map_names`), every key checked. Raises `ValueError` listing every problem at once."""
     plain_list = _check_model_type(model_type)[2]
-    block_key, other_layout = _SHARED_BLOCK_KEY, _LIST_BLOCK_KEY
-    if plain_list:
-        block_key, other_layout = other_layout, block_key
-    mapped, unknown, problems = {}, [], []
-
-    def put(new_key, tensor, source):
-        mapped[new_key] = (tensor, source)
-
-    for key, tensor in reference.items():
-        block = block_key.match(key)
-        if key == "transformer.wte.weight":
-            put("model.embed_tokens.weight", tensor, key)
-        elif key == "transformer.wpe.weight":
-            put("model.embed_positions.weight", tensor, key)
-        elif key == "transformer.norm_f.weight":
-            put("model.norm.weight", tensor, key)
-        elif key == "lm_head.weight":
-            continue  # tied; checked against wte below
-        elif re.fullmatch(r"(time|dt)_embedder\.mlp\.[02]\.(weight|bias)", key):
-            put(f"model.loop_conditioning.{key}", tensor, key)
-        elif not (block and _map_block_key(block.group(2), tensor, key, f"model.layers.{block.group(1)}.", config,
-                                           put, problems)):
-            unknown.append(key)
-
+    block_key, other_layout = (_LIST_BLOCK_KEY, _SHARED_BLOCK_KEY) if plain_list else (_SHARED_BLOCK_KEY, _LIST_BLOCK_KEY)
+    d, n = config.hidden_size, config.max_position_embeddings
+    unknown, problems, reference = [], [], dict(reference)
+    for key in [k for k in reference if (m := block_key.match(k)) and m.group(2) == "attn.bias"]:
+        # nanoGPT's causal-mask buffer (no flash attention): not a weight
+        if tuple(reference.pop(key).shape) != (1, 1, n, n):
+            problems.append(f"{key}: causal-mask buffer must have shape (1, 1, {n}, {n})")
+    for key in [k for k in reference if (m := block_key.match(k)) and m.group(2).startswith("attn.c_attn.")]:
+        if reference[key].shape[0] != 3 * d:
+            expected = f"({3 * d}, {d})" if key.endswith("weight") else f"({3 * d},)"
+            problems.append(f"{key}: fused qkv must have shape {expected}, got {tuple(reference.pop(key).shape)}")
     if "lm_head.weight" in reference and "transformer.wte.weight" in reference:
-        head, wte = reference["lm_head.weight"], reference["transformer.wte.weight"]
+        head, wte = reference.pop("lm_head.weight"), reference["transformer.wte.weight"]
         if head.shape != wte.shape or not torch.equal(head, wte):
             problems.append("lm_head.weight differs from transformer.wte.weight; the reference ties them and so does "
                             "the converted model (tie_word_embeddings=True)")
-
+    unknown += [key for key in reference if other_layout.match(key)]
     model_shapes = _expected_shapes(config)
-    for new_key in mapped:
-        if new_key not in model_shapes:
-            unknown.append(mapped[new_key][1])
-    missing = sorted(key for key in model_shapes if key not in mapped and key != "lm_head.weight")
-    for new_key, (tensor, source) in mapped.items():
-        expected = model_shapes.get(new_key)
-        if expected is not None and tuple(tensor.shape) != expected:
-            problems.append(f"{source} -> {new_key}: checkpoint shape {tuple(tensor.shape)}, model expects {expected}")
+    mapped = {}
+    for source, name, tensor in map_names({k: v for k, v in reference.items() if not other_layout.match(k)}):
+        if name not in model_shapes:
+            unknown.append(source)
+            continue
+        mapped[name] = tensor
+        if tuple(tensor.shape) != model_shapes[name]:
+            problems.append(f"{source} -> {name}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                            f"{model_shapes[name]}")
         if not tensor.is_floating_point():
             problems.append(f"{source}: dtype {tensor.dtype} is not a floating-point type")
-
+    missing = sorted(key for key in model_shapes if key not in mapped and key != "lm_head.weight")
     if unknown or missing or problems:
         raise _mismatch_error(config, model_type, plain_list, other_layout, unknown, missing, problems)
-    return {new_key: tensor for new_key, (tensor, _) in mapped.items()}
+    return mapped
 
 
 def _mismatch_error(config, model_type, plain_list, other_layout, unknown, missing, problems):
