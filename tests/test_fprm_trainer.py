@@ -8,6 +8,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import TrainerCallback as TransformersCallback
 
+from bad_input_table import REPO
 from benchmarks.bench_fprm_memory import train_memory
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
 from tiny_models import sequence_fprm_config, tiny_fprm
@@ -98,6 +99,15 @@ def test_truncated_bptt_memory_is_flat_in_the_loop_cap_and_full_bptt_is_not(tmp_
     assert t8["iterations_per_sample"] == 8 and t64["iterations_per_sample"] == 64 == f64["iterations_per_sample"]
     assert t64["saved_activation_bytes"] / t8["saved_activation_bytes"] <= 1.2
     assert f64["saved_activation_bytes"] / f8["saved_activation_bytes"] > 4
+
+
+def test_the_model_reference_says_that_gradient_checkpointing_is_refused_and_why():
+    # docs/fprm_model.md did not say it, nor that truncated BPTT bounds the memory instead (the test above)
+    with pytest.raises(ValueError, match="does not support activation checkpointing") as refusal:
+        tiny_fprm().gradient_checkpointing_enable()
+    doc = " ".join((REPO / "docs" / "fprm_model.md").read_text().split())
+    assert f"`model.gradient_checkpointing_enable()` raises `ValueError: {refusal.value}`" in doc
+    assert "truncated BPTT keeps the autograd graph of `--n_backward` solver iterations per step" in doc
 
 
 def test_stablemax_cross_entropy_matches_its_definition():
