@@ -116,7 +116,7 @@ def sudoku_stability(a):
                    "--time_budget_minutes", str(a.sudoku_minutes * a.scale), "--num_test", str(a.sudoku_num_test),
                    # the curve's last point is "always run the cap" (256), so no second run of a 200 cap
                    "--compare_cap", "false", "--eval_iterations_curve",
-                   ",".join(map(str, CURVE)), "--output_dir", out_dir, *flags]
+                   ",".join(map(str, CURVE)), "--output_dir", out_dir, "--overwrite_output_dir", "true", *flags]
             os.makedirs(out_dir, exist_ok=True)
             log = open(out_dir + ".log", "w")
             print("running:", " ".join(cmd[1:]))
@@ -287,7 +287,7 @@ def train_preset(a, preset, name, extra_flags=()):
     out_dir = os.path.join(a.output_dir, name)
     cmd = [sys.executable, "-m", "looped_training.fprm.train", "--preset", preset, "--seed", str(a.seed),
            "--compare_cap", "false", "--save_strategy", "steps", "--save_steps", str(a.save_steps),
-           "--logging_steps", "50", "--output_dir", out_dir, *extra_flags]
+           "--logging_steps", "50", "--output_dir", out_dir, "--overwrite_output_dir", "true", *extra_flags]
     results_path = os.path.join(out_dir, "results.json")
     t0 = time.perf_counter()
     if not (a.reuse and os.path.exists(results_path)):

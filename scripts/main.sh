@@ -31,7 +31,7 @@ export OMP_NUM_THREADS=1
 COMMON=(--config training/configs/loopformer/synthetic-tiny.yaml --max_steps "$STEPS" --warmup_steps "$WARMUP"
         --num_loops "$LOOPS" --max_depth "$DEPTH"
         --per_device_train_batch_size "$BATCH" --seed "$SEED" --shortcut_seed "$SEED"
-        --save_steps 1000 --save_total_limit 1)
+        --save_steps 1000 --save_total_limit 1 --overwrite_output_dir true)  # a second run trains afresh
 mkdir -p "$OUT"
 START=$(date +%s)
 echo "== training Base-Loop in the background (log: $OUT/base_loop.log) and LoopFormer in the foreground"

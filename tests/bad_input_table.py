@@ -236,6 +236,100 @@ def earlier_lora(tmp):
     return folder
 
 
+# ---- training runs over a saved run, and output folders a run may not write (tests/test_output_dir.py) -------------
+
+def saved_run_folder(tmp, *names):
+    """An --output_dir holding what a run saved: `names` (one ending in "/" is a folder)."""
+    folder = Path(tmp) / "run"
+    folder.mkdir()
+    for name in names:
+        if name.endswith("/"):
+            (folder / name).mkdir()
+        else:
+            file_in(folder, name, b"{}")
+    return folder
+
+
+# Linux capabilities by which root writes where the permission bits say no: CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH,
+# CAP_FOWNER (the ones `setpriv --bounding-set -dac_override,-dac_read_search,-fowner` takes from a new process)
+ROOT_OVERRIDES = (1 << 1) | (1 << 2) | (1 << 3)
+
+
+@contextlib.contextmanager
+def without_root_override():
+    """Run the block as a user without root's override of permission bits: this thread's effective capabilities
+    lose `ROOT_OVERRIDES` until it ends (capget/capset, per thread and reversible; a user who is not root has none)."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words per set
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    effective = data[0].effective
+    data[0].effective &= ~ROOT_OVERRIDES
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    try:
+        yield
+    finally:
+        data[0].effective = effective
+        libc.capset(ctypes.byref(header), data)
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """`folder` with mode 555 for the block, as a user without root's override (its mode is restored after)."""
+    folder.chmod(0o555)
+    try:
+        with without_root_override():
+            yield folder
+    finally:
+        folder.chmod(0o755)
+
+
+def train_unwritable(train, where, *argv):
+    """run(tmp) of `train` (TRAIN or FPRM_TRAIN) with an --output_dir it may not write: `where` "parent" (a new
+    folder in a read-only one) or "folder" (a read-only one)."""
+    def run(tmp):
+        parent = Path(tmp) / "read-only"
+        parent.mkdir()
+        with read_only(parent):
+            train("--output_dir", str(parent / "run" if where == "parent" else parent), *argv)(tmp)
+    return run
+
+
+def made_read_only_mid_run(tmp, *argv):
+    """A tiny LoopFormer run (tests/test_resume.py's, checkpoints at steps 3 and 6) whose --output_dir becomes
+    read-only at step 4, after its checkpoint-3, as a user without root's override; returns the folder if it ends."""
+    import transformers
+
+    from test_resume import run
+
+    out = Path(tmp) / "run"
+    original = transformers.Trainer.training_step
+
+    def step(self, *args, **kwargs):
+        if self.state.global_step == 4 and out.stat().st_mode & 0o200:
+            out.chmod(0o555)
+        return original(self, *args, **kwargs)
+
+    transformers.Trainer.training_step = step
+    try:
+        with without_root_override():
+            run(out, *argv)
+    finally:
+        transformers.Trainer.training_step = original
+        if out.exists():
+            out.chmod(0o755)
+    return out
+
+
 # a tiny FPRM run: a refused flag must stop it before any work (tests/test_cli_faults.py checks that too)
 FPRM_TINY = ["--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
              "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
@@ -554,6 +648,36 @@ CASES = [
         ("--num_train", "8", r"`--num_train` must be >= 16 .*got 8"),  # trained 0 steps, then "succeeded"
         ("--num_train", "0", r"`--num_train` must be >= 16 .*got 0"),  # was the sampler's error
     )),
+    # a run over a saved run, an output folder the run may not write (tests/test_output_dir.py runs them for real)
+    Case("loopformer.train", "--output_dir of a finished run, again (no --resume_from_checkpoint)",
+         lambda t: TRAIN("--output_dir", str(saved_run_folder(t, "trainer_state.json", "config.json",
+                                                               "model.safetensors", "checkpoint-6/")))(t), ValueError,
+         r"run' already holds a run \(trainer_state\.json, config\.json, model\.safetensors, checkpoint-6\): a new run "
+         r"would train over it\. Give --resume_from_checkpoint last .*--overwrite_output_dir to delete it"),
+    Case("fprm.train", "--output_dir of a finished run, again (no --resume_from_checkpoint)",
+         lambda t: FPRM_TRAIN(*FPRM_TINY, "--output_dir", str(saved_run_folder(t, "trainer_state.json", "results.json",
+                                                                               "model/")))(t), ValueError,
+         r"already holds a run \(trainer_state\.json, results\.json, model\).*--resume_from_checkpoint last.*"
+         r"--overwrite_output_dir"),
+    Case("loopformer.train", "--output_dir of an unfinished run (checkpoint-3), again",
+         lambda t: TRAIN("--output_dir", str(saved_run_folder(t, "checkpoint-3/")))(t), ValueError,
+         r"already holds a run \(checkpoint-3\).*--resume_from_checkpoint last to continue it"),
+    Case("loopformer.train", "--overwrite_output_dir --resume_from_checkpoint last",
+         TRAIN("--output_dir", "{tmp}/run", "--overwrite_output_dir", "--resume_from_checkpoint", "last"), ValueError,
+         r"--overwrite_output_dir .* and --resume_from_checkpoint last \(continue a run\) do not combine"),
+    Case("loopformer.train", "--output_dir in a read-only folder", train_unwritable(TRAIN, "parent"),
+         PermissionError, r"--output_dir .*read-only/run cannot be created: .*read-only is not writable \(Permission "
+                           r"denied\); give an --output_dir in a folder you can write"),
+    Case("fprm.train", "--output_dir a read-only folder", train_unwritable(FPRM_TRAIN, "folder", *FPRM_TINY),
+         PermissionError, r"--output_dir .*read-only is not writable \(Permission denied: .*training\.lock\); make "
+                           r"it writable"),
+    Case("loopformer.train", "--output_dir made read-only during the run (after checkpoint-3)",
+         made_read_only_mid_run, PermissionError,
+         r"A write in --output_dir .*run was refused during the run \(Permission denied: .*run/checkpoint-6\): the "
+         r"last complete checkpoint is .*run/checkpoint-3\. Make it writable and run the same command with "
+         r"--resume_from_checkpoint last"),
+    Case(f"{FP} model", "gradient_checkpointing_enable()", lambda t: fprm().gradient_checkpointing_enable(), ValueError,
+         r"FPRMForReasoning does not support activation checkpointing"),
     Case("publish", "--repo_id without an owner", PUBLISH("--checkpoint", "{tmp}", "--repo_id", "name"), SystemExit,
          r"--repo_id must be 'owner/name', got 'name'"),
     Case("publish", "--checkpoint a folder with no config.json", PUBLISH("--checkpoint", "{tmp}", "--repo_id", "o/n"),
@@ -639,6 +763,28 @@ HANDLED = [
             "refused while fresh (its writer may be filling it in), with a message that says how to take it over; "
             "taken over with a warning once 30 s old",
             "tests/test_locks.py::test_an_empty_or_garbage_lock_is_refused_while_fresh_and_taken_over_when_old"),
+    Handled("both trainers", "`--overwrite_output_dir` on an --output_dir that holds a run",
+            "trains a new run there after deleting the old run's checkpoint-N folders, final model and records (a "
+            "warning lists them), so that no later resume takes the old run's checkpoints",
+            "tests/test_output_dir.py::test_overwrite_output_dir_deletes_the_old_run_and_trains_a_new_one"),
+    Handled("both trainers", "`--resume_from_checkpoint last` where the last checkpoint's loopformer_training.json "
+            "(or any JSON file of it) is truncated",
+            "that checkpoint is skipped with a warning naming the file, as a truncated model, optimizer, RNG, scheduler "
+            "or trainer_state file is; the run resumes from the one before (given by path: `CheckpointError` naming "
+            "the file)",
+            "tests/test_resume.py::"
+            "test_a_truncated_run_record_in_the_last_checkpoint_is_skipped_with_a_warning_naming_it"),
+    Handled("both trainers", "Ctrl-C (SIGINT)",
+            "one line `interrupted (Ctrl-C): the last complete checkpoint is ...` with `--resume_from_checkpoint last` "
+            "to go on from it (or that nothing is saved to resume), exit 130, training.lock released (was a 42-line "
+            "KeyboardInterrupt traceback, exit -2)",
+            "tests/test_locks.py::test_ctrl_c_ends_a_run_in_one_line_that_names_its_last_checkpoint_with_exit_130"),
+    Handled("fprm.train", "matplotlib not installed",
+            "trains, saves and evaluates; the last line says that plots need matplotlib, the package's [train] extra",
+            "tests/test_cli_faults.py::test_fprm_train_without_matplotlib_says_that_plots_need_the_train_extra"),
+    Handled("both trainers", "no accelerator, without `--use_cpu`",
+            "no pinned memory is asked for (`dataloader_pin_memory` off), so torch's pin_memory UserWarning is not "
+            "printed", "tests/test_cli_faults.py::test_no_pin_memory_warning_without_an_accelerator"),
     Handled(LF, "a shortcut run killed and resumed (`log_trajectories_dir`)",
             "the trajectory log is appended: it holds every micro-batch of the run exactly once",
             "tests/test_resume.py::test_killed_run_resumes_to_the_same_loss_curve_and_trajectories"),

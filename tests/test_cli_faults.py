@@ -121,6 +121,16 @@ def test_fprm_train_takes_a_zero_time_budget_as_none_over_a_presets():
     assert eval_args.time_budget_minutes == 0  # `main` adds no TimeBudgetCallback for it
 
 
+def _fprm_train(tmp_path, *flags):
+    from looped_training.fprm import train as train_fprm
+
+    threads = torch.get_num_threads()
+    try:  # --torch_threads 1 sets it for the whole process: later tests compare against a fresh process's logits
+        return train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path), *flags])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fprm_train_saves_the_model_before_the_evaluation(tmp_path, monkeypatch):
     # save_pretrained was the last line: any evaluation error lost the trained model
     from fprm_hf import FPRMForReasoning
@@ -130,13 +140,27 @@ def test_fprm_train_saves_the_model_before_the_evaluation(tmp_path, monkeypatch)
         raise RuntimeError("evaluation failed")
 
     monkeypatch.setattr(train_fprm, "evaluate", failing_evaluate)
-    threads = torch.get_num_threads()
-    try:
-        with pytest.raises(RuntimeError, match="evaluation failed"):
-            train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path)])
-    finally:  # --torch_threads 1 sets it for the whole process: later tests compare against a fresh process's logits
-        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        _fprm_train(tmp_path)
     assert FPRMForReasoning.from_pretrained(tmp_path / "model").config.hidden_size == 32
+
+
+def test_fprm_train_without_matplotlib_says_that_plots_need_the_train_extra(tmp_path, monkeypatch, capsys):
+    # its last line was "wrote .../results.json, model/ and plots: " with an empty list
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed: import raises ImportError
+    _fprm_train(tmp_path)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"wrote {tmp_path}/results.json, model/ (no plots: they need matplotlib, the package's [train] "
+                    f"extra)")
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_no_pin_memory_warning_without_an_accelerator(tmp_path, recwarn):
+    # torch's UserWarning "'pin_memory' argument is set as true but no accelerator is found" (no --use_cpu given)
+    _fprm_train(tmp_path)
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+    args = train_loopformer.TrainingArguments(output_dir="unused", report_to="none")  # LoopFormer's, without --use_cpu
+    assert args.dataloader_pin_memory is (args.device.type != "cpu")
 
 
 # LoRA fine-tuning: a loop flag of the other model type, or below 1, was ignored or failed at a training step

@@ -4,6 +4,7 @@ shortcut trajectories; a truncated or corrupt checkpoint is a clear error."""
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -253,6 +254,23 @@ def test_a_truncated_rng_state_is_a_clear_error_or_skipped(checkpoint_copy, capl
         assert last_complete_checkpoint(str(checkpoint_copy.parent)) is None
     assert "rng_state.pth is truncated" in caplog.text and f"Skipping incomplete checkpoint {checkpoint_copy}" in (
         caplog.text)
+
+
+def test_a_truncated_run_record_in_the_last_checkpoint_is_skipped_with_a_warning_naming_it(uninterrupted, tmp_path,
+                                                                                            trained_steps, caplog):
+    # `error: Unterminated string ...`, printed twice and naming no file, where a truncated model, optimizer, rng,
+    # scheduler or trainer_state file makes `last` skip the checkpoint
+    out = shutil.copytree(uninterrupted[0], tmp_path / "run")
+    damaged = out / "checkpoint-6" / "loopformer_training.json"
+    damaged.write_text(damaged.read_text()[:40])
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(damaged))} is corrupt: "):
+        run(out, "--resume_from_checkpoint", str(damaged.parent))
+    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+        run(out, "--resume_from_checkpoint", "last")
+    assert f"Skipping incomplete checkpoint {damaged.parent} (a save that did not finish?): {damaged} is corrupt" in (
+        caplog.text)
+    assert trained_steps == [3, 4, 5]  # from checkpoint-3, which is whole
+    check_checkpoint(str(damaged.parent), for_resume=True)  # written again, whole
 
 
 # --- a finished run resumed, and two runs on one output_dir ----------------------------------------------------------

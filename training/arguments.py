@@ -85,15 +85,36 @@ def parse_args_with_config(parser, argv=None, defaults=None):
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False), path
 
 
+# errno of an OSError that is the user's to fix (a full disk, a folder the run may not write), and the exit status
+USER_ERRNOS = {errno.ENOSPC: 1, errno.EACCES: 2, errno.EPERM: 2, errno.EROFS: 2}
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
+
 def run_command(main, prog):
-    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is) prints one line and exits 2,
-    as argparse does for a bad flag; a full disk (`DiskFullError`, errno ENOSPC) prints one line and exits 1.
-    LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
+    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is, or a folder it may not write,
+    `NotWritableError`) prints one line and exits 2, as argparse does for a bad flag; a full disk (`DiskFullError`,
+    errno ENOSPC) prints one line and exits 1; Ctrl-C prints one line (what the run saved, `RunInterrupted`) and
+    exits 130. LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
+    traceback = os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1"
     try:
         return main()
-    except (ValueError, OSError) as err:
-        disk_full = isinstance(err, OSError) and err.errno == errno.ENOSPC
-        if os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1" or not (disk_full or isinstance(err, ValueError)):
+    except KeyboardInterrupt as err:
+        if traceback:
             raise
-        print(f"{prog}: error: {err.strerror if disk_full else err}", file=sys.stderr)
-        sys.exit(1 if disk_full else 2)
+        print(f"{prog}: {err or 'interrupted'}", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    except (ValueError, OSError) as err:
+        status = 2 if isinstance(err, ValueError) else USER_ERRNOS.get(err.errno)
+        if traceback or status is None:
+            raise
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        sys.exit(status)
+
+
+def _one_line(err):
+    """The message of `err`: an OSError's own sentence (this package's name their file in it), with the file added
+    where it does not ("Permission denied: path")."""
+    if not isinstance(err, OSError) or not err.strerror:
+        return str(err)
+    file = err.filename
+    return err.strerror if file is None or os.fspath(file) in err.strerror else f"{err.strerror}: {file}"

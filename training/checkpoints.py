@@ -3,10 +3,12 @@ training code: a truncated or corrupt file raises `CheckpointError` naming the f
 
 `check_resume_config` refuses to resume a checkpoint with flags that build another model config.
 
-`output_dir_lock` keeps a second run from writing into the `output_dir` of a live one, and `finished_run` says when a
-resumed checkpoint is already the end of its run. A disk that fills during a save (torch's writer says only
-"unexpected pos" or "basic_ios::clear") leaves the lock as a `DiskFullError` naming the file, the free space and the
-checkpoint a resume will start from.
+`output_dir_lock` keeps a second run from writing into the `output_dir` of a live one, `claim_output_dir` keeps a new
+run from training over a saved one (unless `--overwrite_output_dir`, a field of this module's `TrainingArguments`),
+and `finished_run` says when a resumed checkpoint is already the end of its run.
+What ends a run inside the lock ends it in one line that names the checkpoint a resume will start from: a disk that
+fills during a save (torch's writer says only "unexpected pos" or "basic_ios::clear") as a `DiskFullError` naming the
+file and the free space, an `output_dir` the run may not write as a `NotWritableError`, Ctrl-C as `RunInterrupted`.
 
 `Trainer` writes a checkpoint in place, file by file (weights, optimizer, scheduler, RNG states, `trainer_state.json`
 last), so a run killed during a save leaves a `checkpoint-N` folder that is incomplete. `resolve_resume` makes
@@ -26,7 +28,9 @@ import socket
 import struct
 import time
 import zipfile
+from dataclasses import dataclass, field
 
+import transformers
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -40,6 +44,19 @@ class CheckpointError(ValueError):
 class DiskFullError(OSError):
     """The disk filled while a run wrote `filename` (errno ENOSPC). The command-line entry points print it as one
     line; the checkpoint being written is incomplete, and `--resume_from_checkpoint last` skips it."""
+
+
+class NotWritableError(PermissionError):
+    """The run may not write `filename` in its `--output_dir` (errno EACCES, EPERM or EROFS). The command-line entry
+    points print it as one line and exit 2."""
+
+    def __str__(self):  # the sentence, which names the file ("[Errno 13] ...: 'file'" would repeat it)
+        return self.strerror
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run; its message says what the run saved and how to go on. The command-line entry
+    points print it as one line and exit 130."""
 
 
 def _check_safetensors(path):
@@ -86,6 +103,9 @@ def check_checkpoint(path, for_resume=False):
     if for_resume:
         _check_json(os.path.join(path, "trainer_state.json"),
                     f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.")
+        # the run's record (loopformer_training.json, fprm_run.json), the tokenizer's files: a resume reads each
+        for name in sorted(n for n in os.listdir(path) if n.endswith(".json")):
+            _check_json(os.path.join(path, name), None)
         for name in ("optimizer.pt", "scheduler.pt"):
             if not os.path.exists(os.path.join(path, name)):
                 raise CheckpointError(f"Trainer checkpoint {path!r} lacks {name}; it cannot be resumed exactly.")
@@ -151,9 +171,9 @@ def _checkpoint_steps(output_dir):
     return found
 
 
-def last_complete_checkpoint(output_dir):
+def last_complete_checkpoint(output_dir, warn=True):
     """The newest `checkpoint-N` folder of `output_dir` that `check_checkpoint(..., for_resume=True)` accepts, or None;
-    each newer, incomplete one is skipped with a warning that names it and what is wrong."""
+    each newer, incomplete one is skipped with a warning (`warn`) that names it and what is wrong."""
     if not os.path.isdir(output_dir):
         return None
     found = _checkpoint_steps(output_dir)
@@ -161,7 +181,8 @@ def last_complete_checkpoint(output_dir):
         try:
             check_checkpoint(found[step], for_resume=True)
         except CheckpointError as e:
-            logger.warning("Skipping incomplete checkpoint %s (a save that did not finish?): %s", found[step], e)
+            if warn:
+                logger.warning("Skipping incomplete checkpoint %s (a save that did not finish?): %s", found[step], e)
             continue
         return found[step]
     return None
@@ -273,6 +294,74 @@ def check_run_length(args):
                          "run): give --max_steps >= 1, or -1 (the default) to train --num_train_epochs.")
 
 
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' `TrainingArguments` (both trainers'), with the `--overwrite_output_dir` of transformers' example
+    scripts, which transformers 5 removed from `TrainingArguments`: a training command refuses an `--output_dir` that
+    holds a run unless it resumes it or this flag is given (`claim_output_dir`). No pinned memory without an
+    accelerator."""
+
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Train a new run in an --output_dir that holds one: the old run's checkpoint-N folders, final model and "
+                "records are deleted first (without this flag such a folder is refused; --resume_from_checkpoint "
+                "last continues its run)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.device.type == "cpu":  # as transformers does for --use_cpu: torch warns that it pins nothing here
+            self.dataloader_pin_memory = False
+
+
+# what a run saves in its output_dir beside its checkpoint-N folders: its record and its final model (FPRM's in model/)
+RUN_FILES = (RUN_RECORD, "results.json", "config.json", "model.safetensors", "model")
+
+
+def _inside(path, folder):
+    """Whether `path` is `folder` or lies in it."""
+    folder = os.path.realpath(folder)
+    return os.path.commonpath([os.path.realpath(path), folder]) == folder
+
+
+def saved_run(output_dir):
+    """The names of what a run saved in `output_dir` (`RUN_FILES`, then its checkpoint-N folders by step), [] if
+    nothing."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = [n for n in RUN_FILES if os.path.exists(os.path.join(output_dir, n))]
+    return names + [os.path.basename(folder) for _, folder in sorted(_checkpoint_steps(output_dir).items())]
+
+
+def claim_output_dir(args, resume):
+    """Refuse to train a new run into an `--output_dir` that holds a saved one (`TrainingArguments` `args`), as
+    transformers' example scripts do: it would replace a finished model, overwrite checkpoints and leave the old
+    run's later ones beside the new (a resume would take them). Allowed: a run that resumes this folder's run
+    (`--resume_from_checkpoint last`, or `resume` a checkpoint inside it), or `--overwrite_output_dir`, which deletes
+    the old run's files first (the main process), for that reason."""
+    output_dir = args.output_dir
+    if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
+        raise ValueError(f"--overwrite_output_dir (train a new run over {output_dir!r}) and --resume_from_checkpoint "
+                         f"{args.resume_from_checkpoint} (continue a run) do not combine: give one.")
+    saved = saved_run(output_dir)
+    resumes_it = args.resume_from_checkpoint == "last" or (resume is not None and _inside(resume, output_dir))
+    if not saved or resumes_it:
+        return
+    listed = ", ".join(saved[:6]) + (", ..." if len(saved) > 6 else "")
+    if not args.overwrite_output_dir:
+        raise ValueError(
+            f"--output_dir {output_dir!r} already holds a run ({listed}): a new run would train over it. Give "
+            f"--resume_from_checkpoint last to continue it (a finished run is then left as it is), "
+            f"--overwrite_output_dir to delete it and train a new run there, or another --output_dir."
+        )
+    if args.should_save:
+        logger.warning("--overwrite_output_dir: deleting the run in %s (%s).", output_dir, listed)
+        for name in saved:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
 def start_final_save(output_dir):
     """An empty staging folder inside `output_dir` for a run's final files (`finish_final_save` moves them in)."""
     staging = os.path.join(output_dir, FINAL_STAGING)
@@ -373,13 +462,20 @@ def output_dir_lock(output_dir, hold=True):
     if not hold:
         yield
         return
-    os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_FILE)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except PermissionError as err:
+        raise _not_writable(err, f"--output_dir {output_dir} cannot be created: {os.path.dirname(err.filename)} is not "
+                                 f"writable ({err.strerror}); give an --output_dir in a folder you can write") from None
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     for attempt in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             break
+        except PermissionError as err:
+            raise _not_writable(err, f"--output_dir {output_dir} is not writable ({err.strerror}: {path}); make it "
+                                     f"writable (chmod u+w {output_dir}) or give another --output_dir") from None
         except FileExistsError:
             try:
                 with open(path) as f:
@@ -405,7 +501,7 @@ def output_dir_lock(output_dir, hold=True):
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     try:
-        with _released_on_sigterm(), _naming_a_full_disk(output_dir):
+        with _released_on_sigterm(), _ending_in_one_line(output_dir):
             yield
     finally:
         with contextlib.suppress(OSError, ValueError):
@@ -445,20 +541,55 @@ def _is_disk_full(err, output_dir):
         return False
 
 
+def _not_writable(err, message):
+    """`NotWritableError` of the refused write `err` (an OSError), saying `message`."""
+    return NotWritableError(err.errno, message, err.filename)
+
+
+# errno of a write the file system refused: no permission, a read-only mount
+_REFUSED_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _what_a_resume_starts_from(output_dir):
+    resume = last_complete_checkpoint(output_dir, warn=False)
+    return f"the last complete checkpoint is {resume}" if resume else "no checkpoint is complete"
+
+
 @contextlib.contextmanager
-def _naming_a_full_disk(output_dir):
+def _ending_in_one_line(output_dir):
+    """A run's end by a full disk, a refused write in `output_dir` or Ctrl-C as the error the entry points print in
+    one line (`DiskFullError`, `NotWritableError`, `RunInterrupted`), naming the checkpoint a resume starts from."""
     try:
         yield
+    except KeyboardInterrupt as err:
+        if isinstance(err, RunInterrupted):
+            raise
+        resume, final = last_complete_checkpoint(output_dir, warn=False), run_record(output_dir)
+        if resume:
+            saved = (f"the last complete checkpoint is {resume}. Run the same command with --resume_from_checkpoint "
+                     f"last to go on from it")
+        elif final:  # a run without checkpoints, after its final save (FPRM: in its evaluation)
+            saved = f"the run's final model and {os.path.basename(final)} are in {output_dir}"
+        else:
+            saved = "no checkpoint is complete, so there is nothing to resume: run the same command to start over"
+        raise RunInterrupted(f"interrupted (Ctrl-C): {saved}.") from None
     except Exception as err:
-        if isinstance(err, DiskFullError) or not _is_disk_full(err, output_dir):
+        if isinstance(err, (DiskFullError, NotWritableError)):
             raise
         file = _file_being_written(err.__traceback__) or output_dir
+        refused = isinstance(err, OSError) and err.errno in _REFUSED_WRITE
+        if refused and _inside(err.filename or file, output_dir):  # not a file of the user's the run reads
+            raise _not_writable(err, f"A write in --output_dir {output_dir} was refused during the run "
+                                     f"({err.strerror}: {err.filename or file}): "
+                                     f"{_what_a_resume_starts_from(output_dir)}. Make it writable and run the same "
+                                     f"command with --resume_from_checkpoint last") from err
+        if not _is_disk_full(err, output_dir):
+            raise
         free = shutil.disk_usage(output_dir).free
-        resume = last_complete_checkpoint(output_dir)
         raise DiskFullError(
             errno.ENOSPC,
             f"No space left on device while writing {file} ({free / 2**20:.1f} MiB free): that checkpoint is incomplete "
-            f"and a resume skips it; {'the last complete one is ' + resume if resume else 'no checkpoint is complete'}. "
+            f"and a resume skips it; {_what_a_resume_starts_from(output_dir)}. "
             f"Free space (or give an --output_dir on another disk) and run again with --resume_from_checkpoint last",
             file,
         ) from err

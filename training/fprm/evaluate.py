@@ -255,7 +255,7 @@ def write_plots(results, log_history, output_dir):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib, or the `train` extra)")
+        print("matplotlib is not installed: no plots (pip install 'looped-transformers-hf[train]')")
         return []
 
     matplotlib.use("Agg")

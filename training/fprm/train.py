@@ -13,7 +13,9 @@ the first argument). It only sets defaults: any flag given on the command line w
 Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
 run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`; one left incomplete by a
 kill during its save is skipped with a warning) or a checkpoint's path, and the model and data flags of the run that
-wrote it (flags that build another model config are refused; the evaluation flags may change).
+wrote it (flags that build another model config are refused; the evaluation flags may change). An `--output_dir` that
+holds a run (`model/`, `results.json`, checkpoints) is refused unless the run resumes it or `--overwrite_output_dir` is
+given (which deletes the old run first).
 
 The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
 path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
@@ -35,8 +37,9 @@ from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
-                                         check_resume_data, check_run_length, finish_final_save, finished_run,
-                                         load_model, output_dir_lock, resolve_resume, run_record, start_final_save)
+                                         check_resume_data, check_run_length, claim_output_dir, finish_final_save,
+                                         finished_run, load_model, output_dir_lock, resolve_resume, run_record,
+                                         start_final_save)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
@@ -254,6 +257,7 @@ def train(model_args, data_args, eval_args, train_args):
     """The run `main` parsed, in its locked `output_dir`: its results, or None if the resumed checkpoint already ends
     the run (or on a process other than the main one)."""
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, FPRMConfig.model_type)
+    claim_output_dir(train_args, resume)
     set_seed(train_args.seed)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
@@ -360,7 +364,9 @@ def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, tr
     plots = write_plots(results, state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
         json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
-    print(f"wrote {train_args.output_dir}/results.json, model/ and plots: {', '.join(os.path.basename(p) for p in plots)}")
+    plots = (f" and plots: {', '.join(os.path.basename(p) for p in plots)}" if plots else
+             " (no plots: they need matplotlib, the package's [train] extra)")
+    print(f"wrote {train_args.output_dir}/results.json, model/{plots}")
     return results
 
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from fprm_hf import FPRMSolverState, SolverSettings
+from looped_training.checkpoints import TrainingArguments
 
 logger = logging.getLogger(__name__)
 

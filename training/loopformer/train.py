@@ -39,7 +39,8 @@ GPUs, see docs/distributed.md):
         --num_processes 2 -m looped_training.loopformer.train --preset synthetic-tiny ...
 
 Resume a killed run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`: one left
-incomplete by a kill during its save is skipped with a warning) or a path.
+incomplete by a kill during its save is skipped with a warning) or a path. An `--output_dir` that holds a run is refused
+unless the run resumes it or `--overwrite_output_dir` is given (which deletes the old run first).
 """
 
 import json
@@ -51,16 +52,15 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 import transformers
-from transformers import (AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
-                          set_seed)
+from transformers import AutoTokenizer, HfArgumentParser, Trainer, default_data_collator, set_seed
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
 from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, RunRecordCallback,
-                                         check_checkpoint, check_resume_config, check_resume_data, check_run_length,
-                                         finish_final_save, finished_run, load_model, output_dir_lock,
-                                         resolve_resume, start_final_save)
+                                         TrainingArguments, check_checkpoint, check_resume_config, check_resume_data,
+                                         check_run_length, claim_output_dir, finish_final_save, finished_run,
+                                         load_model, output_dir_lock, resolve_resume, start_final_save)
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
                                       synthetic, text)
@@ -351,6 +351,7 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
     the run."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type)
+    claim_output_dir(training_args, resume)
     chat_template = read_chat_template(data_args.chat_template)
 
     set_seed(training_args.seed)
