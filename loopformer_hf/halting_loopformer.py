@@ -46,6 +46,11 @@ class LoopFormerActiveTokens:
         self.valid = torch.arange(width, device=active.device) < counts[self.rows, None]
         self.flat_rows = self.rows[:, None].expand_as(self.index)[self.valid]
         self.flat_index = self.index[self.valid]
+        # Rows first..last all computed and the others not (per-row budgets, a batch sorted by budget): a slice, so
+        # the rows' cached keys and values are read as a view instead of copied at every block
+        first, last = (int(r) for r in self.rows[[0, -1]])
+        self.row_block = slice(first, last + 1) if last - first + 1 == len(self.rows) else None
+        self.whole_rows = self.row_block is not None and width == active.shape[1] and bool(self.valid.all())
 
     @classmethod
     def worth_gathering(cls, active, num_active, hidden_size):
@@ -60,14 +65,16 @@ class LoopFormerActiveTokens:
 
     def gather(self, x):
         """(batch, seq, ...) -> (rows, width, ...)."""
-        return x[self.rows[:, None], self.index]
+        return x[self.row_block] if self.whole_rows else x[self.rows[:, None], self.index]
 
     def gather_positions(self, position_embeddings):
         """Rotary (cos, sin), (batch, 1, seq, head_dim) -> (rows, 1, width, head_dim)."""
         return None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
 
     def gather_rows(self, x):
-        return x if len(self.rows) == self.batch_size else x[self.rows]
+        if len(self.rows) == self.batch_size:
+            return x
+        return x[self.rows] if self.row_block is None else x[self.row_block]
 
     def gather_mask(self, attention_mask, q_len, kv_len):
         """The rows of the (batch, 1, q_len, kv_len) mask the gathered queries use; None stands for plain causal."""
@@ -75,18 +82,26 @@ class LoopFormerActiveTokens:
             query_positions = kv_len - q_len + self.index  # the queries are the last q_len of the kv positions
             return (torch.arange(kv_len, device=self.index.device) <= query_positions[..., None])[:, None]
         attention_mask = attention_mask.expand(self.batch_size, *attention_mask.shape[1:])  # a 4D mask may broadcast
+        if self.whole_rows:
+            return attention_mask[self.row_block]
         return attention_mask[self.rows[:, None], 0, self.index][:, None]
 
     def scatter(self, x, part):
         """A copy of `x` (batch, seq, ...) with the valid entries of `part` (rows, width, ...) written back."""
         out = x.clone()
-        out[self.flat_rows, self.flat_index] = part[self.valid]
+        if self.whole_rows:
+            out[self.row_block] = part
+        else:
+            out[self.flat_rows, self.flat_index] = part[self.valid]
         return out
 
     def scatter_heads(self, x, part):
         """As `scatter` for (batch, heads, seq, head_dim) tensors."""
         out = x.clone()
-        out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
+        if self.whole_rows:
+            out[self.row_block] = part
+        else:
+            out[self.flat_rows, :, self.flat_index] = part.transpose(1, 2)[self.valid]
         return out
 
 

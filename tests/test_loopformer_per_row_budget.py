@@ -54,6 +54,38 @@ def test_each_row_computes_its_solo_call(tiny_model, knobs):
     check_rows_match_solo(tiny_model, knobs)
 
 
+@pytest.mark.parametrize("budgets", [[1, 2, L], [L, 1, 2], [2, L, 2]], ids=["sorted", "unsorted", "one_row_deeper"])
+@pytest.mark.parametrize("halt_eps", [None, EPS])
+def test_frozen_rows_left_out_of_the_later_steps(tiny_model, monkeypatch, budgets, halt_eps):
+    """With halting's gather on (the tests' grids are below GATHER_MIN_GRID), the rows past their budget are left out
+    of the later steps: as a slice of the batch when the computed rows are contiguous and whole, else gathered."""
+    from loopformer_hf import halting_loopformer
+
+    monkeypatch.setattr(halting_loopformer, "GATHER_ACTIVE_FRACTION", 1.0)
+    monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", 0)
+    built = []
+    monkeypatch.setattr(halting_loopformer.LoopFormerActiveTokens, "__init__", record(built, (
+        halting_loopformer.LoopFormerActiveTokens.__init__)))
+    check_rows_match_solo(tiny_model, {"loop_budget": budgets}, halt_eps=halt_eps)
+    if halt_eps is None:
+        assert any(plan.whole_rows for plan in built)
+    ids, mask = ids_and_left_padding()
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, attention_mask=mask)
+    with torch.no_grad():
+        batched = tiny_model.generate(ids, loop_budget=torch.tensor(budgets), halt_eps=halt_eps, **kw)
+        for b, budget in enumerate(budgets):
+            kw["attention_mask"] = mask[b:b + 1]
+            assert torch.equal(batched[b], tiny_model.generate(ids[b:b + 1], loop_budget=budget, halt_eps=halt_eps,
+                                                               **kw)[0])
+
+
+def record(built, init):
+    def recording_init(self, *args):
+        init(self, *args)
+        built.append(self)
+    return recording_init
+
+
 @pytest.mark.parametrize("fill", ["reuse", "recompute"])
 @pytest.mark.parametrize("criterion", ["state_change", "kl"])
 def test_each_row_computes_its_solo_call_with_halting(tiny_model, fill, criterion):
