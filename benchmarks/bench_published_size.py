@@ -67,6 +67,7 @@ FULL = dict(n_layer=3, n_head=32, n_embd=2048, intermediate_dim=5120, vocab_size
 QUICK = dict(n_layer=3, n_head=4, n_embd=64, intermediate_dim=160, vocab_size=512, block_size=64, loops=8,
              prompt=8, new_tokens=4, batch=1, seq=16, repeats=1, load_rounds=1)
 BUDGETS = (1, 2, 4, 8)
+CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "intermediate_dim", "vocab_size", "block_size")
 DTYPE = torch.bfloat16
 LOAD_KINDS = ("ours", "ours_fp32", "theirs")
 NOT_RUN = "not run"
@@ -105,12 +106,20 @@ def write_reference_checkpoint(cfg, folder, seed=0):
             t = 0.02 * torch.randn(shape, generator=g)
         tensors["gpt." + name] = t.to(DTYPE)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    config = dict(model_type="loopformer", architectures=["LoopFormerForCausalLM"], torch_dtype="bfloat16",
-                  steps=[1.0 / cfg["loops"]] * cfg["loops"], dropout=0.0, bias=False,
-                  **{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "intermediate_dim", "vocab_size",
-                                         "block_size")})
+    # as published: config.json states no size (transformers 4.57 saves only what differs from the configuration
+    # class's defaults), the class in the repo's own code carries them
+    config = {"architectures": ["LoopFormerGPTForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
+                           "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM"},
+              "dtype": "bfloat16", "model_type": "loopformer", "transformers_version": "4.57.0"}
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump(config, f, indent=2, sort_keys=True)
+    defaults = dict({k: cfg[k] for k in CONFIG_KEYS}, dropout=0.0, bias=False, steps=[1.0 / cfg["loops"]] * cfg["loops"])
+    with open(os.path.join(folder, "configuration_loopformer.py"), "w") as f:
+        f.write("from transformers import PretrainedConfig\n\n\nclass LoopFormerGPTConfig(PretrainedConfig):\n"
+                '    model_type = "loopformer"\n\n    def __init__(self, '
+                + ", ".join(f"{k}={v!r}" for k, v in defaults.items()) + ", **kwargs):\n"
+                + "".join(f"        self.{k} = {k}\n" for k in defaults) + "        super().__init__(**kwargs)\n")
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"_from_model_config": True, "transformers_version": "4.57.0"}, f)
     return sum(t.numel() for t in tensors.values())
@@ -134,10 +143,16 @@ def load_theirs(module, folder):
 
     from loopformer_hf.authors_checkpoints import strip_wrapper_prefixes
 
+    from loopformer_hf.authors_checkpoints import source_defaults
+
     keep = ("model_type", "block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
             "intermediate_dim")  # their loader's KEEP
+    # their AutoConfig: the repo's configuration class, config.json's values over its defaults
+    with open(os.path.join(folder, "configuration_loopformer.py")) as f:
+        config = source_defaults(f.read(), "LoopFormerGPTConfig")
     with open(os.path.join(folder, "config.json")) as f:
-        config = {k: v for k, v in json.load(f).items() if k in keep and v is not None}
+        config.update(json.load(f))
+    config = {k: v for k, v in config.items() if k in keep and v is not None}
     state_dict = strip_wrapper_prefixes(load_file(os.path.join(folder, "model.safetensors")))
     state_dict.setdefault("lm_head.weight", state_dict["transformer.wte.weight"])  # their `_fix_tied`
     with contextlib.redirect_stdout(io.StringIO()):  # their constructor prints its parameter count
@@ -250,7 +265,8 @@ def run(cfg, authors_repo, threads, repeats, log=print):
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         report["checkpoint_params"] = write_reference_checkpoint(cfg, folder)
-        report["checkpoint_mib"] = os.path.getsize(os.path.join(folder, "model.safetensors")) / 2**20
+        report["checkpoint_bytes"] = os.path.getsize(os.path.join(folder, "model.safetensors"))
+        report["checkpoint_mib"] = report["checkpoint_bytes"] / 2**20
         log(f"checkpoint: {report['checkpoint_params'] / 1e6:.1f}M parameters, bf16, "
             f"{report['checkpoint_mib']:.0f} MiB, written in {time.perf_counter() - start:.1f} s")
         gc.collect()

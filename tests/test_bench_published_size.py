@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -30,7 +31,7 @@ def test_the_checkpoint_is_in_their_layout_and_loads_as_the_oracle_computes(tmp_
     cfg = bench.QUICK
     params = bench.write_reference_checkpoint(cfg, str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == "loopformer" and config["steps"] == [1 / 8] * 8 and "num_loops" not in config
+    assert sorted(config) == ["architectures", "auto_map", "dtype", "model_type", "transformers_version"]  # no sizes
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert all(k.startswith("gpt.") for k in saved) and "gpt.lm_head.weight" not in saved
     assert {t.dtype for t in saved.values()} == {torch.bfloat16} and params == sum(t.numel() for t in saved.values())
@@ -42,6 +43,7 @@ def test_the_checkpoint_is_in_their_layout_and_loads_as_the_oracle_computes(tmp_
 
     model = bench.load_ours(str(tmp_path))
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_loops == cfg["loops"]
+    assert model.config.num_attention_heads == cfg["n_head"]  # from the configuration class's source
     model = bench.load_ours(str(tmp_path), torch.float32)
     sd = {k: v.float() for k, v in sd.items()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
@@ -87,3 +89,16 @@ def test_bad_arguments_are_rejected(tmp_path):
     proc = _run("--quick", "--authors_repo", str(tmp_path / "none"), "--output", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and os.path.join(str(tmp_path / "none"), "models", "loopformer.py") in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_the_published_size_file_is_byte_exact_and_loads_from_a_config_that_states_no_sizes(tmp_path):
+    """The FineWeb300K shape: model.safetensors of exactly 556,342,528 bytes (the published file's size), 278,169,600
+    bf16 parameters, loaded from a config.json without a size (the public traces' 296-byte config)."""
+    cfg = bench.FULL
+    params = bench.write_reference_checkpoint(cfg, str(tmp_path))
+    assert (tmp_path / "model.safetensors").stat().st_size == 556_342_528 and params == 278_169_600
+    model = bench.load_ours(str(tmp_path))
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size,
+            model.config.num_attention_heads, model.config.num_loops) == (3, 2048, 5120, 32, 8)
+    assert model.dtype == torch.bfloat16 and model.num_parameters() == params
