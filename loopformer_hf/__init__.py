@@ -2,7 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .authors_checkpoints import reference_config_classes, translate_config
+from .authors_checkpoints import from_pretrained_reference, reference_config_classes, translate_config
 from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
 from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
@@ -10,8 +10,11 @@ from .loss_loopformer import ShortcutConsistency
 from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
+# the authors' Hub layout: its config.json translated, its weights mapped (the model files import no loader)
 if translate_config not in LoopFormerConfig.config_translators:
     LoopFormerConfig.config_translators.append(translate_config)
+if from_pretrained_reference not in LoopFormerPreTrainedModel.checkpoint_loaders:
+    LoopFormerPreTrainedModel.checkpoint_loaders.append(from_pretrained_reference)
 # The authors' Hub repos (model_type "base_loop", "base_loop_ee", …): their configs translate to a LoopFormerConfig.
 for _reference_config in reference_config_classes():
     AutoConfig.register(_reference_config.model_type, _reference_config, exist_ok=True)

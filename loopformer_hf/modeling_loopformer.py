@@ -358,14 +358,18 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
     # A fixed trajectory (no `halt_eps`, whose halting reads tensor values) traces as one graph per trajectory.
     _can_compile_fullgraph = True
 
+    # Other checkpoint layouts (the authors' Hub repos) register a loader here, `load(cls, path, args, kwargs)` -> a
+    # model or None (`loopformer_hf/__init__.py`): this module imports none, so a saved folder's copy carries none.
+    checkpoint_loaders = []
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`; weights that are not safetensors (a renamed pickle, a truncated download)
         are an OSError naming the file, not safetensors' bare "Error while deserializing header" (as Llama's). A repo
-        in the authors' Hub layout is translated and mapped, never loaded at random (`authors_checkpoints`)."""
-        from .authors_checkpoints import from_pretrained_reference  # it maps names onto this module's classes
-        if (reference := from_pretrained_reference(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
-            return reference
+        in another registered layout (the authors' Hub repos) is loaded by its `checkpoint_loaders` entry."""
+        for load in LoopFormerPreTrainedModel.checkpoint_loaders:
+            if (model := load(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
+                return model
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as e:

@@ -349,7 +349,12 @@ def test_auto_classes_are_registered(tiny_config, tmp_path):
 
 
 def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_model, tmp_path):
+    """The folder carries the model's files alone (no loader of the authors' layout, converter or vLLM module) and
+    loads from them where the package cannot be imported."""
     tiny_model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == [
+        "cache_loopformer.py", "configuration_loopformer.py", "generation_loopformer.py", "halting_loopformer.py",
+        "hub.py", "loss_loopformer.py", "masks_loopformer.py", "modeling_loopformer.py"]
     ids = torch.randint(3, 97, (1, 6))
     expected = tiny_model(ids, loop_budget=3, step_schedule=[0.5, 0.25, 0.25]).logits
     torch.save({"ids": ids, "expected": expected}, tmp_path / "check.pt")
