@@ -109,6 +109,19 @@ def test_the_base_model_and_config_overrides(tmp_path, ids):
         torch.testing.assert_close(model(ids).logits, reference_forward(sd, ids, SHORTEST), atol=1e-4, rtol=0)
 
 
+def test_transformers_loading_options_work_as_for_llama(tmp_path, ids):
+    """transformers' from_pretrained reads their repo: device_map, dtype and the loading report."""
+    sd = write_authors_repo(tmp_path / "repo", stated=(), code=CODE)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "repo", device_map={"": "cpu"}, dtype=torch.float16,
+                                                       output_loading_info=True)
+    assert model.dtype == torch.float16 and model.device.type == "cpu"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    sd16 = {k: v.half().float() for k, v in sd.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits.float(),
+                                   reference_forward(sd16, ids, FULL), atol=0.05, rtol=0)
+
+
 # ---- 2. never silently random ------------------------------------------------------------------------------------
 
 
