@@ -3,7 +3,8 @@
     .venv-vllm/bin/python -m benchmarks.bench_vllm [--prompts 64] [--new_tokens 64] [--output benchmarks/results/bench_vllm.json]
 
 (the environment scripts/test_vllm.sh builds). One random LoopFormer (opened adaLN gates; hidden 256, 4 heads, k = 2
-blocks, L = 4 loops) decodes `--prompts` prompts of 8..32 tokens, `--new_tokens` new tokens each, greedy, no EOS, at
+blocks, L = 4 loops; `--hidden_size` for a wider one) decodes `--prompts` prompts of 8..32 tokens, `--new_tokens`
+new tokens each, greedy, no EOS, at
 M = 1 and M = L, three ways:
 
 - `generate`, dynamic cache: one left-padded batch of every prompt (a `LoopFormerCache`);
@@ -15,6 +16,12 @@ M = 1 and M = L, three ways:
 Every side runs on the same `--threads` cores (vLLM: VLLM_CPU_OMP_THREADS_BIND). Tokens/s = all new tokens / wall
 time of the timed call (prefill included), median of `--repeats` calls after one warm-up call. The greedy tokens
 of the three sides are compared (`same_tokens`).
+
+Then per-request budgets in one vLLM engine (server budget L, `max_request_loop_budget` L): the same prompts all at
+M = L, mixed (every other prompt asks `extra_args={"loop_budget": 1}`, the rest run the server's L) and all at M = 1
+by request, timed in turn in one process (`--repeats` rounds after a warm-up of each). Each request's tokens are
+compared with `generate`'s at its budget (`exact`); `over_all_at_L` is the ratio that matters: a mixed batch should
+cost the budgets it asks (1 and L: (1 + L) / 2L of the loop steps), not its largest.
 """
 
 import argparse
@@ -32,12 +39,13 @@ import torch
 from benchmarks import write_json
 
 
-def build_model(path, num_loops=4, seed=0):
+def build_model(path, num_loops=4, seed=0, hidden_size=256):
     import loopformer_hf
 
     torch.manual_seed(seed)
-    config = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=256, num_attention_heads=4,
-                                            intermediate_size=1024, num_hidden_layers=2, num_loops=num_loops,
+    config = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size,
+                                            num_attention_heads=hidden_size // 64,  # head_dim 64 (vLLM's CPU attention)
+                                            intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=num_loops,
                                             max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
     model = loopformer_hf.LoopFormerForCausalLM(config).eval()
     g = torch.Generator().manual_seed(seed)
@@ -91,23 +99,38 @@ def vllm_side(spec_path, out_path):
               hf_overrides={"loop_budget": spec["budget"], "step_schedule": "uniform"})
     setup = time.perf_counter() - started
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
 
-    def call():
-        started = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - started, [list(o.outputs[0].token_ids) for o in outs]
+    def params(budget):  # None: the server's budget
+        return SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True,
+                              extra_args=None if budget is None else {"loop_budget": budget})
 
-    call()  # warm-up
-    timed = [call() for _ in range(spec["repeats"])]
-    speeds = [len(prompts) * spec["new_tokens"] / t for t, _ in timed]
-    json.dump({"setup_s": setup, "tokens_per_s": speeds, "tokens": timed[-1][1]}, open(out_path, "w"))
+    def call(budgets):
+        started, cpu_started = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, [params(b) for b in budgets], use_tqdm=False)
+        # CPU time too: on a shared machine the wall time of one call moves with the other jobs' load
+        return (time.perf_counter() - started, time.process_time() - cpu_started,
+                [list(o.outputs[0].token_ids) for o in outs])
+
+    # workload -> the budget each prompt asks for
+    workloads = spec.get("workloads") or {"server": [None] * len(prompts)}
+    for budgets in workloads.values():
+        call(budgets)  # warm-up
+    timed = {name: [] for name in workloads}
+    for _ in range(spec["repeats"]):  # in turn, so that a slow spell of this shared machine hits every workload
+        for name, budgets in workloads.items():
+            timed[name].append(call(budgets))
+    new_tokens = len(prompts) * spec["new_tokens"]
+    json.dump({"setup_s": setup, "workloads": {
+        name: {"tokens_per_s": [new_tokens / wall for wall, _, _ in runs],
+               "tokens_per_cpu_s": [new_tokens / cpu for _, cpu, _ in runs], "tokens": runs[-1][2]}
+        for name, runs in timed.items()}}, open(out_path, "w"))
 
 
-def run_vllm(checkpoint, prompts, budget, args, workdir):
+def run_vllm(checkpoint, prompts, budget, args, workdir, workloads=None, name=None):
     spec = {"checkpoint": checkpoint, "prompts": prompts, "budget": budget, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "enforce_eager": not args.vllm_compile}
-    spec_path, out_path = os.path.join(workdir, f"spec{budget}.json"), os.path.join(workdir, f"out{budget}.json")
+            "repeats": args.repeats, "enforce_eager": not args.vllm_compile, "workloads": workloads}
+    name = name or str(budget)
+    spec_path, out_path = os.path.join(workdir, f"spec{name}.json"), os.path.join(workdir, f"out{name}.json")
     json.dump(spec, open(spec_path, "w"))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
@@ -121,15 +144,44 @@ def run_vllm(checkpoint, prompts, budget, args, workdir):
     return result
 
 
+def bench_per_request(checkpoint, prompts, generated, args, workdir):
+    """All at L, mixed 1 / L, all at 1 (by request) in one engine; each request's tokens against `generate`'s."""
+    top = args.num_loops
+    workloads = {"all at L": [None] * len(prompts),
+                 "mixed 1 / L": [1 if i % 2 == 0 else None for i in range(len(prompts))],
+                 "all at 1 (per request)": [1] * len(prompts)}
+    served = run_vllm(checkpoint, prompts, top, args, workdir, workloads, name="per_request")
+    rows = {"setup_s": served["setup_s"], "process_s": served["process_s"]}
+    base = {key: statistics.median(served["workloads"]["all at L"][key])
+            for key in ("tokens_per_s", "tokens_per_cpu_s")}
+    print(f"per-request budgets, one engine (server M={top})")
+    for name, budgets in workloads.items():
+        out = served["workloads"][name]
+        exact = all(tokens == generated[budget or top][i]
+                    for i, (budget, tokens) in enumerate(zip(budgets, out["tokens"])))
+        row = rows[name] = {"exact": exact}
+        for key in base:
+            row[key] = statistics.median(out[key])
+            row[f"{key}_over_all_at_L"] = row[key] / base[key]
+            row[f"runs_{key}"] = out[key]
+        print(f"  {name:>24}: {row['tokens_per_s']:8.1f} tok/s ({row['tokens_per_s_over_all_at_L']:5.2f}x all at L)"
+              f"  {row['tokens_per_cpu_s']:8.1f} tok/CPU-s ({row['tokens_per_cpu_s_over_all_at_L']:5.2f}x)"
+              f"  every request exact {exact}")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--num_loops", type=int, default=4)
+    parser.add_argument("--hidden_size", type=int, default=256, help="width of the random LoopFormer (head_dim 64)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm_compile", action="store_true", help="let vLLM compile (no enforce_eager)")
     parser.add_argument("--skip_compile", action="store_true", help="leave out the static cache + compile side")
+    parser.add_argument("--per_request_only", action="store_true",
+                        help="only the per-request budgets in one engine (and generate's tokens to check them)")
     parser.add_argument("--vllm_side", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--output", default="benchmarks/results/bench_vllm.json")
     args = parser.parse_args(argv)
@@ -138,17 +190,21 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench_vllm_")
     checkpoint = os.path.join(workdir, "loopformer")
-    model = build_model(checkpoint, args.num_loops)
+    model = build_model(checkpoint, args.num_loops, hidden_size=args.hidden_size)
     prompts = make_prompts(args.prompts)
     results = {"config": {"prompts": args.prompts, "new_tokens": args.new_tokens, "num_loops": args.num_loops,
-                          "threads": args.threads, "repeats": args.repeats, "hidden_size": 256, "blocks": 2,
+                          "threads": args.threads, "repeats": args.repeats, "hidden_size": args.hidden_size,
+                          "blocks": 2,
                           "vllm_enforce_eager": not args.vllm_compile, "torch": torch.__version__},
                "budgets": {}}
+    generated = {}  # budget -> generate's tokens per prompt
     for budget in (1, args.num_loops):
-        row = {}
-        setup, speeds, tokens = bench_generate(model, prompts, budget, args.new_tokens, args.repeats)
-        row["generate dynamic"] = {"setup_s": setup, "tokens_per_s": statistics.median(speeds)}
-        reference = tokens
+        setup, speeds, tokens = bench_generate(model, prompts, budget, args.new_tokens,
+                                               0 if args.per_request_only else args.repeats)
+        reference = generated[budget] = tokens
+        if args.per_request_only:
+            continue
+        row = {"generate dynamic": {"setup_s": setup, "tokens_per_s": statistics.median(speeds)}}
         if not args.skip_compile:
             compiled = copy.deepcopy(model)
             compiled.forward = torch.compile(compiled.forward, fullgraph=True)
@@ -158,8 +214,8 @@ def main(argv=None):
                                               "same_tokens": tokens == reference}
         served = run_vllm(checkpoint, prompts, budget, args, workdir)
         row["vllm offline"] = {"setup_s": served["setup_s"], "process_s": served["process_s"],
-                               "tokens_per_s": statistics.median(served["tokens_per_s"]),
-                               "same_tokens": served["tokens"] == reference}
+                               "tokens_per_s": statistics.median(served["workloads"]["server"]["tokens_per_s"]),
+                               "same_tokens": served["workloads"]["server"]["tokens"] == reference}
         base = row["generate dynamic"]["tokens_per_s"]
         for side in row.values():
             side["over_generate_dynamic"] = side["tokens_per_s"] / base
@@ -168,6 +224,7 @@ def main(argv=None):
         for name, side in row.items():
             print(f"  {name:>24}: {side['tokens_per_s']:8.1f} tok/s  {side['over_generate_dynamic']:5.2f}x  "
                   f"set-up {side['setup_s']:6.1f} s  same tokens {side.get('same_tokens', True)}")
+    results["per_request"] = bench_per_request(checkpoint, prompts, generated, args, workdir)
     import vllm  # noqa: F401  (only for its version)
 
     results["config"]["vllm"] = vllm.__version__

@@ -121,7 +121,8 @@ class LoopFormerAttention(nn.Module):
             output = self.attn[step](q, k, v)
         else:
             index, num_tokens = active
-            q, k, v = (x.new_zeros(num_tokens, x.shape[-1]).index_copy_(0, index, x) for x in (q, k, v))
+            qkv = qkv.new_zeros(num_tokens, qkv.shape[-1]).index_copy_(0, index, torch.cat((q, k, v), dim=-1))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             output = self.attn[step](q, k, v).index_select(0, index)
         output, _ = self.o_proj(output)
         return output
@@ -256,20 +257,22 @@ class LoopFormerModel(nn.Module):
     def run_plan(self, plan, positions, hidden_states, adaln):
         """The loop when requests of several trajectories share the batch: step i runs only the tokens whose budget
         reaches it (gathered, then written back), each with its own trajectory's adaLN rows."""
-        num_tokens = hidden_states.shape[0]
+        num_tokens, index, active = hidden_states.shape[0], None, None
+        x, x_positions = hidden_states, positions
         for step, loop_step in enumerate(plan.steps):
-            index = loop_step.index
-            x = hidden_states if index is None else hidden_states.index_select(0, index)
-            x_positions = positions if index is None else positions.index_select(0, index)
-            active = None if index is None else (index, num_tokens)
+            if loop_step.index is not index:  # other tokens than the last step's: write those back, gather these
+                hidden_states = x if index is None else hidden_states.index_copy(0, index, x)
+                index = loop_step.index
+                x = hidden_states if index is None else hidden_states.index_select(0, index)
+                x_positions = positions if index is None else positions.index_select(0, index)
+                active = None if index is None else (index, num_tokens)
             for block, block_adaln in zip(self.layers, adaln):
                 if loop_step.trajectory_ids is None and block_adaln[0] is not None:
                     rows = tuple(v[loop_step.trajectory_id, step] for v in block_adaln)
                 else:
                     rows = block.step_rows(block_adaln, step, loop_step.trajectory_ids)
                 x = block(x_positions, x, step, rows, active)
-            hidden_states = x if index is None else hidden_states.index_copy(0, index, x)
-        return hidden_states
+        return x if index is None else hidden_states.index_copy(0, index, x)
 
 
 class LoopFormerForCausalLM(nn.Module):

@@ -19,8 +19,23 @@ SERVER_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
 REQUEST_KNOBS = ("loop_budget", "step_schedule")
 # --hf-overrides only: the largest budget a request may ask for (the server holds this many loop steps of KV cache).
 MAX_REQUEST_BUDGET_KNOB = "max_request_loop_budget"
-# The custom logits processor that carries each request's trajectory to the model (vLLM's V1 model runner).
+# The custom logits processor that carries each request's trajectory to the model (vLLM's V1 model runner), and the
+# one that refuses per-request knobs where the model cannot honour them (Model Runner V2's interface).
 REQUESTS_LOGITS_PROCESSOR = "loopformer_hf.vllm_requests:LoopFormerRequestTrajectories"
+REFUSING_LOGITS_PROCESSOR = "loopformer_hf.vllm_requests:LoopFormerRequestRefusal"
+
+
+def per_request_refusal(vllm_config):
+    """Why this server cannot run per-request trajectories, or None when it can."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.use_v2_model_runner:
+        return ("this server runs vLLM's Model Runner V2, and the LoopFormer model reads per-request trajectories "
+                "through the V1 runner's logits processors; start it with VLLM_USE_V2_MODEL_RUNNER=0")
+    if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
+        return ("CUDA graphs replay the batch plan they captured, while each batch's loop steps follow its "
+                "requests' budgets; start the server with --enforce-eager")
+    return None
 
 
 def server_knobs(hf_config, generation_config=None):
@@ -80,9 +95,9 @@ def request_trajectory(hf_config, generation_config, extra_args):
     """The step sizes one request runs with, from its `SamplingParams.extra_args` (`loop_budget`, `step_schedule`),
     or None when it asks for neither (the server's trajectory).
 
-    A knob the request leaves out comes from the server's knobs, as `generate` takes the generation config's: except
-    that a schedule list sets its own budget, and a budget alone takes the server's schedule only when that is a
-    preset name. Raises `ValueError` naming the bad value (checked as `generate` checks it), a budget above
+    A knob the request leaves out comes from the server's knobs, as `generate` takes the generation config's, where
+    they fit: a schedule list sets its own budget, and a budget takes the server's schedule when that is a preset
+    name (else the config's default). Raises `ValueError` naming the bad value (checked as `generate` checks it), a budget above
     `max_request_loop_budget`, and `halt_eps` (per-token halting is not served)."""
     extra_args = extra_args or {}
     if "halt_eps" in extra_args:
@@ -91,11 +106,9 @@ def request_trajectory(hf_config, generation_config, extra_args):
     if not any(name in extra_args for name in REQUEST_KNOBS):
         return None
     knobs = server_knobs(hf_config, generation_config)
-    budget, schedule = extra_args.get("loop_budget"), extra_args.get("step_schedule")
-    if "step_schedule" not in extra_args and isinstance(knobs["step_schedule"], str):
-        schedule = knobs["step_schedule"]
-    if "loop_budget" not in extra_args and "step_schedule" not in extra_args:
-        budget = knobs["loop_budget"]
+    server_schedule = knobs["step_schedule"] if isinstance(knobs["step_schedule"], str) else None
+    schedule = extra_args.get("step_schedule", server_schedule)
+    budget = extra_args.get("loop_budget", knobs["loop_budget"] if isinstance(schedule, str) else None)
     steps = hf_config.resolve_trajectory(budget, schedule)
     limit = max_request_loop_budget(hf_config, generation_config)
     if len(steps) > limit:
@@ -106,8 +119,8 @@ def request_trajectory(hf_config, generation_config, extra_args):
     return steps
 
 
-# The model configs this process built a LoopFormer server from (the API server's, `LLM(...)`'s): the front-end's
-# admission check (`LoopFormerRequestTrajectories.validate_params`) is a classmethod and gets no config of its own.
+# (model config, `per_request_refusal`) of the server this process built last (the API server's, `LLM(...)`'s): the
+# front-end's admission check (`validate_params`) is a classmethod and gets no config of its own.
 SERVED_MODEL_CONFIGS = []
 
 
@@ -123,11 +136,13 @@ class LoopFormerServerConfig:
         admission, in this process), and no prefix cache, since its blocks are keyed by token ids alone."""
         model_config = vllm_config.model_config
         max_request_loop_budget(model_config.hf_config, model_config.try_get_generation_config())
-        SERVED_MODEL_CONFIGS[:] = [model_config]  # the latest server of this process
+        refusal = per_request_refusal(vllm_config)
+        SERVED_MODEL_CONFIGS[:] = [(model_config, refusal)]  # the latest server of this process
+        processor = REQUESTS_LOGITS_PROCESSOR if refusal is None else REFUSING_LOGITS_PROCESSOR
         processors = list(model_config.logits_processors or ())
-        if REQUESTS_LOGITS_PROCESSOR not in processors:
-            model_config.logits_processors = [*processors, REQUESTS_LOGITS_PROCESSOR]
-        if vllm_config.cache_config.enable_prefix_caching:
+        if processor not in processors:
+            model_config.logits_processors = [*processors, processor]
+        if refusal is None and vllm_config.cache_config.enable_prefix_caching:
             # KV computed under one trajectory is wrong under another, and vLLM 0.32 lets no model key its cached
             # blocks by a request's sampling params (a request's `cache_salt` comes from the prompt, before any
             # model hook sees the request); a cache hit would serve another trajectory's prompt KV.

@@ -20,6 +20,7 @@ import torch
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from .vllm_plugin import SERVED_MODEL_CONFIGS, request_trajectory
 
@@ -32,16 +33,20 @@ def requests_of(vllm_config_id):
     return _PROCESSORS.get(vllm_config_id)
 
 
+def validate_request(sampling_params):
+    """The admission check, in the front-end: against the model config the plugin's hook saw in this process."""
+    if SERVED_MODEL_CONFIGS and sampling_params.extra_args:
+        model_config, refusal = SERVED_MODEL_CONFIGS[-1]
+        trajectory = request_trajectory(model_config.hf_config, model_config.try_get_generation_config(),
+                                        sampling_params.extra_args)
+        if trajectory is not None and refusal is not None:
+            raise ValueError(f"`loop_budget`/`step_schedule` per request are not served here: {refusal}.")
+
+
 class LoopFormerRequestTrajectories(LogitsProcessor):
     """Each batch row's trajectory (a tuple of step sizes), for rows whose request asked for its own."""
 
-    @classmethod
-    def validate_params(cls, sampling_params):
-        # the front-end: the model config the plugin's hook saw in this process
-        if SERVED_MODEL_CONFIGS and sampling_params.extra_args:
-            model_config = SERVED_MODEL_CONFIGS[-1]
-            request_trajectory(model_config.hf_config, model_config.try_get_generation_config(),
-                               sampling_params.extra_args)
+    validate_params = classmethod(lambda cls, sampling_params: validate_request(sampling_params))
 
     def __init__(self, vllm_config, device, is_pin_memory):
         model_config = vllm_config.model_config
@@ -86,16 +91,15 @@ class LoopPlan:
         budgets = np.array([len(t) for t in trajectories])[token_trajectory]
         order = np.argsort(-budgets, kind="stable")  # deepest first: step i's tokens are order[:n_i]
         num_tokens = len(token_trajectory)
-        self.steps = []
+        self.steps, index = [], {}  # active tokens -> their index tensor, one per count: steps share it
         for step in range(int(budgets.max())):
             active = int((budgets > step).sum())
-            index = None if active == num_tokens else order[:active]
-            ids = token_trajectory if index is None else token_trajectory[index]
+            if active < num_tokens and active not in index:
+                index[active] = torch.from_numpy(order[:active]).to(device)
+            ids = token_trajectory[order[:active]]
             shared = ids[0] if (ids == ids[0]).all() else None
-            self.steps.append(LoopStep(
-                None if index is None else torch.from_numpy(index).to(device),
-                None if shared is not None else torch.from_numpy(ids).to(device),
-                None if shared is None else int(shared)))
+            self.steps.append(LoopStep(index.get(active), None if shared is not None else torch.from_numpy(
+                token_trajectory if active == num_tokens else ids).to(device), None if shared is None else int(shared)))
 
     @classmethod
     def build(cls, default, rows, query_start_loc, num_tokens, device):
@@ -118,3 +122,15 @@ class LoopPlan:
         if len(present) == 1:
             return cls([trajectories[int(present[0])]], None, device)
         return cls(trajectories, token_trajectory, device)
+
+
+class LoopFormerRequestRefusal(V2LogitsProcessor):
+    """Model Runner V2's interface: refuses per-request trajectories at admission (see `per_request_refusal`)."""
+
+    validate_params = classmethod(lambda cls, sampling_params: validate_request(sampling_params))
+
+    def add_request(self, req_idx, sampling_params):
+        return False
+
+    def apply(self, logits, ctx):
+        return logits

@@ -466,6 +466,53 @@ def test_server_trajectory_reads_overrides_then_generation_config_then_config(ch
         server_trajectory(config)
 
 
+def test_request_knobs_resolve_over_the_servers(checkpoints):
+    """A request's knob replaces the server's; one it leaves out is the server's (a preset name), as `generate` takes
+    its generation config's. Budgets above `max_request_loop_budget` (default: num_loops) are refused."""
+    import loopformer_hf  # noqa: F401
+    from transformers import AutoConfig
+
+    from loopformer_hf.vllm_plugin import max_request_loop_budget, request_trajectory
+
+    config = AutoConfig.from_pretrained(checkpoints["loopformer"])
+    saved = {"loop_budget": 2, "step_schedule": "coarse_to_fine"}  # the checkpoint's generation_config.json
+    assert request_trajectory(config, saved, {}) is None and request_trajectory(config, saved, {"seed": 1}) is None
+    assert request_trajectory(config, saved, {"loop_budget": 3}) == config.resolve_trajectory(3, "coarse_to_fine")
+    assert request_trajectory(config, saved, {"step_schedule": "uniform"}) == (0.5, 0.5)
+    assert request_trajectory(config, saved, {"step_schedule": [0.25, 0.75]}) == (0.25, 0.75)
+    assert max_request_loop_budget(config, saved) == 3
+    with pytest.raises(ValueError, match="`loop_budget`=4 exceeds this server's largest per-request loop budget, 3"):
+        request_trajectory(config, saved, {"loop_budget": 4})
+    config.max_request_loop_budget = 4  # --hf-overrides '{"max_request_loop_budget": 4}'
+    assert len(request_trajectory(config, saved, {"loop_budget": 4})) == 4
+
+
+def test_per_request_knobs_are_refused_where_the_server_cannot_run_them(checkpoints):
+    """Where the model cannot honour them (Model Runner V2, CUDA graphs: see `per_request_refusal`), per-request
+    knobs fail at admission through V2's own validator, with the reason; requests without them pass."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    from loopformer_hf.vllm_plugin import REFUSING_LOGITS_PROCESSOR, SERVED_MODEL_CONFIGS
+
+    model_config = EngineArgs(model=checkpoints["loopformer"], dtype="float32",
+                              max_model_len=128).create_model_config()
+    saved = list(SERVED_MODEL_CONFIGS)
+    SERVED_MODEL_CONFIGS[:] = [(model_config, "start it with VLLM_USE_V2_MODEL_RUNNER=0")]
+    try:
+        validate = build_custom_logits_processors_params_validator([REFUSING_LOGITS_PROCESSOR])
+        # VLLMValidationError: vLLM's front-end answers it with HTTP 400
+        with pytest.raises(VLLMValidationError, match="not served here: start it with VLLM_USE_V2_MODEL_RUNNER=0"):
+            validate(SamplingParams(extra_args={"loop_budget": 2}))
+        with pytest.raises(VLLMValidationError, match="got 0"):  # a bad value still names itself
+            validate(SamplingParams(extra_args={"loop_budget": 0}))
+        validate(SamplingParams())
+    finally:
+        SERVED_MODEL_CONFIGS[:] = saved
+
+
 def test_plugin_registers_the_architectures_of_saved_checkpoints(checkpoints):
     from vllm import ModelRegistry
 
@@ -503,8 +550,10 @@ def _post(url, body, timeout):
 
 
 def test_openai_server_answers_completions(checkpoints, tmp_path):
-    """`vllm serve CKPT --hf-overrides ...` (see `serve_command`) on 127.0.0.1: /v1/completions gives `generate`'s greedy text. Bounded:
-    at most 600 s for the server to come up, 60 s per request, then it is stopped."""
+    """`vllm serve CKPT --hf-overrides ...` (see `serve_command`) on 127.0.0.1: /v1/completions gives `generate`'s
+    greedy text, at the server's trajectory and at one a request asks through `vllm_xargs` (the OpenAI client's
+    `extra_body`); a bad `vllm_xargs` value is a 400 naming it. Bounded: at most 600 s for the server to come up,
+    60 s per request, then it is stopped."""
     from transformers import AutoTokenizer
 
     ckpt, port = checkpoints["loopformer"], _free_port()
@@ -530,6 +579,7 @@ def test_openai_server_answers_completions(checkpoints, tmp_path):
         answer = _post(f"http://127.0.0.1:{port}/v1/completions",
                        {"model": "loopformer", "prompt": PROMPTS[:2], "max_tokens": MAX_NEW_TOKENS,
                         "temperature": 0, "ignore_eos": True}, timeout=60)
+        per_request = _per_request_over_http(port)
     finally:
         server.terminate()
         try:
@@ -544,6 +594,35 @@ def test_openai_server_answers_completions(checkpoints, tmp_path):
     # the batch of two: generate's rows 0 and 1 (its batch of four pads them further; greedy tokens do not move)
     assert texts == [tokenizer.decode(t) for t in tokens[:2]]
     assert answer["usage"]["completion_tokens"] == 2 * MAX_NEW_TOKENS
+    # per request (vllm_xargs): a bad value is a 400 naming it; the server then answers with that trajectory
+    status, message = per_request["refused"]
+    assert status == 400 and "`loop_budget` must be an integer >= 1, got 0" in message, (status, message)
+    expected, _ = reference_solo(ckpt, tokenizer(PROMPTS[0])["input_ids"], *SERVED_REQUEST)
+    assert per_request["text"] == tokenizer.decode(expected)
+
+
+SERVED_REQUEST = (2, "coarse_to_fine")  # the trajectory a request asks the server (budget 3, uniform) for
+
+
+def _per_request_over_http(port):
+    """A bad `vllm_xargs` (urllib: its HTTP status and message), then a good one through the OpenAI client, as
+    docs/serving.md shows it."""
+    import urllib.error
+
+    from openai import OpenAI
+
+    try:
+        _post(f"http://127.0.0.1:{port}/v1/completions",
+              {"model": "loopformer", "prompt": PROMPTS[0], "max_tokens": 2, "vllm_xargs": {"loop_budget": 0}},
+              timeout=60)
+        refused = (200, "")
+    except urllib.error.HTTPError as error:
+        refused = (error.code, error.read().decode())
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60)
+    completion = client.completions.create(
+        model="loopformer", prompt=PROMPTS[0], max_tokens=MAX_NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "vllm_xargs": dict(zip(("loop_budget", "step_schedule"), SERVED_REQUEST))})
+    return {"refused": refused, "text": completion.choices[0].text}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["drive"]:
