@@ -659,6 +659,10 @@ CASES = [
                                                                                "model/")))(t), ValueError,
          r"already holds a run \(trainer_state\.json, results\.json, model\).*--resume_from_checkpoint last.*"
          r"--overwrite_output_dir"),
+    Case("fprm.train", "--output_dir of a run stopped in its final evaluation (model/, no results.json), again",
+         lambda t: FPRM_TRAIN(*FPRM_TINY, "--output_dir", str(saved_run_folder(t, "trainer_state.json", "model/")))(t),
+         ValueError, r"already holds a run \(trainer_state\.json, model\) that stopped after its final save, before "
+                     r"writing results\.json: .*Give --resume_from_checkpoint last to finish it \(nothing is trained"),
     Case("loopformer.train", "--output_dir of an unfinished run (checkpoint-3), again",
          lambda t: TRAIN("--output_dir", str(saved_run_folder(t, "checkpoint-3/")))(t), ValueError,
          r"already holds a run \(checkpoint-3\).*--resume_from_checkpoint last to continue it"),
@@ -751,6 +755,14 @@ HANDLED = [
             "the final files are written aside and moved in one rename each, the record last: nothing half-written "
             "where the model goes; `--resume_from_checkpoint last` writes the final save from the last checkpoint",
             "tests/test_final_save.py::test_a_run_killed_during_its_final_save_is_finished_by_a_resume"),
+    Handled("fprm.train", "Ctrl-C, SIGTERM or a crash during the final evaluation (after the final save, before "
+            "results.json)",
+            "`--resume_from_checkpoint last` evaluates the saved model/ (one line says so; nothing is trained, with or "
+            "without checkpoint-N) and writes results.json and the plots, a curriculum's history and length from the "
+            "final trainer_state.json (was the no-op of a finished run, rc 0: the evaluation was lost); without it the "
+            "refusal says the run stopped before results.json and that the resume finishes it. LoopFormer's train "
+            "writes nothing after its final save (train_results.json now comes before it)",
+            "tests/test_final_save.py::test_an_fprm_run_interrupted_in_its_final_evaluation_is_evaluated_by_a_resume"),
     Handled("both trainers", "`--resume_from_checkpoint last` where the only checkpoint is incomplete (killed during "
             "the first save)",
             "trains from scratch (exit 0), after a warning that names the skipped checkpoint and what is wrong with it; "

@@ -11,6 +11,11 @@ optimizer, scheduler and RNG states, `TrainerState.save_to_json` for trainer_sta
 
 kills the run with a real SIGKILL when it starts writing the config.json of its final model (any config.json outside
 a checkpoint-N folder), right after creating the file: the moment of a kill during the final `save_model`.
+
+    python tests/kill_during_save.py sigint:evaluation LOG looped_training.fprm.train ARGS...
+
+sends the process a real SIGINT (Ctrl-C) when FPRM's final evaluation starts its solver, after the final save and
+before results.json; the command ends as on the command line (`run_command`: one line, status 130).
 """
 
 import importlib
@@ -28,6 +33,8 @@ KILLED = 137
 
 def main():
     target, log_file, module, *argv = sys.argv[1:]
+    if target == "sigint:evaluation":
+        return interrupt_evaluation(module, argv)
     if target.startswith("final:"):
         kill_at_final_save(target.removeprefix("final:"))
         target = "(none)"
@@ -70,6 +77,20 @@ def kill_at_final_save(name):
         return original(self, path, *args, **kwargs)
 
     PretrainedConfig.to_json_file = write
+
+
+def interrupt_evaluation(module, argv):
+    from looped_training.arguments import run_command
+    from looped_training.fprm import evaluate
+
+    original = evaluate.run_solver
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Python raises KeyboardInterrupt at the next instruction
+        return original(*args, **kwargs)
+
+    evaluate.run_solver = interrupted
+    run_command(lambda: importlib.import_module(module).main(argv), f"python -m {module}")
 
 
 if __name__ == "__main__":

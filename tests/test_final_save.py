@@ -1,7 +1,8 @@
 """Nothing a finished run saved is lost: it is never trained over (its own record counts when it kept no
 checkpoint-N), a run killed (SIGKILL) during its final save leaves no half-written file and a resume finishes the
-save from its last checkpoint."""
+save from its last checkpoint, and an FPRM run stopped (Ctrl-C) during its final evaluation is evaluated by a resume."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -108,6 +109,67 @@ def test_a_run_killed_during_its_final_save_is_finished_by_a_resume(name, tmp_pa
     # and a further resume is the no-op of a finished run
     before = folder_bytes(out)
     assert (run if name == "loopformer" else run_fprm)(out, "--resume_from_checkpoint", "last") is None
+    assert folder_bytes(out) == before
+
+
+# --- Ctrl-C during FPRM's final evaluation loses nothing -------------------------------------------------------------
+
+def interrupt_final_evaluation(output_dir, *extra):
+    """Run FPRM's tiny training in a subprocess that a real SIGINT (Ctrl-C) ends when its final evaluation starts,
+    after the final save (tests/kill_during_save.py sigint:evaluation); the last line it printed."""
+    module, args, _ = MODULES["fprm"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "kill_during_save.py"), "sigint:evaluation",
+                           str(output_dir) + "-log.jsonl", module, "--output_dir", str(output_dir), *args, *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+# a length curriculum (2 -> 3 at step 3, -> 4 at step 6, of 8): its history and length are in the results
+CURRICULUM = ("--train_length", "8", "--test_length", "8", "--curriculum_start_length", "2",
+              "--curriculum_threshold", "1e-6", "--curriculum_check_steps", "3")
+
+
+@pytest.mark.parametrize("save_strategy, extra", [("steps", ()), ("no", CURRICULUM)], ids=["steps", "no+curriculum"])
+def test_an_fprm_run_interrupted_in_its_final_evaluation_is_evaluated_by_a_resume(save_strategy, extra, tmp_path,
+                                                                                  trained_steps, capsys):
+    # the resume was the no-op of a finished run (rc 0, "nothing written"): results.json and the plots never came
+    out = tmp_path / "run"
+    flags = ("--save_strategy", save_strategy, *extra)
+    line = interrupt_final_evaluation(out, *flags)
+    assert line.startswith("python -m looped_training.fprm.train: interrupted (Ctrl-C): ") and (
+        "--resume_from_checkpoint last" in line), line
+    assert (out / "trainer_state.json").is_file() and not (out / "results.json").exists()
+    check_checkpoint(str(out / "model"))
+    model = folder_bytes(out / "model")
+    # without a flag, the refusal says what is missing and that a resume finishes it without training
+    with pytest.raises(ValueError, match=r"already holds a run \(trainer_state\.json, model.*\) that stopped after "
+                                         r"its final save, before writing results\.json: .*Give "
+                                         r"--resume_from_checkpoint last to finish it \(nothing is trained"):
+        run_fprm(out, *flags)
+    capsys.readouterr()
+    results = run_fprm(out, *flags, "--resume_from_checkpoint", "last")
+    printed = capsys.readouterr().out
+    assert trained_steps == []  # nothing trained again
+    assert f"{out} holds the final model but no results.json (a run stopped during its final evaluation?): " \
+           f"evaluating {out / 'model'}, without training." in printed
+    assert results["train_steps"] == 6 and [h["step"] for h in results["log_history"] if "loss" in h] == list(
+        range(1, 7))
+    assert json.loads((out / "results.json").read_text())["halting"] == results["halting"]
+    assert folder_bytes(out / "model") == model  # evaluated as saved, not written again
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "training_loss.png").is_file()
+    if extra:  # what an uninterrupted run writes
+        reference = run_fprm(tmp_path / "reference", *flags)
+        assert [h["max_length"] for h in reference["curriculum"]] == [2, 3] and reference["max_train_length"] == 4
+        assert results["max_train_length"] == 4 and len(results["curriculum"]) == 2
+        for got, expected in zip(results["curriculum"], reference["curriculum"]):
+            assert got == {**expected, "accuracy": pytest.approx(expected["accuracy"], rel=1e-4)}
+    # and a further resume is the no-op of a finished run
+    before = folder_bytes(out)
+    assert run_fprm(out, *flags, "--resume_from_checkpoint", "last") is None
     assert folder_bytes(out) == before
 
 

@@ -331,12 +331,23 @@ def saved_run(output_dir):
     return names + [os.path.basename(folder) for _, folder in sorted(_checkpoint_steps(output_dir).items())]
 
 
-def claim_output_dir(args, resume):
+def unfinished_records(output_dir, records):
+    """The files of `records` (what a run writes after its final save: FPRM's results.json) that `output_dir` lacks
+    although its final save is complete (its trainer_state.json, moved in last, is there): the run was stopped
+    (Ctrl-C, SIGTERM, a crash) between the two, and `--resume_from_checkpoint last` writes them from the saved model.
+    [] when there is no final save or nothing is missing."""
+    if not os.path.isfile(os.path.join(output_dir, RUN_RECORD)):
+        return []
+    return [name for name in records if not os.path.exists(os.path.join(output_dir, name))]
+
+
+def claim_output_dir(args, resume, after_final=()):
     """Refuse to train a new run into an `--output_dir` that holds a saved one (`TrainingArguments` `args`), as
     transformers' example scripts do: it would replace a finished model, overwrite checkpoints and leave the old
     run's later ones beside the new (a resume would take them). Allowed: a run that resumes this folder's run
     (`--resume_from_checkpoint last`, or `resume` a checkpoint inside it), or `--overwrite_output_dir`, which deletes
-    the old run's files first (the main process), for that reason."""
+    the old run's files first (the main process), for that reason. `after_final`: the files the run writes after its
+    final save (`unfinished_records`), which the refusal names when they are missing."""
     output_dir = args.output_dir
     if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
         raise ValueError(f"--overwrite_output_dir (train a new run over {output_dir!r}) and --resume_from_checkpoint "
@@ -347,10 +358,14 @@ def claim_output_dir(args, resume):
         return
     listed = ", ".join(saved[:6]) + (", ..." if len(saved) > 6 else "")
     if not args.overwrite_output_dir:
+        missing = unfinished_records(output_dir, after_final)
+        state, resume_does = ((f" that stopped after its final save, before writing {', '.join(missing)}",
+                               "to finish it (nothing is trained: what is missing is written from the saved model)")
+                              if missing else ("", "to continue it (a finished run is then left as it is)"))
         raise ValueError(
-            f"--output_dir {output_dir!r} already holds a run ({listed}): a new run would train over it. Give "
-            f"--resume_from_checkpoint last to continue it (a finished run is then left as it is), "
-            f"--overwrite_output_dir to delete it and train a new run there, or another --output_dir."
+            f"--output_dir {output_dir!r} already holds a run ({listed}){state}: a new run would train over it. Give "
+            f"--resume_from_checkpoint last {resume_does}, --overwrite_output_dir to delete it and train a new run "
+            f"there, or another --output_dir."
         )
     if args.should_save:
         logger.warning("--overwrite_output_dir: deleting the run in %s (%s).", output_dir, listed)
@@ -569,7 +584,9 @@ def _ending_in_one_line(output_dir):
             saved = (f"the last complete checkpoint is {resume}. Run the same command with --resume_from_checkpoint "
                      f"last to go on from it")
         elif final:  # a run without checkpoints, after its final save (FPRM: in its evaluation)
-            saved = f"the run's final model and {os.path.basename(final)} are in {output_dir}"
+            saved = (f"the run's final model and {os.path.basename(final)} are in {output_dir}. Run the same command "
+                     f"with --resume_from_checkpoint last to write anything it had left to write (FPRM: the "
+                     f"evaluation's results.json), without training")
         else:
             saved = "no checkpoint is complete, so there is nothing to resume: run the same command to start over"
         raise RunInterrupted(f"interrupted (Ctrl-C): {saved}.") from None

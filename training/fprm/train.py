@@ -15,7 +15,8 @@ run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--o
 kill during its save is skipped with a warning) or a checkpoint's path, and the model and data flags of the run that
 wrote it (flags that build another model config are refused; the evaluation flags may change). An `--output_dir` that
 holds a run (`model/`, `results.json`, checkpoints) is refused unless the run resumes it or `--overwrite_output_dir` is
-given (which deletes the old run first).
+given (which deletes the old run first). A run stopped during its final evaluation (after `model/` was saved, before
+`results.json`) is evaluated, without training, by `--resume_from_checkpoint last`.
 
 The evaluation prints cell and exact accuracy, iterations used against difficulty (Sudoku: blanks and rating; maze:
 path length; state tracking: sequence length), the per-prefix accuracy curve (state tracking), halting vs always
@@ -39,10 +40,10 @@ from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
                                          check_resume_data, check_run_length, claim_output_dir, finish_final_save,
                                          finished_run, load_model, output_dir_lock, resolve_resume, run_record,
-                                         start_final_save)
+                                         start_final_save, unfinished_records)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
-from looped_training.fprm.evaluate import (accuracy, evaluate, parse_iteration_counts, print_report,
+from looped_training.fprm.evaluate import (RESULTS_FILE, accuracy, evaluate, parse_iteration_counts, print_report,
                                            write_plots)
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
@@ -257,7 +258,7 @@ def train(model_args, data_args, eval_args, train_args):
     """The run `main` parsed, in its locked `output_dir`: its results, or None if the resumed checkpoint already ends
     the run (or on a process other than the main one)."""
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, FPRMConfig.model_type)
-    claim_output_dir(train_args, resume)
+    claim_output_dir(train_args, resume, after_final=(RESULTS_FILE,))
     set_seed(train_args.seed)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
@@ -279,13 +280,25 @@ def train(model_args, data_args, eval_args, train_args):
         **task_config,
     )
     model_dir = os.path.join(train_args.output_dir, "model")
-    data_record = {**asdict(data_args), "seed": train_args.seed}  # the seed draws the generated data too
+    data_record = run_data(data_args, train_args)
     if resume is not None:
         # max_loops is --eval_max_loops, the evaluation's cap (training runs n_backward iterations a segment); a run
         # saved without checkpoints is its own record, its config in model/
         own_record = os.path.samefile(resume, train_args.output_dir)
         check_resume_config(model_dir if own_record else resume, config, RESUME_FREE_CONFIG_KEYS + ("max_loops",))
         check_resume_data(resume, RUN_FILE, data_record, RESUME_FREE_DATA_FLAGS)  # the same model on other data
+        if train_args.resume_from_checkpoint == "last" and unfinished_records(train_args.output_dir, (RESULTS_FILE,)):
+            # stopped during its final evaluation (Ctrl-C, SIGTERM, a crash), after the final save: the run has ended
+            # (a time budget may have ended it before --max_steps), so evaluate its saved model
+            if not train_args.should_save:
+                return None
+            print(f"{train_args.output_dir} holds the final model but no {RESULTS_FILE} (a run stopped during its "
+                  f"final evaluation?): evaluating {model_dir}, without training.")
+            state = TrainerState.load_from_json(os.path.join(train_args.output_dir, RUN_RECORD))
+            train_seconds = next((h["train_runtime"] for h in reversed(state.log_history) if "train_runtime" in h),
+                                 None)  # the Trainer's, logged at the end of training
+            return record_results(load_model(FPRMForReasoning, model_dir), state, train_seconds, ds, data_args,
+                                  eval_args, model_args, train_args, difficulty_columns)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         if finished_run(resume, train_args):
             if own_record or not train_args.should_save or run_record(train_args.output_dir) is not None:
@@ -298,8 +311,7 @@ def train(model_args, data_args, eval_args, train_args):
             if os.path.exists(ema):  # the authors save and evaluate the EMA weights
                 model.load_state_dict(load_file(ema), strict=False)
             state = TrainerState.load_from_json(os.path.join(resume, RUN_RECORD))
-            return finish(model, state, None, ds, data_args, eval_args, model_args, train_args, difficulty_columns,
-                          None, data_args.train_length)
+            return finish(model, state, None, ds, data_args, eval_args, model_args, train_args, difficulty_columns)
     model = FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
@@ -332,21 +344,36 @@ def train(model_args, data_args, eval_args, train_args):
         trainer.swap_ema()
     if not trainer.is_world_process_zero():  # one process saves, evaluates and writes (the ranks hold the same weights)
         return None
-    max_train_length = train_dataset.max_length if curriculum is not None else data_args.train_length
+    if curriculum is not None:  # its length and history as at the end, in the final trainer_state.json
+        trainer.state.stateful_callbacks[type(curriculum).__name__] = curriculum.state()
     return finish(model, trainer.state, train_seconds, ds, data_args, eval_args, model_args, train_args,
-                  difficulty_columns, curriculum, max_train_length)
+                  difficulty_columns)
 
 
-def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns,
-           curriculum, max_train_length):
+def run_data(data_args, train_args):
+    """The data flags of a run (`fprm_run.json`'s "data"): the seed draws the generated data too."""
+    return {**asdict(data_args), "seed": train_args.seed}
+
+
+def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns):
     """Save the trained `model` and its `state` (a `TrainerState`), evaluate it and write the results: the end of a
     run, or of one killed during its final save (`train_seconds` None)."""
     # saved before the evaluation, so that an error there cannot lose the training; written aside and moved in, the
-    # record (trainer_state.json) last: a kill leaves no half-written model/, and a resume finishes the save
+    # record (trainer_state.json) last: a kill leaves no half-written model/, and a resume finishes the save. The data
+    # flags (fprm_run.json) go beside it: a resume that evaluates the saved model checks them (it rebuilds the test set)
     staging = start_final_save(train_args.output_dir)
     model.save_pretrained(os.path.join(staging, "model"))
+    with open(os.path.join(staging, RUN_FILE), "w") as f:
+        json.dump({"data": run_data(data_args, train_args)}, f, indent=2)
     state.save_to_json(os.path.join(staging, RUN_RECORD))
     finish_final_save(train_args.output_dir)
+    return record_results(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args,
+                          difficulty_columns)
+
+
+def record_results(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns):
+    """Evaluate the saved `model` of a run whose final `state` is `state` and write results.json and the plots: the
+    end of a run, or of one stopped during this evaluation (`--resume_from_checkpoint last`)."""
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
     results.update({
         "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
@@ -356,13 +383,16 @@ def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, tr
                  "batch_size": train_args.per_device_train_batch_size, "learning_rate": train_args.learning_rate},
         "log_history": state.log_history,
     })
+    # a curriculum's length and history: its state in trainer_state.json (the final one, or the last checkpoint's)
+    saved = (state.stateful_callbacks or {}).get(LengthCurriculumCallback.__name__)
+    curriculum = saved["attributes"] if saved and data_args.curriculum_start_length is not None else None
     if curriculum is not None:
-        results["curriculum"] = curriculum.history
+        results["curriculum"] = curriculum["history"]
     if data_args.task in STATE_TRACKING_TASKS:
-        results["max_train_length"] = max_train_length
+        results["max_train_length"] = data_args.train_length if curriculum is None else curriculum["max_length"]
     print_report(results, train_seconds or 0.0)
     plots = write_plots(results, state.log_history, train_args.output_dir)
-    with open(os.path.join(train_args.output_dir, "results.json"), "w") as f:
+    with open(os.path.join(train_args.output_dir, RESULTS_FILE), "w") as f:
         json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
     plots = (f" and plots: {', '.join(os.path.basename(p) for p in plots)}" if plots else
              " (no plots: they need matplotlib, the package's [train] extra)")

@@ -384,6 +384,10 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
     trainer.add_callback(RunRecordCallback(TRAINING_META_FILE, record))
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
+    # train_results.json and all_results.json before the final save, whose record is the last file a run writes: a
+    # run stopped after it has nothing left to write
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
     staging = start_final_save(training_args.output_dir) if trainer.is_world_process_zero() else None
     model.generation_config.update(**record["generation"])  # saved with the model as generation_config.json
     trainer.save_model(staging)  # writes on the main process only
@@ -391,8 +395,6 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
         save_final(training_args.output_dir, model, tokenizer,
                    {**record, "train_runtime_s": result.metrics.get("train_runtime")},
                    lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)), saved=True)
-    trainer.log_metrics("train", result.metrics)
-    trainer.save_metrics("train", result.metrics)
     return trainer
 
 
