@@ -10,7 +10,9 @@ change the logits). Then, per model type and trajectory:
   prefixes stripped, the tie restored, a strict load into their GPT), in a process that does not import this package;
 - ours: `AutoModelForCausalLM.from_pretrained(folder)` after `import loopformer_hf` (no remote code), in another;
 
-and prints max |logit difference| over all positions (fp32). Their code is copied into the temporary folder as the
+and prints max |logit difference| over all positions (fp32). Each model type is written twice: with the wrapper's
+defaults those of their GPTConfig (config.json states the sizes), and as published, with the repo's own sizes and
+trajectory as the wrapper's defaults, so that save_pretrained writes a config.json that states none of them. Their code is copied into the temporary folder as the
 wrapper's remote code, never into this project, and nothing is fetched:
 
     git clone https://github.com/armenjeddi/loopformer /tmp/authors_loopformer
@@ -18,6 +20,7 @@ wrapper's remote code, never into this project, and nothing is fetched:
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -40,8 +43,7 @@ from transformers import PretrainedConfig
 class AuthorsConfig(PretrainedConfig):
     model_type = "{model_type}"
 
-    def __init__(self, block_size=1024, vocab_size=50304, n_layer=3, n_head=32, n_embd=2048, dropout=0.0,
-                 bias=False, intermediate_dim=None, steps=None, **kwargs):
+    def __init__(self, {defaults}, **kwargs):
         self.block_size, self.vocab_size, self.n_layer, self.n_head = block_size, vocab_size, n_layer, n_head
         self.n_embd, self.dropout, self.bias, self.intermediate_dim = n_embd, dropout, bias, intermediate_dim
         self.steps = steps
@@ -105,18 +107,26 @@ torch.save(out, {out!r})
 '''
 
 
-def write_their_repo(authors_repo, model_type, model_file, folder, seed=0):
+# the wrapper's defaults: their GPTConfig's (the sizes then come from config.json), or, as published, the repo's own
+# sizes and trajectory (their transformers 4.57 wrote only what differs from them: a config.json without a size)
+GITHUB_DEFAULTS = dict(block_size=1024, vocab_size=50304, n_layer=3, n_head=32, n_embd=2048, dropout=0.0, bias=False,
+                       intermediate_dim=None, steps=None)
+
+
+def write_their_repo(authors_repo, model_type, model_file, folder, seed=0, published=False):
     """The Hub layout, written by their GPT inside the wrapper (their code copied in as its remote code)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(folder)
     shutil.copyfile(os.path.join(authors_repo, "models", f"{model_file}.py"), os.path.join(folder, "authors_gpt.py"))
+    steps = [0.25] * 4 if model_type == "loopformer" else 4
+    defaults = dict(SHAPE, steps=steps) if published else GITHUB_DEFAULTS
     with open(os.path.join(folder, "configuration_authors.py"), "w") as handle:
-        handle.write(WRAPPER_CONFIG.format(model_type=model_type))
+        handle.write(WRAPPER_CONFIG.format(model_type=model_type,
+                                           defaults=", ".join(f"{k}={v!r}" for k, v in defaults.items())))
     with open(os.path.join(folder, "modeling_authors.py"), "w") as handle:
         handle.write(WRAPPER_MODEL)
-    steps = [0.25] * 4 if model_type == "loopformer" else 4
     config = dict(SHAPE, model_type=model_type, steps=steps, tie_word_embeddings=True,
                   auto_map={"AutoConfig": "configuration_authors.AuthorsConfig",
                             "AutoModelForCausalLM": "modeling_authors.AuthorsForCausalLM"})
@@ -132,6 +142,13 @@ def write_their_repo(authors_repo, model_type, model_file, folder, seed=0):
             else:
                 p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
+    if published:  # transformers 4.57 (theirs) saves only what differs from the class defaults; 5.x saves them all.
+        # tie_word_embeddings stays: 4.57's default (True) left it out, this transformers' wrapper load needs it
+        with open(os.path.join(folder, "config.json")) as handle:
+            saved = json.load(handle)
+        with open(os.path.join(folder, "config.json"), "w") as handle:
+            json.dump({k: saved[k] for k in ("architectures", "auto_map", "dtype", "model_type",
+                                             "transformers_version", "tie_word_embeddings") if k in saved}, handle)
     return model
 
 
@@ -153,9 +170,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as work:
         ids = os.path.join(work, "ids.pt")
         torch.save(torch.randint(0, SHAPE["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0)), ids)
-        for model_type, model_file, trajectories in CASES:
-            repo = os.path.join(work, model_type)
-            write_their_repo(os.path.abspath(args.authors_repo), model_type, model_file, repo)
+        for (model_type, model_file, trajectories), published in itertools.product(CASES, (False, True)):
+            repo = os.path.join(work, model_type + ("_published" if published else ""))
+            write_their_repo(os.path.abspath(args.authors_repo), model_type, model_file, repo, published=published)
+            with open(os.path.join(repo, "config.json")) as handle:
+                stated = sorted(json.load(handle))
             with safe_open(os.path.join(repo, "model.safetensors"), "pt") as handle:
                 names = sorted(handle.keys())
             outs = {side: os.path.join(work, f"{model_type}_{side}.pt") for side in ("theirs", "ours")}
@@ -166,14 +185,15 @@ def main(argv=None):
             theirs, ours = torch.load(outs["theirs"]), torch.load(outs["ours"])
             for key in theirs:
                 diff = (theirs[key] - ours[key]).abs().max().item()
-                rows.append((model_type, key, diff))
+                rows.append((model_type, "no sizes" if published else "sizes", key, diff))
             print(f"{model_type}: {len(names)} tensors saved, e.g. {names[0]}; head stored: "
-                  f"{any(n.endswith('lm_head.weight') for n in names)}", flush=True)
-    print("| model type | trajectory | max abs logit difference, their GPT.from_pretrained vs ours |")
-    print("|---|---|---|")
-    for model_type, key, diff in rows:
-        print(f"| {model_type} | {key} | {diff:.2e} |")
-    return 0 if all(diff < 1e-4 for _, _, diff in rows) else 1
+                  f"{any(n.endswith('lm_head.weight') for n in names)}; config.json keys: {stated}", flush=True)
+    print("| model type | config.json states | trajectory | max abs logit difference, their GPT.from_pretrained vs "
+          "ours |")
+    print("|---|---|---|---|")
+    for model_type, stated, key, diff in rows:
+        print(f"| {model_type} | {stated} | {key} | {diff:.2e} |")
+    return 0 if all(row[-1] < 1e-4 for row in rows) else 1
 
 
 if __name__ == "__main__":
