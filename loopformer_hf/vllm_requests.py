@@ -13,6 +13,7 @@ pieces carry them, both vLLM extension points:
   reaches it. Sorted by budget the active tokens of step i are a prefix of one order, `order[:n_i]`.
 """
 
+import logging
 import weakref
 
 import numpy as np
@@ -23,6 +24,8 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 
 from .vllm_plugin import SERVED_MODEL_CONFIGS, request_trajectory
+
+logger = logging.getLogger(__name__)
 
 # id(vllm_config) -> the processor of that engine's worker: the model finds its requests' trajectories here (the
 # runner builds both from the same VllmConfig object, and hands neither to the other).
@@ -55,7 +58,11 @@ class LoopFormerRequestTrajectories(LogitsProcessor):
         _PROCESSORS[id(vllm_config)] = self
 
     def _trajectory(self, params, prompt_ids, output_ids):
-        return request_trajectory(self.hf_config, self.generation_config, params.extra_args)
+        try:
+            return request_trajectory(self.hf_config, self.generation_config, params.extra_args)
+        except ValueError as error:  # admission refuses these; a front-end that skipped it must not stop the engine
+            logger.error("LoopFormer: a request's trajectory is invalid (%s); it runs the server's.", error)
+            return None
 
     def update_state(self, batch_update: BatchUpdate | None):
         process_dict_updates(self.rows, batch_update, self._trajectory)
