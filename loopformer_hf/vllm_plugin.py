@@ -138,6 +138,11 @@ class LoopFormerServerConfig:
         max_request_loop_budget(model_config.hf_config, model_config.try_get_generation_config())
         refusal = per_request_refusal(vllm_config)
         SERVED_MODEL_CONFIGS[:] = [(model_config, refusal)]  # the latest server of this process
+        if vllm_config.speculative_config is not None:
+            # vLLM refuses every custom logits processor with speculative decoding: the server runs its own
+            # trajectory, and per-request knobs are not read (docs/serving.md)
+            logger.warning("LoopFormer: speculative decoding: per-request loop_budget/step_schedule are ignored.")
+            return
         processor = REQUESTS_LOGITS_PROCESSOR if refusal is None else REFUSING_LOGITS_PROCESSOR
         processors = list(model_config.logits_processors or ())
         if processor not in processors:
