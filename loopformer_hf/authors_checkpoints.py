@@ -243,20 +243,7 @@ def resolve_config(config_dict, shapes=None, code_defaults=None, code_source=Non
     stated = [("config.json", config_dict)] + ([(code_source, code_defaults)] if code_defaults else [])
     values, sources = {}, {}
     for name in REFERENCE_CONFIG_KEYS:
-        claims = [(source, value) for source, d in stated if (value := _stated(d, name)) is not None]
-        if name in from_weights:
-            value, evidence = from_weights[name]
-            for source, claimed in claims[:1]:  # the first stated value (config.json overrides its class defaults)
-                if claimed != value and not (name == "bias" and bool(claimed) == value):
-                    raise ValueError(f"`{name}`: {source} says {claimed!r}, but the weights say {value!r} "
-                                     f"({evidence}). Nothing was loaded.")
-            values[name], sources[name] = value, f"the weights ({evidence})"
-        elif claims:
-            sources[name], values[name] = claims[0]
-        elif name == "steps":
-            values[name], sources[name] = _steps_default(model_type, name_or_path)
-        else:
-            values[name], sources[name] = GITHUB_DEFAULTS[name], GITHUB
+        values[name], sources[name] = _value(name, from_weights, stated, model_type, name_or_path)
     loop_conditioning, block_norm_weight, plain_list = MODEL_TYPES[model_type]
     if plain_list:
         num_loops, schedule = 1, "uniform"
@@ -293,6 +280,24 @@ def resolve_config(config_dict, shapes=None, code_defaults=None, code_source=Non
         eos_token_id=config_dict.get("eos_token_id"),
         pad_token_id=config_dict.get("pad_token_id"),
     )
+
+
+def _value(name, from_weights, stated, model_type, name_or_path):
+    """(value, source) of the nanoGPT field `name`: the weights', checked against the first stated one (config.json
+    overrides its class's defaults); else the first stated; else the repo's name (loop count) or their defaults."""
+    claims = [(source, value) for source, d in stated if (value := _stated(d, name)) is not None]
+    if name in from_weights:
+        value, evidence = from_weights[name]
+        for source, claimed in claims[:1]:
+            if claimed != value and not (name == "bias" and bool(claimed) == value):
+                raise ValueError(f"`{name}`: {source} says {claimed!r}, but the weights say {value!r} "
+                                 f"({evidence}). Nothing was loaded.")
+        return value, f"the weights ({evidence})"
+    if claims:
+        return claims[0][1], claims[0][0]
+    if name == "steps":
+        return _steps_default(model_type, name_or_path)
+    return GITHUB_DEFAULTS[name], GITHUB
 
 
 def _steps_default(model_type, name_or_path):
@@ -528,6 +533,43 @@ def resolved_reference_config(path, config_dict, hub_kwargs, shapes):
     return config
 
 
+def _config_for(path, config_dict, hub_kwargs, shapes, kwargs):
+    """The config to load with: the one the files determine, with the caller's overrides (AutoConfig's, which
+    translated config.json alone, or config fields among `kwargs`, popped); a config of the caller's own, as is."""
+    from .configuration_loopformer import LoopFormerConfig
+
+    given = kwargs.pop("config", None)
+    config = resolved_reference_config(path, config_dict, hub_kwargs, shapes)
+    if isinstance(given, LoopFormerConfig) and getattr(given, "authors_config_sources", None) is not None:
+        plain = LoopFormerConfig.from_dict(config_dict).to_dict()
+        for key, value in given.to_dict().items():
+            if plain.get(key) != value and key not in ("_name_or_path", "transformers_version"):
+                setattr(config, key, value)
+    elif given is not None:
+        config = given
+    fields = config.to_dict()
+    for key in [key for key in kwargs if key in fields and key not in ("dtype", "torch_dtype")]:
+        setattr(config, key, kwargs.pop(key))  # validated on assignment
+    return config
+
+
+def _refuse_incomplete(path, config, config_dict, info, stored):
+    """transformers' loading report of their repo: a key no mapping knows (named as stored), a parameter nothing
+    fills or a shape that differs is a ValueError, where transformers would initialise at random and log."""
+    missing = sorted(set(info["missing_keys"]) - {"lm_head.weight"})  # the tie restores the head
+    unexpected = sorted(stored.get(key, key) for key in info["unexpected_keys"])
+    mismatched = sorted(map(str, info["mismatched_keys"]))
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"{os.fspath(path)!r} in the authors' layout does not fill a {config.num_hidden_layers}-block "
+            f"{config_dict['model_type']!r} model: "
+            + "; ".join(f"{what}: {keys}" for what, keys in (("unknown keys (no mapping knows them)", unexpected),
+                                                             ("missing keys (parameters nothing fills)", missing),
+                                                             ("shapes that differ", mismatched)) if keys)
+            + ". Nothing was initialised at random."
+        )
+
+
 # from_pretrained kwargs that change nothing here (no remote code is run)
 _ACCEPTED_NOOPS = ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")
 
@@ -541,7 +583,6 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     if not is_reference_config(config_dict):
         _refuse_reference_weights_under_our_config(path, hub_kwargs)
         return None
-    from .configuration_loopformer import LoopFormerConfig
     from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerPreTrainedModel
 
     if model_args:
@@ -554,19 +595,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
             f"the authors' configs, but the weights are in this package's layout (model.embed_tokens.weight, …): the "
             f"config was edited or truncated. Restore it (num_loops is the number of loop steps L it was trained with)."
         )
-    given = kwargs.pop("config", None)
-    config = resolved_reference_config(path, config_dict, hub_kwargs, shapes)
-    if isinstance(given, LoopFormerConfig) and getattr(given, "authors_config_sources", None) is not None:
-        # AutoConfig translated config.json alone and applied the caller's overrides: keep those overrides
-        plain = LoopFormerConfig.from_dict(config_dict).to_dict()
-        for key, value in given.to_dict().items():
-            if plain.get(key) != value and key not in ("_name_or_path", "transformers_version"):
-                setattr(config, key, value)
-    elif given is not None:
-        config = given  # the caller's own configuration, as transformers uses it
-    fields = config.to_dict()
-    for key in [key for key in kwargs if key in fields and key not in ("dtype", "torch_dtype")]:
-        setattr(config, key, kwargs.pop(key))  # config overrides, validated on assignment
+    config = _config_for(path, config_dict, hub_kwargs, shapes, kwargs)
     names = set(strip_wrapper_prefixes(dict.fromkeys(shapes)))
     prefix = wrapper_prefix(shapes)
     _check_tied_head(path, prefix, names, hub_kwargs)
@@ -588,19 +617,8 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
                          f"{unknown}.") from None
     model.__class__ = causal_lm
     model._weight_conversions = None  # save_pretrained: no reverse mapping, this package's layout
-    missing = sorted(set(info["missing_keys"]) - {"lm_head.weight"})
-    stored = {our_name(name, _renames(prefix, names)): name for name in shapes}  # named as the files name them
-    unexpected = sorted(stored.get(key, key) for key in info["unexpected_keys"])
-    mismatched = sorted(map(str, info["mismatched_keys"]))
-    if missing or unexpected or mismatched:
-        raise ValueError(
-            f"{os.fspath(path)!r} in the authors' layout does not fill a {config.num_hidden_layers}-block "
-            f"{config_dict['model_type']!r} model: "
-            + "; ".join(f"{what}: {keys}" for what, keys in (("unknown keys (no mapping knows them)", unexpected),
-                                                             ("missing keys (parameters nothing fills)", missing),
-                                                             ("shapes that differ", mismatched)) if keys)
-            + ". Nothing was initialised at random."
-        )
+    _refuse_incomplete(path, config, config_dict, info, {our_name(name, _renames(prefix, names)): name
+                                                         for name in shapes})
     if model.generation_config.do_sample is None:  # theirs sets nothing: greedy, as our generate documents
         model.generation_config.do_sample = False
     if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM

@@ -87,9 +87,10 @@ class ShortcutConsistency:
 SHORTCUT_FORWARD_KWARGS = ("short_step_schedule", "lambda_short", "lambda_consistency", "consistency_loss")
 
 
-def check_shortcut_consistency(value, kwargs):
+def check_shortcut_consistency(value, kwargs, labels=None):
     """`value` if it is a `ShortcutConsistency` or None; a `TypeError` for anything else, or for the former separate
-    arguments, which `**kwargs` would otherwise swallow and the objective silently not run."""
+    arguments, which `**kwargs` would otherwise swallow and the objective silently not run; a `ValueError` without
+    `labels`, which the objective needs."""
     old = [name for name in SHORTCUT_FORWARD_KWARGS if name in kwargs]
     if old:
         raise TypeError(
@@ -99,6 +100,12 @@ def check_shortcut_consistency(value, kwargs):
         )
     if value is not None and not isinstance(value, ShortcutConsistency):
         raise TypeError(f"`shortcut_consistency` must be a ShortcutConsistency or None, got {type(value).__name__}.")
+    if value is not None and labels is None:
+        raise ValueError(
+            "`shortcut_consistency` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
+            "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
+            "pass labels, or drop shortcut_consistency."
+        )
     return value
 
 

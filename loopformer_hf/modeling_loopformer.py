@@ -251,18 +251,13 @@ class LoopFormerLoopConditioning(nn.Module):
         for "shortcut"; "timestep" gives (M, d), the loop index being every row's own."""
         if self.mode == "none":
             return None
-        per_row = isinstance(trajectory, torch.Tensor)
+        dt = (trajectory.to(device=device, dtype=torch.float64) if isinstance(trajectory, torch.Tensor) else
+              torch.tensor(trajectory, device=device, dtype=torch.float64))
         if self.mode == "timestep":
-            steps = trajectory.shape[-1] if per_row else len(trajectory)
-            return self.time_embedder(torch.arange(steps, device=device, dtype=torch.float32), dtype)
-        if per_row:
-            dt = trajectory.to(device=device, dtype=torch.float64)
-            t = torch.cumsum(dt, -1) - dt  # each row's time at the start of each of its steps
-            c = self.time_embedder(t.flatten().float(), dtype) + self.dt_embedder(dt.flatten().float(), dtype)
-            return c.view(*dt.shape, -1)
-        dt = torch.tensor(trajectory, device=device, dtype=torch.float64)
-        t = torch.cumsum(dt, 0) - dt  # time at the start of each step
-        return self.time_embedder(t.float(), dtype) + self.dt_embedder(dt.float(), dtype)
+            return self.time_embedder(torch.arange(dt.shape[-1], device=device, dtype=torch.float32), dtype)
+        t = torch.cumsum(dt, -1) - dt  # each row's time at the start of each of its steps
+        return (self.time_embedder(t.flatten().float(), dtype) + self.dt_embedder(dt.flatten().float(), dtype)).view(
+            *dt.shape, -1)
 
 
 class LoopFormerBlock(GradientCheckpointingLayer):
@@ -339,10 +334,9 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
 
 
-def _opens(path):
+def _safetensors_opens(path):
     try:
-        with safe_open(path, framework="pt"):
-            return True
+        return safe_open(path, framework="pt") is not None
     except SafetensorError:
         return False
 
@@ -374,7 +368,7 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as e:
             folder = str(pretrained_model_name_or_path)
-            bad = [f for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if not _opens(f)]
+            bad = [f for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if not _safetensors_opens(f)]
             raise OSError(
                 f"{', '.join(map(repr, bad)) or f'a weights file of {folder!r}'} is not a safetensors file "
                 f"(safetensors: {e}). Nothing was loaded from it, and pickles are never unpickled here: re-save the "
@@ -422,12 +416,9 @@ class LoopFormerModelOutput(BaseModelOutputWithPast):
 
 @dataclass
 class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
-    """
-    loop_counts (batch, seq): loop steps each token ran (only with `halt_eps`).
-    ce_full, ce_short, consistency: with `labels` and `shortcut_consistency`, the three terms of the shortcut-consistency
-        objective: per-token CE of the full and of the short trajectory, and the consistency distance D (detached;
-        `loss` combines them).
-    """
+    """loop_counts (batch, seq): loop steps each token ran (only with `halt_eps`). ce_full, ce_short, consistency:
+    with `labels` and `shortcut_consistency`, the objective's terms: per-token CE of the full and of the short
+    trajectory, and the consistency distance D (detached; `loss` combines them)."""
 
     loop_counts: torch.LongTensor | None = None
     ce_full: torch.FloatTensor | None = None
@@ -481,12 +472,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         loop_adaln = None
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
-            if conditioning.dim() == 3:  # per row: (batch, 1, d) for each step
-                loop_adaln = [[tuple(v[:, i, None] for v in vectors) for i in range(rows.num_steps)]
-                              for vectors in per_block]
-            else:
-                loop_adaln = [[tuple(v[i] for v in vectors) for i in range(plan.spec.loop_steps)]
-                              for vectors in per_block]
+            per_row = conditioning.dim() == 3  # then (batch, 1, d) for each step
+            loop_adaln = [[tuple(v[:, i, None] if per_row else v[i] for v in vectors)
+                           for i in range(rows.num_steps if per_row else plan.spec.loop_steps)] for vectors in per_block]
         if keep:
             cache.keep_adaln(key, loop_adaln)
         return loop_adaln
@@ -549,8 +537,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                                                    readout, plan.rows)
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
-        # positional tensors. At inference (and for per-row trajectories) they are computed once for every step (and
-        # kept on the cache).
+        # positional tensors. At inference (and per row) they are computed once for every step (kept on the cache).
         dtype, device = hidden_states.dtype, hidden_states.device
         conditioning = None
         if torch.is_grad_enabled() and plan.rows is None:
@@ -598,7 +585,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             see [`LoopFormerConfig`]. The last two need `halt_head`.
         halt_head (`nn.Module`, *optional*): the LM head the "kl" and "entropy" criteria read next-token
             distributions through (after the final norm); [`LoopFormerForCausalLM`] passes its `lm_head`.
-
         `hidden_states` (with `output_hidden_states=True`, a keyword as for Llama) holds the embeddings followed by the
         residual stream after each loop step: M + 1 tensors. `attentions` (`output_attentions=True`) holds one tensor
         per (loop step, block). `return_dict=False` gives a tuple; `past_key_values` is `cache`'s former name.
@@ -614,10 +600,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
         # checkpointing in training uses none: recomputed blocks would write it twice).
         checkpointing = self.gradient_checkpointing and self.training
-        cache = None if checkpointing or not (use_cache or cache is not None) else (
-            LoopFormerCache.for_call(cache, plan))
-        hidden_states, position_embeddings, mask = self._prepare_inputs(inputs_embeds, attention_mask, position_ids,
-                                                                        cache)
+        cache = None if checkpointing or not (use_cache or cache is not None) else LoopFormerCache.for_call(cache, plan)
+        hidden_states, position_embeddings, mask = self._prepare_inputs(inputs_embeds, attention_mask, position_ids, cache)
         hidden_states, all_hidden_states, all_attentions, halting = self._loop(
             plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states)
         output = LoopFormerModelOutput(
@@ -662,10 +646,9 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
             `consistency`. In a Trainer, looped_training's ShortcutConsistencyCallback passes one to each training
             forward with labels.
-
         `output_attentions`, `output_hidden_states`, `return_dict` and `past_key_values` are keywords, as for Llama.
         """
-        shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs)
+        shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                         "inputs_embeds": inputs_embeds}
         outputs = self.model(
@@ -677,24 +660,13 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
         output = LoopFormerCausalLMOutput(
-            loss=loss, logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            loop_counts=outputs.loop_counts,
-            **terms,
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
-        )
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            loop_counts=outputs.loop_counts, **terms, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})
         return as_requested(output, kwargs.get("return_dict"), self.config)
 
     def _loss(self, logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs):
         """(loss, the shortcut objective's terms): plain CE, or with `shortcut_consistency` the shortcut-consistency
         loss of the full and the short trajectory."""
-        if shortcut_consistency is not None and labels is None:
-            raise ValueError(
-                "`shortcut_consistency` is part of the shortcut-consistency loss and needs `labels` (a Trainer that "
-                "computes the loss itself, e.g. with `label_smoothing_factor` or `compute_loss_func`, pops them): "
-                "pass labels, or drop shortcut_consistency."
-            )
         if labels is None:
             return None, {}
         shift_labels = kwargs.get("shift_labels")
