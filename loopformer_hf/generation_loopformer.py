@@ -4,6 +4,11 @@ looped model gets its own cache (one slot per (loop step, block)), the loop knob
 guidance and assisted decoding run the right loop, and with `halt_eps` each returned position's loop count is
 gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
 
+Six of its hooks are private `GenerationMixin` methods; the comment above each says why no public hook
+(`prepare_inputs_for_generation`, `generate`, the cache argument, `generation_config`, `logits_processor`) serves.
+Their names and the arguments they read by name are the same in transformers 5.17 to 5.24, and
+tests/test_loopformer_generate_modes.py checks that the installed transformers still has them.
+
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
@@ -15,7 +20,7 @@ import torch
 from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
                                      UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
-from .cache_loopformer import LoopFormerCache, max_loop_steps
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache, max_loop_steps
 from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
 from .halting_loopformer import probe_slots
 
@@ -117,6 +122,13 @@ class LoopFormerGenerationMixin(GenerationMixin):
         for name, value in knobs.items():
             setattr(self.generation_config, name, value)
 
+    # Private hook, kept: `generate` builds its default cache inline (`DynamicCache(config=...)`, or `StaticCache` for
+    # `cache_implementation="static"`) with `num_hidden_layers` slots, and has no public way to choose another cache
+    # class. The slot count depends on this call's loop knobs, and the static cache's length on generate's max_length.
+    # Swapping the cache in `prepare_inputs_for_generation` would leave generate's own cache in its kwargs until the
+    # first forward returns ours, so behaviour would depend on what generate does with that cache before then
+    # (auto-compile criteria, prefill slicing, assisted decoding's past recording). That is private behaviour too, and
+    # the swap would need a check at every step.
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with
         `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
@@ -135,6 +147,10 @@ class LoopFormerGenerationMixin(GenerationMixin):
             "`cache_implementation=\"static\"` for compiled decoding)."
         )
 
+    # Private hook, kept: classifier-free guidance's processor is built inside `generate` with the model as its
+    # unconditional forward. A processor passed as `logits_processor=` would replace it in place, but it would have to
+    # be built before `generate` repeats a tensor of per-row budgets for beams and num_return_sequences, and
+    # transformers warns when a passed processor replaces one it builds.
     def _get_logits_processor(self, *args, **kwargs):
         """transformers' hook that builds the logits processors. Classifier-free guidance (`guidance_scale`) runs a
         second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
@@ -147,6 +163,9 @@ class LoopFormerGenerationMixin(GenerationMixin):
                 processor.model = functools.partial(self, **knobs)
         return processors
 
+    # Private hook, kept: assisted decoding's drafter copies every model kwarg into each `assistant_model.generate`
+    # call, and no public hook filters them. The assistant's own `generate` cannot tell whether knobs came from the
+    # main call or from the user, and an assistant of another class rejects them as unused model kwargs.
     def _get_candidate_generator(self, *args, **kwargs):
         """transformers' hook that builds assisted decoding's drafter, which copies the call's model kwargs for an
         assistant model. The loop knobs (and this call's loop-count record) belong to this model: the assistant runs
@@ -157,6 +176,11 @@ class LoopFormerGenerationMixin(GenerationMixin):
                                       if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"}
         return super()._get_candidate_generator(*args, **kwargs)
 
+    # Private hook, kept: `GenerationConfig.update` absorbs a call kwarg that the config also holds (a loop knob in
+    # generation_config.json is carried over as a custom entry), so the merged value never reaches `model_kwargs`.
+    # Passing the knobs in from `generate` would be absorbed the same way. This is the only place that sees the merged
+    # config and the model kwargs before the cache, the logits processors and the beam / num_return_sequences
+    # expansion read them.
     def _prepare_generation_config(self, generation_config, *args, **kwargs):
         """transformers' hook that merges `generation_config` (the call's, then `self.generation_config`) with the call
         kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
@@ -172,6 +196,9 @@ class LoopFormerGenerationMixin(GenerationMixin):
         """Whether `forward` was replaced on the instance (e.g. `model.forward = torch.compile(model.forward)`)."""
         return getattr(self.forward, "__func__", None) is not type(self).forward
 
+    # Private hook, kept: the prefill calls `self(**model_inputs)` directly. The eager stance must wrap that one call,
+    # and neither `prepare_inputs_for_generation` (it returns before the call) nor `forward` (inside the compiled
+    # frame) can wrap it.
     def _prefill(self, *args, **kwargs):
         """As transformers' own compiled generation (`compile_config`), the prefill runs eager and only the decode
         steps run a compiled `forward`: one graph per trajectory, not a prefill graph beside each decode graph
@@ -192,6 +219,21 @@ class LoopFormerGenerationMixin(GenerationMixin):
             _mark_lengths_dynamic(model_inputs)
         return model_inputs
 
+    if CACHE_FIELD == "past_key_values":  # transformers before 5.24
+        _prepare_inputs_for_generation = prepare_inputs_for_generation
+
+        def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None,
+                                          past_key_values=None, **kwargs):
+            """As above. Before transformers 5.24 `generate`'s cache argument is `past_key_values`, which `forward`
+            takes only under `**kwargs`, and `generate` refuses a model kwarg that neither `forward` nor this method
+            names: named here, so that a cache passed to `generate` (an assistant's too, from its second draft on)
+            is accepted."""
+            return self._prepare_inputs_for_generation(input_ids, inputs_embeds, loop_counts_log,
+                                                       past_key_values=past_key_values, **kwargs)
+
+    # Private hook, kept: only this step sees a forward's outputs (`loop_counts`) and how many tokens assisted
+    # decoding accepted (`num_new_tokens`), for this call only. A forward hook would be shared by concurrent calls and
+    # would also see classifier-free guidance's unconditional forward.
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
         log = model_kwargs.get("loop_counts_log")
         if log and getattr(outputs, "loop_counts", None) is not None:

@@ -54,7 +54,7 @@ def test_generate_grows_the_cache_generate_built(tiny_model):
     """generate() builds DynamicCache(config) with num_hidden_layers slots; budget 4 needs 4 x 2 slots."""
     seen = []
     hook = tiny_model.model.register_forward_pre_hook(
-        lambda mod, args, kw: seen.append(kw.get("cache")), with_kwargs=True
+        lambda mod, args, kw: seen.append(kw.get(CACHE_FIELD)), with_kwargs=True
     )
     try:
         tiny_model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False, loop_budget=4)

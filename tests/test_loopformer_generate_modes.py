@@ -176,3 +176,33 @@ def test_continuous_batching_and_paged_attention_are_refused_clearly(model):
     with pytest.raises(ValueError, match="paged"):
         model.set_attn_implementation("paged|eager")
     assert model.config._attn_implementation != "paged|eager"
+
+
+# The private `GenerationMixin` methods `LoopFormerGenerationMixin` overrides (the comment above each says why no public
+# hook serves): (the leading parameters the override takes by position, the parameters it reads by name).
+PRIVATE_GENERATION_HOOKS = {
+    "_prepare_generation_config": (("generation_config",), ()),
+    "_prepare_cache_for_generation": (("generation_config", "model_kwargs"), ()),
+    "_get_logits_processor": ((), ("model_kwargs",)),
+    "_get_candidate_generator": ((), ("assistant_model", "model_kwargs")),
+    "_prefill": ((), ()),
+    "_update_model_kwargs_for_generation": (("outputs", "model_kwargs"), ("num_new_tokens",)),
+}
+
+
+def test_the_private_generate_hooks_it_overrides_exist_in_the_installed_transformers():
+    """A release that renamed one of these methods, or a parameter the override relies on, would leave the override
+    dead and the behaviour it adds silently gone: fail here instead (run against the declared floor and the pin)."""
+    import inspect
+
+    from transformers.generation import GenerationMixin
+
+    from loopformer_hf.generation_loopformer import LoopFormerGenerationMixin
+
+    overridden = {name for name in vars(LoopFormerGenerationMixin)
+                  if name.startswith("_") and not name.startswith("__") and hasattr(GenerationMixin, name)}
+    assert overridden == set(PRIVATE_GENERATION_HOOKS)
+    for name, (leading, named) in PRIVATE_GENERATION_HOOKS.items():
+        parameters = list(inspect.signature(getattr(GenerationMixin, name)).parameters)[1:]  # after self
+        assert parameters[: len(leading)] == list(leading), (name, parameters)
+        assert set(named) <= set(parameters), (name, parameters)

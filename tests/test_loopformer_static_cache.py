@@ -8,6 +8,7 @@ from transformers import StaticCache
 from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf import LoopFormerCache, LoopFormerStaticCache
+from loopformer_hf.modeling_loopformer import CACHE_FIELD
 
 TRAJECTORIES = [{"loop_budget": M} for M in range(1, 5)] + [{"step_schedule": [0.5, 0.25, 0.125, 0.125]}]
 pytestmark = pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
@@ -71,7 +72,7 @@ def test_generate_static_matches_dynamic(model, trajectory):
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
               **trajectory)
     seen = []
-    hook = model.model.register_forward_pre_hook(lambda mod, a, k: seen.append(k.get("cache")), with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(lambda mod, a, k: seen.append(k.get(CACHE_FIELD)), with_kwargs=True)
     try:
         static = model.generate(ids, cache_implementation="static", **kw)
     finally:
