@@ -67,6 +67,7 @@ REFERENCE_CONFIG_KEYS = {
 # their GitHub GPTConfig (models/{loopformer,tmlt,base_loop,base}.py) and their forward's default `steps`
 GITHUB_DEFAULTS = dict(block_size=1024, vocab_size=50304, n_layer=3, n_head=32, n_embd=2048, dropout=0.0, bias=False,
                        intermediate_dim=5120)
+GITHUB_N_LAYER = {"base": 24}  # models/base.py's GPTConfig: 24 blocks in one pass
 GITHUB_STEPS = {"loopformer": [1 / 8] * 8}  # list of Δ for LoopFormer; the others take an integer count
 GITHUB_STEP_COUNT = 8
 GITHUB = "their GitHub GPTConfig's default"
@@ -297,6 +298,8 @@ def _value(name, from_weights, stated, model_type, name_or_path):
         return claims[0][1], claims[0][0]
     if name == "steps":
         return _steps_default(model_type, name_or_path)
+    if name == "n_layer":
+        return GITHUB_N_LAYER.get(model_type, GITHUB_DEFAULTS[name]), GITHUB
     return GITHUB_DEFAULTS[name], GITHUB
 
 
