@@ -149,6 +149,10 @@ def weight_values(shapes):
     return found
 
 
+_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.Div: lambda a, b: a / b}
+
+
 def _constant(node):
     """The value of a constant expression in parsed source (literals, lists, + - * / of them), or raise ValueError:
     defaults such as `steps=[1/8]*8` are read without executing anything."""
@@ -161,12 +165,10 @@ def _constant(node):
         return -value if isinstance(node.op, ast.USub) else +value
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
         left, right = _constant(node.left), _constant(node.right)
-        operators = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-                     ast.Div: lambda a, b: a / b}
-        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
-            return left * min(right, 4096)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) and right <= 4096:
+            return left * right  # `[1/8]*8`; a list too long for a trajectory is not read
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
-            return operators[type(node.op)](left, right)
+            return _OPERATORS[type(node.op)](left, right)
     raise ValueError("not a constant")
 
 
@@ -441,12 +443,13 @@ def _renames(prefix, names):
     return renames
 
 
-def weight_conversions(prefix, names):
-    """transformers' conversion mapping from their names (`names`, prefix-stripped) to ours."""
+def weight_conversions(renames):
+    """transformers' conversion mapping from their names to ours: `renames` (`_renames`), then the fused c_attn
+    split in three."""
     from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 
     fused, parts = FUSED_QKV
-    return [WeightRenaming(source, target) for source, target in _renames(prefix, names)] + [
+    return [WeightRenaming(source, target) for source, target in renames] + [
         WeightConverter(fused + kind, [part + kind for part in parts], operations=[Chunk(dim=0)])
         for kind in ("weight", "bias")
     ]
@@ -475,7 +478,7 @@ def map_names(state_dict):
             yield key, name, tensor
 
 
-def mapped_reference_state_dict(state_dict, config=None):
+def mapped_reference_state_dict(state_dict):
     """Their state dict under our names (`map_names`); the tied `lm_head.weight` is dropped (the embedding holds it)."""
     return {name: tensor for _, name, tensor in map_names(state_dict) if name != "lm_head.weight"}
 
@@ -607,7 +610,8 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
 
     causal_lm = cls if issubclass(cls, LoopFormerForCausalLM) else LoopFormerForCausalLM
     loading = _loading_class(causal_lm)
-    register_checkpoint_conversion_mapping(ARCHITECTURE, weight_conversions(prefix, names), overwrite=True)
+    renames = _renames(prefix, names)
+    register_checkpoint_conversion_mapping(ARCHITECTURE, weight_conversions(renames), overwrite=True)
     output_loading_info = kwargs.pop("output_loading_info", False)
     try:  # transformers' own loading, past our from_pretrained (which routed here)
         model, info = super(LoopFormerPreTrainedModel, loading).from_pretrained(path, config=config,
@@ -620,8 +624,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
                          f"{unknown}.") from None
     model.__class__ = causal_lm
     model._weight_conversions = None  # save_pretrained: no reverse mapping, this package's layout
-    _refuse_incomplete(path, config, config_dict, info, {our_name(name, _renames(prefix, names)): name
-                                                         for name in shapes})
+    _refuse_incomplete(path, config, config_dict, info, {our_name(name, renames): name for name in shapes})
     if model.generation_config.do_sample is None:  # theirs sets nothing: greedy, as our generate documents
         model.generation_config.do_sample = False
     if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM

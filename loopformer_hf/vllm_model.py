@@ -310,7 +310,7 @@ class LoopFormerForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        weights = _from_authors_layout(weights, self.config)
+        weights = _from_authors_layout(weights)
         mapping = self.stacked_params_mapping + (self.gated_params_mapping if self.config.hidden_act == "swiglu" else [])
         params = dict(self.named_parameters())
         loaded = set()
@@ -330,9 +330,10 @@ class LoopFormerForCausalLM(nn.Module):
         return loaded
 
 
-def _from_authors_layout(weights, config):
+def _from_authors_layout(weights):
     """The weights of a repo in the authors' Hub layout (their GPT's names under `gpt.`/`model.`/`module.`, fused
-    qkv) mapped onto ours, with the same checks as `from_pretrained`; other weights pass through unchanged."""
+    qkv) mapped onto ours by `from_pretrained`'s table; other weights pass through unchanged. A name with no
+    parameter is refused by `_param`, a parameter left unfilled by vLLM's loader."""
     from .authors_checkpoints import is_reference_weight_name, mapped_reference_state_dict
 
     weights, seen = iter(weights), []
@@ -342,7 +343,7 @@ def _from_authors_layout(weights, config):
             break
     if not seen or not is_reference_weight_name(seen[-1][0]):
         return itertools.chain(seen, weights)
-    return iter(mapped_reference_state_dict(dict(itertools.chain(seen, weights)), config).items())
+    return iter(mapped_reference_state_dict(dict(itertools.chain(seen, weights))).items())
 
 
 def _param(params, name):
