@@ -3,6 +3,7 @@ against the same batch all at M=L (and all at M=1), tokens/s measured side by si
 
     .venv/bin/python -m benchmarks.bench_mixed_budgets                   # 64 prompts x 64 new tokens (~2 min, 1 thread)
     .venv/bin/python -m benchmarks.bench_mixed_budgets --quick --output /tmp/mixed_quick.json   # smoke run
+    .venv/bin/python -m benchmarks.bench_mixed_budgets --hidden_size 1024 --repeats 3   # where compute is the cost
 
 The model is bench_loopformer's (k⊗L = 2⊗4, hidden 256, SwiGLU, RoPE, fp32, sdpa). Sides, interleaved as in
 bench_loopformer (one warm-up each, then rounds in alternating order, ratios the median of per-round ratios), each
@@ -91,10 +92,15 @@ def format_table(report):
 
 def main(argv=None):
     p = timing_arguments(__doc__, DEFAULT_OUTPUT, "rounds (default: 5; 1 with --quick)")
+    p.add_argument("--hidden_size", type=int, default=None,
+                   help="a wider model (head_dim 64, FFN 4x): at 256 the batch of 64 is bound by per-step overheads, "
+                        "wider makes the loop steps' compute the cost a budget saves")
     args = p.parse_args(argv)
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         p.error("--threads and --repeats must be >= 1")
     cfg = dict(QUICK if args.quick else FULL, prompt=16)
+    if args.hidden_size:
+        cfg.update(hidden=args.hidden_size, heads=args.hidden_size // 64, intermediate=4 * args.hidden_size)
     prompts_n, new_tokens = (8, 8) if args.quick else (64, 64)
     repeats = args.repeats or (1 if args.quick else 5)
     start = time.time()
