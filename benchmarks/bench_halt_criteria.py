@@ -41,7 +41,7 @@ import loopformer_hf
 from loopformer_hf import ShortcutConsistency
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
-from looped_training.loopformer.evaluate import build_eval_data, halting_sweep_summary, load_checkpoint, quality
+from looped_training.loopformer.evaluate import build_eval_data, halting_metric, load_checkpoint, quality
 from looped_training.loopformer.objective import sample_shortcut_trajectory
 
 THRESHOLDS = {
@@ -51,6 +51,24 @@ THRESHOLDS = {
 }
 SHORTCUT_RULES = {f"{name}_shortcut": values for name, values in THRESHOLDS.items()}
 PROBE_THRESHOLDS = [0.01, 0.05, 0.2, 0.5, 1.0, 2.0]  # "probe_entropy": entropy (nats) of the one-step prediction
+
+
+def halting_sweep_summary(result):
+    """One checkpoint of this script's `--checkpoints` results (its JSON entry) as markdown
+    lines: per exit rule, whether halting_verdict's target holds and where, and its row of best margin over the fixed
+    budgets at equal compute (with the best fixed trajectory's quality there: uniform budgets or a shortcut exit)."""
+    metric, higher = halting_metric(result["task"])
+    sign = 1 if higher else -1
+    lines = [f"| rule | target met (halt_eps) | best row: halt_eps | mean loops | {metric} | fixed budgets at equal "
+             "compute | best fixed trajectory |", "|---|---|---|---|---|---|---|"]
+    for rule, verdict in result["targets"].items():
+        rows = [r for r in result["criteria"] if r["criterion"] == rule]
+        best = max(rows, key=lambda r: (sign * (r[metric] - r[f"fixed_{metric}"]), -r["mean_loops"]))
+        held = ", ".join(f"{e:g}" for e in verdict["settings"]) or "-"
+        lines.append(f"| {rule} | {'yes' if verdict['met'] else 'no'} ({held}) | {best['halt_eps']:g} | "
+                     f"{best['mean_loops']:.2f} | {best[metric]:.3f} | {best[f'fixed_{metric}']:.3f} | "
+                     f"{best.get(f'best_fixed_{metric}', best[f'fixed_{metric}']):.3f} |")
+    return lines
 
 
 def rules_for(model):

@@ -17,7 +17,8 @@ import time
 import torch
 
 import loopformer_hf
-from benchmarks import CountOps, write_json
+from benchmarks import write_json
+from tests.support.instruments import CountOps
 from loopformer_hf.halting_loopformer import state_change_score
 from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Regenerates the measured FPRM state-tracking evidence of docs/fprm.md in one command (CPU, ~15 min at the
+"""Regenerates the measured FPRM state-tracking evidence of benchmarks/writeups/fprm.md in one command (CPU, ~15 min at the
 defaults; `--scale` multiplies every time budget):
 
     python -m benchmarks.fprm_evidence --output_dir outputs/fprm-evidence [--group S3] [--scale 1.0]
@@ -19,7 +19,7 @@ defaults; `--scale` multiplies every time budget):
 4. (`--part sudoku_adaptivity`) the paper's adaptivity claim: 4x4 Sudoku (`--preset sudoku4-evidence`, the
    authors' recipe), then on its test puzzles exact accuracy and the Spearman rho between blanks and iterations to
    halt over the puzzles solved (targets: exact >= 0.9, rho >= 0.5), the same for every saved checkpoint (how both
-   move with training), and `docs/plots/fprm_sudoku_iterations_vs_blanks_seed<S>.png`; writes
+   move with training), and `benchmarks/writeups/plots/fprm_sudoku_iterations_vs_blanks_seed<S>.png`; writes
    `benchmarks/results/fprm_sudoku_adaptivity_seed<S>.{json,md}` (one set per `--seed`; `--sudoku_width D` trains
    width D instead of 64 and adds `_dD` to the names; `--sudoku_steps N` and `--sudoku_ema D` likewise).
 
@@ -28,14 +28,14 @@ defaults; `--scale` multiplies every time budget):
 5. (`--part length_generalisation`) the authors' state-tracking recipe (`--preset s3-evidence`): their metric at
    the training length T and at 4T for the final model and every saved checkpoint (targets: in-distribution
    accuracy >= 0.9, accuracy over 1..4T >= 0.9 x that), against the paper's 0.988 (S5 at 128), and
-   `docs/plots/fprm_state_tracking_length_generalisation_seed<S>.png`; writes
+   `benchmarks/writeups/plots/fprm_state_tracking_length_generalisation_seed<S>.png`; writes
    `benchmarks/results/fprm_length_generalisation_seed<S>.{json,md}` (`--state_num_train N` and `--state_steps N`
    train on N sequences or for N steps and add `_nN` or `_stepsN` to the names).
 
     python -m benchmarks.fprm_evidence --part length_generalisation
 
 `--reuse` takes a finished training of the same command from `--output_dir` instead of training again (to
-re-analyse). Writes `evidence.json` and prints the markdown tables that docs/fprm.md quotes.
+re-analyse). Writes `evidence.json` and prints the markdown tables that benchmarks/writeups/fprm.md quotes.
 """
 
 import argparse
@@ -91,7 +91,7 @@ def main(argv=None):
 
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-PLOTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "plots")
+PLOTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writeups", "plots")
 # The paper's stability comparison: name -> flags over the sudoku-cpu preset.
 SUDOKU_VARIANTS = {
     "pre-norm + scaling (faithful default)": [],

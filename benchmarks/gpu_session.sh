@@ -10,9 +10,9 @@
 #     --platform manylinux2014_x86_64 -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 #   device run: OUT=$OUT SHAKESPEARE=.device/shakespeare WHEELS=.whl bash benchmarks/gpu_session.sh  (carry .device .whl)
 # Measured 2026-11-30 on an H200 (its first two calls): the gpu preset at twice today's size needed ~15 min; see
-# training/configs/loopformer/report-synthetic-gpu.yaml.
+# benchmarks/configs/report-synthetic-gpu.yaml.
 # Each step gets what is left of BUDGET_S (steps 2 and 3 keep at least their floor), so a slow step cannot take the
-# later ones down with it; what finished is under $OUT (report.tgz holds docs/ and the runs' JSON and logs).
+# later ones down with it; what finished is under $OUT (report.tgz holds the writeups/ and the runs' JSON and logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -35,7 +35,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'acc
 
 runs=/tmp/runs-gpu
 s=$(date +%s)
-timeout "$(left 110)" $PY -m looped_training.loopformer.report --preset gpu --runs_dir $runs --docs_dir $runs/docs \
+timeout "$(left 110)" $PY -m benchmarks.report --preset gpu --runs_dir $runs --out_dir $runs/writeups \
     --shakespeare "${SHAKESPEARE:?set SHAKESPEARE}" 2>&1 | tee "$OUT/report.log"
 echo "report: exit ${PIPESTATUS[0]} after $(($(date +%s) - s)) s" | tee -a "$OUT/report.log"
 (cd $runs && tar czf "$OUT/report.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \

@@ -19,8 +19,9 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import CountOps, bench_authors, bench_cache_sharing, bench_compile, bench_halting, write_json
+from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
+from tests.support.instruments import CountOps
 
 
 

@@ -1,4 +1,5 @@
-"""A fast probe of FPRM state-tracking recipes, outside Trainer: the numbers behind the S5 ablations in docs/fprm.md.
+"""A fast probe of FPRM state-tracking recipes, outside Trainer: the numbers behind the S5 ablations in
+benchmarks/writeups/fprm.md.
 
 Fresh random sequences every step; each batch gets enough deep-supervision segments (of `--nb` loops with gradient,
 state detached in between, one optimizer step per segment) to reach its last position. Every 30 s it prints the

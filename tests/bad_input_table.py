@@ -345,7 +345,6 @@ def refused_fprm_flag(flag, value, message):
 LF, FP = "LoopFormer", "FPRM"
 TRAIN = cli("looped_training.loopformer.train")
 EVALUATE = cli("looped_training.loopformer.evaluate")
-REPORT = cli("looped_training.loopformer.report")
 FPRM_TRAIN = cli("looped_training.fprm.train")
 PUBLISH = cli("looped_training.publish")
 LORA = cli("looped_training.finetune_lora")
@@ -604,11 +603,6 @@ CASES = [
     Case("loopformer.evaluate", "--device cudax", EVALUATE("{tmp}/ckpt", "--output_dir", "{tmp}/out",
                                                            "--device", "cudax"), ValueError,
          r"--device 'cudax' is not usable here"),
-    Case("loopformer.report", "--tasks bogus", REPORT("--tasks", "bogus", "--runs_dir", "{tmp}/runs", "--docs_dir",
-                                                      "{tmp}/docs"), ValueError, r"--tasks \['bogus'\] unknown"),
-    Case("loopformer.report", "--no_train with no finished runs",
-         REPORT("--no_train", "--tasks", "synthetic", "--runs_dir", "{tmp}/runs", "--docs_dir", "{tmp}/docs"),
-         ValueError, r"--no_train: no finished run"),
     Case("loopformer.train", "--output_dir FILE", lambda t: TRAIN("--output_dir", str(file_in(t, "taken")))(t),
          ValueError, r"--output_dir .*taken' is a file, not a folder"),
     Case("loopformer.train", "--output_dir of a running run", lambda t: TRAIN("--output_dir", str(locked(t)))(t),

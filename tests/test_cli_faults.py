@@ -71,24 +71,6 @@ def test_evaluate_rejects_a_generate_budget_above_num_loops_before_any_work(chec
     assert not (tmp_path / "out").exists() and "evaluating" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("task_folder", [False, True])
-def test_report_no_train_without_runs_refuses_and_keeps_the_docs(tmp_path, task_folder):
-    # it overwrote docs/results.md with "not run" stubs (or, with an empty task folder, died in argparse)
-    from looped_training.loopformer import report
-
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "results.md").write_text("earlier results\n")
-    runs = tmp_path / "runs"
-    if task_folder:  # a task folder with no finished run in it
-        (runs / "synthetic").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"--no_train.*synthetic.*loopformer") as error:
-        report.main(["--no_train", "--runs_dir", str(runs), "--docs_dir", str(docs), "--tasks", "synthetic"])
-    assert str(runs / "synthetic" / "base_loop") in str(error.value)
-    assert (docs / "results.md").read_text() == "earlier results\n"
-    assert not (docs / "plots").exists()
-
-
 # FPRM training: a flag read only by the evaluation or a callback failed after the whole run, or was ignored
 
 

@@ -12,11 +12,7 @@ from looped_training.checkpoints import CheckpointError
 from looped_training.loopformer import evaluate as evaluate_elastic
 from looped_training.loopformer import representations
 from looped_training.loopformer import train as train_loopformer
-
-TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
-        "--num_train_problems", "64", "--num_eval_problems", "24", "--max_depth", "3",
-        "--per_device_train_batch_size", "8", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--max_steps", "2", "--save_strategy", "no", "--seed", "0"]
+from support.tiny_runs import TINY
 
 
 @pytest.fixture(scope="module")
@@ -94,29 +90,6 @@ def test_bad_cli_values_raise_value_error(checkpoints, tmp_path):
         evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--schedules", "zigzag"])
     with pytest.raises(ValueError, match="2 names for 1"):
         evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--names", "a", "b"])
-
-
-def test_exit_criteria_benchmark_on_a_trained_checkpoint(checkpoints, tmp_path):
-    """benchmarks.bench_halt_criteria --checkpoints: fixed budgets 1..L, then every criterion at every threshold on
-    the checkpoint's own held-out problems, each against the fixed budgets interpolated at its mean loops."""
-    from benchmarks import bench_halt_criteria
-
-    out = tmp_path / "criteria.json"
-    # --threads as the process has it: main() sets torch's global thread count, and a changed count would change
-    # later tests' float reductions (test_publish compares logits across processes bit for bit)
-    bench_halt_criteria.main(["--checkpoints", str(checkpoints / "loopformer"), "--eval_problems", "8",
-                              "--threads", str(torch.get_num_threads()), "--output", str(out)])
-    result = json.loads(out.read_text())["checkpoints"][str(checkpoints / "loopformer")]
-    assert result["task"] == "synthetic" and result["rows"] == 8
-    assert [f["loop_budget"] for f in result["fixed"]] == [1, 2, 3, 4]
-    rules = {**bench_halt_criteria.THRESHOLDS, **bench_halt_criteria.SHORTCUT_RULES,
-             "probe_entropy": bench_halt_criteria.PROBE_THRESHOLDS,  # LoopFormer: every exit rule
-             "probe_entropy_context": bench_halt_criteria.PROBE_THRESHOLDS}
-    assert {(r["criterion"], r["halt_eps"]) for r in result["criteria"]} == {
-        (c, e) for c, values in rules.items() for e in values}
-    assert all(1 <= r["mean_loops"] <= (5 if r["criterion"].startswith("probe") else 4) and 0 <= r["em"] <= 1
-               and r["ppl"] > 1 for r in result["criteria"])  # the probe's unsure tokens pay 1 + L
-    assert set(result["targets"]) == set(rules) and [e["loops"] for e in result["shortcut_exits"]] == [2, 3]
 
 
 # ---- the metrics -----------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback as TransformersCallback
 
 from bad_input_table import REPO
-from benchmarks.bench_fprm_memory import train_memory
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+from support.instruments import train_memory
 from tiny_models import sequence_fprm_config, tiny_fprm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +92,7 @@ def test_a_halted_sample_is_replaced_at_the_next_segment(tmp_path):
 
 
 def test_truncated_bptt_memory_is_flat_in_the_loop_cap_and_full_bptt_is_not(tmp_path):
-    """Small version of benchmarks/bench_fprm_memory.py: saved activations at 8 vs 64 loops."""
+    """Small version of benchmarks/bench_fprm_memory.py (its instrument): saved activations at 8 vs 64 loops."""
     kw = dict(hidden=32, batch=4, size=4, output_dir=str(tmp_path))
     t8, t64 = train_memory(8, "truncated", **kw), train_memory(64, "truncated", **kw)
     f8, f64 = train_memory(8, "full", **kw), train_memory(64, "full", **kw)
@@ -314,16 +314,6 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
     acc = (logits.argmax(-1) == torch.tensor(test_labels)).float().mean(0)
     assert acc[0] > 0.99  # the first running product is the element itself
     assert acc[1:4].mean() > 0.9, acc.tolist()  # 2-, 3- and 4-element products (chance 1/6)
-
-
-def test_s5_recipe_probe_runs_and_reports_per_prefix_accuracy():
-    """The probe behind docs/fprm.md's S5 ablations, on S3 for a few seconds: S3 is learned within that time."""
-    from benchmarks.s5_recipe_probe import main as probe
-
-    result = probe(["--group", "S3", "--minutes", "0.25", "--batch", "64", "--d", "32", "--ff", "64",
-                    "--num_test", "16", "--lr", "3e-3", "--curriculum", "0.9"])
-    assert set(result["accuracy_at_k"]) == {2, 4, 8, 16, 32, 64, 128}
-    assert result["accuracy_at_k"][2] > 0.9 and result["steps"] > 50
 
 
 def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops():

@@ -105,6 +105,17 @@ def test_importing_the_model_packages_loads_the_card_mixin_but_no_training_code(
         "['looped_training', 'looped_training.model_cards', 'looped_training.publish'] False"), out.stderr[-2000:]
 
 
+def test_imports_run_one_way_models_training_lab():
+    """loopformer_hf, fprm_hf <- looped_training <- benchmarks: neither the model packages, the training package nor
+    a test of the library imports the lab (`benchmarks`); the lab's own tests are tests/lab/, and the instruments
+    both use are tests/support/."""
+    library = [*ROOT.glob("loopformer_hf/**/*.py"), *ROOT.glob("fprm_hf/**/*.py"), *ROOT.glob("training/**/*.py"),
+               *(p for p in ROOT.glob("tests/**/*.py") if p.relative_to(ROOT / "tests").parts[0] != "lab")]
+    offenders = [str(p.relative_to(ROOT)) for p in library
+                 if "benchmarks" in _imported_top_levels(ast.parse(p.read_text()))]
+    assert not offenders, offenders
+
+
 def test_checkout_has_the_users_layout():
     """top-level training/ and model_cards/ (installed as looped_training, looped_training.model_cards)."""
     assert (ROOT / "training" / "__init__.py").is_file() and (ROOT / "model_cards" / "loopformer.md").is_file()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from benchmarks import CountOps
+from support.instruments import CountOps
 from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf.cache_loopformer import LoopFormerCache

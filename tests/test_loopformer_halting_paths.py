@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from benchmarks import CountOps
+from support.instruments import CountOps
 from tiny_models import cache_of
 import loopformer_hf
 from loopformer_hf import halting_loopformer

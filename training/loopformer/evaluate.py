@@ -341,24 +341,6 @@ def halting_table(record):
     return lines[:-1]
 
 
-def halting_sweep_summary(result):
-    """One checkpoint of `python -m benchmarks.bench_halt_criteria --checkpoints ...` (its JSON entry) as markdown
-    lines: per exit rule, whether halting_verdict's target holds and where, and its row of best margin over the fixed
-    budgets at equal compute (with the best fixed trajectory's quality there: uniform budgets or a shortcut exit)."""
-    metric, higher = halting_metric(result["task"])
-    sign = 1 if higher else -1
-    lines = [f"| rule | target met (halt_eps) | best row: halt_eps | mean loops | {metric} | fixed budgets at equal "
-             "compute | best fixed trajectory |", "|---|---|---|---|---|---|---|"]
-    for rule, verdict in result["targets"].items():
-        rows = [r for r in result["criteria"] if r["criterion"] == rule]
-        best = max(rows, key=lambda r: (sign * (r[metric] - r[f"fixed_{metric}"]), -r["mean_loops"]))
-        held = ", ".join(f"{e:g}" for e in verdict["settings"]) or "-"
-        lines.append(f"| {rule} | {'yes' if verdict['met'] else 'no'} ({held}) | {best['halt_eps']:g} | "
-                     f"{best['mean_loops']:.2f} | {best[metric]:.3f} | {best[f'fixed_{metric}']:.3f} | "
-                     f"{best.get(f'best_fixed_{metric}', best[f'fixed_{metric}']):.3f} |")
-    return lines
-
-
 def format_table(records, metric, schedule="uniform", digits=3):
     """A markdown table: one row per model, one column per budget M = 1..L."""
     L = max(r["num_loops"] for r in records)

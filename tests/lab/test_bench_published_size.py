@@ -19,7 +19,7 @@ from benchmarks import bench_published_size as bench
 from loopformer_hf.authors_checkpoints import strip_wrapper_prefixes
 from tests.reference_oracle import reference_forward, reference_state_dict
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(*args):

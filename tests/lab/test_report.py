@@ -1,9 +1,9 @@
-"""The elastic report: its verdicts computed from the numbers, seeds grouped with their spread, and the
-document written end to end from tiny runs of every configuration it trains."""
+"""The elastic report (benchmarks/report.py, a lab script): its verdicts computed from the numbers, seeds grouped with
+their spread, the document written end to end from tiny runs of every configuration it trains, and its refusals."""
 
 import pytest
 
-from looped_training.loopformer import report
+from benchmarks import report
 from looped_training.loopformer import train as train_loopformer
 
 L = 8
@@ -141,11 +141,11 @@ def test_report_writes_every_claim_with_a_verdict_from_tiny_runs(tmp_path):
     runs = tmp_path / "runs"
     for folder, variant, _, _, extra in report.RUNS:
         train_loopformer.main(["--output_dir", str(runs / "synthetic" / folder), "--variant", variant, *TINY, *extra])
-    docs = tmp_path / "docs"
-    earlier_report(docs / "results.md")  # its synthetic section is replaced, its shakespeare section kept
-    report.main(["--no_train", "--runs_dir", str(runs), "--docs_dir", str(docs), "--tasks", "synthetic",
+    out = tmp_path / "writeups"
+    earlier_report(out / report.REPORT_FILE)  # its synthetic section is replaced, its shakespeare section kept
+    report.main(["--no_train", "--runs_dir", str(runs), "--out_dir", str(out), "--tasks", "synthetic",
                  "--skip_checks", "--max_rows", "24", "--preset", "cpu"])
-    text = (docs / "results.md").read_text()
+    text = (out / report.REPORT_FILE).read_text()
     verdicts = [line for line in text.splitlines() if line.startswith("- synthetic: ")]
     assert len(verdicts) == 1
     assert "old synthetic numbers" not in text and "- synthetic: old verdicts" not in text
@@ -165,4 +165,41 @@ def test_report_writes_every_claim_with_a_verdict_from_tiny_runs(tmp_path):
     assert ref_adaln == pytest.approx(0.02, rel=0.2) and zero_adaln == 0.0
     assert "| decay split | the same tensors |" in text
     assert "CE_full + 0.1·CE_short + 0.1·MSE" in text and "| Base-Loop | CE_full only |" in text
-    assert (docs / "plots" / "synthetic_quality_vs_budget.png").exists()
+    assert (out / "plots" / "synthetic_quality_vs_budget.png").exists()
+
+
+@pytest.mark.parametrize("task_folder", [False, True])
+def test_report_no_train_without_runs_refuses_and_keeps_the_report(tmp_path, task_folder):
+    # it overwrote the report with "not run" stubs (or, with an empty task folder, died in argparse)
+    out = tmp_path / "writeups"
+    out.mkdir()
+    (out / report.REPORT_FILE).write_text("earlier results\n")
+    runs = tmp_path / "runs"
+    if task_folder:  # a task folder with no finished run in it
+        (runs / "synthetic").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"--no_train.*synthetic.*loopformer") as error:
+        report.main(["--no_train", "--runs_dir", str(runs), "--out_dir", str(out), "--tasks", "synthetic"])
+    assert str(runs / "synthetic" / "base_loop") in str(error.value)
+    assert (out / report.REPORT_FILE).read_text() == "earlier results\n"
+    assert not (out / "plots").exists()
+
+
+def test_report_refuses_an_unknown_task_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"--tasks \['bogus'\] unknown"):
+        report.main(["--tasks", "bogus", "--runs_dir", str(tmp_path / "runs"), "--out_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", sorted(report.CONFIG_DIR.glob("report-*.yaml")), ids=lambda p: p.name)
+def test_every_report_preset_parses_as_a_loopformer_training_config(path):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from looped_training.arguments import parse_args_with_config
+    from looped_training.loopformer.data import DataArguments
+    from looped_training.loopformer.train import ModelArguments, ShortcutArguments
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
+    (model, data, _, train), _ = parse_args_with_config(parser, [str(path), "--output_dir", "unused"])
+    assert model.num_loops in (4, 8) and data.task in ("synthetic", "text") and train.max_steps > 0
+    assert {report.config_path(task, preset) for task in report.TASKS for preset in report.PRESETS} == set(
+        report.CONFIG_DIR.glob("report-*.yaml"))

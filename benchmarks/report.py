@@ -1,19 +1,19 @@
-"""Regenerate docs/results.md (and docs/plots/) from training runs: one command trains what is missing, evaluates
-and writes the report.
+"""Regenerate benchmarks/writeups/loopformer_report.md (and its plots/) from training runs: one command trains what
+is missing, evaluates and writes the report. A lab script (not in the wheel): run from the repository root.
 
-    python -m looped_training.loopformer.report             # train missing runs under runs/results, evaluate, write
-    python -m looped_training.loopformer.report --no_train  # only evaluate existing runs and rewrite the docs
-    python -m looped_training.loopformer.report --preset gpu --runs_dir runs/results-gpu   # one accelerator
+    python -m benchmarks.report             # train missing runs under runs/results, evaluate, write
+    python -m benchmarks.report --no_train  # only evaluate existing runs and rewrite the report
+    python -m benchmarks.report --preset gpu --runs_dir runs/results-gpu   # one accelerator
 
 The study, per task (the embedded synthetic task and, where --shakespeare exists, Shakespeare): the six
 variants (LoopFormer, Base-Loop, TMLT, TMLT-EE, Naive-Loop-EE, iso-FLOP Base), a second seed of LoopFormer and of
 TMLT-EE, and LoopFormer under the other initialisation (`initializer_scheme="zero_adaln"`): `RUNS`. Sizes: the
-preset's config files (training/configs/loopformer/report-<task>-<preset>.yaml). `cpu`: the synthetic runs are the
+preset's config files (benchmarks/configs/report-<task>-<preset>.yaml). `cpu`: the synthetic runs are the
 sweep's steps8k-warmup2000 cell (benchmarks/sweep_loopformer.py; one block looped L = 4 times, so M <= L/4 is M = 1),
 the Shakespeare runs k = 2 blocks looped L = 8 times (M <= L/4 is M in {1, 2}, and the schedules differ at M = 2..7),
 1500 steps; each task's nine runs take 1 h 20 min to 1 h 40 min two at a time on a 2-core machine, evaluation
 included (synthetic measured 2026-12-02 and -03, Shakespeare 2026-12-01). `--tasks synthetic` regenerates one task and keeps the other's section of
-docs/results.md as it is. `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is
+the report as it is. `gpu` is sized for about ten minutes on one accelerator (the default when CUDA is
 available; k = 2, L = 8 for both tasks; halved after a first H200 run at twice its size took about fifteen, and not
 run since).
 
@@ -32,14 +32,18 @@ import time
 from pathlib import Path
 
 
+from benchmarks.bench_halt_criteria import halting_sweep_summary
 from looped_training.loopformer.data import TRAINING_META_FILE
-from looped_training.loopformer.evaluate import (EVAL_FILE, SCHEDULES, format_table, halting_sweep_summary, halting_table,
-                                                 quality_by_budget)
+from looped_training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, halting_table, quality_by_budget
 from looped_training.loopformer.evaluate import main as evaluate_checkpoints
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "loopformer"
+ROOT = Path(__file__).resolve().parent.parent
+# the presets: training config files of the report's runs (`python -m looped_training.loopformer.train --config FILE`)
+CONFIG_DIR = ROOT / "benchmarks" / "configs"
 # the exit-rule sweeps (benchmarks/bench_halt_criteria.py), read into the halting sections when present
-HALTING_SWEEPS = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "results"
+HALTING_SWEEPS = Path(__file__).resolve().parent / "results"
+OUT_DIR = os.path.join("benchmarks", "writeups")
+REPORT_FILE = "loopformer_report.md"
 PRESETS = ("cpu", "gpu")
 TASKS = ("synthetic", "shakespeare")
 # (run folder, variant, display name, comparison group, extra training flags). Seeds of one configuration share a
@@ -429,7 +433,7 @@ def halting_lines(records, task):
              "Full budget M = L, uniform schedule; a token stops looping once its exit rule's score (`halt_criterion`, "
              "the rule column) falls below halt_eps. 'fixed budget at equal compute' interpolates the fixed-budget "
              "curve linearly at the same mean loops per token. The sweep of every rule on these runs and the "
-             "Quickstart's: benchmarks/README.md (`python -m benchmarks.bench_halt_criteria`).", ""]
+             "Quickstart's: benchmarks/writeups/halting.md (`python -m benchmarks.bench_halt_criteria`).", ""]
     for rec in records:
         if not rec.get("halting") or "seed" in rec["name"]:
             continue
@@ -448,7 +452,7 @@ def halting_sweep_lines(task, results_dir=HALTING_SWEEPS):
             if not lines:
                 lines = ["#### Every exit rule against the fixed budgets at equal compute", "",
                          "From `python -m benchmarks.bench_halt_criteria --checkpoints ...` (the rows of every "
-                         "threshold: benchmarks/README.md); 'best fixed trajectory' also counts the shortcut "
+                         "threshold: benchmarks/writeups/halting.md); 'best fixed trajectory' also counts the shortcut "
                          "trajectories [1/L]·i + [1 − i/L] the '_shortcut' rules end on. Which knob to use for which "
                          "model, read from these sweeps: docs/loopformer.md ('Which knob to use').", ""]
             lines += [f"{result['name']} (L = {result['num_loops']}, {result['rows']} held-out rows; "
@@ -498,14 +502,14 @@ def claims_lines(records, task):
     return md + [""], verdicts
 
 
-def task_section(runs_dir, task, preset, docs_dir, records):
+def task_section(runs_dir, task, preset, out_dir, records):
     metric, _ = _metric(task)
     digits = 3 if metric == "em" else 2
     eval_dir = os.path.join(runs_dir, task, "eval")
     for name in ("quality_vs_budget.png", "representations.png", "quality_vs_compute.png"):
         if os.path.exists(os.path.join(eval_dir, name)):
-            shutil.copy(os.path.join(eval_dir, name), os.path.join(docs_dir, "plots", f"{task}_{name}"))
-    md = [f"## {task}", "", f"Settings: `{config_path(task, preset).relative_to(CONFIG_DIR.parents[2])}` "
+            shutil.copy(os.path.join(eval_dir, name), os.path.join(out_dir, "plots", f"{task}_{name}"))
+    md = [f"## {task}", "", f"Settings: `{config_path(task, preset).relative_to(ROOT)}` "
           f"(preset `{preset}`), with {' '.join(REPORT_FLAGS)}; runs: {', '.join(r['name'] for r in records)}.", "",
           "| run | parameters | train time (s) |", "|---|---|---|"]
     md += [f"| {r['name']} | {r['parameters']:,} | {r['train_runtime_s'] or float('nan'):.0f} |" for r in records]
@@ -576,11 +580,11 @@ def kept_sections(results_md, tasks, preset):
     return kept
 
 
-def write_report(runs_dir, tasks, docs_dir, preset, skip_checks=False):
-    os.makedirs(os.path.join(docs_dir, "plots"), exist_ok=True)
-    kept = kept_sections(os.path.join(docs_dir, "results.md"), tasks, preset)
+def write_report(runs_dir, tasks, out_dir, preset, skip_checks=False):
+    os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
+    kept = kept_sections(os.path.join(out_dir, REPORT_FILE), tasks, preset)
     md = [report_title(preset), "",
-          "Generated by `python -m looped_training.loopformer.report"
+          "Generated by `python -m benchmarks.report"
           + ("" if preset == "cpu" else f" --preset {preset}") + "` from the runs under "
           f"`{os.path.relpath(runs_dir)}`; every number and verdict below is computed from `elastic_eval.json` and "
           "the runs' files by that command."
@@ -599,7 +603,7 @@ def write_report(runs_dir, tasks, docs_dir, preset, skip_checks=False):
             continue
         with open(path) as f:
             records = json.load(f)["models"]
-        section, verdicts = task_section(runs_dir, task, preset, docs_dir, records)
+        section, verdicts = task_section(runs_dir, task, preset, out_dir, records)
         body += section
         summary += [f"- {task}: " + "; ".join(f"{claim}: {verdict_word(v)}" for claim, v in verdicts.items())]
     md += summary + [""] + body + why_section(runs_dir, [t for t in tasks if os.path.exists(
@@ -608,18 +612,18 @@ def write_report(runs_dir, tasks, docs_dir, preset, skip_checks=False):
            "Small models trained for minutes; two seeds for LoopFormer and TMLT-EE, one for the rest (chance exact "
            "match on the synthetic task is 0.1: ten possible answers). The claims are checked as stated, and the "
            "verdicts say which held in these runs, nothing more."]
-    with open(os.path.join(docs_dir, "results.md"), "w") as f:
+    with open(os.path.join(out_dir, REPORT_FILE), "w") as f:
         f.write("\n".join(md) + "\n")
-    return os.path.join(docs_dir, "results.md")
+    return os.path.join(out_dir, REPORT_FILE)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Regenerate docs/results.md from runs (training what is missing).")
+    parser = argparse.ArgumentParser(description=f"Regenerate {OUT_DIR}/{REPORT_FILE} from runs (training what is missing).")
     parser.add_argument("--preset", choices=PRESETS, default=None,
                         help="Run sizes: 'cpu' (about 1 h 40 min per task on 2 cores) or 'gpu' (about ten minutes on "
                              "one accelerator); default gpu when CUDA is available, else cpu.")
     parser.add_argument("--runs_dir", default=os.path.join("runs", "results"))
-    parser.add_argument("--docs_dir", default="docs")
+    parser.add_argument("--out_dir", default=OUT_DIR, help="Where the report and its plots/ are written.")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--shakespeare", default=os.path.join("..", "shared", "data", "shakespeare"),
                         help="Folder of the Shakespeare plays; the task is skipped when it does not exist.")
@@ -647,14 +651,14 @@ def main(argv=None):
             raise ValueError(f"--no_train: no finished run for {sorted(empty)}; expected one of "
                              + "; ".join(f"{t}: {', '.join(dirs)}" for t, dirs in empty.items())
                              + f". Train them (drop --no_train) or pass the right --runs_dir; "
-                             f"{os.path.join(args.docs_dir, 'results.md')} was left as it was.")
+                             f"{os.path.join(args.out_dir, REPORT_FILE)} was left as it was.")
     if args.train:
         train_missing(args.runs_dir, tasks, args.preset, args.shakespeare,
                       args.parallel or (2 if args.preset == "cpu" else 6))
     for task in tasks:
         if os.path.isdir(os.path.join(args.runs_dir, task)):
             evaluate(args.runs_dir, task, args.max_rows)
-    print("wrote", write_report(args.runs_dir, tasks, args.docs_dir, args.preset, args.skip_checks))
+    print("wrote", write_report(args.runs_dir, tasks, args.out_dir, args.preset, args.skip_checks))
 
 
 if __name__ == "__main__":

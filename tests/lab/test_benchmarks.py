@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPECTED_RATIOS = [
     "train_step_loopformer_over_llama",
     "generate_tokens_per_s_loopformer_over_llama",
