@@ -24,11 +24,11 @@ Ablations and variants of the paper, all options of this one configuration:
 
 import math
 import numbers
+from typing import Literal
 
-try:  # transformers >= 5.x spells it PreTrainedConfig; keep the old alias working
-    from transformers.configuration_utils import PreTrainedConfig
-except ImportError:  # pragma: no cover
-    from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
+from huggingface_hub.dataclasses import strict, validated_field
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils.type_validators import positive_int_field
 
 
 RESIDUAL_SCALINGS = ("input_independent", "fixed", "input_dependent", "none")
@@ -48,7 +48,7 @@ def swiglu_width(hidden_size, expansion):
     return -(width // -256) * 256
 
 
-def _is_real_number(value):
+def _real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -56,11 +56,11 @@ def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-# ---- the rules a field's value must follow: check(value, name) returns the value or raises ValueError ----------------
+# ---- the solver's knobs, checked alike as config fields and as a forward's arguments (`SolverSettings`) -------------
 
 def check_halt_eps(value, name="halt_eps"):
     """τ must be a positive finite number: the solver halts a sample when its relative residual drops below it."""
-    if not _is_real_number(value) or not math.isfinite(value) or value <= 0:
+    if not _real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number (e.g. 0.1 or 1e-3), got {value!r}.")
     return float(value)
 
@@ -71,12 +71,11 @@ def check_max_loops(value, name="max_loops"):
     return int(value)
 
 
-def check_unit_interval(value, name, closed_low=False):
+def check_unit_interval(value, name="value", closed_low=False):
     """A number in (0, 1] (or [0, 1] with closed_low): the damping step η or the decay γ."""
-    ok = _is_real_number(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
+    ok = _real(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
     if not ok:
-        low = "[0" if closed_low else "(0"
-        raise ValueError(f"`{name}` must be a number in {low}, 1], got {value!r}.")
+        raise ValueError(f"`{name}` must be a number in {'[0' if closed_low else '(0'}, 1], got {value!r}.")
     return float(value)
 
 
@@ -90,140 +89,59 @@ def check_patience(value, name="patience"):
     return int(value)
 
 
-def _positive_int(value, name):
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    return value
+# ---- the other field rules transformers does not provide: check(value) raises ValueError ---------------------------
+
+def check_positive_number(value):
+    """A positive finite number (None allowed: the field's type says whether it may be None)."""
+    if value is not None and not (_real(value) and 0 < value < math.inf):
+        raise ValueError(f"Value must be a positive finite number, got {value!r}.")
 
 
-def _boolean(value, name):
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-    return value
-
-
-def _one_of(choices):
-    def check(value, name):
-        if value not in choices:
-            raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
-        return value
-    return check
-
-
-def _positive_float(value, name):
-    if not (_is_real_number(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-    return value
-
-
-def _rope_parameters(value, name):
-    """None or transformers' `rope_parameters` dict: a known "rope_type", a positive "rope_theta" and "factor", a
-    "partial_rotary_factor" in (0, 1] (the rules transformers' own validation adds run in `__init__`)."""
+def check_rope_parameters(value):
+    """None or transformers' `rope_parameters`: "rope_type" one of its RoPE types ("default", "linear", "dynamic",
+    "yarn", ...), a positive "rope_theta" and "factor", "partial_rotary_factor" in (0, 1]; keys left out take the
+    defaults (the keys each RoPE type requires are transformers' `validate_rope`)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if value is None:
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"`{name}` must be a dict (rope_type, rope_theta, ...), got {value!r}.")
+        return
     if value.get("rope_type", "default") not in (kinds := ("default", *ROPE_INIT_FUNCTIONS)):
-        raise ValueError(f"`{name}['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
+        raise ValueError(f"`rope_parameters['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
     for key in ("rope_theta", "factor"):
-        if key in value:
-            _positive_float(value[key], f"{name}['{key}']")
-    partial = value.get("partial_rotary_factor", 1.0)
-    if not (_is_real_number(partial) and 0 < partial <= 1):
-        raise ValueError(f"`{name}['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
-    return value
+        if key in value and not (_real(value[key]) and 0 < value[key] < math.inf):
+            raise ValueError(f"`rope_parameters['{key}']` must be a positive number, got {value[key]!r}.")
+    if not (_real(partial := value.get("partial_rotary_factor", 1.0)) and 0 < partial <= 1):
+        raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
 
 
-def _optional(check, allowed=None):
-    """None, or what `check` allows (then its message, or "`name` must be {allowed}, got ...")."""
-    def optional(value, name):
-        if value is None:
-            return None
-        try:
-            return check(value, name)
-        except ValueError:
-            if allowed is None:
-                raise
-            raise ValueError(f"`{name}` must be {allowed}, got {value!r}.") from None
-    return optional
+def _open_unit(value):
+    if not 0 < value < 1:
+        raise ValueError(f"Value must lie strictly between 0 and 1, got {value!r}.")
 
 
-def _open_unit(value, name):
-    if not (_is_real_number(value) and 0 < value < 1):
-        raise ValueError(f"`{name}` must lie strictly between 0 and 1, got {value!r}.")
-    return value
+def _dropout(value):
+    if not 0 <= value < 1:
+        raise ValueError(f"Value must be in [0, 1), got {value!r}.")
 
 
-def _dropout(value, name):
-    if not (_is_real_number(value) and 0 <= value < 1):
-        raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-    return value
+def _non_negative_int(value):
+    if value < 0:
+        raise ValueError(f"Value must be an integer >= 0, got {value!r}.")
 
 
-def _non_negative_int(value, name):
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
-    return value
+def _seed(value):
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"Value must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
 
 
-def _seed(value, name):
-    if not (_is_int(value) and -(2**63) <= value < 2**64):
-        raise ValueError(f"`{name}` must be an integer in [-2**63, 2**64) (a torch seed), got {value!r}.")
-    return value
+def _grid_size(value):
+    """None, a positive int (a square grid) or [height, width]."""
+    if isinstance(value, (list, tuple)) and not (len(value) == 2 and all(_is_int(s) and s >= 1 for s in value)) or (
+            _is_int(value) and value < 1):
+        raise ValueError(f"Value must be None, a positive int or [height, width], got {value!r}.")
 
 
-def _grid_size(value, name):
-    """None, a positive int (a square grid) or [height, width]; returned as [height, width]."""
-    if isinstance(value, (tuple, list)) and len(value) == 2:
-        value = list(value)
-    elif _is_int(value):
-        value = [int(value), int(value)]
-    if value is not None and not (isinstance(value, list) and len(value) == 2 and all(_is_int(s) and s >= 1
-                                                                                     for s in value)):
-        raise ValueError(f"`{name}` must be None, a positive int or [height, width], got {value!r}.")
-    return value
-
-
-# Every field's rule, declared once. `FPRMConfig.__setattr__` applies it to each value however it arrives (the
-# constructor, config.json, `from_pretrained` kwargs, an attribute set); `validate_architecture` then checks the
-# fields that constrain one another.
-FIELD_CHECKS = {
-    **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
-                     "max_position_embeddings", "num_puzzle_identifiers"), _positive_int),
-    **dict.fromkeys(("causal", "outer_only", "conv_bias", "normalize_input_injection", "fixed_init", "attention_bias",
-                     "mlp_bias", "tie_word_embeddings", "use_q_head"), _boolean),
-    **dict.fromkeys(("init_std", "rms_norm_eps", "expansion", "softmax_temperature"), _positive_float),
-    "rope_parameters": _rope_parameters,
-    "residual_scaling": _one_of(RESIDUAL_SCALINGS),
-    "norm_type": _one_of(NORM_TYPES),
-    "norm_placement": _one_of(NORM_PLACEMENTS),
-    "conv_type": _one_of(CONV_TYPES),
-    "position_embedding_type": _one_of(POSITION_EMBEDDING_TYPES),
-    "alpha1": _open_unit,
-    "alpha2": _open_unit,
-    "num_prefix_tokens": _non_negative_int,
-    "initial_state_seed": _seed,
-    "puzzle_emb_ndim": _optional(_positive_int, "None (all prefix values learned) or an integer >= 1"),
-    "grid_size": _grid_size,
-    "conv_kernel_size": _optional(_positive_int),
-    "initializer_range": _optional(_positive_float, "None or a positive finite number"),
-    "attention_dropout": _dropout,
-    # the solver's defaults; a forward's own values go through the same rules (`SolverSettings`)
-    "halt_eps": check_halt_eps,
-    "max_loops": check_max_loops,
-    "eta": check_unit_interval,
-    "gamma_train": check_unit_interval,
-    "gamma_eval": check_unit_interval,
-    "min_eta": check_min_eta,
-    "patience": check_patience,
-}
-# The fields `validate_architecture` reads: setting one re-runs it (and a refused value is not kept).
-CROSS_CHECKED_FIELDS = ("hidden_size", "num_attention_heads", "grid_size", "conv_type", "conv_kernel_size",
-                        "position_embedding_type", "num_prefix_tokens", "puzzle_emb_ndim")
-
-
+@strict
 class FPRMConfig(PreTrainedConfig):
     r"""
     Configuration of an [`FPRMModel`]: `num_hidden_layers` blocks (attention + SwiGLU) that define one step f of a
@@ -296,62 +214,63 @@ class FPRMConfig(PreTrainedConfig):
         attention_bias (`bool`, defaults to `False`): a bias in the attention projections.
         mlp_bias (`bool`, defaults to `False`): a bias in the MLP projections.
 
-    Every field is validated however it arrives (constructor, `config.json`, `from_pretrained` kwargs, attribute
-    set) by its rule in `FIELD_CHECKS`: bad values raise `ValueError`, booleans must be `True` or `False`. The
-    options of earlier versions (`conv_placement="injection"`, `final_norm=True`, `norm_position`) are refused.
+    Validated as transformers validates Llama's config (huggingface_hub's `@strict`): each field's type and rule
+    whenever it is set (constructor, `config.json`, `from_pretrained` kwargs, attribute set; a refused value is not
+    kept), raising `StrictDataclassFieldValidationError`; the rules between fields (`validate_architecture`) at
+    construction, after `from_pretrained` kwargs, at `save_pretrained` and on `config.validate()`, raising
+    `StrictDataclassClassValidationError`. Both name the field and the value given. The options of earlier
+    versions (`conv_placement="injection"`, `final_norm=True`, `norm_position`) are refused (`ValueError`).
     """
 
     model_type = "fprm"
     # Trainer.prediction_step drops these from the outputs it gathers across evaluation batches.
     keys_to_ignore_at_inference = ["solver_state", "residual_trace"]
 
-    def __init__(
-        self,
-        vocab_size=11,
-        hidden_size=512,
-        num_attention_heads=8,
-        expansion=4.0,
-        intermediate_size=None,
-        num_hidden_layers=2,
-        grid_size=None,
-        conv_type="causal_1d",
-        conv_kernel_size=None,
-        conv_bias=False,
-        causal=False,
-        position_embedding_type="rope",
-        max_position_embeddings=1024,
-        rope_parameters=None,
-        num_prefix_tokens=16,
-        num_puzzle_identifiers=1,
-        puzzle_emb_ndim=None,
-        use_q_head=False,
-        residual_scaling="input_independent",
-        outer_only=False,
-        alpha1=0.5,
-        alpha2=0.5,
-        norm_type="pre",
-        norm_placement="none",
-        normalize_input_injection=False,
-        softmax_temperature=1.0,
-        init_std=1.0,
-        fixed_init=False,
-        initial_state_seed=0,
-        halt_eps=0.1,
-        max_loops=64,
-        eta=1.0,
-        patience=5,
-        gamma_train=0.9,
-        gamma_eval=0.99,
-        min_eta=1e-3,
-        rms_norm_eps=1e-5,
-        initializer_range=None,
-        attention_dropout=0.0,
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        **kwargs,
-    ):
+    vocab_size: int = positive_int_field(default=11)
+    hidden_size: int = positive_int_field(default=512)
+    num_attention_heads: int = positive_int_field(default=8)
+    expansion: int | float = validated_field(check_positive_number, default=4.0)
+    intermediate_size: int | None = positive_int_field(default=None)
+    num_hidden_layers: int = positive_int_field(default=2)
+    grid_size: int | list | tuple | None = validated_field(_grid_size, default=None)
+    conv_type: Literal[CONV_TYPES] = "causal_1d"
+    conv_kernel_size: int | None = positive_int_field(default=None)
+    conv_bias: bool = False
+    causal: bool = False
+    position_embedding_type: Literal[POSITION_EMBEDDING_TYPES] = "rope"
+    max_position_embeddings: int = positive_int_field(default=1024)
+    rope_parameters: dict | None = validated_field(check_rope_parameters, default=None)
+    num_prefix_tokens: int = validated_field(_non_negative_int, default=16)
+    num_puzzle_identifiers: int = positive_int_field(default=1)
+    puzzle_emb_ndim: int | None = positive_int_field(default=None)
+    use_q_head: bool = False
+    residual_scaling: Literal[RESIDUAL_SCALINGS] = "input_independent"
+    outer_only: bool = False
+    alpha1: int | float = validated_field(_open_unit, default=0.5)
+    alpha2: int | float = validated_field(_open_unit, default=0.5)
+    norm_type: Literal[NORM_TYPES] = "pre"
+    norm_placement: Literal[NORM_PLACEMENTS] = "none"
+    normalize_input_injection: bool = False
+    softmax_temperature: int | float = validated_field(check_positive_number, default=1.0)
+    init_std: int | float = validated_field(check_positive_number, default=1.0)
+    fixed_init: bool = False
+    initial_state_seed: int = validated_field(_seed, default=0)
+    halt_eps: int | float = validated_field(check_halt_eps, default=0.1)
+    max_loops: int = validated_field(check_max_loops, default=64)
+    eta: int | float = validated_field(check_unit_interval, default=1.0)
+    patience: int = validated_field(check_patience, default=5)
+    gamma_train: int | float = validated_field(check_unit_interval, default=0.9)
+    gamma_eval: int | float = validated_field(check_unit_interval, default=0.99)
+    min_eta: int | float = validated_field(check_min_eta, default=1e-3)
+    rms_norm_eps: int | float = validated_field(check_positive_number, default=1e-5)
+    initializer_range: int | float | None = validated_field(check_positive_number, default=None)
+    attention_dropout: int | float = validated_field(_dropout, default=0.0)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = 0
+
+    def __post_init__(self, **kwargs):
         for name, kept in REMOVED_OPTIONS.items():
             if name in kwargs and kwargs[name] != kept:
                 raise ValueError(
@@ -359,63 +278,28 @@ class FPRMConfig(PreTrainedConfig):
                     f"(the model computes the authors' step, docs/fprm.md): their checkpoints do not load here."
                 )
             kwargs.pop(name, None)
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_attention_heads = num_attention_heads
-        self.expansion = expansion
-        if intermediate_size is None and _is_real_number(expansion) and _is_int(hidden_size):
-            intermediate_size = swiglu_width(hidden_size, expansion)
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.grid_size = grid_size
-        self.conv_type = conv_type
-        self.conv_kernel_size = DEFAULT_CONV_KERNEL.get(conv_type) if conv_kernel_size is None else conv_kernel_size
-        self.conv_bias = conv_bias
-        self.causal = causal
-        self.position_embedding_type = position_embedding_type
-        self.max_position_embeddings = max_position_embeddings
-        if position_embedding_type == "rope":  # transformers fills in rope_type and rope_theta (kwargs, else 1e4)
-            self.rope_parameters = ({"partial_rotary_factor": 1.0, **rope_parameters} if isinstance(rope_parameters, dict)
-                                    else rope_parameters or {"partial_rotary_factor": 1.0})
-        elif rope_parameters is not None:
-            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {rope_parameters!r} "
-                             f"with position_embedding_type={position_embedding_type!r}.")
-        else:
+        if self.intermediate_size is None:
+            self.intermediate_size = swiglu_width(self.hidden_size, self.expansion)
+        if self.conv_kernel_size is None:
+            self.conv_kernel_size = DEFAULT_CONV_KERNEL[self.conv_type]
+        if self.grid_size is not None:
+            self.grid_size = list(self.grid_shape)
+        rope, given = self.position_embedding_type == "rope", self.rope_parameters
+        # transformers fills in rope_type and rope_theta (a `rope_theta` kwarg, else 1e4)
+        self.rope_parameters = {"partial_rotary_factor": 1.0, **(given or {})} if rope else None
+        if not rope:
             kwargs.pop("rope_theta", None)  # saved by earlier versions for every model; these positions have none
-        self.num_prefix_tokens = num_prefix_tokens
-        self.num_puzzle_identifiers = num_puzzle_identifiers
-        self.puzzle_emb_ndim = puzzle_emb_ndim
-        self.use_q_head = use_q_head
-        self.residual_scaling = residual_scaling
-        self.outer_only = outer_only
-        self.alpha1 = alpha1
-        self.alpha2 = alpha2
-        self.norm_type = norm_type
-        self.norm_placement = norm_placement
-        self.normalize_input_injection = normalize_input_injection
-        self.softmax_temperature = softmax_temperature
-        self.init_std = init_std
-        self.fixed_init = fixed_init
-        self.initial_state_seed = initial_state_seed
-        self.halt_eps = halt_eps
-        self.max_loops = max_loops
-        self.eta = eta
-        self.patience = patience
-        self.gamma_train = gamma_train
-        self.gamma_eval = gamma_eval
-        self.min_eta = min_eta
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.attention_dropout = attention_dropout
-        self.attention_bias = attention_bias
-        self.mlp_bias = mlp_bias
-        try:  # transformers validates `rope_parameters` per RoPE type here; a missing key is a KeyError
-            super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, **kwargs)
-        except KeyError as error:
-            if "rope_parameters" not in str(error):
-                raise
-            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
-        self.validate_architecture()
+        super().__post_init__(**kwargs)
+        if not rope:  # transformers gives any config with the field a default RoPE: these positions keep theirs
+            self.rope_parameters = given
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """As `PreTrainedConfig.from_dict`; the rules between fields run again once `from_pretrained`'s kwargs are
+        set (transformers sets them one by one after construction)."""
+        loaded = super().from_dict(config_dict, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).validate()
+        return loaded
 
     @property
     def head_dim(self):
@@ -424,53 +308,50 @@ class FPRMConfig(PreTrainedConfig):
     @property
     def rotary_dim(self):
         """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
-        return int(self.head_dim * (getattr(self, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
+        return int(self.head_dim * (self.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+
+    @property
+    def grid_shape(self):
+        """(height, width) of the input grid (`grid_size`, an int meaning a square one), or None."""
+        size = self.grid_size
+        return None if size is None else (size, size) if isinstance(size, int) else tuple(size)
 
     @property
     def num_grid_tokens(self):
         """Tokens an input must have (height × width), or None when any length is accepted."""
-        return None if self.grid_size is None else self.grid_size[0] * self.grid_size[1]
-
-    def __setattr__(self, name, value):
-        # transformers sets config.json values and `from_pretrained` kwargs as attributes: every path meets the rule
-        if name in FIELD_CHECKS:
-            value = FIELD_CHECKS[name](value, name)
-        if name not in CROSS_CHECKED_FIELDS or not all(f in self.__dict__ for f in CROSS_CHECKED_FIELDS):
-            return super().__setattr__(name, value)
-        old = self.__dict__[name]
-        super().__setattr__(name, value)
-        try:
-            self.validate_architecture()
-        except ValueError:
-            super().__setattr__(name, old)  # a refused value is not kept
-            raise
+        return None if self.grid_size is None else math.prod(self.grid_shape)
 
     def validate_architecture(self):
-        """The rules between fields (each field's own rule is in `FIELD_CHECKS`)."""
+        """The rules between fields (each field's own rule is its validator; `@strict` runs every `validate_*`)."""
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                f"({self.num_attention_heads})."
-            )
+            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                             f"({self.num_attention_heads}).")
         if self.conv_type == "2d" and self.grid_size is None:
             raise ValueError("`conv_type='2d'` convolves over a grid and needs `grid_size`; got grid_size=None.")
         if self.conv_type != "none" and self.conv_kernel_size is None:
             raise ValueError(f"`conv_type={self.conv_type!r}` needs a `conv_kernel_size`, got None.")
         if self.conv_type == "2d" and self.conv_kernel_size % 2 == 0:
             raise ValueError(f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}.")
-        ndim = self.puzzle_emb_ndim
-        if ndim is not None and ndim > self.num_prefix_tokens * self.hidden_size:
-            raise ValueError(
-                f"`puzzle_emb_ndim` ({ndim}) must be at most num_prefix_tokens × hidden_size = "
-                f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} (the "
-                f"values of the prefix rows), or None."
-            )
+        if (ndim := self.puzzle_emb_ndim) is not None and ndim > self.num_prefix_tokens * self.hidden_size:
+            raise ValueError(f"`puzzle_emb_ndim` ({ndim}) must be at most num_prefix_tokens × hidden_size = "
+                             f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} "
+                             f"(the values of the prefix rows), or None.")
+        if self.position_embedding_type != "rope" and self.rope_parameters is not None:
+            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
+                             f"with position_embedding_type={self.position_embedding_type!r}.")
         if self.position_embedding_type == "rope" and self.rotary_dim % 2:
             raise ValueError(f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
                              f"rope_parameters {self.rope_parameters}).")
 
+    def validate_rope(self):
+        """transformers' check of the keys each RoPE type requires; a missing one (a KeyError there) is refused."""
+        try:
+            super().validate_rope()
+        except KeyError as error:
+            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
+
 
 __all__ = [
     "FPRMConfig", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES",
-    "FIELD_CHECKS", "swiglu_width",
+    "swiglu_width",
 ]

@@ -43,6 +43,7 @@ import re
 import sys
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from .configuration_fprm import FPRMConfig
 from .modeling_fprm import FPRMForReasoning
@@ -387,7 +388,7 @@ def main(argv=None):
         model = convert(args.checkpoint, args.config, args.output, args.vocab_size, args.seq_len,
                         args.num_puzzle_identifiers, args.dataset_json, args.allow_pickle,
                         keep_q_head=args.keep_q_head)
-    except (ValueError, OSError) as err:
+    except (ValueError, StrictDataclassError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in model.state_dict().values())

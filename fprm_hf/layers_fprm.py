@@ -155,7 +155,7 @@ class FPRMDepthwiseConv(nn.Module):
         super().__init__()
         self.conv_type = config.conv_type
         self.num_prefix_tokens = config.num_prefix_tokens
-        self.grid_size = config.grid_size
+        self.grid_size = config.grid_shape
         d, k = config.hidden_size, config.conv_kernel_size
         shape = (d, 1, k) if self.conv_type == "causal_1d" else (d, 1, k, k)
         self.weight = nn.Parameter(torch.empty(shape))

@@ -295,7 +295,7 @@ class FPRMModel(FPRMPreTrainedModel):
             given, shape = "input_ids", tuple(input_ids.shape)
         n = shape[1]
         if config.grid_size is not None and n != config.num_grid_tokens:
-            h, w = config.grid_size
+            h, w = config.grid_shape
             raise ValueError(
                 f"This model reads {h}x{w} grids, i.e. {h * w} tokens per sample; got {n} tokens "
                 f"({given} shape {shape})."

@@ -19,8 +19,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
-from .halting_loopformer import PROBE_CRITERION, probe_slots, split_criterion
+from .halting_loopformer import check_halt_criterion, check_halt_eps, probe_slots
+from .trajectory_loopformer import LoopFormerRows, per_row_budget, resolve_call
 
 
 logger = logging.get_logger(__name__)
@@ -76,92 +76,13 @@ class LoopFormerCacheSpec(NamedTuple):
         return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
 
 
-class LoopFormerRows:
-    """Per-row trajectories of one call: row b runs its own M_b steps Δ_1..Δ_{M_b}; the loop runs the largest budget
-    and a row's tokens freeze after its last step (as halted tokens do, `LoopFormerHaltingState`). A plain object,
-    not a tuple: a compiled forward guards only on the attributes it reads (the tensors), not on every value."""
-
-    def __init__(self, trajectories, budgets, steps):
-        # per row, Δ_1..Δ_{M_b} as plain floats: read in eager code only (a compiled forward would guard on them, one
-        # graph per mix of rows)
-        self.trajectories = trajectories
-        self.budgets = budgets  # (batch,) M_b
-        self.steps = steps  # (batch, largest budget) Δ in float64, 0 after a row's last step
-
-    @property
-    def num_steps(self):
-        return self.steps.shape[1]
-
-    @classmethod
-    def from_trajectories(cls, trajectories):
-        steps = torch.zeros(len(trajectories), max(map(len, trajectories)), dtype=torch.float64)
-        for b, trajectory in enumerate(trajectories):
-            steps[b, :len(trajectory)] = torch.tensor(trajectory, dtype=torch.float64)
-        return cls(tuple(trajectories), torch.tensor([len(t) for t in trajectories]), steps)
-
-
-def _rows_of(value, is_per_row):
-    """`value` as one value per row (a list), or None when it is one value for the whole batch."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist() if value.ndim == 1 and is_per_row(value) else None
-    return list(value) if isinstance(value, (list, tuple)) and is_per_row(value) else None
-
-
-def _per_row_budget(value):
-    return not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex())
-
-
-def _per_row_schedule(value):
-    """A list whose entries are schedules (None, a preset name, a list or a 1-D tensor), not step sizes."""
-    return not isinstance(value, torch.Tensor) and len(value) > 0 and all(
-        s is None or isinstance(s, (str, list, tuple)) or (isinstance(s, torch.Tensor) and s.ndim == 1) for s in value)
-
-
-def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
-    """The trajectories of a call whose `loop_budget` (a list or 1-D integer tensor) or `step_schedule` (a list of
-    schedules, None for a row's default) gives one value per row: a `LoopFormerRows`, or None when every knob is one
-    value for the batch. A wrong row is a `ValueError` naming it. Rows given as lists that all resolve to one
-    trajectory give that trajectory (a tuple): the batch then computes what a single budget computes. A tensor of
-    budgets always gives rows, so that a compiled forward does not switch paths with the values it holds."""
-    budgets = _rows_of(loop_budget, _per_row_budget)
-    schedules = _rows_of(step_schedule, _per_row_schedule)
-    if budgets is None and schedules is None:
-        return None
-    for name, values in (("loop_budget", budgets), ("step_schedule", schedules)):
-        if values is not None and batch_size is not None and len(values) != batch_size:
-            raise ValueError(f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
-                             f"give one value per row, or one value for the batch (generate's num_return_sequences "
-                             f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated).")
-    rows = max(len(budgets or ()), len(schedules or ()))
-    trajectories = []
-    for b in range(rows):
-        budget = loop_budget if budgets is None else budgets[b]
-        schedule = step_schedule if schedules is None else schedules[b]
-        try:
-            trajectories.append(config.resolve_trajectory(budget, schedule))
-        except ValueError as error:
-            raise ValueError(f"Row {b} of the batch: {error}") from None
-    if len(set(trajectories)) == 1 and not isinstance(loop_budget, torch.Tensor):
-        return trajectories[0]
-    return LoopFormerRows.from_trajectories(trajectories)
-
-
-def max_loop_steps(config, loop_budget=None, step_schedule=None):
-    """Loop steps a call with these knobs runs (the largest per-row budget), for sizing a cache before the batch is
-    known."""
-    resolved = resolve_rows(config, loop_budget, step_schedule)
-    if resolved is None:
-        return len(config.resolve_trajectory(loop_budget, step_schedule))
-    return resolved.num_steps if isinstance(resolved, LoopFormerRows) else len(resolved)
-
-
 def _plain(value):
     """`value` as a plain value that a later call's can be compared with, or `NotImplemented` if it is none (compared
     by identity: a compiled forward traces this). A 1-D integer tensor (per-row budgets) stands as its shape: a
     compiled forward guards on that, and its values are compared in eager code (`LoopFormerPlan.for_call`)."""
     if value is None or type(value) in (int, float, str):
         return value
-    if isinstance(value, torch.Tensor) and value.ndim == 1 and _per_row_budget(value):
+    if isinstance(value, torch.Tensor) and value.ndim == 1 and per_row_budget(value):
         return ("tensor", tuple(value.shape))
     if isinstance(value, (list, tuple)):
         items = tuple(_plain(v) for v in value)
@@ -192,7 +113,7 @@ class LoopFormerPlan(NamedTuple):
 
     request: tuple | None  # None: knobs that cannot be compared as values (e.g. a tensor schedule), never reused
     spec: LoopFormerCacheSpec
-    rows: LoopFormerRows | None = None  # per-row trajectories (`resolve_rows`)
+    rows: LoopFormerRows | None = None  # per-row trajectories (`trajectory_loopformer.resolve_call`)
 
     @classmethod
     def for_call(cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
@@ -206,19 +127,10 @@ class LoopFormerPlan(NamedTuple):
                 torch.compiler.is_compiling() or _same_budgets(kept, loop_budget)):
             return kept
         halt_eps = check_halt_eps(halt_eps)
-        halt_criterion = config.halt_criterion if halt_criterion is None else halt_criterion
-        if halt_criterion not in HALT_CRITERIA:
-            raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {halt_criterion!r}.")
+        halt_criterion = check_halt_criterion(config.halt_criterion if halt_criterion is None else halt_criterion)
         halting = halt_eps is not None
-        rows = _resolve_rows_eagerly(config, loop_budget, step_schedule, batch_size) if (
-            _gives_rows(loop_budget, step_schedule)) else None
-        if rows is None:
-            trajectory = config.resolve_trajectory(loop_budget, step_schedule)
-        elif not isinstance(rows, LoopFormerRows):
-            trajectory, rows = rows, None  # every row resolved to one trajectory
-        else:
-            trajectory = ()
-            _check_rows_supported(config, halt_criterion if halting else None)
+        trajectory, rows = resolve_call(config, loop_budget, step_schedule, halt_criterion if halting else None,
+                                        batch_size)
         share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
         spec = LoopFormerCacheSpec(tuple(trajectory), config.num_hidden_layers, halt_eps,
                                    config.halt_kv_fill if halting else None, share_n,
@@ -239,34 +151,11 @@ class LoopFormerPlan(NamedTuple):
         return self.spec.halt_criterion
 
 
-# Read outside a compiled graph: the per-row values become a plan whose spec holds only the largest budget, so a
-# compiled forward without a cache breaks its graph here once and guards on that budget, not on the rows' values.
-_resolve_rows_eagerly = torch.compiler.disable(resolve_rows)
-
-
-def _gives_rows(loop_budget, step_schedule):
-    """Whether a knob is given per row (by its type alone: no value is read)."""
-    return isinstance(loop_budget, (list, tuple)) or (isinstance(loop_budget, torch.Tensor) and loop_budget.ndim == 1) or (
-        isinstance(step_schedule, (list, tuple)) and _per_row_schedule(step_schedule))
-
-
 def _same_budgets(kept, loop_budget):
     """Whether per-row budgets given as a tensor hold the values of the plan `kept` (compared by `request` otherwise)."""
     if not isinstance(loop_budget, torch.Tensor):
         return True
     return kept.rows is not None and torch.equal(kept.rows.budgets, loop_budget.detach().cpu().long())
-
-
-def _check_rows_supported(config, halt_criterion):
-    """Refuse what per-row trajectories cannot run exactly: a shared cache slot holds several steps of a row, and an
-    exit or probe step's conditioning comes from one trajectory."""
-    if config.cache_sharing != "none":
-        raise ValueError(f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
-                         f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
-                         f"Use cache_sharing='none', or one budget for the batch.")
-    if halt_criterion is not None and (split_criterion(halt_criterion)[1] or halt_criterion == PROBE_CRITERION):
-        raise ValueError(f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
-                         f"or schedules take 'state_change', 'kl' or 'entropy' (or one budget for the batch).")
 
 
 def _mismatch_message(was, now):
@@ -580,4 +469,4 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
 
 
 __all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer",
-           "LoopFormerRows", "LoopFormerStaticCache", "max_loop_steps", "resolve_rows"]
+           "LoopFormerStaticCache"]

@@ -49,6 +49,7 @@ import re
 import sys
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from .authors_checkpoints import MODEL_TYPES, map_names
 from .configuration_loopformer import LoopFormerConfig
@@ -327,7 +328,7 @@ def main(argv=None):
     if args.hub_repo is not None:
         try:
             convert_hub_repo(args.hub_repo, args.output, revision=args.revision, dtype=args.dtype)
-        except (ValueError, OSError) as error:  # huggingface_hub's not-found / offline errors are OSErrors
+        except (ValueError, StrictDataclassError, OSError) as error:  # the Hub's not-found / offline errors: OSErrors
             parser.exit(2, f"{parser.prog}: error: {error}\n")
         print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
         return 0

@@ -20,9 +20,9 @@ import torch
 from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
                                      UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
-from .cache_loopformer import CACHE_FIELD, LoopFormerCache, max_loop_steps
-from .configuration_loopformer import HALT_CRITERIA, check_halt_eps
-from .halting_loopformer import probe_slots
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache
+from .halting_loopformer import check_halt_criterion, check_halt_eps, probe_slots
+from .trajectory_loopformer import max_loop_steps
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
@@ -54,9 +54,8 @@ def check_generation_knobs(config, knobs, source):
         if knobs.get("loop_budget") is not None or knobs.get("step_schedule") is not None:
             config.resolve_trajectory(knobs.get("loop_budget"), knobs.get("step_schedule"))
         check_halt_eps(knobs.get("halt_eps"))
-        criterion = knobs.get("halt_criterion")
-        if criterion is not None and criterion not in HALT_CRITERIA:
-            raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {criterion!r}.")
+        if knobs.get("halt_criterion") is not None:
+            check_halt_criterion(knobs["halt_criterion"])
     except ValueError as e:
         raise ValueError(f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it "
                          f"there.") from None

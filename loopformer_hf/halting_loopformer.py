@@ -15,6 +15,8 @@ steps, the kind the objective trains (models conditioned on Δ only, `loop_condi
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -154,11 +156,35 @@ class LoopFormerHaltingStep(NamedTuple):
         return torch.where(self.halted[..., None], frozen, computed)
 
 
+# What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
+# successive steps' next-token distributions, or the entropy of the current one (both in nats). The "_shortcut" forms
+# exit through one step Δ = 1 − t to t = 1 before freezing; "probe_entropy" runs the one-step trajectory first and the
+# budget only for the tokens unsure there (models conditioned on Δ only).
+HALT_CRITERIA = ("state_change", "kl", "entropy", "state_change_shortcut", "kl_shortcut", "entropy_shortcut",
+                 "probe_entropy")
 SHORTCUT_EXIT_SUFFIX = "_shortcut"
 # "probe_entropy": every token first runs the one-step trajectory (Δ = 1, a trained endpoint); a token whose
 # next-token entropy there is below halt_eps keeps it (1 loop step), the others run the budget from the embeddings
 # (1 + M steps). The probe step has its own cache slots, after the budget's (`probe_slots`).
 PROBE_CRITERION = "probe_entropy"
+
+
+def check_halt_eps(value, name="halt_eps"):
+    """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be None or a positive finite float, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def check_halt_criterion(criterion):
+    """A call's `halt_criterion`: one of `HALT_CRITERIA`."""
+    if criterion not in HALT_CRITERIA:
+        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {criterion!r}.")
+    return criterion
 
 
 def probe_slots(criterion):
@@ -463,5 +489,6 @@ class LoopFormerHaltingState:
                 cache.write(k, v, cache.slot(step, j))
 
 
-__all__ = ["LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "PROBE_CRITERION",
+__all__ = ["HALT_CRITERIA", "LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "PROBE_CRITERION",
+           "check_halt_criterion", "check_halt_eps",
            "probe_slots", "shortcut_exit_adaln", "split_criterion", "state_change_score"]

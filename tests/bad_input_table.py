@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 REPO = Path(__file__).resolve().parent.parent
 # the test helpers (tiny_models, reference_oracle) import alike under pytest and as `python -m tests.bad_input_table`
@@ -48,9 +49,15 @@ class Handled:
 
 
 def refused_setting(area, make_config, field, value, message):
-    """A config row: `make_config(field=value)` raises ValueError matching `message`."""
-    return Case(area, f"{field}={value!r}", lambda t: make_config(**{field: value}), ValueError, message,
+    """A config row: `make_config(field=value)` raises huggingface_hub's strict-dataclass error (as transformers'
+    configs do: a field's own rule, or a rule between fields) matching `message`."""
+    return Case(area, f"{field}={value!r}", lambda t: make_config(**{field: value}), StrictDataclassError, message,
                 setting=(field, value))
+
+
+def field_error(field, rule):
+    """The message of a field's refused value: huggingface_hub names the field, then the rule and the value."""
+    return rf"(?s)field '{field}'.*{rule}"
 
 
 # ---- tiny models, built once -------------------------------------------------------------------------------------
@@ -354,34 +361,33 @@ FP_CONVERT = cli("fprm_hf.convert_reference")
 CASES = [
     # LoopFormer configuration (the same check runs for config.json, from_pretrained kwargs and attribute sets)
     *(refused_setting(f"{LF} config", loopformer_config, field, value, message) for field, value, message in (
-        ("default_loop_budget", -3, r"default_loop_budget.*got -3"),
-        ("default_loop_budget", 0, r"default_loop_budget.*got 0"),
-        ("default_loop_budget", 2.5, r"default_loop_budget.*got 2\.5"),
-        ("halt_kv_fill", "bogus", r"halt_kv_fill.*\('recompute', 'reuse'\), got 'bogus'"),
-        ("tie_word_embeddings", "no", r"tie_word_embeddings.*True or False, got 'no'"),
-        ("attention_bias", "no", r"attention_bias.*True or False, got 'no'"),
-        ("mlp_bias", "no", r"mlp_bias.*True or False, got 'no'"),
-        ("use_cache", "no", r"use_cache.*True or False, got 'no'"),
-        ("num_loops", 0, r"num_loops.*got 0"),
+        ("default_loop_budget", -3, field_error("default_loop_budget", "positive integer, got -3")),
+        ("default_loop_budget", 0, field_error("default_loop_budget", "positive integer, got 0")),
+        ("default_loop_budget", 2.5, field_error("default_loop_budget", r"expected int, got float \(value: 2\.5\)")),
+        ("halt_kv_fill", "bogus", field_error("halt_kv_fill", r"expected one of \('recompute', 'reuse'\), got bogus")),
+        *((flag, "no", field_error(flag, r"expected bool, got str \(value: 'no'\)"))
+          for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_cache")),
+        ("num_loops", 0, field_error("num_loops", "positive integer, got 0")),
+        ("default_loop_budget", 64, r"`default_loop_budget`=64 exceeds .*max_loop_budget=32"),
     )),
     # RoPE settings (position_embedding_type="rope"), checked as transformers' `rope_parameters`
     *(Case(f"{LF} config", f"position_embedding_type='rope', rope_parameters={value!r}",
-           lambda t, value=value: loopformer_config(position_embedding_type="rope", rope_parameters=value), ValueError,
-           message) for value, message in (
-        ("yarn", r"rope_parameters.*must be a dict"),
+           lambda t, value=value: loopformer_config(position_embedding_type="rope", rope_parameters=value),
+           StrictDataclassError, message) for value, message in (
+        ("yarn", field_error("rope_parameters", r"expected dict, got str \(value: 'yarn'\)")),
         ({"rope_type": "nope"}, r"rope_type.*must be one of \('default', 'linear'.*got 'nope'"),
         ({"rope_type": "linear", "factor": -2.0}, r"'factor'.*positive number, got -2\.0"),
         ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor.*\(0, 1\], got 1\.5"),
         ({"rope_type": "linear"}, r"rope_parameters.*Missing required keys .*'factor'"),
     )),
     Case(f"{LF} config", "rope_parameters={'rope_type': 'linear', 'factor': 2.0} with learned positions",
-         lambda t: loopformer_config(rope_parameters={"rope_type": "linear", "factor": 2.0}), ValueError,
+         lambda t: loopformer_config(rope_parameters={"rope_type": "linear", "factor": 2.0}), StrictDataclassError,
          r"rope_parameters.*apply to position_embedding_type='rope'.*'learned'"),
     Case(f"{LF} config", "hidden_size=30, num_attention_heads=4",
-         lambda t: loopformer_config(hidden_size=30), ValueError, r"divisible by `num_attention_heads`"),
+         lambda t: loopformer_config(hidden_size=30), StrictDataclassError, r"divisible by `num_attention_heads`"),
     Case(f"{LF} config", "config.max_loop_budget_factor = 0 (attribute set)",
-         lambda t: setattr(loopformer_config(), "max_loop_budget_factor", 0), ValueError,
-         r"max_loop_budget_factor.*got 0"),
+         lambda t: setattr(loopformer_config(), "max_loop_budget_factor", 0), StrictDataclassError,
+         field_error("max_loop_budget_factor", "positive integer, got 0")),
     # LoopFormer forward / generate
     Case(f"{LF} forward", "loop_budget=10**6", lambda t: loopformer()(IDS, loop_budget=10**6), ValueError,
          r"exceeds the largest loop budget.*max_loop_budget=32"),
@@ -487,34 +493,32 @@ CASES = [
          r"neither config fields nor loading options: \['quantum_mode'\]"),
     # FPRM configuration
     *(refused_setting(f"{FP} config", fprm_config, field, value, message) for field, value, message in (
-        ("causal", "no", r"`causal` must be True or False, got 'no'"),
-        ("outer_only", "no", r"`outer_only` must be True or False, got 'no'"),
-        ("fixed_init", 1, r"`fixed_init` must be True or False, got 1 \(int\)"),
-        ("tie_word_embeddings", "no", r"`tie_word_embeddings` must be True or False, got 'no'"),
-        ("attention_bias", "no", r"`attention_bias` must be True or False, got 'no'"),
-        ("mlp_bias", "false", r"`mlp_bias` must be True or False, got 'false'"),
-        ("norm_type", "bogus", r"`norm_type` must be one of \('pre', 'post', 'peri'\), got 'bogus'"),
-        ("residual_scaling", "bogus", r"`residual_scaling` must be one of .*'input_independent'.* got 'bogus'"),
-        ("residual_scaling", "outer_only", r"`residual_scaling` must be one of .* got 'outer_only'"),
+        *((flag, value, field_error(flag, rf"expected bool, got {type(value).__name__} \(value: {value!r}\)"))
+          for flag, value in (("causal", "no"), ("outer_only", "no"), ("fixed_init", 1), ("tie_word_embeddings", "no"),
+                              ("attention_bias", "no"), ("mlp_bias", "false"))),
+        ("norm_type", "bogus", field_error("norm_type", r"expected one of \('pre', 'post', 'peri'\), got bogus")),
+        ("residual_scaling", "bogus", field_error("residual_scaling", r"one of .*'input_independent'.* got bogus")),
+        ("residual_scaling", "outer_only", field_error("residual_scaling", r"one of .* got outer_only")),
         ("halt_eps", 0, r"`halt_eps` must be a positive finite number .* got 0"),
         ("halt_eps", -1, r"`halt_eps` must be a positive finite number .* got -1"),
         ("max_loops", 0, r"`max_loops` must be an integer >= 1, got 0"),
-        ("alpha1", 1.0, r"`alpha1` must lie strictly between 0 and 1, got 1\.0"),
-        ("grid_size", [3, 3, 3], r"`grid_size` must be None, a positive int or \[height, width\], got \[3, 3, 3\]"),
+        ("alpha1", 1.0, field_error("alpha1", r"must lie strictly between 0 and 1, got 1\.0")),
+        ("grid_size", [3, 3, 3], field_error("grid_size", r"None, a positive int or \[height, width\], got \[3, 3, 3\]")),
         ("grid_size", None, r"conv_type='2d'.*needs `grid_size`"),
         ("conv_kernel_size", 2, r"2-D conv needs an odd `conv_kernel_size`.*got 2"),
         ("num_attention_heads", 3, r"`hidden_size` \(32\) must be divisible by `num_attention_heads` \(3\)"),
-        ("initializer_range", float("inf"), r"`initializer_range` must be None or a positive finite number, got inf"),
-        ("initial_state_seed", 2**70, r"`initial_state_seed` must be an integer in \[-2\*\*63, 2\*\*64\)"),
-        ("rope_parameters", "yarn", r"`rope_parameters` must be a dict"),
+        ("initializer_range", float("inf"), field_error("initializer_range", "a positive finite number, got inf")),
+        ("initial_state_seed", 2**70, field_error("initial_state_seed", r"an integer in \[-2\*\*63, 2\*\*64\)")),
+        ("rope_parameters", "yarn", field_error("rope_parameters", r"expected dict, got str \(value: 'yarn'\)")),
         ("rope_parameters", {"rope_type": "nope"}, r"rope_type.*must be one of \('default', 'linear'.*got 'nope'"),
         ("rope_parameters", {"partial_rotary_factor": 0.0}, r"partial_rotary_factor.*\(0, 1\], got 0\.0"),
     )),
     Case(f"{FP} config", "rope_parameters={'rope_type': 'linear'} (no factor)",
-         lambda t: fprm_config(rope_parameters={"rope_type": "linear"}), ValueError,
+         lambda t: fprm_config(rope_parameters={"rope_type": "linear"}), StrictDataclassError,
          r"rope_parameters.*Missing required keys .*'factor'"),
     Case(f"{FP} config", "position_embedding_type='learned', rope_parameters={'rope_theta': 500.0}",
-         lambda t: fprm_config(position_embedding_type="learned", rope_parameters={"rope_theta": 500.0}), ValueError,
+         lambda t: fprm_config(position_embedding_type="learned", rope_parameters={"rope_theta": 500.0}),
+         StrictDataclassError,
          r"rope_parameters.*apply to position_embedding_type='rope'.*'learned'"),
     *(Case(f"{FP} config", f"{field}={value!r} (removed in 0.1.0)", lambda t, kw={field: value}: fprm_config(**kw),
            ValueError, rf"`{field}={value!r}` is an option of earlier versions of this package, removed in 0\.1\.0")

@@ -35,8 +35,9 @@ def test_bad_config_value_refused_however_it_arrives(checkpoint, tmp_path, field
 
 def test_good_values_still_set_and_grid_size_normalised(checkpoint):
     config = tiny_fprm_config()
-    config.grid_size = 5
-    assert config.grid_size == [5, 5]
+    config.grid_size = 5  # a square grid, read as (5, 5)
+    assert config.grid_shape == (5, 5) and config.num_grid_tokens == 25
+    assert FPRMConfig(conv_type="2d", grid_size=5).grid_size == [5, 5]  # a constructed config holds [height, width]
     config.causal = True
     assert config.causal is True
     model = FPRMForReasoning.from_pretrained(checkpoint, max_loops=3)

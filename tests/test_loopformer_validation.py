@@ -6,6 +6,7 @@ import resource
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from _config_helpers import assert_refused_however_it_arrives
@@ -45,10 +46,14 @@ def test_from_pretrained_good_kwarg_is_used(checkpoint):
 
 
 def test_setting_num_loops_below_default_budget_bound_is_refused():
+    """A rule between fields, as transformers' configs check them: by `validate()` (construction, `from_pretrained`
+    kwargs, `save_pretrained`), and the default budget again where a forward would use it."""
     config = tiny_loopformer_config(num_loops=4, default_loop_budget=32)  # 32 = 8 x 4, the default bound
+    config.num_loops = 2
+    with pytest.raises(StrictDataclassClassValidationError, match=r"default_loop_budget`=32 exceeds.*max_loop_budget=16"):
+        config.validate()
     with pytest.raises(ValueError, match=r"default_loop_budget`=32 exceeds.*max_loop_budget=16"):
-        config.num_loops = 2
-    assert config.num_loops == 4
+        config.resolve_trajectory()
 
 
 # ---- 2. an upper bound on the loop budget, checked before anything is allocated ---------------------------------
@@ -82,7 +87,7 @@ def test_loop_budget_bound_is_configurable():
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])
 def test_max_loop_budget_factor_validated(value):
-    with pytest.raises(ValueError, match=rf"max_loop_budget_factor.*got {value!r}"):
+    with pytest.raises(StrictDataclassFieldValidationError, match=rf"(?s)'max_loop_budget_factor'.*got .*{value!r}"):
         tiny_loopformer_config(max_loop_budget_factor=value)
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 
 import yaml
+from huggingface_hub.errors import StrictDataclassError
 
 CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 
@@ -91,7 +92,8 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def run_command(main, prog):
-    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is, or a folder it may not write,
+    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is, a model config's refused value,
+    huggingface_hub's `StrictDataclassError`, or a folder it may not write,
     `NotWritableError`) prints one line and exits 2, as argparse does for a bad flag; a full disk (`DiskFullError`,
     errno ENOSPC) prints one line and exits 1; Ctrl-C prints one line (what the run saved, `RunInterrupted`) and
     exits 130. LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
@@ -103,8 +105,8 @@ def run_command(main, prog):
             raise
         print(f"{prog}: {err or 'interrupted'}", file=sys.stderr)
         sys.exit(INTERRUPTED)
-    except (ValueError, OSError) as err:
-        status = 2 if isinstance(err, ValueError) else USER_ERRNOS.get(err.errno)
+    except (ValueError, StrictDataclassError, OSError) as err:  # StrictDataclassError: a config's refused value
+        status = USER_ERRNOS.get(err.errno) if isinstance(err, OSError) else 2
         if traceback or status is None:
             raise
         print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
@@ -114,6 +116,8 @@ def run_command(main, prog):
 def _one_line(err):
     """The message of `err`: an OSError's own sentence (this package's name their file in it), with the file added
     where it does not ("Permission denied: path")."""
+    if isinstance(err, StrictDataclassError):  # "Validation error for field 'x':\n    ValueError: ..."
+        return " ".join(str(err).split())
     if not isinstance(err, OSError) or not err.strerror:
         return str(err)
     file = err.filename
