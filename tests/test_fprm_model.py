@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
@@ -662,5 +663,5 @@ def test_half_precision_computes_the_fp32_function_up_to_rounding(layout, bound)
             cast = float((run(copy.deepcopy(model).to(dtype)) - reference).abs().max())
             print(f"{layout} {dtype}: cast {cast:.4f}, autocast {autocast:.4f}, ratio {cast / autocast:.2f}")
             assert 0 < cast <= bound * autocast, f"{dtype}: cast {cast:.4f} vs autocast {autocast:.4f}"
-    with pytest.raises(ValueError, match="rms_norm_eps"):
+    with pytest.raises(StrictDataclassError, match="rms_norm_eps"):
         tiny_fprm_config(rms_norm_eps=None)

@@ -3,6 +3,7 @@ shared cache (cache_sharing="modulo") holds n step slots per block whatever the 
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import StaticCache
 
 from tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
@@ -177,7 +178,7 @@ def test_shared_cache_from_generate_and_refused_under_exact_config():
 
 @pytest.mark.parametrize("field,value", [("cache_sharing", "latest"), ("cache_share_n", 0)])
 def test_cache_sharing_fields_are_validated(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(StrictDataclassError, match=field):
         tiny_loopformer_config(**{field: value})
 
 

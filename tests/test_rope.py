@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from fprm_hf import FPRMForReasoning
 from fprm_hf.layers_fprm import FPRMRotaryEmbedding, apply_rotary_pos_emb
@@ -86,7 +87,7 @@ def test_scaled_and_partial_rope_decode_with_the_cache_as_without_it(rope_parame
 
 
 def test_rope_parameters_on_a_learned_position_model_are_refused():
-    with pytest.raises(ValueError, match="apply to position_embedding_type='rope'"):
+    with pytest.raises(StrictDataclassError, match="apply to position_embedding_type='rope'"):
         LoopFormerConfig(num_loops=2, rope_parameters={"rope_type": "linear", "factor": 2.0})
 
 
