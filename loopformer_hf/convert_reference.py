@@ -343,7 +343,7 @@ def main(argv=None):
             model_type=args.model_type, frequency_embedding_size=args.frequency_embedding_size,
             max_period=args.max_period, dtype=args.dtype or "float32", allow_pickle=args.allow_pickle,
         )
-    except ValueError as error:
+    except (ValueError, StrictDataclassError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
     return 0

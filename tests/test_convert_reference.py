@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
 import loopformer_hf
@@ -162,7 +163,7 @@ def test_bad_files_are_rejected(tmp_path, ref_sd):
 
 def test_bad_hyper_parameters_are_rejected(tmp_path, ref_sd):
     path = _save(tmp_path, ref_sd)
-    with pytest.raises(ValueError, match="hidden_size.*divisible.*num_attention_heads"):
+    with pytest.raises(StrictDataclassError, match="hidden_size.*divisible.*num_attention_heads"):  # as the config
         convert(path, tmp_path / "out", **dict(SHAPE_KWARGS, n_head=5))
     with pytest.raises(ValueError, match="dtype.*float16.*float64"):
         convert(path, tmp_path / "out", dtype="float64", **SHAPE_KWARGS)
@@ -175,6 +176,11 @@ def test_command_line_reports_errors_without_traceback(tmp_path, ref_sd, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "missing keys" in err and "model.norm.weight" in err and "Traceback" not in err
+    shape_args = [*SHAPE_ARGS[:SHAPE_ARGS.index("--n-head") + 1], "5", *SHAPE_ARGS[SHAPE_ARGS.index("--n-head") + 2:]]
+    with pytest.raises(SystemExit) as exit_info:  # a shape the config refuses: its error, in one line
+        main(["--checkpoint", str(_save(tmp_path, ref_sd)), "--output", str(tmp_path / "out"), *shape_args])
+    assert exit_info.value.code == 2
+    assert "divisible by `num_attention_heads` (5)" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # ---- TMLT, Base-Loop and Base: the other reference variants ----------------------------------------------------------

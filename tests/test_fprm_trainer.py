@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file
 from transformers import TrainerCallback as TransformersCallback
 
@@ -561,9 +562,9 @@ def test_authors_recipe_options_that_the_model_cannot_follow_are_refused(tmp_pat
     no_prefix = tiny_fprm(0, num_prefix_tokens=0).train()
     with pytest.raises(ValueError, match=r"`puzzle_emb_optimizer='signsgd'` trains the prefix rows"):
         make_trainer(tmp_path, no_prefix, 1, puzzle_emb_optimizer="signsgd")
-    with pytest.raises(ValueError, match=r"`puzzle_emb_ndim` \(65\) must be at most num_prefix_tokens × hidden_size"):
+    with pytest.raises(StrictDataclassError, match=r"`puzzle_emb_ndim` \(65\) must be at most num_prefix_tokens × hidden_size"):
         tiny_fprm(0, puzzle_emb_ndim=65)
-    with pytest.raises(ValueError, match=r"`puzzle_emb_ndim` must be None .* or an integer >= 1, got 0"):
+    with pytest.raises(StrictDataclassError, match=r"(?s)field .puzzle_emb_ndim.*positive integer, got 0"):
         tiny_fprm(0, puzzle_emb_ndim=0)
 
 

@@ -40,7 +40,7 @@ def _bad_config_value(path):
     config = json.loads((path / "config.json").read_text())
     config["num_loops"] = -1
     (path / "config.json").write_text(json.dumps(config))
-    return path / "config.json", "`num_loops` must be a positive integer, got -1"
+    return path / "config.json", "Validation error for field 'num_loops': ValueError: Value must be a positive integer, got -1"
 
 
 def _config_weights_disagree(path):

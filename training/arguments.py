@@ -116,8 +116,10 @@ def run_command(main, prog):
 def _one_line(err):
     """The message of `err`: an OSError's own sentence (this package's name their file in it), with the file added
     where it does not ("Permission denied: path")."""
-    if isinstance(err, StrictDataclassError):  # "Validation error for field 'x':\n    ValueError: ..."
-        return " ".join(str(err).split())
+    if isinstance(err, StrictDataclassError):
+        from looped_training.checkpoints import first_line  # an error path: transformers is loaded by then
+
+        return first_line(err)
     if not isinstance(err, OSError) or not err.strerror:
         return str(err)
     file = err.filename

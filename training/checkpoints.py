@@ -31,6 +31,7 @@ import zipfile
 from dataclasses import dataclass, field
 
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -129,7 +130,7 @@ def load_model(model_class, checkpoint, **kwargs):
     try:
         model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True,
                                                   **kwargs)
-    except (OSError, RuntimeError, ValueError) as err:  # a value the config's validation refuses, an unreadable file
+    except (OSError, RuntimeError, ValueError, StrictDataclassError) as err:  # a value the config refuses, a bad file
         raise CheckpointError(f"{weights} could not be loaded with {config_file}: {first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -144,7 +145,10 @@ def load_model(model_class, checkpoint, **kwargs):
 
 
 def first_line(err):
-    """The first line of an exception's message, or its type name when the message is empty."""
+    """The first line of an exception's message, or its type name when the message is empty; a config's refused value
+    (`StrictDataclassError`: "Validation error for field 'x':\n    ValueError: ...") whole, on one line."""
+    if isinstance(err, StrictDataclassError):
+        return " ".join(str(err).split())
     return (str(err).strip() or type(err).__name__).splitlines()[0]
 
 

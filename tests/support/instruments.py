@@ -10,7 +10,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 
 
 class CountOps(TorchDispatchMode):
@@ -71,6 +70,9 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
 
     truncated: loops / n_backward segments of n_backward iterations (one optimizer step each);
     full:      one segment of `loops` iterations (backprop through all of them)."""
+    # imported here: the model tests import this module in environments without the installed training package
+    from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+
     if mode not in ("truncated", "full"):
         raise ValueError(f"`mode` must be 'truncated' or 'full', got {mode!r}.")
     if mode == "truncated" and loops % n_backward:
