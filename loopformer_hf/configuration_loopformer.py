@@ -17,7 +17,7 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.utils.type_validators import positive_int_field, probability
+from transformers.utils.type_validators import interval, positive_int_field, probability
 
 from . import trajectory_loopformer as trajectory
 from .halting_loopformer import HALT_CRITERIA, check_halt_eps
@@ -46,11 +46,6 @@ def _real(value):
 def check_positive_number(value):  # None where the field's type allows it
     if value is not None and not (_real(value) and 0 < value < math.inf):
         raise ValueError(f"Value must be a positive finite number, got {value!r}.")
-
-
-def check_non_negative_number(value):
-    if not (_real(value) and 0 <= value < math.inf):
-        raise ValueError(f"Value must be a non-negative finite number, got {value!r}.")
 
 
 def check_rope_parameters(value):
@@ -94,8 +89,7 @@ class LoopFormerConfig(PreTrainedConfig):
         num_loops (`int`, defaults to 8): L, the number of loop steps of the training trajectory.
         loop_conditioning (`str`, defaults to `"shortcut"`): `"shortcut"` (t and Δ, LoopFormer), `"timestep"`
             (integer loop index, TMLT) or `"none"` (Base-Loop, no modulation).
-        position_embedding_type (`str`, defaults to `"learned"`): `"learned"` absolute positions (reference) or
-            `"rope"`.
+        position_embedding_type (`str`, defaults to `"learned"`): `"learned"` absolute positions (reference), `"rope"`.
         rope_parameters (`dict`, *optional*): transformers' RoPE settings (`position_embedding_type="rope"` only),
             `{"rope_type": "default", "rope_theta": 10000.0}` unless given, as for Llama ("linear", "yarn", ...,
             "partial_rotary_factor"); a `rope_theta` keyword (configs saved before this field) is read into it.
@@ -110,37 +104,28 @@ class LoopFormerConfig(PreTrainedConfig):
         default_step_schedule (`str`, defaults to `"uniform"`): preset used when a call gives no schedule; one of
             `"uniform"`, `"coarse_to_fine"`, `"fine_to_coarse"`.
         halt_kv_fill (`str`, defaults to `"reuse"`): with `halt_eps`, how the cache slots a halted token skips are
-            filled: `"reuse"` repeats its last computed step's keys/values (as good, and faster, on the trained tiny
-            checkpoints); `"recompute"` projects them from its frozen state with each later step's modulation.
-        cache_sharing (`str`, defaults to `"none"`): how the KV cache stores the loop steps. `"none"`: one slot per
-            (loop step, block), exact. `"modulo"`: an approximation in the spirit of Huginn's shared recurrent cache:
-            loop step i writes the slot of step i mod `cache_share_n`, so the cache holds min(M, n) x k slots
-            whatever the budget M; a new token at step i attends to earlier tokens' latest step of the same residue
-            (exact within one forward call, approximate across decode steps; see docs/compile.md).
-        cache_share_n (`int`, defaults to 4): n, the number of loop-step slots per block kept with
-            `cache_sharing="modulo"` (Huginn's default is 4). A budget M <= n is exact.
-        halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping (after loop
-            step i, never beyond the budget): `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps,
-            `"kl"` once KL(p_i ‖ p_{i−1}) < halt_eps, `"entropy"` once H(p_i) < halt_eps (nats; p_i read out of h_i
-            through the final norm and `lm_head`); their `"_shortcut"` forms and `"probe_entropy"` (LoopFormer only)
-            are described in `halting_loopformer`. A call can override the field.
+            filled: `"reuse"` repeats its last computed step's keys/values; `"recompute"` projects its frozen state.
+        cache_sharing (`str`, defaults to `"none"`): `"none"`: one KV slot per (loop step, block), exact.
+            `"modulo"` (an approximation after Huginn's shared recurrent cache): step i writes the slot of step
+            i mod `cache_share_n`, min(M, n) x k slots whatever the budget M (docs/compile.md).
+        cache_share_n (`int`, defaults to 4): n, the loop-step slots per block with `cache_sharing="modulo"`.
+        halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping:
+            `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps, `"kl"`, `"entropy"`, their
+            `"_shortcut"` forms, `"probe_entropy"` (`halting_loopformer` describes each). A call can override it.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
         initializer_range (`float`, defaults to 0.02): std σ of the normal initialisation of weights.
-        initializer_scheme (`str`, defaults to `"reference"`): how a new model is initialised. `"reference"`: what the
-            authors' code effectively does, every Linear (adaLN and the t/Δ embedders included) and the embeddings
-            N(0, σ), the residual projections (`o_proj`, `down_proj`) N(0, σ/√(2k)): the gates start small but open.
-            `"zero_adaln"`: the paper's DiT-style description, adaLN zeroed, every residual branch starts closed.
+        initializer_scheme (`str`, defaults to `"reference"`): `"reference"`: as the authors' code, every Linear and
+            embedding N(0, σ), `o_proj`/`down_proj` N(0, σ/√(2k)); `"zero_adaln"`: the paper's DiT-style adaLN zeroed.
         block_norm_weight (`bool`, defaults to `False`): a learnable weight (initialised to 1) in the two RMSNorms of
             each block, as the reference's Base-Loop and Base blocks have (its LoopFormer and TMLT blocks: adaLN).
         use_cache (`bool`, defaults to `True`): return a KV cache (one slot per loop step and block).
         max_loop_budget_factor (`int`, defaults to 8): a call's loop budget is at most `max_loop_budget_factor *
             num_loops` (`max_loop_budget`); a larger one raises `ValueError` before anything is allocated.
 
-    Validated as Llama's config (`@strict`): a field's type and rule whenever it is set, the old value kept
-    (`StrictDataclassFieldValidationError`); the rules between fields (`validate_*`) at construction, after
-    `from_pretrained` kwargs, at `save_pretrained` and by `validate()` (`StrictDataclassClassValidationError`).
+    Validated as Llama's config (`@strict`): each field whenever it is set (`StrictDataclassFieldValidationError`),
+    the rules between fields (`validate_*`) at construction, load, save and `validate()` (`...ClassValidationError`).
     """
 
     model_type = "loopformer"
@@ -175,7 +160,7 @@ class LoopFormerConfig(PreTrainedConfig):
     attention_dropout: int | float = probability(default=0.0)
     attention_bias: bool = False
     mlp_bias: bool = False
-    initializer_range: int | float = validated_field(check_non_negative_number, default=0.02)
+    initializer_range: int | float = interval(min=0, max=math.inf, exclude_max=True)(default=0.02)
     initializer_scheme: Literal[INITIALIZER_SCHEMES] = "reference"
     block_norm_weight: bool = False
     use_cache: bool = True
