@@ -69,6 +69,14 @@ def test_mixed_budgets_quick_run_is_exact(tmp_path):
         assert name in proc.stdout
 
 
+def test_row_scaling_times_each_half_batch_against_its_full_one(capsys):
+    from benchmarks.bench_row_scaling import main
+
+    ratios = main(["--hidden_size", "64", "--threads", "1", "--min_run_time", "0.05"])
+    assert set(ratios) == {64, 128, 256} and all(0 < r < 2 for r in ratios.values())
+    assert "32/64 = " in capsys.readouterr().out
+
+
 def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
     benchmarks add (static cache, compiled decoding, shared cache)."""
