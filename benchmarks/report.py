@@ -302,8 +302,8 @@ def verdict_word(holds):
 
 # ---- what was checked against the authors' code ------------------------------------------------------------------
 
-EQUIVALENCE_TESTS = ("tests/test_convert_reference.py::test_each_reference_model_type_converts_and_matches",
-                     "tests/test_convert_reference.py::test_convert_wrapped_compiled_pt_matches_reference")
+EQUIVALENCE_TESTS = ("tests/loopformer/test_convert_reference.py::test_each_reference_model_type_converts_and_matches",
+                     "tests/loopformer/test_convert_reference.py::test_convert_wrapped_compiled_pt_matches_reference")
 
 
 def equivalence_line(skip):
@@ -409,7 +409,7 @@ def sampler_lines(num_loops, draws=20000):
     freq = {s: lengths.count(s) / draws for s in range(1, num_loops)}
     return (f"Shortcut sampler at L={num_loops}, {draws} draws: P(S=s) for s=1..{num_loops - 1}: "
             + ", ".join(f"{v:.3f}" for v in freq.values()) + f" (uniform: {1 / (num_loops - 1):.3f}); every step a "
-            f"multiple of 1/{num_loops} summing to 1 (tests/test_callbacks.py::test_shortcut_sampler_follows_the_spec).")
+            f"multiple of 1/{num_loops} summing to 1 (tests/training/test_callbacks.py::test_shortcut_sampler_follows_the_spec).")
 
 
 # ---- the document ------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ if [ ! -x "$venv/bin/pytest" ]; then  # built in a temporary folder, so that a f
 fi
 # (lm-eval runs `python -m looped_training...`, a name only the installed package has)
 PYTHONPATH="$PWD:$PWD/tests" exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_loopformer_model.py tests/test_loopformer_cache.py tests/test_loopformer_halting.py \
-  tests/test_loopformer_static_cache.py tests/test_loopformer_generate_modes.py tests/test_loopformer_halting_paths.py \
-  tests/test_loopformer_validation.py tests/test_fprm_model.py tests/test_fprm_conventions.py tests/test_fprm_reference.py \
-  tests/test_authors_checkpoints.py --deselect tests/test_authors_checkpoints.py::test_lm_eval_through_our_route
+  tests/loopformer/test_loopformer_{model,cache,halting,generate_modes,validation}.py \
+  tests/fprm/test_fprm_{model,conventions,reference}.py tests/loopformer/test_authors_checkpoints.py \
+  --deselect tests/loopformer/test_authors_checkpoints.py::test_lm_eval_through_our_route

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (once, cached) the vLLM environment .venv-vllm and run the tests marked `vllm` in it.
 # vLLM's CPU build pins torch==2.13.0+cpu and transformers<5.20, so it cannot share .venv (transformers 5.24).
-# Usage: bash scripts/test_vllm.sh            build if needed, then run tests/test_vllm.py
+# Usage: bash scripts/test_vllm.sh            build if needed, then run tests/serving/test_vllm.py
 #        bash scripts/test_vllm.sh --build    build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +32,4 @@ pip_quiet --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "import torch, transformers, vllm, loopformer_hf; print('vllm env ok: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 [ "${1:-}" = "--build" ] && exit 0
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-"$VENV/bin/python" -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm.py "$@"
+"$VENV/bin/python" -m pytest -q -m vllm -p no:cacheprovider tests/serving/test_vllm.py "$@"

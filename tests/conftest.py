@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import loopformer_hf  # noqa: E402  (registers the Auto classes)
-from tiny_models import randomize_modulation, tiny_loopformer_config  # noqa: E402
+from support.tiny_models import randomize_modulation, tiny_loopformer_config  # noqa: E402
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""Every row of the bad-input registry (tests/bad_input_table.py) raises the error it names, and
+"""Every row of the bad-input registry (tests/support/bad_input_table.py) raises the error it names, and
 docs/bad_inputs.md is the table the registry renders."""
 
 import re
 
 import pytest
 
-from bad_input_table import CASES, DOC, HANDLED, REPO, raise_of, render
+from support.bad_input_table import CASES, DOC, HANDLED, REPO, raise_of, render
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}: {c.given}" for c in CASES])
@@ -23,4 +23,4 @@ def test_each_handled_row_names_a_test_that_exists(row):
 
 
 def test_docs_table_is_up_to_date():
-    assert DOC.read_text() == render(), "docs/bad_inputs.md is stale: run `python -m tests.bad_input_table`"
+    assert DOC.read_text() == render(), "docs/bad_inputs.md is stale: run `python -m tests.support.bad_input_table`"

@@ -116,6 +116,24 @@ def test_imports_run_one_way_models_training_lab():
     assert not offenders, offenders
 
 
+def test_tests_mirror_the_source_tree():
+    """tests/loopformer/ imports no FPRM and tests/fprm/ no LoopFormer; the training and serving tests are in their
+    folders; what tests build and measure with is in tests/support/, not in a test file; and no two test files share
+    a name (pytest imports each by its basename, the folders have no __init__.py)."""
+    tests = ROOT / "tests"
+    files = [p for p in tests.glob("**/test_*.py") if ".venv" not in p.parts]
+    names = [p.name for p in files]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for folder, foreign in (("loopformer", "fprm_hf"), ("fprm", "loopformer_hf")):
+        offenders = [p.name for p in (tests / folder).glob("test_*.py")
+                     if foreign in _imported_top_levels(ast.parse(p.read_text()))]
+        assert not offenders, (folder, offenders)
+    for folder, package in (("training", "looped_training"), ("serving", "vllm")):
+        assert any(package in p.read_text() for p in (tests / folder).glob("test_*.py")), folder
+    modules = {p.stem for p in tests.glob("*.py")} - {"conftest", *(p.stem for p in tests.glob("test_*.py"))}
+    assert not modules, f"helper modules belong in tests/support/: {sorted(modules)}"
+
+
 def test_checkout_has_the_users_layout():
     """top-level training/ and model_cards/ (installed as looped_training, looped_training.model_cards)."""
     assert (ROOT / "training" / "__init__.py").is_file() and (ROOT / "model_cards" / "loopformer.md").is_file()

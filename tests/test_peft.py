@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from _hub_helpers import CORPUS, fprm_task_rows, make_fprm, make_model, make_tokenizer, save_checkpoint
+from support.hub_helpers import CORPUS, fprm_task_rows, make_fprm, make_model, make_tokenizer, save_checkpoint
 
 from looped_training.finetune_lora import (
     LOOPFORMER_TARGET_MODULES,

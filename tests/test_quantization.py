@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiny_models import grid_inputs, tiny_fprm
+from support.tiny_models import grid_inputs, tiny_fprm
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 
 DIMS = dict(vocab_size=97, hidden_size=64, num_attention_heads=4, intermediate_size=128)

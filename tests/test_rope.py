@@ -14,7 +14,7 @@ from fprm_hf import FPRMForReasoning
 from fprm_hf.layers_fprm import FPRMRotaryEmbedding, apply_rotary_pos_emb
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from loopformer_hf.modeling_loopformer import LoopFormerRotaryEmbedding, apply_rotary, rotate_half
-from tiny_models import sequence_fprm_config, tiny_fprm, tiny_fprm_config, tiny_loopformer_config
+from support.tiny_models import sequence_fprm_config, tiny_fprm, tiny_fprm_config, tiny_loopformer_config
 
 
 def rope_config(**overrides):

@@ -17,8 +17,9 @@ import warnings
 from unittest import mock
 
 import pytest
+from support import REPO_ROOT
 
-COMMON_TESTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv",
+COMMON_TESTS_DIR = os.path.join(REPO_ROOT, ".venv",
                                 "transformers-tests")
 if not os.path.isfile(os.path.join(COMMON_TESTS_DIR, "hf_common_tests", "test_modeling_common.py")):
     pytest.skip(
@@ -217,7 +218,7 @@ class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
             self.assertGreater(new.get_seq_length(), 0)
 
     @unittest.skip("GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
-                   "covered by tests/test_loopformer_cache.py")
+                   "covered by tests/loopformer/test_loopformer_cache.py")
     def test_generation_tester_mixin_inheritance(self):
         pass
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from _hub_helpers import CORPUS, REPO_ROOT, hf_env, last_json_line, save_checkpoint
-from hub_server import HubServer
+from support.hub_helpers import CORPUS, REPO_ROOT, hf_env, last_json_line, save_checkpoint
+from support.hub_server import HubServer
 
 
 PACKAGES = ("loopformer_hf", "fprm_hf", "looped_training")
@@ -238,8 +238,8 @@ def test_installed_converters_run_with_the_readmes_flags(venv, tmp_path):
     import torch
     import yaml
 
-    from reference_oracle import reference_state_dict as loopformer_reference
-    from test_fprm_reference import BASE, SEQ_LEN, VOCAB, reference_state_dict as fprm_reference
+    from support.reference_oracle import reference_state_dict as loopformer_reference
+    from support.fprm_reference_oracle import BASE, SEQ_LEN, VOCAB, reference_state_dict as fprm_reference
 
     python, site, env, work = venv
     torch.save(loopformer_reference(d=64, n_layer=3, vocab=97, block=64), work / "ckpt.pt")

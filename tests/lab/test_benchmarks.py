@@ -139,7 +139,7 @@ def test_report_table_cache_rows(monkeypatch):
 
 # The authors' interface (models/loopformer.py of github.com/armenjeddi/loopformer: GPTConfig, GPT(config),
 # forward(idx, targets, steps) -> (logits, loss, x), configure_optimizers), computed by the independent oracle of
-# tests/reference_oracle.py: their code cannot be fetched here, so the benchmark's plumbing is checked on this.
+# tests/support/reference_oracle.py: their code cannot be fetched here, so the benchmark's plumbing is checked on this.
 STAND_IN_AUTHORS = '''
 MODEL_TYPE = "{model_type}"
 
@@ -148,7 +148,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tests.reference_oracle import reference_forward, reference_state_dict
+from tests.support.reference_oracle import reference_forward, reference_state_dict
 
 
 @dataclasses.dataclass

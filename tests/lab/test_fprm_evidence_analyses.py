@@ -1,5 +1,5 @@
 """The adaptivity and length-generalisation analyses of the evidence command (benchmarks/fprm_evidence.py, a lab
-script); its stability evaluation is the library's (tests/test_fprm_evidence.py)."""
+script); its stability evaluation is the library's (tests/training/test_fprm_evidence.py)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from datasets import Dataset
 
 from benchmarks.fprm_evidence import length_point, spearman, sudoku_point, verdict
 from support.tiny_data import grid_dataset
-from tiny_models import tiny_fprm
+from support.tiny_models import tiny_fprm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,7 @@ def test_sudoku_point_correlates_blanks_with_the_solver_iterations_on_solved_row
 
 
 def test_length_point_reads_the_authors_metric_at_T_and_4T():
-    from tiny_models import sequence_fprm_config
+    from support.tiny_models import sequence_fprm_config
 
     model = tiny_fprm(config=sequence_fprm_config())
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,9 @@
-"""Test support code: what the tests build and measure with, not tests themselves. `instruments` (the op counter,
-the saved-activation meter) is here; the tiny models, the oracles, the refusal table and the local Hub server are
-to follow. Tests import it as `support.<module>` (tests/ is on pytest's path); the lab's benchmarks, run from the
-repository root, as `tests.support.<module>`."""
+"""Test support code: what the tests build and measure with, not tests themselves (the tiny models and data, the
+oracles, the refusal table, the local Hub server, the instruments; tests/README.md lists them). Tests import it as
+`support.<module>` (tests/ is on pytest's path); the lab's benchmarks, run from the repository root, as
+`tests.support.<module>`."""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout
+TESTS_DIR = REPO_ROOT / "tests"  # on the path of a test run in a subprocess, for `support` and the tests' own modules

@@ -277,7 +277,7 @@ def main(argv=None):
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
     if training_args.ddp_find_unused_parameters is None:
-        # Every variant's training forward uses every parameter (tests/test_distributed.py checks it), so DDP's extra
+        # Every variant's training forward uses every parameter (tests/training/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
     with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0):

@@ -1,0 +1,410 @@
+"""A KV cache that is right across loops (one slot per (loop step, block))."""
+
+import pytest
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import DynamicCache, StaticCache
+
+from support.instruments import CountOps
+from support.tiny_data import left_padded
+from support.tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
+import loopformer_hf
+from loopformer_hf import LoopFormerCache, LoopFormerStaticCache
+from loopformer_hf.modeling_loopformer import CACHE_FIELD
+
+pytestmark = pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+
+SCHEDULES = [(M, None) for M in range(1, 5)] + [(None, [0.5, 0.25, 0.125, 0.125]), (None, "coarse_to_fine")]
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+@pytest.mark.parametrize("budget,schedule", SCHEDULES)
+def test_prefill_plus_decode_equals_uncached_forward(tiny_model, budget, schedule):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 97, (2, 30))
+    full = tiny_model(ids, loop_budget=budget, step_schedule=schedule, use_cache=False).logits
+    out = tiny_model(ids[:, :10], loop_budget=budget, step_schedule=schedule, use_cache=True)
+    cache, pieces = cache_of(out), [out.logits]
+    for i in range(10, 30):  # 20 single-token decode steps
+        out = tiny_model(ids[:, i : i + 1], cache=cache, loop_budget=budget, step_schedule=schedule, use_cache=True)
+        cache = cache_of(out)
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=0)
+    steps = len(tiny_model.config.resolve_trajectory(budget, schedule))
+    assert len(cache.layers) == steps * tiny_model.config.num_hidden_layers
+
+
+def test_past_key_values_name_is_accepted(tiny_model):
+    """transformers <= 5.23 passes the cache as `past_key_values`; it must not be ignored."""
+    ids = torch.randint(3, 97, (1, 12))
+    full = tiny_model(ids, use_cache=False).logits
+    out = tiny_model(ids[:, :8], use_cache=True)
+    step = tiny_model(ids[:, 8:], past_key_values=cache_of(out), use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 8:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:LoopFormer trajectory")
+@pytest.mark.parametrize("kwargs", [{"loop_budget": 1}, {"loop_budget": 3}, {"step_schedule": [0.5, 0.25, 0.25]}, {}])
+def test_greedy_generate_with_and_without_cache_agree(tiny_model, kwargs):
+    ids = torch.randint(3, 97, (2, 6))
+    cached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, **kwargs)
+    uncached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False,
+                                   **kwargs)
+    assert cached.shape == (2, 26)
+    assert torch.equal(cached, uncached)
+
+
+def test_generate_grows_the_cache_generate_built(tiny_model):
+    """generate() builds DynamicCache(config) with num_hidden_layers slots; budget 4 needs 4 x 2 slots."""
+    seen = []
+    hook = tiny_model.model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append(kw.get(CACHE_FIELD)), with_kwargs=True
+    )
+    try:
+        tiny_model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False, loop_budget=4)
+    finally:
+        hook.remove()
+    assert len(seen) == 3
+    assert isinstance(seen[0], LoopFormerCache)  # built through generate's cache hook, not swapped in forward
+    assert seen[0] is seen[1] is seen[2]  # decode steps reuse the cache the prefill filled
+    assert len(seen[2].layers) == 4 * 2
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_left_padded_batch_generates_like_each_prompt_alone(tiny_config, sdpa):
+    torch.manual_seed(0)
+    impl = "sdpa" if sdpa else "eager"
+    model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM._from_config(tiny_config, attn_implementation=impl))
+    model.eval()
+    prompts = [torch.randint(3, 97, (n,)) for n in (3, 9, 6)]
+    ids, mask = left_padded(prompts, tiny_config.pad_token_id)
+    width = ids.shape[1]
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, step_schedule=[0.5, 0.25, 0.25], pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kw)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"prompt {row} differs when batched"
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [({"loop_budget": 2}, {"loop_budget": 4}), ({"step_schedule": [0.75, 0.25]}, {"step_schedule": [0.5, 0.5]})],
+)
+def test_reusing_a_cache_under_another_trajectory_raises(tiny_model, first, second):
+    ids = torch.randint(3, 97, (1, 8))
+    out = tiny_model(ids, use_cache=True, **first)
+    with pytest.raises(ValueError, match="cache was filled under trajectory"):
+        tiny_model(ids[:, :1], cache=cache_of(out), use_cache=True, **second)
+    # the same trajectory still works with that cache
+    tiny_model(ids[:, :1], cache=cache_of(out), use_cache=True, **first)
+
+
+def test_foreign_cache_without_trajectory_record_raises(tiny_model):
+    cache = DynamicCache()
+    k = torch.zeros(1, 4, 3, 16)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="unknown trajectory"):
+        tiny_model(torch.randint(3, 97, (1, 1)), cache=cache, use_cache=True)
+
+
+def test_user_supplied_empty_cache_is_filled_in_place(tiny_model):
+    cache = LoopFormerCache()
+    out = tiny_model(torch.randint(3, 97, (1, 5)), cache=cache, use_cache=True, loop_budget=2)
+    assert cache_of(out) is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4
+    assert cache.spec.trajectory == (0.5, 0.5) and [cache.slot(1, j) for j in range(2)] == [2, 3]
+
+
+def test_an_empty_dynamic_cache_is_replaced_by_a_loopformer_cache(tiny_model):
+    """A plain DynamicCache (e.g. `DynamicCache(config)`, num_hidden_layers slots that never grow) is swapped for a
+    LoopFormerCache; the returned one is the cache to continue with."""
+    ids = torch.randint(3, 97, (1, 6))
+    full = tiny_model(ids, use_cache=False).logits
+    out = tiny_model(ids[:, :5], cache=DynamicCache(config=tiny_model.config), use_cache=True)
+    assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 4 * 2
+    step = tiny_model(ids[:, 5:], cache=cache_of(out), use_cache=True)
+    torch.testing.assert_close(step.logits, full[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_an_empty_cache_of_another_kind_is_refused(tiny_model):
+    cache = StaticCache(config=tiny_model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="needs 8 cache slots .* LoopFormerCache; got an empty StaticCache"):
+        tiny_model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="must be a transformers Cache instance, got tuple"):
+        tiny_model(torch.randint(3, 97, (1, 4)), cache=(), use_cache=True)
+
+
+def test_a_cached_decode_step_dispatches_fewer_ops_than_the_iso_flop_llama():
+    """At decode, time goes to per-op overhead more than to FLOPs: the loop's adaLN vectors are computed once per
+    generation (not per token and block), so k blocks looped L times issue fewer tensor ops than a Llama of k·L
+    layers with the same widths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    looped = loopformer_hf.LoopFormerForCausalLM(
+        tiny_loopformer_config(hidden_act="swiglu", attn_implementation="sdpa")
+    ).eval()
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        num_hidden_layers=looped.config.num_hidden_layers * looped.config.num_loops, pad_token_id=0,
+        attn_implementation="sdpa",
+    )).eval()
+    ids = torch.randint(3, 97, (1, 9))
+    counts = {}
+    for name, model in (("looped", looped), ("llama", llama)):
+        with torch.no_grad():
+            cache = cache_of(model(ids[:, :8], attention_mask=torch.ones(1, 8, dtype=torch.long), use_cache=True))
+            with CountOps() as ops:
+                model(ids[:, 8:], attention_mask=torch.ones(1, 9, dtype=torch.long), use_cache=True,
+                      **{CACHE_FIELD: cache})
+        counts[name] = ops.count
+    assert 0 < counts["looped"] < counts["llama"], counts
+
+
+def test_a_cache_built_with_the_config_is_filled_per_loop_step(tiny_model):
+    """`LoopFormerCache(config=model.config)`, built as one builds `DynamicCache(config=...)`, still gets one slot per
+    (loop step, block) instead of the config's one layer per block."""
+    ids = torch.randint(3, 97, (1, 10))
+    cache = LoopFormerCache(config=tiny_model.config)
+    tiny_model(ids[:, :6], cache=cache, use_cache=True)
+    step = tiny_model(ids[:, 6:], cache=cache, use_cache=True)
+    full = tiny_model(ids, use_cache=False)
+    torch.testing.assert_close(step.logits, full.logits[:, 6:], atol=1e-5, rtol=0)
+    assert len(cache.layers) == tiny_model.config.num_loops * tiny_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("where", ["config", "kwarg"])
+def test_a_cache_passed_in_is_filled_even_with_use_cache_false(tiny_model, where):
+    """As Llama: `use_cache` only decides whether to start a cache. A cache the caller passes is filled and read
+    (it was ignored with `config.use_cache=False`, common after checkpointed fine-tuning: decoding then gave the
+    logits of the new token alone)."""
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    kw = {} if where == "config" else dict(use_cache=False)
+    if where == "config":
+        tiny_model.config.use_cache = False
+    cache = LoopFormerCache()
+    with torch.no_grad():
+        tiny_model(ids[:, :4], cache=cache, **kw)
+        step = tiny_model(ids[:, 4:], cache=cache, **kw).logits[0, -1]
+        full = tiny_model(ids).logits[0, -1]
+    assert cache.get_seq_length() == 5
+    torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+
+
+def test_an_offloading_cache_keeps_offloading_when_replaced():
+    """`generate(cache_implementation="offloaded")` builds `DynamicCache(offloading=True)`; the LoopFormer cache that
+    replaces it (and one replacing a user's empty offloading cache) offloads too, instead of silently not."""
+    from loopformer_hf.cache_loopformer import LoopFormerCacheSpec
+
+    kwargs = {"cache": DynamicCache(offloading=True, offload_only_non_sliding=True)}
+    LoopFormerCache.replace_generate_default(kwargs, None, 2)
+    assert type(kwargs["cache"]) is LoopFormerCache
+    assert kwargs["cache"].offloading and kwargs["cache"].only_non_sliding
+    replaced = LoopFormerCache.for_call(DynamicCache(offloading=True), LoopFormerCacheSpec((0.5, 0.5), 1))
+    assert type(replaced) is LoopFormerCache and replaced.offloading
+    assert not LoopFormerCache.for_call(DynamicCache(), LoopFormerCacheSpec((1.0,), 1)).offloading
+
+
+def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_plan(tiny_model, monkeypatch):
+    """The plan (trajectory, cache spec, halting) is bound to the cache by the first forward: the decode steps of
+    the same call read it instead of validating the budget and schedule again."""
+    resolved = []
+    resolve = type(tiny_model.config).resolve_trajectory
+    monkeypatch.setattr(type(tiny_model.config), "resolve_trajectory",
+                        lambda self, *a, **k: resolved.append(a) or resolve(self, *a, **k))
+    ids = torch.randint(3, 97, (2, 5))
+    out = tiny_model.generate(ids, max_new_tokens=6, do_sample=False, loop_budget=2, step_schedule=[0.75, 0.25],
+                              halt_eps=0.5, return_dict_in_generate=True)
+    cache = cache_of(out)
+    assert cache.plan.trajectory == (0.75, 0.25) and cache.plan.halt_eps == 0.5 and cache.spec is cache.plan.spec
+    # one resolution to size the cache (generate's hook) and one by the prefill; none by the 5 decode steps
+    assert len(resolved) == 2
+    resolved.clear()
+    tiny_model(ids[:, :1], cache=LoopFormerCache(), loop_budget=2)  # another call, another plan
+    assert len(resolved) == 1
+
+
+# ---- the preallocated cache ------------------------------------------------------------------------------------------
+# The preallocated loop cache (LoopFormerStaticCache) is exact against the dynamic one, and the opt-in
+# shared cache (cache_sharing="modulo") holds n step slots per block whatever the budget.
+
+TRAJECTORIES = [{"loop_budget": M} for M in range(1, 5)] + [{"step_schedule": [0.5, 0.25, 0.125, 0.125]}]
+
+
+def _model(**overrides):
+    """Large random weights, so that greedy tokens vary from step to step and differ between budgets."""
+    torch.manual_seed(0)
+    config = tiny_loopformer_config(initializer_range=0.3, **overrides)
+    return randomize_modulation(loopformer_hf.LoopFormerForCausalLM(config), std=0.3).double().eval()
+
+
+def assert_logits_match(got, expected):
+    """Exact up to float64 round-off. These large random weights make the loop chaotic: in fp32 the round-off of the
+    masked (static) and the causal (dynamic) attention paths grows to 1e-2 on logits of 8 after four loop steps,
+    while in float64 the two agree to the last bit (measured 0.0). The fp32 bound (1e-5) is checked at
+    the default initialisation: test_static_cache_at_default_init_within_1e_5."""
+    torch.testing.assert_close(got, expected, atol=1e-9, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _prefill_then_decode(model, ids, cache, prompt_len=10, **trajectory):
+    out = model(ids[:, :prompt_len], cache=cache, use_cache=True, **trajectory)
+    pieces = [out.logits]
+    for i in range(prompt_len, ids.shape[1]):
+        out = model(ids[:, i : i + 1], cache=cache_of(out), use_cache=True, **trajectory)
+        pieces.append(out.logits)
+    return torch.cat(pieces, 1), cache_of(out)
+
+
+@pytest.mark.parametrize("trajectory", TRAJECTORIES)
+def test_static_cache_forward_matches_dynamic(model, trajectory):
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    dynamic, _ = _prefill_then_decode(model, ids, LoopFormerCache(), **trajectory)
+    cache = LoopFormerStaticCache(model.config, max_cache_len=32)  # sized for the default budget, num_loops = 4
+    static, returned = _prefill_then_decode(model, ids, cache, **trajectory)
+    assert_logits_match(static, dynamic)
+    steps = len(model.config.resolve_trajectory(trajectory.get("loop_budget"), trajectory.get("step_schedule")))
+    assert returned is cache and int(cache.get_seq_length()) == 24
+    # slots of the steps this trajectory ran were written, the others never allocated
+    assert [layer.is_initialized for layer in cache.layers] == [True] * 2 * steps + [False] * 2 * (4 - steps)
+
+
+@pytest.mark.parametrize("trajectory", TRAJECTORIES)
+def test_static_cache_at_default_init_within_1e_5(trajectory):
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).eval()
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    dynamic, _ = _prefill_then_decode(model, ids, LoopFormerCache(), **trajectory)
+    static, _ = _prefill_then_decode(model, ids, LoopFormerStaticCache(model.config, max_cache_len=32), **trajectory)
+    torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("trajectory", TRAJECTORIES)
+def test_generate_static_matches_dynamic(model, trajectory):
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              **trajectory)
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda mod, a, k: seen.append(k.get(CACHE_FIELD)), with_kwargs=True)
+    try:
+        static = model.generate(ids, cache_implementation="static", **kw)
+    finally:
+        hook.remove()
+    dynamic = model.generate(ids, **kw)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert_logits_match(torch.stack(static.logits), torch.stack(dynamic.logits))
+    steps = len(model.config.resolve_trajectory(trajectory.get("loop_budget"), trajectory.get("step_schedule")))
+    assert isinstance(seen[0], LoopFormerStaticCache) and all(c is seen[0] for c in seen)
+    assert len(seen[0].layers) == steps * 2  # budget x k slots of max_length - 1 = 17 tokens (or a previous call's)
+    assert seen[0].layers[0].keys.shape[2] >= 17
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_left_padded_batch_static_matches_dynamic(attn):
+    torch.manual_seed(0)
+    config = tiny_loopformer_config(initializer_range=0.3)
+    model = randomize_modulation(
+        loopformer_hf.LoopFormerForCausalLM._from_config(config, attn_implementation=attn), std=0.3
+    ).double().eval()
+    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 6)]
+    ids, mask = left_padded(prompts, config.pad_token_id)
+    width = ids.shape[1]
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, step_schedule=[0.5, 0.25, 0.25],
+              return_dict_in_generate=True, output_logits=True, attention_mask=mask)
+    static = model.generate(ids, cache_implementation="static", **kw)
+    dynamic = model.generate(ids, **kw)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert_logits_match(torch.stack(static.logits), torch.stack(dynamic.logits))
+    assert len(set(static.sequences[:, width:].flatten().tolist())) > 3  # tokens vary: the comparison has teeth
+
+
+def test_static_cache_refuses_what_it_cannot_hold(model):
+    cache = LoopFormerStaticCache(model.config, max_cache_len=8, max_loop_budget=2)
+    with pytest.raises(ValueError, match="holds 4 slots, but trajectory .* needs 6 .*max_loop_budget=3"):
+        model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True, loop_budget=3)
+    model(torch.randint(3, 97, (1, 6)), cache=cache, use_cache=True, loop_budget=2)
+    with pytest.raises(ValueError, match="max_cache_len=8 tokens; it has 6 and this call adds 3"):
+        model(torch.randint(3, 97, (1, 3)), cache=cache, use_cache=True, loop_budget=2)
+    with pytest.raises(ValueError, match="cache was filled under trajectory \\[0.5, 0.5\\]"):
+        model(torch.randint(3, 97, (1, 1)), cache=cache, use_cache=True, loop_budget=1)
+    cache.reset()  # an emptied cache takes a new trajectory
+    model(torch.randint(3, 97, (1, 2)), cache=cache, use_cache=True, loop_budget=1)
+    assert cache.spec.trajectory == (1.0,) and int(cache.get_seq_length()) == 2
+    for bad in ({"max_cache_len": 0}, {"max_cache_len": 8, "max_loop_budget": 0}):
+        with pytest.raises(ValueError, match="must be"):
+            LoopFormerStaticCache(model.config, **bad)
+
+
+def test_plain_static_cache_is_refused_with_the_looped_alternative(model):
+    with pytest.raises(ValueError, match="needs 8 cache slots .* got an empty StaticCache.*LoopFormerStaticCache"):
+        model(torch.randint(3, 97, (1, 4)), cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+
+
+# ---- cache sharing (approximation) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", ["dynamic", "static"])
+def test_shared_cache_holds_n_step_slots_and_is_exact_within_a_call(storage):
+    model = _model(cache_sharing="modulo", cache_share_n=2)
+    exact = _model()
+    ids = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(3))
+
+    def new_cache(m):
+        return LoopFormerCache() if storage == "dynamic" else LoopFormerStaticCache(m.config, max_cache_len=20)
+
+    # one call (the prompt) attends within itself: exact
+    prompt = model(ids, cache=new_cache(model), use_cache=True, loop_budget=4)
+    assert_logits_match(prompt.logits, exact(ids, use_cache=False, loop_budget=4).logits)
+    assert len(cache_of(prompt).layers) == 2 * 2  # n x k slots for budget 4 (the exact cache has 4 x 2)
+    # budget <= n never wraps: decoding is exact
+    shared_2, _ = _prefill_then_decode(model, ids, new_cache(model), loop_budget=2)
+    exact_2, _ = _prefill_then_decode(exact, ids, LoopFormerCache(), loop_budget=2)
+    assert_logits_match(shared_2, exact_2)
+    # budget 4 > n: decode steps read earlier tokens' later steps; an approximation, equal in both storages
+    shared_4, cache = _prefill_then_decode(model, ids, new_cache(model), loop_budget=4)
+    exact_4, _ = _prefill_then_decode(exact, ids, LoopFormerCache(), loop_budget=4)
+    assert not torch.allclose(shared_4[:, 10:], exact_4[:, 10:], atol=1e-3)
+    assert_logits_match(shared_4[:, :10], exact_4[:, :10])
+    assert int(cache.get_seq_length()) == 20 and cache.spec.share_n == 2
+    other, _ = _prefill_then_decode(model, ids, LoopFormerCache() if storage == "static" else
+                                    LoopFormerStaticCache(model.config, max_cache_len=20), loop_budget=4)
+    assert_logits_match(other, shared_4)
+
+
+def test_shared_cache_from_generate_and_refused_under_exact_config():
+    model = _model(cache_sharing="modulo", cache_share_n=2)
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, loop_budget=4, return_dict_in_generate=True)
+    assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 2 * 2
+    static = model.generate(ids, max_new_tokens=4, do_sample=False, loop_budget=4, cache_implementation="static",
+                            return_dict_in_generate=True)
+    assert len(cache_of(static).layers) == 2 * 2 and torch.equal(static.sequences, out.sequences)
+    model.config.cache_sharing = "none"  # the filled cache records its sharing: the exact model refuses it
+    with pytest.raises(ValueError, match="cache shared modulo 2.* but this call runs trajectory"):
+        model(ids[:, :1], cache=cache_of(out), use_cache=True, loop_budget=4)
+
+
+@pytest.mark.parametrize("field,value", [("cache_sharing", "latest"), ("cache_share_n", 0)])
+def test_cache_sharing_fields_are_validated(field, value):
+    with pytest.raises(StrictDataclassError, match=field):
+        tiny_loopformer_config(**{field: value})
+
+
+@pytest.mark.parametrize("fill", ["reuse", "recompute"])
+def test_halting_generate_with_a_static_cache_matches_the_dynamic_cache(tiny_model, fill):
+    """Per-token halting writes the skipped slots in place in a static cache and defers them in the dynamic one;
+    tokens, logits and loop counts agree, left-padded batch included."""
+    tiny_model.config.halt_kv_fill = fill
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    runs = [tiny_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, halt_eps=0.5,
+                                return_dict_in_generate=True, output_logits=True, **kwargs)
+            for kwargs in ({}, {"cache_implementation": "static"})]
+    dynamic, static = runs
+    assert len(set(dynamic.loop_counts[:, 6:].flatten().tolist())) > 1  # generated tokens halt at different steps
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.loop_counts, dynamic.loop_counts)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
