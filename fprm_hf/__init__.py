@@ -2,11 +2,17 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
+from .authors_checkpoints import from_pretrained_published, install_config_hook
 from .configuration_fprm import FPRMConfig
 from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMModelOutput, FPRMPreTrainedModel, FPRMReasoningOutput
 from .solver_fprm import FPRMSolverState, SolverSettings
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
+# the authors' published folders (step files, no config.json): AutoConfig and from_pretrained derive the config from
+# their files (the model files import no loader)
+install_config_hook()
+if from_pretrained_published not in FPRMPreTrainedModel.checkpoint_loaders:
+    FPRMPreTrainedModel.checkpoint_loaders.append(from_pretrained_published)
 AutoModel.register(FPRMConfig, FPRMModel, exist_ok=True)
 # The head predicts one answer token per input token: token classification is the Auto class that fits.
 AutoModelForTokenClassification.register(FPRMConfig, FPRMForReasoning, exist_ok=True)

@@ -83,6 +83,16 @@ def check_min_eta(value, name="min_eta"):
     return check_unit_interval(value, name, closed_low=True)
 
 
+HALT_SCOPES = ("sample", "batch")
+
+
+def check_halt_scope(value, name="halt_scope"):
+    """"sample" (each row halts on its own) or "batch" (the authors' evaluation: every row at once)."""
+    if value not in HALT_SCOPES:
+        raise ValueError(f"`{name}` must be one of {HALT_SCOPES}, got {value!r}.")
+    return value
+
+
 def check_patience(value, name="patience"):
     if not _is_int(value) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
@@ -208,6 +218,10 @@ class FPRMConfig(PreTrainedConfig):
         gamma_train (`float`, defaults to 0.9): γ, the decay of η in training mode.
         gamma_eval (`float`, defaults to 0.99): γ in evaluation mode.
         min_eta (`float`, defaults to 1e-3): a sample halts when η falls below this.
+        halt_scope (`str`, defaults to `"sample"`): in evaluation mode, `"sample"` halts each row on its own (halted
+            rows frozen); `"batch"` halts every row at once, at the first iteration where the batch's largest
+            residual is below `halt_eps` or its largest η below `min_eta` (the authors' evaluation). Training mode
+            halts per sample, as theirs.
         rms_norm_eps (`float`, defaults to 1e-5): epsilon of every RMSNorm.
         initializer_range (`float`, *optional*): std of linear weights; `None` uses LeCun (1/sqrt(fan_in)).
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities in training.
@@ -262,6 +276,7 @@ class FPRMConfig(PreTrainedConfig):
     gamma_train: int | float = validated_field(check_unit_interval, default=0.9)
     gamma_eval: int | float = validated_field(check_unit_interval, default=0.99)
     min_eta: int | float = validated_field(check_min_eta, default=1e-3)
+    halt_scope: Literal[HALT_SCOPES] = "sample"
     rms_norm_eps: int | float = validated_field(check_positive_number, default=1e-5)
     initializer_range: int | float | None = validated_field(check_positive_number, default=None)
     attention_dropout: int | float = validated_field(_dropout, default=0.0)
@@ -352,6 +367,6 @@ class FPRMConfig(PreTrainedConfig):
 
 
 __all__ = [
-    "FPRMConfig", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES",
+    "FPRMConfig", "HALT_SCOPES", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES",
     "swiglu_width",
 ]

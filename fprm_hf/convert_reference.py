@@ -127,10 +127,15 @@ def _bool(settings, key):
     return value
 
 
+def unknown_settings(settings):
+    """The fields of `settings` that are not fields of their config classes (their pydantic configs ignore them)."""
+    return sorted(set(settings) - set(COMPUTING_DEFAULTS) - set(REQUIRED) - IGNORED - {"intermediate_size"})
+
+
 def check_settings(settings):
     """Their arch fields over `COMPUTING_DEFAULTS`, refused with a `ValueError` naming the field where they ask for
     something this model does not compute."""
-    unknown = sorted(set(settings) - set(COMPUTING_DEFAULTS) - set(REQUIRED) - IGNORED)
+    unknown = unknown_settings(settings)
     if unknown:
         raise ValueError(f"unknown settings {unknown}: not fields of the authors' FPRM config (or not supported here).")
     missing = [k for k in REQUIRED if settings.get(k) is None]
@@ -148,6 +153,8 @@ def check_settings(settings):
         unsupported.append("use_spec_norm_linear=True (spectral-norm linears for the input-dependent α)")
     if s["additive_noise_std"]:
         unsupported.append(f"additive_noise_std={s['additive_noise_std']} (noise added at every solver step)")
+    if s.get("n_decode_steps"):
+        unsupported.append(f"n_decode_steps={s['n_decode_steps']} (extra decoding passes of f after the solve)")
     if not math.isclose(float(s["eps"]), 1e-8):
         unsupported.append(f"eps={s['eps']} (the residual's denominator epsilon is 1e-8 here)")
     if unsupported:
@@ -158,8 +165,10 @@ def check_settings(settings):
     return s
 
 
-def build_config(settings, fixed_alphas=None, use_q_head=False):
-    """An `FPRMConfig` from their arch fields (names as in their code; module docstring)."""
+def build_config(settings, fixed_alphas=None, use_q_head=False, grid=None):
+    """An `FPRMConfig` from their arch fields (names as in their code; module docstring). `intermediate_size`, where
+    given (the weights' SwiGLU width), is built as it is instead of their rule over `expansion`; `grid` is the
+    task's (height, width), which a conv2d needs and which fixes the input length."""
     s = check_settings(settings)
     residual = RESIDUAL_SCALES[s["residual_scale"]]
     hidden, seq_len = int(s["hidden_size"]), int(s["seq_len"])
@@ -169,8 +178,10 @@ def build_config(settings, fixed_alphas=None, use_q_head=False):
         raise ValueError(f"puzzle_emb_ndim=0 with puzzle_emb_len={prefix}: their model has no puzzle embedding to "
                          f"fill the {prefix} prefix rows (set puzzle_emb_len: 0).")
     conv_type = CONV_TYPES[s["conv_type"]]
-    grid_size = None
-    if conv_type == "2d":
+    grid_size = list(grid) if grid is not None else None
+    if grid_size is not None and math.prod(grid_size) != seq_len:
+        raise ValueError(f"a {grid_size[0]}x{grid_size[1]} grid has {math.prod(grid_size)} tokens, seq_len is {seq_len}.")
+    if conv_type == "2d" and grid_size is None:
         side = math.isqrt(seq_len)
         if side * side != seq_len:
             raise ValueError(f"conv_type=conv2d needs a square grid, got seq_len={seq_len}.")
@@ -182,7 +193,7 @@ def build_config(settings, fixed_alphas=None, use_q_head=False):
     max_loops = s["max_iter_eval"] if s["max_iter_eval"] is not None else s["max_iter"]
     return FPRMConfig(
         vocab_size=int(s["vocab_size"]), hidden_size=hidden, num_attention_heads=int(s["num_heads"]),
-        expansion=float(s["expansion"]), num_hidden_layers=int(s["L_layers"]), grid_size=grid_size,
+        expansion=float(s["expansion"]), intermediate_size=s.get("intermediate_size"), num_hidden_layers=int(s["L_layers"]), grid_size=grid_size,
         conv_type=conv_type, conv_kernel_size=int(s["conv_kernel_size"]), conv_bias=_bool(s, "conv_bias"),
         causal=_bool(s, "causal"), position_embedding_type=POSITIONS[s["pos_encodings"]],
         max_position_embeddings=seq_len + prefix, rope_theta=float(s["rope_theta"]), num_prefix_tokens=prefix,
@@ -221,7 +232,8 @@ def load_reference_state_dict(path, allow_pickle=False):
     return obj
 
 
-def _strip(reference):
+def strip_reference_prefixes(reference):
+    """Their keys without `_orig_mod.` (compiled) and `model.inner.` (the loss-head wrapper); another key is refused."""
     out = {}
     outside = []
     for key, tensor in reference.items():
@@ -238,7 +250,7 @@ def _strip(reference):
 
 def fixed_alphas_of(reference):
     """The stored α scalars of a `residual_scale: fixed` checkpoint (they are not learned)."""
-    ref = _strip(reference)
+    ref = strip_reference_prefixes(reference)
     out = {}
     for i in (1, 2):
         t = ref.get(f"L_level.alpha_{i}_param")
@@ -249,7 +261,7 @@ def fixed_alphas_of(reference):
 
 def map_reference_state_dict(reference, config):
     """Their state dict → this package's, checked key by key and shape by shape against `config`."""
-    ref = _strip(reference)
+    ref = strip_reference_prefixes(reference)
     mapped, unknown, dropped = {}, [], []
     d, p = config.hidden_size, config.num_prefix_tokens
     for key, tensor in ref.items():
@@ -356,7 +368,11 @@ def convert(checkpoint, configs, output, vocab_size=None, seq_len=None, num_puzz
     mappings.append(dict(overrides or {}))
     settings = merge_settings(*mappings)
     reference = checkpoint if isinstance(checkpoint, dict) else load_reference_state_dict(checkpoint, allow_pickle)
-    config = build_config(settings, fixed_alphas_of(reference), use_q_head=keep_q_head)
+    from .authors_checkpoints import resolve_settings  # the one derivation (it imports this module)
+
+    where = "the checkpoint" if isinstance(checkpoint, dict) else os.fspath(checkpoint)
+    settings, grid, _ = resolve_settings(reference, settings, "--config/flags", where=where)
+    config = build_config(settings, fixed_alphas_of(reference), use_q_head=keep_q_head, grid=grid)
     state_dict, _ = map_reference_state_dict(reference, config)
     model = FPRMForReasoning(config)
     model.load_state_dict(state_dict, strict=True)

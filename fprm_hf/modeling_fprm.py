@@ -65,11 +65,19 @@ class FPRMPreTrainedModel(ModelCardMixin, PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
+    # Other checkpoint layouts (the authors' published step files) register a loader here, `load(cls, path, args,
+    # kwargs)` -> a model or None (`fprm_hf/__init__.py`): this module imports none, so a saved folder carries none.
+    checkpoint_loaders = []
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`. A weights file that is not safetensors (a pickle renamed
         `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
-        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same)."""
+        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same). A folder in
+        another registered layout (the authors' published step files) is loaded by its `checkpoint_loaders` entry."""
+        for load in FPRMPreTrainedModel.checkpoint_loaders:
+            if (model := load(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
+                return model
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as e:
@@ -220,6 +228,9 @@ FPRM_INPUTS_DOCSTRING = r"""
         patience (`int`, *optional*): P, iterations without improvement before η decays.
         min_eta (`float`, *optional*): a sample halts when η falls below it.
         halting (`bool`, defaults to `True`): `False` runs every sample for exactly `max_loops` iterations.
+        halt_scope (`str`, *optional*): `"sample"` (each row halts on its own) or `"batch"` (every row halts at the
+            first iteration where the batch's largest residual is below `halt_eps` or its largest η below `min_eta`,
+            as the authors' evaluation); defaults to `config.halt_scope` in evaluation mode, `"sample"` in training.
         solver_state (`FPRMSolverState`, *optional*): continue from a previous call's `solver_state`.
         output_residual_trace (`bool`, defaults to `False`): also return the residual after every iteration.
         generator (`torch.Generator`, *optional*): draw z0 from it, fresh per sample and token (see `initial_z`;
@@ -434,6 +445,7 @@ class FPRMModel(FPRMPreTrainedModel):
         patience=None,
         min_eta=None,
         halting=True,
+        halt_scope=None,
         solver_state=None,
         output_residual_trace=False,
         generator=None,
@@ -448,7 +460,7 @@ class FPRMModel(FPRMPreTrainedModel):
         check_call_flags(output_attentions, output_residual_trace, output_hidden_states, generator)
         settings = SolverSettings.from_config(self.config, self.training, halt_eps=halt_eps, max_loops=max_loops,
                                               eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
-                                              halting=halting)
+                                              halting=halting, halt_scope=halt_scope)
         shape = self.check_inputs(input_ids, puzzle_identifiers, inputs_embeds)
         self.check_attention_mask(attention_mask, shape)
         x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
@@ -529,6 +541,7 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         patience=None,
         min_eta=None,
         halting=True,
+        halt_scope=None,
         solver_state=None,
         output_residual_trace=False,
         generator=None,
@@ -547,7 +560,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, puzzle_identifiers=puzzle_identifiers,
             halt_eps=halt_eps, max_loops=max_loops, eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
-            halting=halting, solver_state=solver_state, output_residual_trace=output_residual_trace,
+            halting=halting, halt_scope=halt_scope, solver_state=solver_state,
+            output_residual_trace=output_residual_trace,
             generator=generator, output_hidden_states=output_hidden_states, return_dict=True,
             inputs_embeds=inputs_embeds, output_attentions=output_attentions,
         )

@@ -9,7 +9,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .configuration_fprm import check_halt_eps, check_max_loops, check_min_eta, check_patience, check_unit_interval
+from .configuration_fprm import (
+    check_halt_eps, check_halt_scope, check_max_loops, check_min_eta, check_patience, check_unit_interval,
+)
 
 
 RESIDUAL_DENOM_EPS = 1e-8  # r = ‖y − f(y)‖∞ / (‖f(y)‖∞ + 1e-8)
@@ -77,6 +79,7 @@ class SolverSettings:
     patience: int  # P
     min_eta: float  # a sample halts when η < min_eta
     halting: bool = True  # False: every sample runs `max_loops` iterations (a non-finite residual still stops it)
+    halt_scope: str = "sample"  # "batch": every row stops at once, when the batch's largest r < τ or largest η < min_eta
 
     def __post_init__(self):
         checks = (("halt_eps", check_halt_eps), ("max_loops", check_max_loops), ("eta", check_unit_interval),
@@ -85,14 +88,17 @@ class SolverSettings:
             object.__setattr__(self, name, check(getattr(self, name), name))
         if not isinstance(self.halting, bool):
             raise ValueError(f"`halting` must be True or False, got {self.halting!r} ({type(self.halting).__name__}).")
+        object.__setattr__(self, "halt_scope", check_halt_scope(self.halt_scope))
 
     @classmethod
     def from_config(cls, config, training=False, **given):
         """The settings of a call: each of `given` that is None takes the config's value (`gamma`: `gamma_train`
-        in training mode, `gamma_eval` in evaluation mode)."""
+        in training mode, `gamma_eval` in evaluation mode; `halt_scope`: the config's in evaluation mode, per sample
+        in training mode, as the authors' evaluation and training halt)."""
         defaults = dict(halt_eps=config.halt_eps, max_loops=config.max_loops, eta=config.eta,
                         gamma=config.gamma_train if training else config.gamma_eval, patience=config.patience,
-                        min_eta=config.min_eta, halting=True)
+                        min_eta=config.min_eta, halting=True,
+                        halt_scope="sample" if training else getattr(config, "halt_scope", "sample"))
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise ValueError(f"Unknown solver settings {unknown}; allowed: {sorted(defaults)}.")
@@ -100,8 +106,15 @@ class SolverSettings:
 
     def halts(self, residuals, eta):
         """The halting rule (the one place it is written; the trainer judges its segments by it too): per sample,
-        (converged = r < τ, halts = converged or η < min_eta)."""
+        (converged = r < τ, halts = converged or η < min_eta). With `halt_scope="batch"` (the authors' evaluation,
+        models/fixed_point_reasoning/fprm.py) every row halts once the largest r of the batch is below τ or the
+        largest η below min_eta, so `residuals` and `eta` are then the whole batch's."""
         converged = residuals < self.halt_eps
+        if self.halt_scope == "batch":
+            if residuals.numel() == 0:
+                return converged, converged
+            stop = (residuals.max() < self.halt_eps) | (eta.max() < self.min_eta)
+            return converged, stop.expand_as(converged).clone()
         return converged, converged | (eta < self.min_eta)
 
 
@@ -205,8 +218,12 @@ def _record_iteration(s, rows, r, finite, settings):
     decay = (p <= 0) & (r >= settings.halt_eps)  # stalled: shrink the step η ← γ·η
     s.eta[rows] = torch.where(decay, s.eta[rows] * settings.gamma, s.eta[rows])
     s.patience[rows] = torch.where(decay, torch.full_like(p, settings.patience), p)
-    s.converged[rows], stops = settings.halts(r, s.eta[rows])
     s.diverged[rows] = ~finite
+    if settings.halt_scope == "batch":  # judged over every row: a diverged one (r = inf) keeps the batch going
+        s.converged, stops = settings.halts(s.residuals, s.eta)
+        s.halted = s.diverged | stops if settings.halting else s.diverged.clone()
+        return
+    s.converged[rows], stops = settings.halts(r, s.eta[rows])
     s.halted[rows] = ~finite | stops if settings.halting else ~finite
 
 

@@ -1,0 +1,450 @@
+"""The authors' published checkpoints (Hub `fixed-point-reasoners/fprm`), loaded as published.
+
+    FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")              # newest step
+    FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="maze", step=6510)
+    AutoConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")                    # the same config
+
+What is known of the files (the repo's file list, a third-party loader of them, and their GitHub code
+nilskiKonjIzDunava/fprm; the Hub cannot be reached from where this was written): each task folder (`sudoku/`, `maze/`)
+holds 12 files `step_6510` ... `step_78120` (no extension), each `torch.save(model.state_dict())` of their compiled
+training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA copy. `sudoku/` also holds
+`all_config.yaml` (`yaml.dump(PretrainConfig.model_dump())`; its `arch:` carries the fields their Hydra configs set)
+and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
+
+So every value comes from the files, in this order (`resolve_settings`, the one derivation behind `from_pretrained`,
+`AutoConfig` and `python -m fprm_hf.convert_reference`):
+
+1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
+   puzzle-embedding rows and width, learned positions, fixed z0, the Q-head;
+2. the folder's `all_config.yaml` (`arch:`), or for a folder without one, their published experiment config of the
+   folder's task, named as the source (`EXPERIMENTS`: config/arch/fprm.yaml under config/cfg_pretrain_<task>.yaml);
+3. the defaults of their config classes (models/config.py `ReasoningModelConfig`,
+   models/fixed_point_reasoning/fprm_config.py `FPRMConfig`);
+4. the task sizes (tokens, grid) from the data path the config names (their dataset builders' sizes).
+
+A value a later source states that the weights contradict is a `ValueError` naming both; one nothing determines is a
+`ValueError` naming it. Where each value came from is logged and kept in `config.authors_checkpoint["sources"]`.
+Step files are read with `torch.load(weights_only=True)` (a file that needs pickle is refused); the copied `.py`
+files are never imported, read or run.
+"""
+
+import json
+import math
+import os
+import re
+
+import torch
+from transformers.utils import cached_file, logging
+
+from .convert_reference import (
+    COMPUTING_DEFAULTS,
+    build_config,
+    check_settings,
+    fixed_alphas_of,
+    map_reference_state_dict,
+    strip_reference_prefixes,
+)
+
+logger = logging.get_logger(__name__)
+
+PUBLISHED_REPO = "fixed-point-reasoners/fprm"
+GITHUB = "GitHub nilskiKonjIzDunava/fprm"
+CONFIG_YAML = "all_config.yaml"
+STEP_FILE = re.compile(r"^step_(\d+)$")
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+# kwargs of `PreTrainedConfig.get_config_dict` that only locate the file (its `_get_config_dict` drops them too)
+LOCATING_KWARGS = HUB_KWARGS + ("trust_remote_code", "_from_pipeline", "_from_auto", "step")
+
+# Their defaults, with the class that holds each (models/config.py, else fprm_config.py).
+FPRM_CONFIG_FIELDS = {"fp_thresh", "stepsize", "stepsize_decay_train", "stepsize_decay_eval", "decay_patience", "eps",
+                      "init_std", "additive_noise_std", "fixed_init", "max_iter_eval", "max_iter"}
+
+# Their Hydra configs as one run merges them (config/arch/fprm.yaml, then the task file's `arch:` section), for a
+# folder that states no all_config.yaml. Only the fields that decide what the forward computes and the task's data.
+_ARCH = dict(L_layers=2, hidden_size=512, num_heads=8, expansion=4, puzzle_emb_ndim=512, puzzle_emb_len=16,
+             pos_encodings="rope", forward_dtype="bfloat16", mlp_t=False, fp_thresh=0.1, stepsize=1.0,
+             stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1e-8, init_std=6.0,
+             additive_noise_std=0.0, fixed_init=False, residual_scale="input-independent", alpha_1_init=0.75,
+             alpha_2_init=0.25, outer_only=False, norm_type="pre-norm", normalize_input_injection=False,
+             softmax_temp=1.0, n_decode_steps=0, max_iter_eval=1000)
+EXPERIMENTS = {
+    "sudoku": {"source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_sudoku.yaml",
+               "data_paths": ["data/sudoku-extreme-1k-aug-1000"],
+               "arch": dict(_ARCH, norm_placement="none", conv_type="conv2d", conv_kernel_size=3, conv_bias=False,
+                            max_iter=12)},
+    "maze": {"source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_maze.yaml",
+             "data_paths": ["data/maze-30x30-hard-1k-noaug"],
+             "arch": dict(_ARCH, norm_placement="output", conv_type="conv1d", conv_kernel_size=4, conv_bias=False,
+                          max_iter=24)},
+}
+# The sizes their dataset builders write into dataset.json, by the data path's name.
+DATA_PATHS = (
+    (re.compile(r"sudoku"), lambda m: dict(seq_len=81, grid=(9, 9), vocab_size=11),
+     "dataset/build_sudoku_dataset.py (9x9 grids: seq_len 81, vocab 11 = pad + '0'..'9')"),
+    (re.compile(r"maze-(\d+)x(\d+)"), lambda m: dict(seq_len=int(m[1]) * int(m[2]), grid=(int(m[1]), int(m[2])),
+                                                     vocab_size=6),
+     "the maze builder (HxW grids from the path's name: seq_len H*W, vocab 6 = pad + '# SGo')"),
+)
+
+
+class PublishedCheckpointError(ValueError):
+    """A published folder that cannot be loaded as it is: the message names the file or field."""
+
+
+# ---- the folder ------------------------------------------------------------------------------------------------------
+
+
+def _hub_kwargs(kwargs):
+    return {key: kwargs[key] for key in HUB_KWARGS if kwargs.get(key) not in (None, "")}
+
+
+def _where(path, hub_kwargs):
+    sub = hub_kwargs.get("subfolder")
+    return f"{os.fspath(path)}/{sub}" if sub else os.fspath(path)
+
+
+def list_folder(path, hub_kwargs):
+    """The file names directly in the folder (a local folder, or a Hub repo's `subfolder`), or None when the Hub
+    cannot be asked (offline)."""
+    sub = hub_kwargs.get("subfolder") or ""
+    local = os.path.join(os.fspath(path), sub)
+    if os.path.isdir(local):
+        return sorted(os.listdir(local))
+    if os.path.isdir(os.fspath(path)):  # a local folder without that subfolder
+        return []
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(os.fspath(path), revision=hub_kwargs.get("revision"), token=hub_kwargs.get("token"))
+    except Exception:  # offline, unknown repo: the caller decides with what it has
+        return None
+    prefix = f"{sub.strip('/')}/" if sub else ""
+    return sorted(s.rfilename[len(prefix):] for s in info.siblings
+                  if s.rfilename.startswith(prefix) and "/" not in s.rfilename[len(prefix):])
+
+
+def steps_in(names):
+    return sorted(int(m[1]) for name in names if (m := STEP_FILE.match(name)))
+
+
+def _resolve(path, filename, hub_kwargs):
+    return cached_file(os.fspath(path), filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+
+
+def is_published_layout(path, hub_kwargs):
+    """A folder with no config.json and their step files (or their all_config.yaml)."""
+    if not isinstance(path, (str, os.PathLike)) or os.path.isfile(os.fspath(path)):
+        return False
+    if _resolve(path, "config.json", hub_kwargs) is not None:
+        return False
+    names = list_folder(path, hub_kwargs)
+    if names is None:  # offline: the cache may still hold the YAML
+        return _resolve(path, CONFIG_YAML, hub_kwargs) is not None
+    return bool(steps_in(names)) or CONFIG_YAML in names
+
+
+def choose_step(path, hub_kwargs, step=None):
+    """The step file to read: `step`, else the newest in the folder."""
+    names = list_folder(path, hub_kwargs)
+    steps = None if names is None else steps_in(names)
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PublishedCheckpointError(f"`step` must be a non-negative integer (a step_N file), got {step!r}.")
+        if steps is not None and step not in steps:
+            raise PublishedCheckpointError(f"{_where(path, hub_kwargs)} has no step_{step}; its steps: "
+                                           f"{steps or 'none'}.")
+        return step
+    if not steps:
+        raise PublishedCheckpointError(
+            f"{_where(path, hub_kwargs)} holds no step_N files" + (" (the Hub could not be listed: pass step=N to "
+                                                                  "read one from the cache)" if names is None else
+                                                                  f" (its files: {names[:8]})") + ".")
+    return steps[-1]
+
+
+def read_step_file(path, hub_kwargs, step):
+    """The state dict of `step_{step}`, read with `weights_only=True` (memory-mapped): no object is unpickled."""
+    name = f"step_{step}"
+    try:
+        resolved = _resolve(path, name, hub_kwargs)
+    except OSError as error:
+        raise PublishedCheckpointError(f"{_where(path, hub_kwargs)}/{name}: {str(error).splitlines()[0]}") from None
+    if resolved is None:
+        raise PublishedCheckpointError(f"{_where(path, hub_kwargs)} has no {name}.")
+    try:
+        state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # the unpickler or the zip reader says what it refused
+        reason = str(error).strip().splitlines()
+        reason = next((line for line in reason if line.strip()), type(error).__name__)
+        needs_pickle = "weights_only" in str(error) or "Unsupported global" in str(error)
+        raise PublishedCheckpointError(
+            f"{resolved}: " + ("refused, it needs pickle to load (only tensors are read from a step file): "
+                               if needs_pickle else "not a readable torch state dict (truncated or damaged?): ")
+            + reason[:300]) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise PublishedCheckpointError(f"{resolved}: does not hold a state dict (str -> tensor), got "
+                                       f"{type(state).__name__}.")
+    return state
+
+
+def read_arch(path, hub_kwargs):
+    """(arch fields, data paths, source) of the folder's all_config.yaml, or (None, None, None) without one."""
+    import yaml
+
+    resolved = _resolve(path, CONFIG_YAML, hub_kwargs)
+    if resolved is None:
+        return None, None, None
+    try:
+        with open(resolved, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)  # plain YAML only: no Python object is built
+    except yaml.YAMLError as error:
+        raise PublishedCheckpointError(f"{resolved}: not readable YAML ({str(error).splitlines()[0]}).") from None
+    if not isinstance(data, dict) or not isinstance(data.get("arch"), dict):
+        raise PublishedCheckpointError(f"{resolved}: expected their pretrain config with an `arch:` mapping, got "
+                                       f"{type(data).__name__}" + (f" with keys {sorted(data)[:10]}"
+                                                                   if isinstance(data, dict) else "") + ".")
+    paths = data.get("data_paths") or ([data["data_path"]] if data.get("data_path") else [])
+    return dict(data["arch"]), list(paths), f"{CONFIG_YAML} arch"
+
+
+def task_of(path, hub_kwargs):
+    """The folder's task from its name (`sudoku`, `maze`), or None."""
+    name = os.path.basename(os.path.normpath(os.path.join(os.fspath(path), hub_kwargs.get("subfolder") or "")))
+    return name if name in EXPERIMENTS else None
+
+
+# ---- the derivation ------------------------------------------------------------------------------------------------
+
+
+def weight_settings(reference):
+    """{their field: (value, the tensor that shows it)} of what the tensors' shapes determine, and whether they hold
+    a Q-head. `reference` maps their keys (any prefix) to tensors."""
+    ref = strip_reference_prefixes(reference)
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    found = {}
+
+    def shown(field, value, key):
+        found[field] = (value, f"{key} {shapes[key]}")
+
+    emb = "embed_tokens.embedding_weight"
+    if emb not in shapes or len(shapes[emb]) != 2:
+        raise PublishedCheckpointError(f"no {emb} of shape (vocab, hidden) among the tensors: not their FPRM "
+                                       f"(keys: {sorted(shapes)[:6]}).")
+    shown("vocab_size", shapes[emb][0], emb)
+    shown("hidden_size", shapes[emb][1], emb)
+    layers = sorted({int(m[1]) for k in shapes if (m := re.match(r"L_level\.layers\.(\d+)\.", k))})
+    if layers:
+        found["L_layers"] = (len(layers), f"L_level.layers.0..{layers[-1]}")
+        gate_up = f"L_level.layers.{layers[0]}.mlp.gate_up_proj.weight"
+        if gate_up in shapes:
+            shown("intermediate_size", shapes[gate_up][0] // 2, gate_up)
+    conv = "L_level.conv.weight"
+    if conv in shapes:
+        shown("conv_type", {3: "conv1d", 4: "conv2d"}.get(len(shapes[conv]), "unknown"), conv)
+        shown("conv_kernel_size", shapes[conv][-1], conv)
+    else:
+        found["conv_type"] = ("none", "no L_level.conv.weight")
+    found["conv_bias"] = ("L_level.conv.bias" in shapes, "L_level.conv.bias " + ("present" if "L_level.conv.bias"
+                                                                                  in shapes else "absent"))
+    if "puzzle_emb.weights" in shapes:
+        shown("num_puzzle_identifiers", shapes["puzzle_emb.weights"][0], "puzzle_emb.weights")
+        shown("puzzle_emb_ndim", shapes["puzzle_emb.weights"][1], "puzzle_emb.weights")
+    else:
+        found["puzzle_emb_ndim"] = (0, "no puzzle_emb.weights")
+    if "embed_pos.embedding_weight" in shapes:
+        shown("pos_encodings", "learned", "embed_pos.embedding_weight")
+    alpha = [k for k in ("L_level.alpha_1_param", "L_level.alpha_2_param", "L_level.alpha_1_layer.weight",
+                         "L_level.alpha_2_layer.weight") if k in shapes]
+    if not alpha:
+        found["residual_scale"] = (None, "no L_level.alpha_* tensors")
+    elif alpha[0].endswith("_layer.weight"):
+        shown("residual_scale", "input-dependent", alpha[0])
+    else:
+        shown("residual_scale", "fixed" if shapes[alpha[0]] == () else "input-independent", alpha[0])
+    if alpha:
+        found["outer_only"] = (not any("alpha_1" in k for k in alpha), ", ".join(alpha))
+    found["fixed_init"] = ("L_optimizer.init_vec" in shapes, "L_optimizer.init_vec " + (
+        "present" if "L_optimizer.init_vec" in shapes else "absent"))
+    return found, "q_head.weight" in shapes
+
+
+def _same(a, b):
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b))
+    return a == b or (a in (None, "none", "None") and b in (None, "none", "None"))
+
+
+def data_sizes(data_paths):
+    """(sizes, source) from the first data path whose name their builders' sizes are known for, or (None, None)."""
+    for data_path in data_paths or ():
+        for pattern, sizes, builder in DATA_PATHS:
+            if match := pattern.search(os.path.basename(os.path.normpath(str(data_path)))):
+                return sizes(match), f"data path {data_path!r} -> {GITHUB} {builder}"
+    return None, None
+
+
+def resolve_settings(reference, arch=None, arch_source=None, data_paths=None, where="the checkpoint"):
+    """(their arch fields, grid, sources): the one derivation (module docstring). `arch` is what a config file
+    states (their field names), `data_paths` the run's data; raises `PublishedCheckpointError` naming a
+    contradiction or a value nothing determines."""
+    from_weights, _ = weight_settings(reference)
+    arch = {k: v for k, v in (arch or {}).items()}
+    settings, sources = {}, {}
+    for field, (value, evidence) in from_weights.items():
+        stated = arch.get(field)
+        if field == "intermediate_size":
+            continue  # checked against `expansion` below
+        if field in arch and stated is not None and not _same(stated, value):
+            raise PublishedCheckpointError(f"{where}: {arch_source} states {field}={stated!r}, the weights show "
+                                           f"{value!r} ({evidence}).")
+        settings[field], sources[field] = value, f"weights: {evidence}"
+    for field, value in arch.items():
+        if field not in settings:
+            settings[field], sources[field] = value, f"{arch_source}.{field}"
+    if "intermediate_size" in from_weights:
+        from .configuration_fprm import swiglu_width
+
+        width, evidence = from_weights["intermediate_size"]
+        d = settings["hidden_size"]
+        if "expansion" in arch and swiglu_width(d, float(arch["expansion"])) != width:
+            raise PublishedCheckpointError(
+                f"{where}: {arch_source} states expansion={arch['expansion']!r} (SwiGLU width "
+                f"{swiglu_width(d, float(arch['expansion']))} for hidden {d}), the weights show {width} ({evidence}).")
+        settings["intermediate_size"], sources["intermediate_size"] = width, f"weights: {evidence}"
+        settings.setdefault("expansion", width * 3 / (2 * d))  # recorded only; the width above is what is built
+    sizes, size_source = data_sizes(data_paths)
+    grid = None
+    if sizes is not None:
+        for field in ("seq_len", "vocab_size"):
+            if field in settings and not _same(settings[field], sizes[field]):
+                raise PublishedCheckpointError(f"{where}: {size_source} gives {field}={sizes[field]}, the "
+                                               f"{sources[field]} shows {settings[field]}.")
+            if field not in settings:
+                settings[field], sources[field] = sizes[field], size_source
+        grid, sources["grid"] = list(sizes["grid"]), size_source
+    if settings.get("pos_encodings") == "learned" and "seq_len" not in settings:
+        rows = strip_reference_prefixes(reference)["embed_pos.embedding_weight"].shape[0]
+        prefix = settings.get("puzzle_emb_len", COMPUTING_DEFAULTS["puzzle_emb_len"]) or 0
+        settings["seq_len"], sources["seq_len"] = rows - prefix, "weights: embed_pos.embedding_weight rows - prefix"
+    settings.setdefault("num_puzzle_identifiers", 1)  # no puzzle embedding: their datasets' single identifier
+    sources.setdefault("num_puzzle_identifiers", "no puzzle_emb.weights: the one identifier their datasets use")
+    for field, default in COMPUTING_DEFAULTS.items():
+        if field not in settings:
+            settings[field] = default
+            holder = "models/fixed_point_reasoning/fprm_config.py FPRMConfig" if field in FPRM_CONFIG_FIELDS else \
+                "models/config.py ReasoningModelConfig"
+            sources[field] = f"{GITHUB} {holder} default"
+    missing = [f for f in ("num_heads", "seq_len", "pos_encodings") if settings.get(f) is None]
+    if missing:
+        raise PublishedCheckpointError(
+            f"{where}: nothing determines {missing} (no tensor shape gives them, and no config file or task "
+            f"states them): give them as their fields in a config file (all_config.yaml `arch:`).")
+    return settings, grid, sources
+
+
+def published_config(path, hub_kwargs, step=None, reference=None):
+    """(FPRMConfig, state dict, step) of a published folder: the derivation over its files."""
+    step = choose_step(path, hub_kwargs, step)
+    reference = read_step_file(path, hub_kwargs, step) if reference is None else reference
+    arch, data_paths, arch_source = read_arch(path, hub_kwargs)
+    task = task_of(path, hub_kwargs)
+    if arch is None and task is not None:
+        experiment = EXPERIMENTS[task]
+        arch, data_paths, arch_source = dict(experiment["arch"]), experiment["data_paths"], experiment["source"]
+        logger.warning(f"{_where(path, hub_kwargs)} states no {CONFIG_YAML}: its settings are their published {task} "
+                       f"experiment's ({arch_source}), the weights deciding every size they show.")
+    where = f"{_where(path, hub_kwargs)}/step_{step}"
+    settings, grid, sources = resolve_settings(reference, arch, arch_source, data_paths, where)
+    unknown = check_settings(settings, unknown="return")
+    if unknown:
+        logger.warning(f"{where}: {arch_source} sets {unknown}, which their FPRMConfig does not define (pydantic "
+                       f"ignores them, and so does this loader).")
+        settings = {k: v for k, v in settings.items() if k not in unknown}
+    _, has_q_head = weight_settings(reference)
+    config = build_config(settings, fixed_alphas_of(reference), use_q_head=has_q_head, grid=grid)
+    sub = hub_kwargs.get("subfolder")
+    config.authors_checkpoint = {
+        "repo": os.fspath(path), "subfolder": sub or None, "step": step,
+        "file": f"{sub}/step_{step}" if sub else f"step_{step}", "sources": sources,
+    }
+    logger.info(f"{where}: " + "; ".join(f"{k} from {v}" for k, v in sorted(sources.items())))
+    return config, reference, step
+
+
+# ---- entry points ------------------------------------------------------------------------------------------------
+
+
+def published_config_dict(path, kwargs):
+    """config.json's dict for a published folder (what `AutoConfig` reads), or None when `path` is not one."""
+    hub_kwargs = _hub_kwargs(kwargs)
+    if not is_published_layout(path, hub_kwargs):
+        return None
+    config, _, _ = published_config(path, hub_kwargs, kwargs.get("step"))
+    return config.to_dict()
+
+
+def install_config_hook():
+    """`PreTrainedConfig.get_config_dict` (what `AutoConfig.from_pretrained` and every config's `from_pretrained`
+    call) answers a published folder, which has no config.json, with its derived config; any other folder gets
+    transformers' own answer or error, unchanged. Idempotent."""
+    from transformers import PreTrainedConfig
+
+    original = PreTrainedConfig.get_config_dict.__func__
+    if getattr(original, "_fprm_published", False):
+        return
+
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        try:
+            return original(cls, pretrained_model_name_or_path, **kwargs)
+        except OSError:
+            config_dict = published_config_dict(pretrained_model_name_or_path, kwargs)
+            if config_dict is None:
+                raise
+            return config_dict, {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
+
+    get_config_dict._fprm_published = True
+    get_config_dict.__doc__ = original.__doc__
+    PreTrainedConfig.get_config_dict = classmethod(get_config_dict)
+
+
+def from_pretrained_published(cls, path, model_args, kwargs):
+    """`cls.from_pretrained(path, ...)` for a published folder, or None when `path` is not one. transformers'
+    `from_pretrained` then builds the model from the mapped state dict (dtype, device_map, the loading report)."""
+    hub_kwargs = _hub_kwargs(kwargs)
+    if not is_published_layout(path, hub_kwargs):
+        return None
+    from .configuration_fprm import FPRMConfig
+    from .modeling_fprm import FPRMForReasoning, FPRMPreTrainedModel
+
+    if model_args:
+        raise ValueError(f"positional model arguments {model_args!r} are not accepted for a published folder.")
+    kwargs = {k: v for k, v in kwargs.items()
+              if k not in HUB_KWARGS + ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")}
+    step, config = kwargs.pop("step", None), kwargs.pop("config", None)
+    if config is not None and not isinstance(config, FPRMConfig):
+        raise ValueError(f"`config` must be an FPRMConfig for {PUBLISHED_REPO}'s layout, got {type(config).__name__}.")
+    given_step = (getattr(config, "authors_checkpoint", None) or {}).get("step")
+    if step is not None and given_step is not None and step != given_step:
+        raise ValueError(f"step={step} was asked for, the config given was derived for step {given_step}.")
+    derived, reference, step = published_config(path, hub_kwargs, step if step is not None else given_step)
+    if config is None:
+        config = derived
+    config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in ("dtype",)}
+    for key, value in config_kwargs.items():  # as transformers sets from_pretrained's config kwargs
+        setattr(config, key, value)
+    if config_kwargs:
+        config.validate()
+    state_dict, dropped = map_reference_state_dict(reference, config)
+    logger.info(f"{_where(path, hub_kwargs)}/step_{step}: dropped {dropped[:4]}{' ...' if len(dropped) > 4 else ''} "
+                f"(all-ones DropConnect masks and rotary caches, not used by the forward)")
+    loading = cls if issubclass(cls, FPRMForReasoning) else FPRMForReasoning
+    loaded = super(FPRMPreTrainedModel, loading).from_pretrained(None, config=config, state_dict=state_dict, **kwargs)
+    model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
+    model.name_or_path = model.config._name_or_path = os.fspath(path)
+    if loading is not cls:  # FPRMModel (AutoModel): the base model of the loaded reasoner
+        model = model.model
+    return (model, info) if info is not None else model
+
+
+__all__ = ["PUBLISHED_REPO", "EXPERIMENTS", "resolve_settings", "published_config", "is_published_layout",
+           "install_config_hook", "from_pretrained_published", "PublishedCheckpointError"]
