@@ -36,6 +36,8 @@ import re
 import torch
 from transformers.utils import cached_file, logging
 
+from .configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
+
 logger = logging.get_logger(__name__)
 
 # the reference's model_type -> (loop_conditioning, weighted block norms, blocks in a plain list); the early-exit
@@ -75,7 +77,6 @@ WRAPPER_PREFIXES = ("gpt.", "model.", "module.")  # their loader's `_strip_prefi
 # their GPT's modules; `lm_head.` is both theirs and ours, so it decides nothing
 REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 REPO_NAME = re.compile(r"(\d+)\s*blocks?-(\d+)\s*iterations?", re.IGNORECASE)
 SUM_TOLERANCE = 1e-6
 
@@ -277,7 +278,8 @@ def resolve_config(config_dict, shapes=None, code_defaults=None, code_source=Non
         attention_dropout=float(values["dropout"]),
         frequency_embedding_size=int(from_weights.get("frequency_embedding_size", (256, None))[0]),
         architectures=["LoopFormerForCausalLM"],  # the class that now holds the weights (vLLM resolves by it)
-        authors_config_sources={"num_attention_heads": sources["n_head"], "trajectory": sources["steps"]},
+        authors_config_sources={"num_attention_heads": sources["n_head"],
+                                "trajectory": f"model_type {model_type!r} (one pass)" if plain_list else sources["steps"]},
         **({"dtype": dtype} if dtype else {}),
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=config_dict.get("eos_token_id"),
@@ -315,10 +317,62 @@ def _steps_default(model_type, name_or_path):
     return GITHUB_STEPS.get(model_type, GITHUB_STEP_COUNT), "their forward's default (steps=[1/8]*8 or 8)"
 
 
-def translate_config(config_dict):
-    """`LoopFormerConfig` keyword arguments from config.json alone (AutoConfig gives no path): what it states, else
-    their GitHub defaults. `from_pretrained` resolves the same config again against the weights and the repo's code."""
-    return resolve_config(config_dict) if is_reference_config(config_dict) else None
+def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
+    """`LoopFormerConfig` keyword arguments of a config.json in the authors' layout: the one derivation that
+    `AutoConfig` (through `LoopFormerConfig.from_dict`) and `from_pretrained` both use, so PEFT, vLLM, pipelines and
+    `finetune_lora` see the model that loads. The weights' header and the repo's code are read from `name_or_path`
+    when its config.json is `config_dict`; config.json alone otherwise (a bare dict, or AutoConfig given a
+    `subfolder`, whose Hub options transformers does not pass on). Logs where the head count and trajectory came
+    from, and warns where they were assumed."""
+    hub_kwargs = dict(hub_kwargs or {})
+    code_defaults = code_source = None
+    if name_or_path is not None:
+        local = os.path.isdir(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else False
+        try:
+            if shapes is None and read_config_dict(name_or_path, hub_kwargs) != config_dict:
+                raise OSError("its config.json at the default revision and folder is another one")
+            if shapes is None:
+                shapes = read_weight_shapes(name_or_path, hub_kwargs)
+            code_defaults, code_source = read_code_defaults(name_or_path, config_dict, hub_kwargs)
+        except OSError as error:
+            if local and read_config_dict(name_or_path, hub_kwargs) == config_dict:
+                raise  # a truncated or missing weights file, named
+            logger.warning_once(f"{os.fspath(name_or_path)}: the sizes come from config.json alone, the repo's "
+                                f"weights were not read ({error}); from_pretrained reads them.")
+            shapes = None
+    kwargs = resolve_config(config_dict, strip_wrapper_prefixes(shapes) if shapes else None, code_defaults,
+                            code_source, name_or_path=name_or_path)
+    _report_sources(name_or_path, kwargs)
+    return kwargs
+
+
+def _report_sources(name_or_path, kwargs):
+    """One info line on where the head count and trajectory came from; a warning where one was assumed (no file
+    states it) or where the repo's name says another loop count than the one taken."""
+    where = os.fspath(name_or_path) if name_or_path is not None else "config.json"
+    heads, loops = kwargs["num_attention_heads"], kwargs["num_loops"]
+    sources = kwargs["authors_config_sources"]
+    logger.info_once(f"{where}: {heads} attention heads from {sources['num_attention_heads']}; trajectory "
+                     f"(L={loops}, {kwargs['default_step_schedule']}) from {sources['trajectory']}.")
+    if sources["num_attention_heads"] == GITHUB:
+        logger.warning_once(
+            f"{where}: no attention-head count in config.json (n_head) or the repo's code; assumed {heads}, "
+            f"{GITHUB}. No tensor shape gives it: if the model was trained with another, pass "
+            f"num_attention_heads=N to from_pretrained.")
+    named = REPO_NAME.search(os.fspath(name_or_path or ""))
+    if sources["trajectory"].startswith("their forward's default"):
+        logger.warning_once(f"{where}: no loop count in config.json (steps), the repo's code or its name; assumed "
+                            f"L={loops}, {sources['trajectory']}. Pass num_loops=L to from_pretrained if it differs.")
+    elif named and int(named.group(2)) != loops and not sources["trajectory"].startswith("config.json"):
+        logger.warning_once(f"{where}: L={loops} loop steps from {sources['trajectory']}, while the repo's name says "
+                            f"{named.group(0)}; pass num_loops={named.group(2)} to from_pretrained if the name is "
+                            f"right.")
+
+
+def translate_config(config_dict, name_or_path=None, hub_kwargs=None):
+    """`derive_config` for a config.json in the authors' layout (`is_reference_config`), else None: the translator
+    `LoopFormerConfig.from_dict` calls."""
+    return derive_config(config_dict, name_or_path, hub_kwargs) if is_reference_config(config_dict) else None
 
 
 # ---- reading the repo ----------------------------------------------------------------------------------------------
@@ -524,32 +578,19 @@ def _loading_class(cls):
     return type(ARCHITECTURE, (cls,), {"__module__": cls.__module__})
 
 
-def resolved_reference_config(path, config_dict, hub_kwargs, shapes):
-    """The `LoopFormerConfig` the repo's files determine, with one info line on where the head count and the
-    trajectory came from."""
-    from .configuration_loopformer import LoopFormerConfig
-
-    code_defaults, code_source = read_code_defaults(path, config_dict, hub_kwargs)
-    kwargs = resolve_config(config_dict, strip_wrapper_prefixes(shapes), code_defaults, code_source,
-                            name_or_path=path)
-    config = LoopFormerConfig(**kwargs)
-    sources = config.authors_config_sources
-    logger.info(f"{os.fspath(path)}: {config.num_attention_heads} attention heads from {sources['num_attention_heads']}"
-                f"; trajectory (L={config.num_loops}, {config.default_step_schedule}) from {sources['trajectory']}.")
-    return config
-
-
 def _config_for(path, config_dict, hub_kwargs, shapes, kwargs):
-    """The config to load with: the one the files determine, with the caller's overrides (AutoConfig's, which
-    translated config.json alone, or config fields among `kwargs`, popped); a config of the caller's own, as is."""
+    """The config to load with: the one the files determine (`derive_config`), with the caller's overrides: those
+    AutoConfig set on the config it derived the same way (with transformers' default Hub options), or config fields
+    among `kwargs` (popped); a config of the caller's own, as is."""
     from .configuration_loopformer import LoopFormerConfig
 
     given = kwargs.pop("config", None)
-    config = resolved_reference_config(path, config_dict, hub_kwargs, shapes)
+    config = LoopFormerConfig(**derive_config(config_dict, path, hub_kwargs, shapes))
     if isinstance(given, LoopFormerConfig) and getattr(given, "authors_config_sources", None) is not None:
-        plain = LoopFormerConfig.from_dict(config_dict).to_dict()
+        auto = config if not hub_kwargs else LoopFormerConfig(**derive_config(config_dict, path))
+        derived = auto.to_dict()
         for key, value in given.to_dict().items():
-            if plain.get(key) != value and key not in ("_name_or_path", "transformers_version"):
+            if derived.get(key) != value and key not in ("_name_or_path", "transformers_version"):
                 setattr(config, key, value)
     elif given is not None:
         config = given
@@ -632,7 +673,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     return (model, info) if output_loading_info else model
 
 
-__all__ = ["is_reference_config", "translate_config", "resolve_config", "strip_wrapper_prefixes",
+__all__ = ["is_reference_config", "translate_config", "derive_config", "resolve_config", "strip_wrapper_prefixes",
            "read_config_dict", "read_weight_shapes", "from_pretrained_reference", "mapped_reference_state_dict"]
 
 

@@ -24,6 +24,8 @@ from .halting_loopformer import HALT_CRITERIA, check_halt_eps
 from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
 
 
+# the options of `from_pretrained` that say where its files are
+HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
@@ -184,12 +186,21 @@ class LoopFormerConfig(PreTrainedConfig):
             self.rope_parameters = given
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """As `PreTrainedConfig.from_pretrained`; the repo and its Hub options reach `from_dict`, where a config.json
+        in the authors' layout is derived from the files beside it (as `AutoConfig`, which names the repo)."""
+        hub_kwargs = {key: kwargs[key] for key in HUB_OPTIONS if kwargs.get(key) is not None}
+        kwargs.setdefault("name_or_path", pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, _hub_kwargs=hub_kwargs, **kwargs)
+
+    @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """As `PreTrainedConfig.from_dict`; a config.json in another registered layout (the authors' Hub repos) is
         translated (`config_translators`). The rules between fields run again once `from_pretrained`'s kwargs are
         set (transformers sets them one by one after construction)."""
+        hub_kwargs = kwargs.pop("_hub_kwargs", None)
         for translate in LoopFormerConfig.config_translators:
-            translated = translate(config_dict)
+            translated = translate(config_dict, kwargs.get("name_or_path"), hub_kwargs)
             if translated is not None:  # always a plain LoopFormerConfig, whichever model_type it claimed
                 return super(LoopFormerConfig, LoopFormerConfig).from_dict(translated, **kwargs)
         if "num_loops" not in config_dict and "num_loops" not in kwargs:

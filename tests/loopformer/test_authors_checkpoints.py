@@ -571,3 +571,57 @@ def test_gpt2_style_tokenizer_files_with_autotokenizer_and_a_pipeline(tmp_path):
     text = generator("the cat sat on", max_new_tokens=4)[0]["generated_text"]
     ids = torch.tensor([tokenizer("the cat sat on")["input_ids"]])
     assert text == tokenizer.decode(oracle_greedy(sd, ids, [1 / N_LOOPS] * N_LOOPS, 4)[0])
+
+
+# ---- 6. AutoConfig is the config the model loads with (issue 55) ------------------------------------------------
+
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+         "max_position_embeddings", "num_loops", "default_step_schedule", "loop_conditioning")
+
+
+@pytest.mark.parametrize("stated,code", [((), None), ((), CODE), (("n_layer",), None), (None, None)],
+                         ids=["nothing", "their-code", "n_layer-only", "all"])
+def test_autoconfig_is_the_config_from_pretrained_builds(tmp_path, stated, code):
+    """PEFT, vLLM, pipelines and finetune_lora read AutoConfig: it must state the sizes the model loads with
+    (before: their GitHub defaults 2048 wide, 1024 context, while the model was 64 / 64)."""
+    from transformers import AutoConfig
+
+    write_authors_repo(tmp_path / "repo", stated=stated, code=code, n_head=N_HEAD if code or stated is None else 32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    for config in (AutoConfig.from_pretrained(tmp_path / "repo"), LoopFormerConfig.from_pretrained(tmp_path / "repo")):
+        assert {k: getattr(config, k) for k in SIZES} == {k: getattr(model.config, k) for k in SIZES}
+        assert (config.hidden_size, config.max_position_embeddings, config.num_hidden_layers) == (N_EMBD, BLOCK,
+                                                                                                 N_LAYER)
+        assert config.authors_config_sources == model.config.authors_config_sources
+
+
+def _warnings_of(caplog, load):
+    import transformers
+
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING", logger="loopformer_hf.authors_checkpoints"):
+            result = load()
+    finally:
+        transformers.logging.disable_propagation()
+    return result, [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.authors_checkpoints"]
+
+
+def test_an_assumed_head_count_is_a_warning_that_names_it(tmp_path, caplog):
+    write_authors_repo(tmp_path / "repo", stated=(), n_head=GITHUB_HEADS)  # no n_head anywhere, no code
+    model, lines = _warnings_of(caplog, lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "repo"))
+    assert model.config.num_attention_heads == GITHUB_HEADS
+    heads = [line for line in lines if "attention-head count" in line]
+    assert len(heads) == 1 and f"assumed {GITHUB_HEADS}, their GitHub GPTConfig's default" in heads[0], lines
+    assert "num_attention_heads=N" in heads[0]
+
+
+def test_a_loop_count_the_repos_name_contradicts_is_stated(tmp_path, caplog):
+    """A 1x24 repo whose code says steps=[1/8]*8: the code is taken (L=8), and the warning says so."""
+    folder = tmp_path / "LoopFormer-1block-24iterations"
+    write_authors_repo(folder, stated=(), n_layer=1, loops=8, code=dict(CODE, n_layer="1", steps="[1/8]*8"))
+    model, lines = _warnings_of(caplog, lambda: AutoModelForCausalLM.from_pretrained(folder))
+    assert (model.config.num_hidden_layers, model.config.num_loops) == (1, 8)
+    (line,) = [line for line in lines if "loop steps" in line]
+    assert "L=8 loop steps from configuration_loopformer.py" in line and "1block-24iterations" in line
+    assert "num_loops=24" in line

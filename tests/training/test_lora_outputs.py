@@ -50,3 +50,18 @@ def test_fprm_lora_takes_a_training_runs_folder(tmp_path):
     summary = finetune_main(["--model", str(tmp_path / "run"), "--task_data", str(data), "--output",
                              str(tmp_path / "out"), "--batch_size", "8", "--max_steps", "1", "--max_loops", "3"])
     assert summary["steps"] == 1 and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_lora_on_a_repo_in_the_authors_layout_trains_with_its_defaults(tmp_path):
+    # AutoConfig said a 1024-token context (their GitHub default) for a 64-token model: --block_size 128 stopped
+    # the run at step 0 (issue 55). The defaults now come from the model that loads.
+    from support.hub_helpers import make_tokenizer
+    from support.reference_oracle import BLOCK, write_authors_repo
+
+    write_authors_repo(tmp_path / "repo", stated=(), n_head=32, tokenizer=make_tokenizer())
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(CORPUS * 8))
+    summary = finetune_main(["--model", str(tmp_path / "repo"), "--train_files", str(text), "--output",
+                             str(tmp_path / "out"), "--batch_size", "2", "--max_steps", "1"])
+    assert summary["steps"] == 1 and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    assert BLOCK < 128
