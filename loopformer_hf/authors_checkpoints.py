@@ -617,6 +617,28 @@ def _refuse_incomplete(path, config, config_dict, info, stored):
         )
 
 
+def _refuse_wrong_shapes(path, config, causal_lm, shapes, renames):
+    """A stored tensor whose shape the derived model does not have is a ValueError naming it and both shapes, from
+    the header, before transformers loads anything (it printed a loading report that reads as success, then raised
+    its own RuntimeError). The fused c_attn is compared with q, k and v stacked."""
+    with torch.device("meta"):
+        expected = {name: tuple(tensor.shape) for name, tensor in causal_lm(config).state_dict().items()}
+    fused, parts = FUSED_QKV
+    wrong = []
+    for key, shape in shapes.items():
+        name = our_name(key, renames)
+        want = expected.get(name)
+        if want is not None and fused in key:
+            stacked = [expected.get(name.replace(parts[0], part)) for part in parts]
+            want = (sum(s[0] for s in stacked), *want[1:]) if None not in stacked else None
+        if want is not None and tuple(shape) != want:
+            wrong.append(f"{key} has shape {tuple(shape)}, the model needs {want}")
+    if wrong:
+        raise ValueError(f"{os.fspath(path)!r}: " + "; ".join(sorted(wrong)) + f" (a {config.num_hidden_layers}-block "
+                         f"model of width {config.hidden_size} with {config.num_attention_heads} heads, as the other "
+                         f"tensors and config.json say). Nothing was loaded.")
+
+
 # from_pretrained kwargs that change nothing here (no remote code is run)
 _ACCEPTED_NOOPS = ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")
 
@@ -652,6 +674,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     causal_lm = cls if issubclass(cls, LoopFormerForCausalLM) else LoopFormerForCausalLM
     loading = _loading_class(causal_lm)
     renames = _renames(prefix, names)
+    _refuse_wrong_shapes(path, config, causal_lm, shapes, renames)
     register_checkpoint_conversion_mapping(ARCHITECTURE, weight_conversions(renames), overwrite=True)
     output_loading_info = kwargs.pop("output_loading_info", False)
     try:  # transformers' own loading, past our from_pretrained (which routed here)

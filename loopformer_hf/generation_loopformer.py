@@ -22,7 +22,7 @@ from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDeco
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .halting_loopformer import check_halt_criterion, check_halt_eps, probe_slots
-from .trajectory_loopformer import max_loop_steps
+from .trajectory_loopformer import max_loop_steps, resolve_call
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
@@ -52,7 +52,7 @@ def check_generation_knobs(config, knobs, source):
     are valid for a model of `config`, by the rules `forward` applies to them."""
     try:
         if knobs.get("loop_budget") is not None or knobs.get("step_schedule") is not None:
-            config.resolve_trajectory(knobs.get("loop_budget"), knobs.get("step_schedule"))
+            resolve_call(config, knobs.get("loop_budget"), knobs.get("step_schedule"))  # per-row lists included
         check_halt_eps(knobs.get("halt_eps"))
         if knobs.get("halt_criterion") is not None:
             check_halt_criterion(knobs["halt_criterion"])

@@ -34,6 +34,9 @@ def _is_real_number(value):
 
 def check_budget(config, budget, name="loop_budget"):
     """An integer 1 <= M <= `config.max_loop_budget`, checked before anything is allocated for it."""
+    if isinstance(budget, torch.Tensor) and budget.ndim == 0:
+        raise ValueError(f"`{name}` must be an integer >= 1, got a 0-dim tensor {budget!r}: give an int "
+                         f"(`{name}=int(t)`) for the whole batch, or a 1-D integer tensor with one budget per row.")
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {budget!r} ({type(budget).__name__}).")
     if budget > config.max_loop_budget:
@@ -223,11 +226,15 @@ def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
     schedules = _rows_of(step_schedule, _per_row_schedule)
     if budgets is None and schedules is None:
         return None
+    if budgets is not None and not budgets:  # `max()` of no rows failed deep inside
+        raise ValueError(f"`loop_budget` is empty ({loop_budget!r}): give an integer >= 1 for the whole batch, or "
+                         f"one per row.")
     for name, values in (("loop_budget", budgets), ("step_schedule", schedules)):
         if values is not None and batch_size is not None and len(values) != batch_size:
             raise ValueError(f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
                              f"give one value per row, or one value for the batch (generate's num_return_sequences "
-                             f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated).")
+                             f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated; a pipeline sends "
+                             f"`batch_size` inputs at a time, 1 unless given: pass batch_size=len(inputs)).")
     rows = max(len(budgets or ()), len(schedules or ()))
     trajectories = []
     for b in range(rows):

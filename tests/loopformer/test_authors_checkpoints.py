@@ -625,3 +625,13 @@ def test_a_loop_count_the_repos_name_contradicts_is_stated(tmp_path, caplog):
     (line,) = [line for line in lines if "loop steps" in line]
     assert "L=8 loop steps from configuration_loopformer.py" in line and "1block-24iterations" in line
     assert "num_loops=24" in line
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_any_loading_report(tmp_path, capfd):
+    """transformers printed a LOAD REPORT (reading as success) and then raised its RuntimeError (issue 55)."""
+    write_authors_repo(tmp_path / "repo", extra={"gpt.transformer.h.blocks.0.attn.c_attn.weight": torch.zeros(192, 32)})
+    with pytest.raises(ValueError, match=r"gpt\.transformer\.h\.blocks\.0\.attn\.c_attn\.weight has shape \(192, 32\), "
+                                         r"the model needs \(192, 64\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
+    out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err and "MISMATCH" not in out + err

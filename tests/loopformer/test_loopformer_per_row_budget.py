@@ -201,3 +201,24 @@ def test_compiled_forward_without_cache_guards_on_the_largest_budget_only(tiny_m
     finally:
         dynamo.reset()
     assert frames[0] == frames[1] == frames[2] and frames[3] > frames[2] and frames[4] == frames[3], frames
+
+
+def test_a_per_row_budget_in_generation_config_saves_and_reloads(tmp_path):
+    """generation_config.loop_budget = [1, 4] was saved, then the folder no longer loaded (issue 55): it reloads,
+    and generate gives each row what that row's budget gives alone."""
+    from transformers import AutoModelForCausalLM
+
+    from support.hub_helpers import make_model
+
+    model = make_model(seed=0).eval()
+    model.generation_config.loop_budget = [1, 4]
+    model.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert again.generation_config.loop_budget == [1, 4]
+    ids = torch.randint(3, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rows = again.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for row, budget in enumerate((1, 4)):
+            alone = again.generate(ids[row:row + 1], max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                   loop_budget=budget)
+            assert torch.equal(rows[row:row + 1], alone), row

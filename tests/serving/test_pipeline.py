@@ -141,3 +141,15 @@ def test_generation_stops_at_the_answers_newline(trained):
         handle.remove()
     prompt_ids = pipe.tokenizer(record["prompt"])["input_ids"]
     assert list(out) == [*prompt_ids, newline]  # one new token, the stop token, then generation ended
+
+
+def test_pipeline_with_a_budget_per_input(folder):
+    """A list of budgets is one per row of a batch: with batch_size=len(inputs) each input gets its own, as when it
+    runs alone; with the pipeline's default batch of 1 the error says to pass batch_size (issue 55)."""
+    pipe = pipeline("text-generation", model=str(folder))
+    prompts, budgets = ["the cat sat", "a dog ran far"], [1, 4]
+    together = pipe(prompts, max_new_tokens=4, do_sample=False, loop_budget=budgets, batch_size=2)
+    alone = [pipe(p, max_new_tokens=4, do_sample=False, loop_budget=b) for p, b in zip(prompts, budgets)]
+    assert [t[0]["generated_text"] for t in together] == [a[0]["generated_text"] for a in alone]
+    with pytest.raises(ValueError, match=r"`loop_budget` gives 2 values.*batch has 1 rows.*pass batch_size=len\(inputs\)"):
+        pipe(prompts, max_new_tokens=2, loop_budget=budgets)
