@@ -39,7 +39,7 @@ from transformers.utils import cached_file, logging
 from .convert_reference import (
     COMPUTING_DEFAULTS,
     build_config,
-    check_settings,
+    unknown_settings,
     fixed_alphas_of,
     map_reference_state_dict,
     strip_reference_prefixes,
@@ -80,10 +80,11 @@ EXPERIMENTS = {
 # The sizes their dataset builders write into dataset.json, by the data path's name.
 DATA_PATHS = (
     (re.compile(r"sudoku"), lambda m: dict(seq_len=81, grid=(9, 9), vocab_size=11),
-     "dataset/build_sudoku_dataset.py (9x9 grids: seq_len 81, vocab 11 = pad + '0'..'9')"),
+     f"{GITHUB} dataset/build_sudoku_dataset.py (9x9 grids: seq_len 81, vocab 11 = pad + '0'..'9')"),
     (re.compile(r"maze-(\d+)x(\d+)"), lambda m: dict(seq_len=int(m[1]) * int(m[2]), grid=(int(m[1]), int(m[2])),
                                                      vocab_size=6),
-     "the maze builder (HxW grids from the path's name: seq_len H*W, vocab 6 = pad + '# SGo')"),
+     "the Maze-Hard builder (HRM's dataset/build_maze_dataset.py; HxW grids from the path's name: seq_len H*W, "
+     "vocab 6 = pad + '# SGo')"),
 )
 
 
@@ -279,7 +280,7 @@ def data_sizes(data_paths):
     for data_path in data_paths or ():
         for pattern, sizes, builder in DATA_PATHS:
             if match := pattern.search(os.path.basename(os.path.normpath(str(data_path)))):
-                return sizes(match), f"data path {data_path!r} -> {GITHUB} {builder}"
+                return sizes(match), f"data path {data_path!r} -> {builder}"
     return None, None
 
 
@@ -351,17 +352,18 @@ def published_config(path, hub_kwargs, step=None, reference=None):
     if arch is None and task is not None:
         experiment = EXPERIMENTS[task]
         arch, data_paths, arch_source = dict(experiment["arch"]), experiment["data_paths"], experiment["source"]
-        logger.warning(f"{_where(path, hub_kwargs)} states no {CONFIG_YAML}: its settings are their published {task} "
+        logger.warning_once(f"{_where(path, hub_kwargs)} states no {CONFIG_YAML}: its settings are their published {task} "
                        f"experiment's ({arch_source}), the weights deciding every size they show.")
     where = f"{_where(path, hub_kwargs)}/step_{step}"
     settings, grid, sources = resolve_settings(reference, arch, arch_source, data_paths, where)
-    unknown = check_settings(settings, unknown="return")
+    unknown = unknown_settings(settings)
     if unknown:
-        logger.warning(f"{where}: {arch_source} sets {unknown}, which their FPRMConfig does not define (pydantic "
+        logger.warning_once(f"{where}: {arch_source} sets {unknown}, which their FPRMConfig does not define (pydantic "
                        f"ignores them, and so does this loader).")
         settings = {k: v for k, v in settings.items() if k not in unknown}
     _, has_q_head = weight_settings(reference)
     config = build_config(settings, fixed_alphas_of(reference), use_q_head=has_q_head, grid=grid)
+    config.dtype = str(next(iter(reference.values())).dtype).removeprefix("torch.")  # as stored (their fp32 EMA)
     sub = hub_kwargs.get("subfolder")
     config.authors_checkpoint = {
         "repo": os.fspath(path), "subfolder": sub or None, "step": step,
@@ -394,13 +396,15 @@ def install_config_hook():
         return
 
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        try:
-            return original(cls, pretrained_model_name_or_path, **kwargs)
+        try:  # no config.json: an OSError, or (a local folder, some releases) an empty dict
+            found = original(cls, pretrained_model_name_or_path, **kwargs)
         except OSError:
-            config_dict = published_config_dict(pretrained_model_name_or_path, kwargs)
-            if config_dict is None:
+            if (config_dict := published_config_dict(pretrained_model_name_or_path, kwargs)) is None:
                 raise
             return config_dict, {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
+        if not found[0] and (config_dict := published_config_dict(pretrained_model_name_or_path, kwargs)):
+            return config_dict, {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
+        return found
 
     get_config_dict._fprm_published = True
     get_config_dict.__doc__ = original.__doc__

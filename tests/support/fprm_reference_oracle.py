@@ -217,3 +217,83 @@ class Reference:
 
     def logits(self, y):
         return ref_linear(self.w, "lm_head", y)[:, self.prefix :]
+
+
+# ---- their published checkpoints (Hub fixed-point-reasoners/fprm), stood in for at the real sizes --------------------
+# Written from their files, not from fprm_hf: config/arch/fprm.yaml as their Hydra run resolves it (`${.field}`
+# filled), each task file's `arch:` section over it, the data paths of config/cfg_pretrain_{sudoku,maze}.yaml, and the
+# sizes their dataset builders write (pretrain.py adds seq_len, vocab_size, num_puzzle_identifiers and batch_size to
+# the model's settings from the data; they are not in all_config.yaml).
+
+FPRM_YAML = dict(
+    name="fixed_point_reasoning.fprm@FixedPointReasoningModel_ACTV1",
+    loss=dict(name="losses@ACTLossHead", loss_type="stablemax_cross_entropy", q_loss_coeff=0.5, deep_supervision=True,
+              jacobian_reg_lambda=0.0),
+    H_cycles=3, L_cycles=6, H_layers=0, L_layers=2, max_iter=1000, max_iter_eval=None, n_backwards_L=6,
+    hidden_size=512, num_heads=8, expansion=4, puzzle_emb_ndim=512, pos_encodings="rope", forward_dtype="bfloat16",
+    mlp_t=False, puzzle_emb_len=16, no_ACT_continue=True, fp_thresh=0.1, outlier_quantile=0.25, stepsize=1.0,
+    stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1.0e-8, init_std=1.0,
+    additive_noise_std=0.0, fixed_init=False, max_iter_dist="expon", gamma_alpha=4.0, gamma_scale=16.6666666667,
+    expon_scale=72.1347520444, conv_type="conv1d", conv_kernel_size=4, conv_bias=False,
+    residual_scale="input-independent", alpha_1_init=0.5, alpha_2_init=0.5, outer_only=False, norm_placement="none",
+    norm_type="pre-norm", normalize_input_injection=False, softmax_temp=1.0, n_decode_steps=0, weight_dropout=0.0,
+    variational_dropout=0.0, jacobian_reg="fda", n_jacobian_samples=0, jacobian_eps=1.0e-3,
+)
+TASK_ARCH = {
+    "sudoku": dict(H_cycles=3, L_cycles=6, H_layers=0, L_layers=2, n_backwards_L=6, hidden_size=512, num_heads=8,
+                   expansion=4, puzzle_emb_len=16, pos_encodings="rope", max_iter=12, max_iter_dist="det",
+                   max_iter_eval=1000, alpha_1_init=0.75, alpha_2_init=0.25, residual_scale="input-independent",
+                   outer_only=False, norm_type="pre-norm", norm_placement="none", conv_type="conv2d",
+                   conv_kernel_size=3, conv_bias=False, fp_thresh=0.1, stepsize=1.0, stepsize_decay_train=0.9,
+                   stepsize_decay_eval=0.99, decay_patience=5, init_std=6.0, softmax_temp=1.0, mlp_t=False,
+                   no_ACT_continue=True, normalize_input_injection=False, variational_dropout=0.0, weight_dropout=0.0),
+    "maze": dict(H_cycles=3, H_layers=0, L_cycles=6, L_layers=2, n_backwards_L=6, hidden_size=512, num_heads=8,
+                 expansion=4, puzzle_emb_len=16, puzzle_emb_ndim=512, pos_encodings="rope", forward_dtype="bfloat16",
+                 max_iter=24, max_iter_dist="det", max_iter_eval=1000, alpha_1_init=0.75, alpha_2_init=0.25,
+                 residual_scale="input-independent", outer_only=False, norm_type="pre-norm", norm_placement="output",
+                 conv_type="conv1d", conv_kernel_size=4, conv_bias=False, fp_thresh=0.1, outlier_quantile=0.25,
+                 stepsize=1.0, stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1.0e-8,
+                 init_std=6.0, additive_noise_std=0.0, n_decode_steps=0, softmax_temp=1.0, mlp_t=False,
+                 no_ACT_continue=True, normalize_input_injection=False),
+}
+TASK_DATA = {  # data_paths of the task file, and what the builder writes: (seq_len, vocab_size, grid side)
+    "sudoku": (["data/sudoku-extreme-1k-aug-1000"], 81, 11, 9),
+    "maze": (["data/maze-30x30-hard-1k-noaug"], 900, 6, 30),
+}
+PUBLISHED_STEPS = (6510, 78120)  # two of their twelve steps (every 6,510 to 78,120)
+
+
+def published_settings(task, **arch):
+    """Their model settings of a published task folder (their field names), as their pretrain.py builds them;
+    `arch` overrides fields of its arch (smaller stand-ins)."""
+    paths, seq_len, vocab, _ = TASK_DATA[task]
+    return {**FPRM_YAML, **TASK_ARCH[task], **arch, "seq_len": seq_len, "vocab_size": vocab,
+            "num_puzzle_identifiers": 1, "batch_size": 768, "causal": False}
+
+
+def write_published_folder(folder, task, steps=PUBLISHED_STEPS, with_yaml=True, model_source=None, **arch):
+    """A task folder as published: `step_N` files (torch.save of the compiled wrapper's state dict, `_orig_mod.`
+    keys, fp32, no extension), `all_config.yaml` (their pretrain config dump) when `with_yaml`, and `model_source`
+    written as the copied model file; `arch` overrides arch fields (a smaller stand-in). Returns {step: their state
+    dict without `_orig_mod.`}."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    s = published_settings(task, **arch)
+    written = {}
+    for i, step in enumerate(steps):
+        sd = reference_state_dict(s, seed=step)
+        sd = {k: v.contiguous() for k, v in sd.items()}
+        torch.save({f"_orig_mod.{k}": v for k, v in sd.items()}, folder / f"step_{step}")
+        written[step] = sd
+    if with_yaml:
+        dump = dict(arch={**FPRM_YAML, **TASK_ARCH[task], **arch, "loss": {**FPRM_YAML["loss"]}}, data_paths=TASK_DATA[task][0], data_paths_test=[], evaluators=[],
+                    global_batch_size=768, epochs=60000, lr=1e-3, lr_min_ratio=1.0, lr_warmup_steps=2000,
+                    weight_decay=0.001, beta1=0.9, beta2=0.95, optimizer="adamw", puzzle_emb_lr=1e-3,
+                    puzzle_emb_weight_decay=0.001, project_name=f"fprm-{task}", run_name="run", seed=0,
+                    checkpoint_path=f"checkpoints/fprm-{task}", checkpoint_every_eval=True, eval_interval=5000,
+                    min_eval_interval=0, ema=True, ema_rate=0.999, freeze_weights=False, profile_flops=False)
+        (folder / "all_config.yaml").write_text(yaml.dump(dump))
+    if model_source is not None:
+        (folder / "fp_trm_singlez.py").write_text(model_source)
+    return written
