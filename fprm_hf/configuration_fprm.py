@@ -37,9 +37,14 @@ NORM_PLACEMENTS = ("none", "input", "output")
 CONV_TYPES = ("2d", "causal_1d", "none")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
 DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
-# Options of earlier versions of this package, removed in 0.1.0: a config.json that still sets them computed
-# something else, so it is refused rather than loaded with the key ignored.
+# Options of earlier versions of this package (all numbered 0.1.0): a config.json that still sets them computed
+# something else, so it is refused rather than loaded with the key ignored, naming the commit of this package's
+# repository whose code reads it. `norm_position` was saved by every version before the authors' layout (05bdf19:
+# fused q|k|v and gate|up, no final norm, a fresh z0), e.g. b160b8c; the other two were options until 8db7780.
 REMOVED_OPTIONS = {"conv_placement": "state", "final_norm": False, "norm_position": None}
+READS_REMOVED = {"norm_position": "ffb16f3 (the last commit before 05bdf19 changed the layout)",
+                 "conv_placement": "7688b05 (the last commit before 8db7780 removed it)",
+                 "final_norm": "7688b05 (the last commit before 8db7780 removed it)"}
 
 
 def swiglu_width(hidden_size, expansion):
@@ -289,8 +294,9 @@ class FPRMConfig(PreTrainedConfig):
         for name, kept in REMOVED_OPTIONS.items():
             if name in kwargs and kwargs[name] != kept:
                 raise ValueError(
-                    f"`{name}={kwargs[name]!r}` is an option of earlier versions of this package, removed in 0.1.0 "
-                    f"(the model computes the authors' step, docs/fprm.md): their checkpoints do not load here."
+                    f"`{name}={kwargs[name]!r}`: this config.json was saved by an earlier version of this package, "
+                    f"whose model computes another step than this one (the authors', docs/fprm.md), so it does not "
+                    f"load here. Load it with the package at commit {READS_REMOVED[name]}, or retrain."
                 )
             kwargs.pop(name, None)
         if self.intermediate_size is None:

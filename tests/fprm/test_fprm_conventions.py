@@ -128,3 +128,26 @@ def test_eager_attention_keeps_float64_and_equals_sdpa():
     assert logits["eager"].dtype == torch.float64
     assert not torch.equal(logits["eager"], logits["sdpa"])  # two code paths ran
     torch.testing.assert_close(logits["eager"], logits["sdpa"], atol=1e-12, rtol=0)
+
+
+# ---- a save of an earlier version of this package -------------------------------------------------------------------
+
+# config.json as b160b8c's FPRMConfig wrote it (separate q/k/v and gate/up, weighted norms, a stored z0), trimmed to
+# the fields that tell the layout; its model computed another step than the authors' one this version computes
+B160B8C_CONFIG = {
+    "model_type": "fprm", "architectures": ["FPRMForReasoning"], "vocab_size": 6, "hidden_size": 32,
+    "num_attention_heads": 4, "intermediate_size": 1536, "num_hidden_layers": 2, "grid_size": [4, 4],
+    "conv_type": "2d", "conv_kernel_size": 3, "norm_position": "pre", "residual_scaling": "input_independent",
+    "alpha1": 0.75, "alpha2": 0.25, "init_std": 6.0, "rope_theta": 10000.0, "num_prefix_tokens": 16,
+}
+
+
+def test_a_save_of_an_earlier_release_says_which_commit_reads_it(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(B160B8C_CONFIG))
+    for load in (FPRMForReasoning.from_pretrained, AutoModelForTokenClassification.from_pretrained):
+        with pytest.raises(ValueError, match=r"`norm_position='pre'`: this config.json was saved by an earlier "
+                                             r"version .* at commit ffb16f3 \(the last commit before 05bdf19") as error:
+            load(tmp_path)
+        assert "\n" not in str(error.value)

@@ -206,3 +206,22 @@ def test_converter_cli_refuses_an_output_file_and_pickles(tmp_path, capsys):
 
 class Marker:
     """A picklable non-tensor object: `torch.load(weights_only=True)` refuses it."""
+
+
+def test_the_sizes_come_from_the_weights_and_a_stated_one_they_contradict_is_named(tmp_path):
+    """The converter reads vocabulary, width, blocks and the SwiGLU width from the tensors (their `expansion` rule
+    is not assumed), so a settings file that states only what no tensor shows converts; a stated size the tensors
+    contradict names both."""
+    s = {**BASE, **PREFIX, "expansion": 13}  # SwiGLU width round(13·32·2/3) -> 512, not the 256 of expansion 2
+    sd = reference_state_dict(s, seed=4)
+    stated_only = {k: s[k] for k in ("num_heads", "seq_len", "pos_encodings", "puzzle_emb_len", "norm_type",
+                                     "fp_thresh", "stepsize_decay_eval", "decay_patience")}
+    model = convert(sd, [stated_only], tmp_path / "out").eval()
+    c = model.config
+    assert (c.intermediate_size, c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_puzzle_identifiers) == (
+        512, VOCAB, HIDDEN, 2, 3)
+    _compare(model, sd, {**s, "fixed_init": False}, iterations=3)
+    with pytest.raises(ValueError, match=r"states expansion=2 \(SwiGLU width 256 for hidden 32\), the weights show "
+                                         r"512 \(L_level.layers.0.mlp.gate_up_proj.weight \(1024, 32\)\)"):
+        convert(sd, [{**stated_only, "expansion": 2}], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -529,9 +529,11 @@ CASES = [
          lambda t: fprm_config(position_embedding_type="learned", rope_parameters={"rope_theta": 500.0}),
          StrictDataclassError,
          r"rope_parameters.*apply to position_embedding_type='rope'.*'learned'"),
-    *(Case(f"{FP} config", f"{field}={value!r} (removed in 0.1.0)", lambda t, kw={field: value}: fprm_config(**kw),
-           ValueError, rf"`{field}={value!r}` is an option of earlier versions of this package, removed in 0\.1\.0")
-      for field, value in (("conv_placement", "injection"), ("final_norm", True), ("norm_position", "post"))),
+    *(Case(f"{FP} config", f"{field}={value!r} (a save of an earlier version)",
+           lambda t, kw={field: value}: fprm_config(**kw), ValueError,
+           rf"`{field}={value!r}`: this config.json was saved by an earlier version .* at commit {commit}")
+      for field, value, commit in (("conv_placement", "injection", "7688b05"), ("final_norm", True, "7688b05"),
+                                   ("norm_position", "post", "ffb16f3"))),
     # FPRM forward
     Case(f"{FP} forward", "solver_state of another input of the same shape", lambda t: fprm()(
         GRID + 1, solver_state=fprm()(GRID, max_loops=1).solver_state), ValueError,
