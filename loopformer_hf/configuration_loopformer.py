@@ -11,17 +11,22 @@ A strict dataclass, as transformers' LlamaConfig, validated by what transformers
 Δ_1..Δ_M) is resolved in `trajectory_loopformer` ([`LoopFormerConfig.resolve_trajectory`]).
 """
 
+import dataclasses
+import functools
 import math
 import numbers
 from typing import Literal
 
 from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
 from transformers.utils.type_validators import interval, positive_int_field, probability
 
 from . import trajectory_loopformer as trajectory
 from .halting_loopformer import HALT_CRITERIA, check_halt_eps
 from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
+
+logger = logging.get_logger(__name__)
 
 
 # the options of `from_pretrained` that say where its files are
@@ -71,6 +76,35 @@ def check_activation(value):  # transformers' `activation_fn_key`, and "swiglu" 
 
     if value != "swiglu" and value not in ACT2FN:
         raise ValueError(f"Value must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}.")
+
+
+# keyword arguments that are not fields yet belong in a config: config.json's bookkeeping, what `PreTrainedConfig`
+# itself reads, and a translated config's record of its sources
+NON_FIELD_KWARGS = ("auto_map", "model_type", "name_or_path", "transformers_version", "authors_config_sources",
+                    "torch_dtype", "dtype", "rope_theta", "rope_scaling", "output_attentions", "attn_implementation",
+                    "experts_implementation", "per_layer_config", "num_labels")
+
+
+@functools.cache
+def _generation_kwargs():
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())  # configs of older releases carry them; transformers drops them
+
+
+def _warn_unknown_kwargs(name, kwargs):
+    """A keyword that is no field (a typo: `num_loop=4`) was kept silently and changed nothing: warn, as transformers'
+    GenerationConfig does for flags it does not know, naming the closest field."""
+    import difflib
+
+    fields = [f.name for f in dataclasses.fields(LoopFormerConfig)]
+    unknown = sorted(k for k in kwargs if not k.startswith("_") and k not in NON_FIELD_KWARGS
+                     and k not in _generation_kwargs())
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
+        hint = "; ".join(f"{k!r}: did you mean {v[0]!r}?" for k, v in hints.items() if v)
+        logger.warning(f"{name} got keyword arguments that are not its fields, kept on the config but read by nothing: "
+                       f"{unknown}" + (f" ({hint})" if hint else "") + ".")
 
 
 @strict
@@ -172,6 +206,7 @@ class LoopFormerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        _warn_unknown_kwargs(type(self).__name__, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         rope, given = self.position_embedding_type == "rope", self.rope_parameters
@@ -190,17 +225,18 @@ class LoopFormerConfig(PreTrainedConfig):
         """As `PreTrainedConfig.from_pretrained`; the repo and its Hub options reach `from_dict`, where a config.json
         in the authors' layout is derived from the files beside it (as `AutoConfig`, which names the repo)."""
         hub_kwargs = {key: kwargs[key] for key in HUB_OPTIONS if kwargs.get(key) is not None}
-        kwargs.setdefault("name_or_path", pretrained_model_name_or_path)
-        return super().from_pretrained(pretrained_model_name_or_path, _hub_kwargs=hub_kwargs, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, _repo=(pretrained_model_name_or_path, hub_kwargs),
+                                       **kwargs)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """As `PreTrainedConfig.from_dict`; a config.json in another registered layout (the authors' Hub repos) is
         translated (`config_translators`). The rules between fields run again once `from_pretrained`'s kwargs are
         set (transformers sets them one by one after construction)."""
-        hub_kwargs = kwargs.pop("_hub_kwargs", None)
+        # the repo: AutoConfig names it (`name_or_path`), our `from_pretrained` with its Hub options
+        repo, hub_kwargs = kwargs.pop("_repo", None) or (kwargs.get("name_or_path"), None)
         for translate in LoopFormerConfig.config_translators:
-            translated = translate(config_dict, kwargs.get("name_or_path"), hub_kwargs)
+            translated = translate(config_dict, repo, hub_kwargs)
             if translated is not None:  # always a plain LoopFormerConfig, whichever model_type it claimed
                 return super(LoopFormerConfig, LoopFormerConfig).from_dict(translated, **kwargs)
         if "num_loops" not in config_dict and "num_loops" not in kwargs:
@@ -268,6 +304,19 @@ class LoopFormerConfig(PreTrainedConfig):
 
     check_halt_eps = staticmethod(check_halt_eps)  # the halting module's, also reachable from the config
 
+
+_strict_setattr = LoopFormerConfig.__setattr__
+
+
+def _setattr_numpy_integers_as_int(self, name, value):
+    """numpy integers (`np.arange` sweeps, `df[col]` values) are integers: stored as `int` (JSON-serialisable), then
+    validated as usual; `@strict` alone refused `num_loops=np.int64(4)` as "expected int, got int64"."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+        value = int(value)
+    _strict_setattr(self, name, value)
+
+
+LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
 __all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "HALT_CRITERIA",
            "check_halt_eps"]

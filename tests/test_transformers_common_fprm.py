@@ -266,9 +266,28 @@ for _cls in (FPRMModelTest, FPRMFixedInitModelTest):
     skip_precisely(_cls, dict.fromkeys(
         ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation"),
         "a grid model reads exactly height × width tokens, and the test feeds 10 and 1.5 × max_position_embeddings; "
-        "tests/test_rope.py runs the same checks on a sequence FPRM with RoPE (test_model_rope_scaling_frequencies "
-        "runs here)"))
+        "FPRMSequenceRopeModelTest runs them on a sequence FPRM with RoPE (test_model_rope_scaling_frequencies runs "
+        "here too)"))
 del _cls  # a module-level TestCase name would be collected again
 skip_precisely(FPRMStateTrackingModelTest, dict.fromkeys(
     ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation", "test_model_rope_scaling_frequencies"),
-    "learned absolute positions have no RoPE; FPRMModelTest runs the RoPE tests"))
+    "learned absolute positions have no RoPE; FPRMSequenceRopeModelTest runs the RoPE tests"))
+
+
+class FPRMSequenceRopeModelTest(FPRMModelTest):
+    """A sequence FPRM (any length, causal 1-D conv, no prefix) with RoPE: the configuration on which transformers'
+    RoPE tests can run, since a grid model reads exactly height x width tokens (issue 55)."""
+
+    def setUp(self):
+        self.model_tester = FPRMModelTester(self, grid_size=None, seq_length=7, conv_type="causal_1d", causal=True,
+                                            position_embedding_type="rope", num_prefix_tokens=0)
+        self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
+
+
+# the RoPE tests FPRMModelTest skips (a grid) run here, as the mixin defines them
+for _name in [n for n in dir(ModelTesterMixin) if n.startswith(("test_model_rope_scaling_from_config",
+                                                                  "test_model_rope_with_partial_rotation",
+                                                                  "test_model_rope_scaling_frequencies"))]:
+    if callable(getattr(ModelTesterMixin, _name)):  # parameterized.expand leaves None at the bare name
+        setattr(FPRMSequenceRopeModelTest, _name, getattr(ModelTesterMixin, _name))
+del _name

@@ -260,7 +260,7 @@ def _step_and_epoch(folder):
     return state["global_step"], state.get("epoch") or 0
 
 
-def finished_run(checkpoint, args):
+def finished_run(checkpoint, args, incomplete_save=None):
     """True (after logging a warning that says so) if `checkpoint` already ends the run `args` (`TrainingArguments`)
     asks for: `global_step` >= `--max_steps`, or (max_steps <= 0) `epoch` >= `--num_train_epochs`. Resuming it would
     train past the end: the Trainer takes one more step, the learning rate climbs again and `save_total_limit` rotates
@@ -268,7 +268,8 @@ def finished_run(checkpoint, args):
 
     `checkpoint` may be the output_dir of a run saved without checkpoints (`resolve_resume` returns it): its own
     record counts, and if the run asks for more steps than it holds, `ValueError` (there is nothing to continue from,
-    and training from scratch would overwrite the finished model)."""
+    and training from scratch would overwrite the finished model). `incomplete_save`: the folder whose final save a
+    kill interrupted, which the resume writes from `checkpoint` (the warning says so, not "nothing written")."""
     step, epoch = _step_and_epoch(checkpoint)
     if args.max_steps > 0:
         done = step >= args.max_steps
@@ -285,8 +286,11 @@ def finished_run(checkpoint, args):
         )
     if not done:
         return False
+    written = ("nothing written" if incomplete_save is None else
+               f"but the final save in {incomplete_save} is incomplete (a run killed while writing it?): writing it "
+               f"from this checkpoint")
     logger.warning("%s is the end of a finished run (step %d, epoch %.2f; this run asks for %s): nothing to train, "
-                   "nothing written. Raise %s to train further.", checkpoint, step, epoch, goal, goal.split()[0])
+                   "%s. Raise %s to train further.", checkpoint, step, epoch, goal, written, goal.split()[0])
     return True
 
 

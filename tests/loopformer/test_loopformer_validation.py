@@ -180,3 +180,42 @@ def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):
     assert loaded.generation_config.loop_budget == 1
     steps, _ = _loop_steps_of_generate(loaded, torch.tensor([[3, 4, 5]]))
     assert steps == {1}
+
+
+def _config_warnings(caplog, make):
+    import transformers
+
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING", logger="loopformer_hf.configuration_loopformer"):
+            result = make()
+    finally:
+        transformers.logging.disable_propagation()
+    return result, [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.configuration_loopformer"]
+
+
+def test_an_unknown_config_keyword_is_a_warning_naming_the_closest_field(caplog, tmp_path):
+    """`num_loop=3` (a typo) was kept silently and the model looped 8 times (issue 55)."""
+    from loopformer_hf import LoopFormerConfig
+
+    config, lines = _config_warnings(caplog, lambda: LoopFormerConfig(num_loop=3))
+    assert config.num_loops == 8 and len(lines) == 1
+    assert "['num_loop']" in lines[0] and "did you mean 'num_loops'?" in lines[0]
+    caplog.clear()  # a saved config (auto_map, transformers_version, model_type) loads without a word
+    LoopFormerForCausalLM(tiny_loopformer_config()).save_pretrained(tmp_path / "m")
+    _, lines = _config_warnings(caplog, lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "m"))
+    assert lines == []
+
+
+def test_numpy_integers_are_integers():
+    """num_loops=np.int64(4) (an np.arange sweep) was refused as "expected int, got int64" (issue 55)."""
+    import numpy as np
+
+    from loopformer_hf import LoopFormerConfig
+
+    config = LoopFormerConfig(num_loops=np.int64(4), hidden_size=np.int32(64), num_attention_heads=4)
+    assert type(config.num_loops) is int and config.num_loops == 4 and type(config.hidden_size) is int
+    config.default_loop_budget = np.int16(2)
+    assert type(config.default_loop_budget) is int and json.loads(config.to_json_string())["num_loops"] == 4
+    with pytest.raises(StrictDataclassFieldValidationError, match="positive integer, got 0"):
+        config.num_loops = np.int64(0)

@@ -329,3 +329,19 @@ def test_an_output_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
         with pytest.raises(ValueError, match=rf"--output_dir '{target}' is a file, not a folder"):
             train(target)
     assert target.read_text() == "keep me"
+
+
+def test_a_resume_does_not_report_the_tied_head_as_missing(uninterrupted, tmp_path, caplog):
+    # "There were missing keys in the checkpoint model loaded: ['lm_head.weight']": the tied head is saved once, as
+    # the embedding, and the Trainer re-ties it when the model names it as a key it never saves (issue 55)
+    out = shutil.copytree(uninterrupted[0], tmp_path / "run")
+    shutil.rmtree(out / "checkpoint-6")
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer = run(out, "--resume_from_checkpoint", "last")
+    finally:
+        transformers.logging.disable_propagation()
+    assert trainer.state.global_step == 6 and "missing keys" not in caplog.text, caplog.text
+    model = trainer.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

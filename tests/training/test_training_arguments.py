@@ -61,3 +61,14 @@ def test_every_fprm_preset_parses_with_its_name_as_output_dir():
     for name in names:
         _, data, _, train = parse_args(["--preset", name])
         assert data.preset == name and train.output_dir == f"outputs/fprm-{name}" and train.max_steps > 0
+
+
+@pytest.mark.parametrize("command", ["loopformer.train", "fprm.train", "loopformer.evaluate"])
+def test_help_names_the_command_as_users_type_it(command):
+    # "usage: train.py [-h] ..." (argparse's default, the file's name) for a command run as `python -m ...` (issue 55)
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", f"looped_training.{command}", "--help"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m looped_training.{command} "), proc.stdout[:200]

@@ -55,6 +55,8 @@ RESUME_FREE_DATA_FLAGS = ("preset",)
 
 # Presets: YAML files of flags of the four argument groups; `--preset NAME` reads training/configs/fprm/NAME.yaml.
 PRESETS_DIR = os.path.join(CONFIGS_DIR, "fprm")
+# the command as users type it (`--help`, one-line errors); argparse would say "train.py"
+PROG = "python -m looped_training.fprm.train"
 
 
 def preset_names():
@@ -141,7 +143,7 @@ class EvalArguments:
 def parse_args(argv=None):
     """The four argument groups: defaults here, then a preset or config file, then the flags given."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, EvalArguments, FPRMTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, EvalArguments, FPRMTrainingArguments), prog=PROG)
     argv = with_preset(argv, "fprm")
     config_file, _ = split_config_file(argv)
     name = os.path.splitext(os.path.basename(config_file))[0] if config_file else None
@@ -300,12 +302,11 @@ def train(model_args, data_args, eval_args, train_args):
             return record_results(load_model(FPRMForReasoning, model_dir), state, train_seconds, ds, data_args,
                                   eval_args, model_args, train_args, difficulty_columns)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
-        if finished_run(resume, train_args):
-            if own_record or not train_args.should_save or run_record(train_args.output_dir) is not None:
+        # killed during its final save, after its last checkpoint: the resume finishes that save (and the evaluation)
+        incomplete = not own_record and train_args.should_save and run_record(train_args.output_dir) is None
+        if finished_run(resume, train_args, train_args.output_dir if incomplete else None):
+            if not incomplete:
                 return None
-            # killed during its final save, after its last checkpoint: finish that save (and the evaluation) from it
-            print(f"{train_args.output_dir} has no final model (a run killed while saving it?): writing it from "
-                  f"{resume}.")
             model = load_model(FPRMForReasoning, resume)
             ema = os.path.join(resume, ema_file(train_args))
             if os.path.exists(ema):  # the authors save and evaluate the EMA weights
@@ -403,4 +404,4 @@ def record_results(model, state, train_seconds, ds, data_args, eval_args, model_
 if __name__ == "__main__":
     from looped_training.arguments import run_command
 
-    run_command(main, "python -m looped_training.fprm.train")
+    run_command(main, PROG)

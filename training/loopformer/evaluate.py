@@ -38,6 +38,8 @@ from looped_training.loopformer.data.text import chunk_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
 EVAL_FILE = "elastic_eval.json"
+# the command as users type it (`--help`, one-line errors); argparse would say "train.py"
+PROG = "python -m looped_training.loopformer.evaluate"
 
 
 def load_checkpoint(path):
@@ -587,7 +589,7 @@ def card_results(data, path, checkpoint, record, _):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="Training output folders (or checkpoint-N folders).")
     parser.add_argument("--output_dir", required=True, help="Where elastic_eval.json and the plots go.")
     parser.add_argument("--names", nargs="*", help="Display names, one per checkpoint (default: folder names).")
@@ -673,4 +675,4 @@ def main(argv=None):
 if __name__ == "__main__":
     from looped_training.arguments import run_command
 
-    run_command(main, "python -m looped_training.loopformer.evaluate")
+    run_command(main, PROG)

@@ -68,6 +68,8 @@ from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
 
+# the command as users type it (`--help`, one-line errors); argparse would say "train.py"
+PROG = "python -m looped_training.loopformer.train"
 logger = logging.getLogger(__name__)
 
 # text runs: the record's sample prompt (the card's and the generation config's) is the first held-out row's start
@@ -260,7 +262,8 @@ def set_chat_template(tokenizer, template, path):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments),
+                              prog=PROG)
     argv = with_preset(sys.argv[1:] if argv is None else argv, "loopformer")
     preset = find_preset(argv)
     defaults = {"output_dir": f"outputs/loopformer-{preset}"} if preset else None
@@ -366,11 +369,10 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
         check_resume_data(resume, TRAINING_META_FILE, record["data"], RESUME_FREE_DATA_FLAGS)
         check_resume_matches(resume, tokenizer, config)
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
-        if finished_run(resume, training_args):
-            if training_args.should_save and not final_save_complete(training_args.output_dir):
-                # killed during its final save, after its last checkpoint: finish that save from the checkpoint
-                logger.warning("%s has no complete final model (a run killed while saving it?): writing it from %s.",
-                               training_args.output_dir, resume)
+        # killed during its final save, after its last checkpoint: the resume finishes that save from the checkpoint
+        incomplete = training_args.should_save and not final_save_complete(training_args.output_dir)
+        if finished_run(resume, training_args, training_args.output_dir if incomplete else None):
+            if incomplete:
                 save_final(training_args.output_dir, load_model(LoopFormerForCausalLM, resume), tokenizer, record,
                            lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder))
             return None
@@ -401,4 +403,4 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
 if __name__ == "__main__":
     from looped_training.arguments import run_command
 
-    run_command(main, "python -m looped_training.loopformer.train")
+    run_command(main, PROG)
