@@ -23,6 +23,7 @@ import loopformer_hf  # noqa: F401  (registers the Auto classes, theirs included
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 
 from support.hub_helpers import REPO_ROOT, make_tokenizer
+from support.instruments import warnings_logged
 from support.reference_oracle import (ARCHITECTURE, BLOCK, N_EMBD, N_HEAD, N_LAYER, N_LOOPS, VOCAB, reference_forward,
                               reference_state_dict, write_authors_repo)
 
@@ -596,15 +597,7 @@ def test_autoconfig_is_the_config_from_pretrained_builds(tmp_path, stated, code)
 
 
 def _warnings_of(caplog, load):
-    import transformers
-
-    transformers.logging.enable_propagation()
-    try:
-        with caplog.at_level("WARNING", logger="loopformer_hf.authors_checkpoints"):
-            result = load()
-    finally:
-        transformers.logging.disable_propagation()
-    return result, [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.authors_checkpoints"]
+    return warnings_logged(caplog, "loopformer_hf.authors_checkpoints", load)
 
 
 def test_an_assumed_head_count_is_a_warning_that_names_it(tmp_path, caplog):

@@ -183,15 +183,9 @@ def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):
 
 
 def _config_warnings(caplog, make):
-    import transformers
+    from support.instruments import warnings_logged
 
-    transformers.logging.enable_propagation()
-    try:
-        with caplog.at_level("WARNING", logger="loopformer_hf.configuration_loopformer"):
-            result = make()
-    finally:
-        transformers.logging.disable_propagation()
-    return result, [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.configuration_loopformer"]
+    return warnings_logged(caplog, "loopformer_hf.configuration_loopformer", make)
 
 
 def test_an_unknown_config_keyword_is_a_warning_naming_the_closest_field(caplog, tmp_path):

@@ -106,3 +106,17 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "seconds": time.perf_counter() - start,
     }
+
+
+def warnings_logged(caplog, logger_name, call):
+    """(call(), the messages `logger_name` logged at WARNING or above meanwhile): transformers' loggers do not
+    propagate to pytest's caplog unless told to."""
+    import transformers
+
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING", logger=logger_name):
+            result = call()
+    finally:
+        transformers.logging.disable_propagation()
+    return result, [r.getMessage() for r in caplog.records if r.name == logger_name]
