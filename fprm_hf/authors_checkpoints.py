@@ -133,14 +133,18 @@ def _resolve(path, filename, hub_kwargs):
 
 
 def is_published_layout(path, hub_kwargs):
-    """A folder with no config.json and their step files (or their all_config.yaml)."""
+    """A folder with no config.json and their step files (or their all_config.yaml). Never raises: a path that
+    cannot be read is not theirs, and transformers' own loading then says why."""
     if not isinstance(path, (str, os.PathLike)) or os.path.isfile(os.fspath(path)):
         return False
-    if _resolve(path, "config.json", hub_kwargs) is not None:
+    try:
+        if _resolve(path, "config.json", hub_kwargs) is not None:
+            return False
+        names = list_folder(path, hub_kwargs)
+        if names is None:  # offline: the cache may still hold the YAML
+            return _resolve(path, CONFIG_YAML, hub_kwargs) is not None
+    except Exception:  # an unknown repo, no network: not a published folder we can read
         return False
-    names = list_folder(path, hub_kwargs)
-    if names is None:  # offline: the cache may still hold the YAML
-        return _resolve(path, CONFIG_YAML, hub_kwargs) is not None
     return bool(steps_in(names)) or CONFIG_YAML in names
 
 

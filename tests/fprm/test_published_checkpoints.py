@@ -171,6 +171,16 @@ def test_from_the_hub_by_repo_id_and_subfolder(tmp_path):
     assert result == dict(step=20, older=10, repo="fixed-point-reasoners/fprm", same=True, publish=0, hidden=64)
     card = (tmp_path / "stage" / "README.md").read_text()
     assert "`sudoku/step_20` of their Hub repo [fixed-point-reasoners/fprm]" in card
+    # offline, the cache serves a step named by `step=`; without one the folder cannot be listed, and says so
+    offline = dict(env, HF_HUB_OFFLINE="1")
+    load = "from fprm_hf import FPRMForReasoning; m = FPRMForReasoning.from_pretrained('fixed-point-reasoners/fprm', " \
+           "subfolder='sudoku'{}); print(m.config.authors_checkpoint['step'])"
+    cached = subprocess.run([sys.executable, "-c", load.format(", step=20")], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300, env=offline)
+    assert cached.returncode == 0 and cached.stdout.split()[-1] == "20", cached.stderr[-3000:]
+    unlisted = subprocess.run([sys.executable, "-c", load.format("")], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=300, env=offline)
+    assert unlisted.returncode != 0 and "the Hub could not be listed: pass step=N" in unlisted.stderr
 
 
 # ---- 2. safe -------------------------------------------------------------------------------------------------------
