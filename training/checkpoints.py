@@ -479,11 +479,13 @@ def output_dir_lock(output_dir, hold=True):
     of a live process (or of another host, whose pids say nothing here) raises `ValueError` naming its pid, host and
     file, and how to take it over; one of a dead process (a killed run) or an empty or unreadable one older than
     `STALE_UNREADABLE_LOCK_S` is taken over with a warning. The lock goes when the block ends, by an exception or a
-    SIGTERM too."""
+    SIGTERM too. It yields None, or, where an existing output_dir may not be written (a read-only mount, no
+    permission), the `NotWritableError` the run raises before it writes: resuming a finished run there writes nothing
+    and ends as it would elsewhere."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file, not a folder: give a folder (new or of this run).")
     if not hold:
-        yield
+        yield None
         return
     path = os.path.join(output_dir, LOCK_FILE)
     try:
@@ -496,9 +498,6 @@ def output_dir_lock(output_dir, hold=True):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             break
-        except PermissionError as err:
-            raise _not_writable(err, f"--output_dir {output_dir} is not writable ({err.strerror}: {path}); make it "
-                                     f"writable (chmod u+w {output_dir}) or give another --output_dir") from None
         except FileExistsError:
             try:
                 with open(path) as f:
@@ -521,6 +520,13 @@ def output_dir_lock(output_dir, hold=True):
                 f"{path} to take the output_dir over; a lock of a process of this host that has ended is taken over "
                 f"by itself."
             ) from None
+        except OSError as err:
+            if err.errno not in _REFUSED_WRITE:
+                raise
+            # nothing to lock against: no run can write there either
+            yield _not_writable(err, f"--output_dir {output_dir} is not writable ({err.strerror}: {path}); make it "
+                                     f"writable (chmod u+w {output_dir}) or give another --output_dir")
+            return
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
     try:

@@ -130,3 +130,17 @@ def test_a_read_only_output_dir_on_the_command_line_is_one_line_and_exit_2(tmp_p
     assert proc.stderr.strip().splitlines()[-1] == (
         f"python -m looped_training.loopformer.train: error: --output_dir {folder / 'run'} cannot be created: {folder} "
         f"is not writable (Permission denied); give an --output_dir in a folder you can write")
+
+
+def test_a_finished_run_resumed_in_a_read_only_output_dir_says_it_is_finished(tmp_path, caplog, trained_steps):
+    # the lock file could not be created: "not writable", exit 2, for a run that had nothing left to write (issue 55)
+    from support.bad_input_table import read_only
+
+    out = tmp_path / "run"
+    run(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    trained_steps.clear()
+    with read_only(out), caplog.at_level("WARNING", logger="looped_training.checkpoints"):
+        assert run(out, "--resume_from_checkpoint", "last") is None
+    assert f"{out / 'checkpoint-6'} is the end of a finished run" in caplog.text and "nothing written" in caplog.text
+    assert trained_steps == [] and {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -252,13 +252,14 @@ def _strict_json(value):
 def main(argv=None):
     model_args, data_args, eval_args, train_args = parse_args(argv)
     check_run_length(train_args)
-    with output_dir_lock(train_args.output_dir, hold=train_args.process_index == 0):
-        return train(model_args, data_args, eval_args, train_args)
+    with output_dir_lock(train_args.output_dir, hold=train_args.process_index == 0) as unwritable:
+        return train(model_args, data_args, eval_args, train_args, unwritable)
 
 
-def train(model_args, data_args, eval_args, train_args):
+def train(model_args, data_args, eval_args, train_args, unwritable=None):
     """The run `main` parsed, in its locked `output_dir`: its results, or None if the resumed checkpoint already ends
-    the run (or on a process other than the main one)."""
+    the run (or on a process other than the main one). `unwritable`: the `output_dir_lock`'s refusal of a folder the
+    run may not write, raised unless the run is finished (nothing to write)."""
     resume = resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, FPRMConfig.model_type)
     claim_output_dir(train_args, resume, after_final=(RESULTS_FILE,))
     set_seed(train_args.seed)
@@ -294,6 +295,8 @@ def train(model_args, data_args, eval_args, train_args):
             # (a time budget may have ended it before --max_steps), so evaluate its saved model
             if not train_args.should_save:
                 return None
+            if unwritable is not None:
+                raise unwritable
             print(f"{train_args.output_dir} holds the final model but no {RESULTS_FILE} (a run stopped during its "
                   f"final evaluation?): evaluating {model_dir}, without training.")
             state = TrainerState.load_from_json(os.path.join(train_args.output_dir, RUN_RECORD))
@@ -307,12 +310,16 @@ def train(model_args, data_args, eval_args, train_args):
         if finished_run(resume, train_args, train_args.output_dir if incomplete else None):
             if not incomplete:
                 return None
+            if unwritable is not None:
+                raise unwritable
             model = load_model(FPRMForReasoning, resume)
             ema = os.path.join(resume, ema_file(train_args))
             if os.path.exists(ema):  # the authors save and evaluate the EMA weights
                 model.load_state_dict(load_file(ema), strict=False)
             state = TrainerState.load_from_json(os.path.join(resume, RUN_RECORD))
             return finish(model, state, None, ds, data_args, eval_args, model_args, train_args, difficulty_columns)
+    if unwritable is not None:
+        raise unwritable
     model = FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]

@@ -283,8 +283,8 @@ def main(argv=None):
         # Every variant's training forward uses every parameter (tests/training/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
-    with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0):
-        return train(model_args, data_args, shortcut_args, schedule_args, training_args)
+    with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
+        return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable)
 
 
 def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
@@ -350,9 +350,10 @@ def save_final(output_dir, model, tokenizer, record, write_state, saved=False):
     finish_final_save(output_dir, last=(RUN_RECORD, TRAINING_META_FILE))
 
 
-def train(model_args, data_args, shortcut_args, schedule_args, training_args):
+def train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable=None):
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
-    the run."""
+    the run. `unwritable`: the `output_dir_lock`'s refusal of a folder the run may not write, raised unless the run
+    is finished (nothing to write)."""
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type)
     claim_output_dir(training_args, resume)
     chat_template = read_chat_template(data_args.chat_template)
@@ -372,10 +373,14 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args):
         # killed during its final save, after its last checkpoint: the resume finishes that save from the checkpoint
         incomplete = training_args.should_save and not final_save_complete(training_args.output_dir)
         if finished_run(resume, training_args, training_args.output_dir if incomplete else None):
+            if incomplete and unwritable is not None:
+                raise unwritable
             if incomplete:
                 save_final(training_args.output_dir, load_model(LoopFormerForCausalLM, resume), tokenizer, record,
                            lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder))
             return None
+    if unwritable is not None:
+        raise unwritable
     model = LoopFormerForCausalLM(config)
     logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
                 model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
