@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 
 
 def write_json(path, obj):
@@ -9,3 +10,10 @@ def write_json(path, obj):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def row(name, loopformer, baseline, ratios, target=None, met=None):
+    """One row of the speed table (`report_table`): medians of the two sides, median and spread (min-max) of the
+    per-round ratios."""
+    return dict(measurement=name, loopformer=loopformer, baseline=baseline, ratio=statistics.median(ratios),
+                ratio_min=min(ratios), ratio_max=max(ratios), target=target, met=met)

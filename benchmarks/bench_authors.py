@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from benchmarks import write_json
+from benchmarks import row, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, generate_fn, interleaved
 from loopformer_hf import ShortcutConsistency
 from loopformer_hf.convert_reference import convert
@@ -149,9 +149,7 @@ def our_train_step_fn(model, batch, short_steps):
 
 
 def authors_rows(cfg, repeats, authors_repo, log=print):
-    """Rows (as `report_table.row` builds them) comparing our LoopFormer with the authors' code on the same weights."""
-    from benchmarks.report_table import row
-
+    """Rows (`benchmarks.row`) comparing our LoopFormer with the authors' code on the same weights."""
     module = load_authors_module(authors_repo)
     transformers.utils.logging.disable_progress_bar()  # the converter's save_pretrained
     cfg = dict(cfg, max_positions=max(1024, cfg["prompt"] + cfg["gen_vs_llama"]))

@@ -19,7 +19,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, write_json
+from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, row, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 from tests.support.instruments import CountOps
 
@@ -84,12 +84,6 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
 EXTRA_ROWS = [cache_rows, shared_cache_rows]
 EXTRA_SLOT = "compiled vs eager / static vs dynamic cache / shared vs full cache memory"
 AUTHORS_SLOT = "vs the authors' code (pass --authors_repo, a clone of github.com/armenjeddi/loopformer)"
-
-
-def row(name, loopformer, baseline, ratios, target=None, met=None):
-    """One table row: medians of the two sides, median and spread (min-max) of the per-round ratios."""
-    return dict(measurement=name, loopformer=loopformer, baseline=baseline, ratio=statistics.median(ratios),
-                ratio_min=min(ratios), ratio_max=max(ratios), target=target, met=met)
 
 
 def speed_rows(cfg, repeats, log=print):

@@ -11,8 +11,8 @@ training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA co
 `all_config.yaml` (`yaml.dump(PretrainConfig.model_dump())`; its `arch:` carries the fields their Hydra configs set)
 and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
 
-So every value comes from the files, in this order (`resolve_settings`, the one derivation behind `from_pretrained`,
-`AutoConfig` and `python -m fprm_hf.convert_reference`):
+So every value comes from the files, in this order (`authors_layout.resolve_settings`, the one derivation behind
+`from_pretrained`, `AutoConfig` and `python -m fprm_hf.convert_reference`):
 
 1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
    puzzle-embedding rows and width, learned positions, fixed z0, the Q-head;
@@ -28,36 +28,31 @@ Step files are read with `torch.load(weights_only=True)` (a file that needs pick
 files are never imported, read or run.
 """
 
-import json
-import math
 import os
 import re
 
 import torch
 from transformers.utils import cached_file, logging
 
-from .convert_reference import (
-    COMPUTING_DEFAULTS,
+from .authors_layout import (
+    GITHUB,
+    PublishedCheckpointError,
     build_config,
-    unknown_settings,
     fixed_alphas_of,
     map_reference_state_dict,
-    strip_reference_prefixes,
+    resolve_settings,
+    unknown_settings,
+    weight_settings,
 )
 
 logger = logging.get_logger(__name__)
 
 PUBLISHED_REPO = "fixed-point-reasoners/fprm"
-GITHUB = "GitHub nilskiKonjIzDunava/fprm"
 CONFIG_YAML = "all_config.yaml"
 STEP_FILE = re.compile(r"^step_(\d+)$")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 # kwargs of `PreTrainedConfig.get_config_dict` that only locate the file (its `_get_config_dict` drops them too)
 LOCATING_KWARGS = HUB_KWARGS + ("trust_remote_code", "_from_pipeline", "_from_auto", "step")
-
-# Their defaults, with the class that holds each (models/config.py, else fprm_config.py).
-FPRM_CONFIG_FIELDS = {"fp_thresh", "stepsize", "stepsize_decay_train", "stepsize_decay_eval", "decay_patience", "eps",
-                      "init_std", "additive_noise_std", "fixed_init", "max_iter_eval", "max_iter"}
 
 # Their Hydra configs as one run merges them (config/arch/fprm.yaml, then the task file's `arch:` section), for a
 # folder that states no all_config.yaml. Only the fields that decide what the forward computes and the task's data.
@@ -77,21 +72,6 @@ EXPERIMENTS = {
              "arch": dict(_ARCH, norm_placement="output", conv_type="conv1d", conv_kernel_size=4, conv_bias=False,
                           max_iter=24)},
 }
-# The sizes their dataset builders write into dataset.json, by the data path's name.
-DATA_PATHS = (
-    (re.compile(r"sudoku"), lambda m: dict(seq_len=81, grid=(9, 9), vocab_size=11),
-     f"{GITHUB} dataset/build_sudoku_dataset.py (9x9 grids: seq_len 81, vocab 11 = pad + '0'..'9')"),
-    (re.compile(r"maze-(\d+)x(\d+)"), lambda m: dict(seq_len=int(m[1]) * int(m[2]), grid=(int(m[1]), int(m[2])),
-                                                     vocab_size=6),
-     "the Maze-Hard builder (HRM's dataset/build_maze_dataset.py; HxW grids from the path's name: seq_len H*W, "
-     "vocab 6 = pad + '# SGo')"),
-)
-
-
-class PublishedCheckpointError(ValueError):
-    """A published folder that cannot be loaded as it is: the message names the file or field."""
-
-
 # ---- the folder ------------------------------------------------------------------------------------------------------
 
 
@@ -218,133 +198,7 @@ def task_of(path, hub_kwargs):
     return name if name in EXPERIMENTS else None
 
 
-# ---- the derivation ------------------------------------------------------------------------------------------------
-
-
-def weight_settings(reference):
-    """{their field: (value, the tensor that shows it)} of what the tensors' shapes determine, and whether they hold
-    a Q-head. `reference` maps their keys (any prefix) to tensors."""
-    ref = strip_reference_prefixes(reference)
-    shapes = {k: tuple(v.shape) for k, v in ref.items()}
-    found = {}
-
-    def shown(field, value, key):
-        found[field] = (value, f"{key} {shapes[key]}")
-
-    emb = "embed_tokens.embedding_weight"
-    if emb not in shapes or len(shapes[emb]) != 2:
-        raise PublishedCheckpointError(f"no {emb} of shape (vocab, hidden) among the tensors: not their FPRM "
-                                       f"(keys: {sorted(shapes)[:6]}).")
-    shown("vocab_size", shapes[emb][0], emb)
-    shown("hidden_size", shapes[emb][1], emb)
-    layers = sorted({int(m[1]) for k in shapes if (m := re.match(r"L_level\.layers\.(\d+)\.", k))})
-    if layers:
-        found["L_layers"] = (len(layers), f"L_level.layers.0..{layers[-1]}")
-        gate_up = f"L_level.layers.{layers[0]}.mlp.gate_up_proj.weight"
-        if gate_up in shapes:
-            shown("intermediate_size", shapes[gate_up][0] // 2, gate_up)
-    conv = "L_level.conv.weight"
-    if conv in shapes:
-        shown("conv_type", {3: "conv1d", 4: "conv2d"}.get(len(shapes[conv]), "unknown"), conv)
-        shown("conv_kernel_size", shapes[conv][-1], conv)
-    else:
-        found["conv_type"] = ("none", "no L_level.conv.weight")
-    found["conv_bias"] = ("L_level.conv.bias" in shapes, "L_level.conv.bias " + ("present" if "L_level.conv.bias"
-                                                                                  in shapes else "absent"))
-    if "puzzle_emb.weights" in shapes:
-        shown("num_puzzle_identifiers", shapes["puzzle_emb.weights"][0], "puzzle_emb.weights")
-        shown("puzzle_emb_ndim", shapes["puzzle_emb.weights"][1], "puzzle_emb.weights")
-    else:
-        found["puzzle_emb_ndim"] = (0, "no puzzle_emb.weights")
-    if "embed_pos.embedding_weight" in shapes:
-        shown("pos_encodings", "learned", "embed_pos.embedding_weight")
-    alpha = [k for k in ("L_level.alpha_1_param", "L_level.alpha_2_param", "L_level.alpha_1_layer.weight",
-                         "L_level.alpha_2_layer.weight") if k in shapes]
-    if not alpha:
-        found["residual_scale"] = (None, "no L_level.alpha_* tensors")
-    elif alpha[0].endswith("_layer.weight"):
-        shown("residual_scale", "input-dependent", alpha[0])
-    else:
-        shown("residual_scale", "fixed" if shapes[alpha[0]] == () else "input-independent", alpha[0])
-    if alpha:
-        found["outer_only"] = (not any("alpha_1" in k for k in alpha), ", ".join(alpha))
-    found["fixed_init"] = ("L_optimizer.init_vec" in shapes, "L_optimizer.init_vec " + (
-        "present" if "L_optimizer.init_vec" in shapes else "absent"))
-    return found, "q_head.weight" in shapes
-
-
-def _same(a, b):
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(float(a), float(b))
-    return a == b or (a in (None, "none", "None") and b in (None, "none", "None"))
-
-
-def data_sizes(data_paths):
-    """(sizes, source) from the first data path whose name their builders' sizes are known for, or (None, None)."""
-    for data_path in data_paths or ():
-        for pattern, sizes, builder in DATA_PATHS:
-            if match := pattern.search(os.path.basename(os.path.normpath(str(data_path)))):
-                return sizes(match), f"data path {data_path!r} -> {builder}"
-    return None, None
-
-
-def resolve_settings(reference, arch=None, arch_source=None, data_paths=None, where="the checkpoint"):
-    """(their arch fields, grid, sources): the one derivation (module docstring). `arch` is what a config file
-    states (their field names), `data_paths` the run's data; raises `PublishedCheckpointError` naming a
-    contradiction or a value nothing determines."""
-    from_weights, _ = weight_settings(reference)
-    arch = {k: v for k, v in (arch or {}).items()}
-    settings, sources = {}, {}
-    for field, (value, evidence) in from_weights.items():
-        stated = arch.get(field)
-        if field == "intermediate_size":
-            continue  # checked against `expansion` below
-        if field in arch and stated is not None and not _same(stated, value):
-            raise PublishedCheckpointError(f"{where}: {arch_source} states {field}={stated!r}, the weights show "
-                                           f"{value!r} ({evidence}).")
-        settings[field], sources[field] = value, f"weights: {evidence}"
-    for field, value in arch.items():
-        if field not in settings:
-            settings[field], sources[field] = value, f"{arch_source}.{field}"
-    if "intermediate_size" in from_weights:
-        from .configuration_fprm import swiglu_width
-
-        width, evidence = from_weights["intermediate_size"]
-        d = settings["hidden_size"]
-        if "expansion" in arch and swiglu_width(d, float(arch["expansion"])) != width:
-            raise PublishedCheckpointError(
-                f"{where}: {arch_source} states expansion={arch['expansion']!r} (SwiGLU width "
-                f"{swiglu_width(d, float(arch['expansion']))} for hidden {d}), the weights show {width} ({evidence}).")
-        settings["intermediate_size"], sources["intermediate_size"] = width, f"weights: {evidence}"
-        settings.setdefault("expansion", width * 3 / (2 * d))  # recorded only; the width above is what is built
-    sizes, size_source = data_sizes(data_paths)
-    grid = None
-    if sizes is not None:
-        for field in ("seq_len", "vocab_size"):
-            if field in settings and not _same(settings[field], sizes[field]):
-                raise PublishedCheckpointError(f"{where}: {size_source} gives {field}={sizes[field]}, the "
-                                               f"{sources[field]} shows {settings[field]}.")
-            if field not in settings:
-                settings[field], sources[field] = sizes[field], size_source
-        grid, sources["grid"] = list(sizes["grid"]), size_source
-    if settings.get("pos_encodings") == "learned" and "seq_len" not in settings:
-        rows = strip_reference_prefixes(reference)["embed_pos.embedding_weight"].shape[0]
-        prefix = settings.get("puzzle_emb_len", COMPUTING_DEFAULTS["puzzle_emb_len"]) or 0
-        settings["seq_len"], sources["seq_len"] = rows - prefix, "weights: embed_pos.embedding_weight rows - prefix"
-    settings.setdefault("num_puzzle_identifiers", 1)  # no puzzle embedding: their datasets' single identifier
-    sources.setdefault("num_puzzle_identifiers", "no puzzle_emb.weights: the one identifier their datasets use")
-    for field, default in COMPUTING_DEFAULTS.items():
-        if field not in settings:
-            settings[field] = default
-            holder = "models/fixed_point_reasoning/fprm_config.py FPRMConfig" if field in FPRM_CONFIG_FIELDS else \
-                "models/config.py ReasoningModelConfig"
-            sources[field] = f"{GITHUB} {holder} default"
-    missing = [f for f in ("num_heads", "seq_len", "pos_encodings") if settings.get(f) is None]
-    if missing:
-        raise PublishedCheckpointError(
-            f"{where}: nothing determines {missing} (no tensor shape gives them, and no config file or task "
-            f"states them): give them as their fields in a config file (all_config.yaml `arch:`).")
-    return settings, grid, sources
+# ---- a published folder -------------------------------------------------------------------------------------------
 
 
 def published_config(path, hub_kwargs, step=None, reference=None):

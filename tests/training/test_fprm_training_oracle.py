@@ -21,7 +21,8 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from fprm_hf.convert_reference import _map_key, convert
+from fprm_hf.authors_layout import _map_key
+from fprm_hf.convert_reference import convert
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
 from support.fprm_reference_oracle import BASE, Reference, reference_state_dict
 
