@@ -1,6 +1,6 @@
 """LoopFormer for transformers: importing this package registers the model with the Auto classes."""
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .authors_checkpoints import from_pretrained_reference, reference_config_classes, translate_config
 from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
@@ -8,6 +8,7 @@ from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
 from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
 from .loss_loopformer import ShortcutConsistency
 from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
+from .tokenization_loopformer import LoopFormerTokenizerFast
 
 AutoConfig.register(LoopFormerConfig.model_type, LoopFormerConfig, exist_ok=True)
 # the authors' Hub layout: its config.json translated, its weights mapped (the model files import no loader)
@@ -20,6 +21,8 @@ for _reference_config in reference_config_classes():
     AutoConfig.register(_reference_config.model_type, _reference_config, exist_ok=True)
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(LoopFormerConfig, LoopFormerForCausalLM, exist_ok=True)
+# for a folder whose tokenizer_config.json names no class (or that has none: it says so)
+AutoTokenizer.register(LoopFormerConfig, tokenizer_class=LoopFormerTokenizerFast, exist_ok=True)
 
 # save_pretrained then writes `auto_map` and copies the configuration/modeling files next to the weights, so a
 # saved folder loads with `trust_remote_code=True` where this package is not installed.

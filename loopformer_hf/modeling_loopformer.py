@@ -613,8 +613,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
 def as_requested(output, return_dict, config):
     """`output`, or its tuple with `return_dict=False` (the call's, else the config's), as Llama's `can_return_tuple`
-    (inline: a compiled forward stays this file's own code object, not a wrapper whose recompile limit every
-    transformers model in the process shares)."""
+    (inline: a compiled forward stays this file's code object, not a wrapper whose recompile limit all models share)."""
     return output if (config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
@@ -631,8 +630,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        # a tied head is never saved: the Trainer's resume then re-ties it, where it warned of a missing lm_head.weight
-        self._keys_to_ignore_on_save |= set(self.all_tied_weights_keys)
+        self._keys_to_ignore_on_save |= set(self.all_tied_weights_keys)  # never saved: a resume re-ties, not "missing"
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None,

@@ -153,3 +153,25 @@ def test_pipeline_with_a_budget_per_input(folder):
     assert [t[0]["generated_text"] for t in together] == [a[0]["generated_text"] for a in alone]
     with pytest.raises(ValueError, match=r"`loop_budget` gives 2 values.*batch has 1 rows.*pass batch_size=len\(inputs\)"):
         pipe(prompts, max_new_tokens=2, loop_budget=budgets)
+
+
+def test_a_folder_without_a_tokenizer_says_so(tmp_path):
+    # "You need to have sentencepiece or tiktoken installed to convert a slow tokenizer" (issue 55)
+    from transformers import AutoTokenizer
+
+    from support.hub_helpers import make_model
+
+    make_model(seed=0).save_pretrained(tmp_path / "m")
+    for load in (lambda: AutoTokenizer.from_pretrained(tmp_path / "m"),
+                 lambda: pipeline("text-generation", model=str(tmp_path / "m"))):
+        with pytest.raises(OSError, match=r"holds no tokenizer \(none of tokenizer\.json, .*tokenizer\.save_pretrained"):
+            load()
+
+
+def test_a_folder_with_a_tokenizer_loads_it_as_saved(folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert type(tokenizer).__name__ != "LoopFormerTokenizerFast"
+    tokenizer.save_pretrained(tmp_path / "tok")
+    assert "LoopFormer" not in (tmp_path / "tok" / "tokenizer_config.json").read_text()
