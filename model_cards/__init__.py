@@ -26,25 +26,6 @@ NO_RECORD_TEXT = ("This checkpoint was published without its training run's reco
                   "results.json), so how it was trained is not stated here.")
 
 
-def authors_text(config):
-    """The Training section of a card for the authors' own weights (an FPRM loaded from their published step files,
-    which records `authors_checkpoint`), or None."""
-    source = getattr(config, "authors_checkpoint", None)
-    if not isinstance(source, dict) or source.get("step") is None:
-        return None
-    from fprm_hf.authors_checkpoints import PUBLISHED_REPO
-
-    repo = source.get("repo")
-    where = (f"of their Hub repo [{repo}](https://huggingface.co/{repo})" if repo == PUBLISHED_REPO else
-             f"read from `{repo}`, a folder in the layout of their Hub repo "
-             f"[{PUBLISHED_REPO}](https://huggingface.co/{PUBLISHED_REPO})")
-    return (f"Trained by the FPRM authors with their code ([GitHub nilskiKonjIzDunava/fprm]"
-            f"(https://github.com/nilskiKonjIzDunava/fprm)): the weights of their step file `{source.get('file')}` "
-            f"{where} (step {source['step']}), loaded into this package's classes as published, without "
-            f"retraining. Where each setting came from (the tensors, their all_config.yaml or experiment config, "
-            f"their code's defaults) is listed in config.json under `authors_checkpoint.sources`.")
-
-
 def kind_of(model_type):
     """KINDS[model_type], with its package imported (the import registers the Auto classes)."""
     if model_type not in KINDS:
@@ -232,4 +213,5 @@ def model_card(model, repo_id, checkpoint, *, tokenizer=None, eval_json=None, pr
         card_data, template_path=str(TEMPLATES_DIR / f"{config.model_type}.md"), **values, repo_id=repo_id,
         model_name=model_name, num_parameters=f"{model.num_parameters():,}", results=results, record=record,
         eval_source=Path(eval_json).name if eval_json else None, dataset=describe_dataset(config.model_type, record),
-        training_text=training_text or authors_text(config) or (None if record else NO_RECORD_TEXT))
+        training_text=training_text or (None if record else NO_RECORD_TEXT),
+        authors_checkpoint=getattr(config, "authors_checkpoint", None))  # the authors' own weights (FPRM)
