@@ -37,19 +37,9 @@ from vllm.sequence import IntermediateTensors
 
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
-from .modeling_loopformer import LoopFormerLoopConditioning
+from .modeling_loopformer import LoopFormerLoopConditioning, rms_norm
 from .vllm_plugin import max_request_loop_budget, server_trajectory
 from .vllm_requests import LoopPlan, requests_of
-
-
-# `rms_norm_eps=None`: float32's eps whatever the dtype, as `LoopFormerRMSNorm` (the reference's norms see float32).
-DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
-def rms_norm(x, weight, eps):
-    """RMSNorm in float32 (weight optional), as the checkpoint's `rms_norm`."""
-    eps = DEFAULT_RMS_NORM_EPS if eps is None else eps
-    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
 
 
 class LoopFormerMLP(nn.Module):
@@ -169,17 +159,10 @@ class LoopFormerBlock(nn.Module):
 
     def forward(self, positions, hidden_states, step, rows, active=None):
         gate_attn, gate_mlp, weight_attn, weight_mlp = rows
-        attn_out = self.self_attn(positions, _norm(hidden_states, weight_attn, self.eps), step, active)
+        attn_out = self.self_attn(positions, rms_norm(hidden_states, weight_attn, self.eps), step, active)
         hidden_states = hidden_states + attn_out if gate_attn is None else hidden_states.addcmul(gate_attn, attn_out)
-        mlp_out = self.mlp(_norm(hidden_states, weight_mlp, self.eps))
+        mlp_out = self.mlp(rms_norm(hidden_states, weight_mlp, self.eps))
         return hidden_states + mlp_out if gate_mlp is None else hidden_states.addcmul(gate_mlp, mlp_out)
-
-
-def _norm(x, weight, eps):
-    """`rms_norm`, also with one weight row per token (tokens of several trajectories)."""
-    if weight is not None and weight.dim() == 2:
-        return rms_norm(x, None, eps) * weight.to(x.dtype)
-    return rms_norm(x, weight, eps)
 
 
 class _NormWeight(nn.Module):
