@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from typing_extensions import TypedDict, Unpack  # Python 3.10 (requires-python) has no typing.Unpack
 
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import PreTrainedModel
@@ -243,6 +244,25 @@ FPRM_INPUTS_DOCSTRING = r"""
             re-injected as those are.
         output_attentions (`bool`, *optional*): None or False only (see `check_call_flags`).
 """
+
+
+class FPRMSolveKwargs(TypedDict, total=False):
+    """The arguments of a call beyond its inputs (`FPRM_INPUTS_DOCSTRING`), written once: `FPRMModel.forward` takes
+    them, `FPRMForReasoning.forward` passes them on."""
+
+    halt_eps: float
+    max_loops: int
+    eta: float
+    gamma: float
+    patience: int
+    min_eta: float
+    halting: bool
+    halt_scope: str
+    solver_state: FPRMSolverState
+    output_residual_trace: bool
+    generator: torch.Generator
+    output_hidden_states: bool
+    output_attentions: bool
 
 
 class FPRMModel(FPRMPreTrainedModel):
@@ -528,43 +548,19 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         self.lm_head = new_embeddings
 
     @add_start_docstrings_to_model_forward(FPRM_INPUTS_DOCSTRING)
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        labels=None,
-        puzzle_identifiers=None,
-        halt_eps=None,
-        max_loops=None,
-        eta=None,
-        gamma=None,
-        patience=None,
-        min_eta=None,
-        halting=True,
-        halt_scope=None,
-        solver_state=None,
-        output_residual_trace=False,
-        generator=None,
-        output_hidden_states=None,
-        return_dict=None,
-        inputs_embeds=None,
-        output_attentions=None,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, puzzle_identifiers=None, inputs_embeds=None,
+                return_dict=None, **kwargs: Unpack[FPRMSolveKwargs]):
         r"""
         labels (`torch.LongTensor` of shape `(batch, tokens)`, *optional*): target token per input token, -100 ignored.
+
+        The solver's arguments (`halt_eps`, `max_loops`, ..., `output_hidden_states`) are [`FPRMModel.forward`]'s.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None:
             inputs = input_ids if inputs_embeds is None else inputs_embeds
             self.check_labels(labels, tuple(getattr(inputs, "shape", ()))[:2])
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, puzzle_identifiers=puzzle_identifiers,
-            halt_eps=halt_eps, max_loops=max_loops, eta=eta, gamma=gamma, patience=patience, min_eta=min_eta,
-            halting=halting, halt_scope=halt_scope, solver_state=solver_state,
-            output_residual_trace=output_residual_trace,
-            generator=generator, output_hidden_states=output_hidden_states, return_dict=True,
-            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-        )
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, puzzle_identifiers=puzzle_identifiers,
+                             inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
         hidden = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
         logits = self.lm_head(hidden)
         q_halt_logits = None
