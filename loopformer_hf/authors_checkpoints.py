@@ -317,6 +317,11 @@ def _steps_default(model_type, name_or_path):
     return GITHUB_STEPS.get(model_type, GITHUB_STEP_COUNT), "their forward's default (steps=[1/8]*8 or 8)"
 
 
+def _public(config_dict):
+    """config.json's keys without those transformers adds on reading (`_commit_hash` before 5.24)."""
+    return None if config_dict is None else {k: v for k, v in config_dict.items() if not k.startswith("_")}
+
+
 def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
     """`LoopFormerConfig` keyword arguments of a config.json in the authors' layout: the one derivation that
     `AutoConfig` (through `LoopFormerConfig.from_dict`) and `from_pretrained` both use, so PEFT, vLLM, pipelines and
@@ -329,7 +334,7 @@ def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
     if name_or_path is not None:
         local = os.path.isdir(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else False
         try:
-            if shapes is None and read_config_dict(name_or_path, hub_kwargs) != config_dict:
+            if shapes is None and _public(read_config_dict(name_or_path, hub_kwargs)) != _public(config_dict):
                 raise OSError("its config.json at the default revision and folder is another one")
             if shapes is None:
                 shapes = read_weight_shapes(name_or_path, hub_kwargs)
