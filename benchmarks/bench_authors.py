@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from benchmarks import row, write_json
+from benchmarks import format_markdown, row, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, generate_fn, interleaved
 from loopformer_hf import ShortcutConsistency
 from loopformer_hf.convert_reference import convert
@@ -225,8 +225,6 @@ def main(argv=None):
         rows = authors_rows(cfg, repeats, args.authors_repo, log=lambda s: print(s, flush=True))
     except ValueError as e:
         p.error(str(e))
-    from benchmarks.report_table import format_markdown
-
     print()
     print(format_markdown(rows))
     write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick),

@@ -19,7 +19,8 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import bench_authors, bench_cache_sharing, bench_compile, bench_halting, row, write_json
+from benchmarks import (bench_authors, bench_cache_sharing, bench_compile, bench_halting, format_markdown, row,
+                        write_json)
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 from tests.support.instruments import CountOps
 
@@ -161,21 +162,6 @@ def halting_table_rows(eps_values, prompt_len, new_tokens, repeats, log=print):
             rows.append(row(f"ATen calls/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
                             r["ops_per_token"], full["ops_per_token"], [r["ops_ratio"]]))
     return rows
-
-
-def format_markdown(rows):
-    lines = ["| measurement | LoopFormer | baseline | ratio (median) | spread (min-max) | target | met |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("slot"):
-            text = r["slot"] if isinstance(r["slot"], str) else "not measured by this command yet"
-            lines.append(f"| {r['measurement']} | {text} | | | | | |")
-            continue
-        spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
-        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        lines.append(f"| {r['measurement']} | {r['loopformer']:.4g} | {r['baseline']:.4g} | {r['ratio']:.3f} | "
-                     f"{spread} | {r['target'] or '-'} | {met} |")
-    return "\n".join(lines)
 
 
 def main(argv=None):

@@ -282,9 +282,10 @@ class LoopFormerGenerationMixin(GenerationMixin):
         return torch.cat(columns, dim=1)
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, plus `loop_budget`, `step_schedule` and `halt_eps` kwargs. The same three fields
-        set on `generation_config` (or on `model.generation_config`, which `save_pretrained` writes to
-        generation_config.json) are used when the call does not give them.
+        """`GenerationMixin.generate`, plus the kwargs `loop_budget` and `step_schedule` (one for the batch, or a list
+        of one per row), `halt_eps` and `halt_criterion`. The same fields set on `generation_config` (or on
+        `model.generation_config`, which `save_pretrained` writes to generation_config.json) are used when the call
+        does not give them.
 
         With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`], or
         [`LoopFormerGenerateBeamDecoderOnlyOutput`] for beam search) carries `loop_counts`, a (returned sequences,

@@ -5,10 +5,12 @@ Follows vLLM's `llama.py` for the layers and its looped `iquest_loopcoder.py` fo
 block j) pair gets its own `Attention` layer, hence its own paged KV cache, named `model.layers.{i*k + j}.self_attn
 .attn` (the slot `LoopFormerCache` gives the pair). The projections are shared by the M attention layers of a block.
 
-The trajectory (loop budget M, step sizes Δ_1..Δ_M) is fixed when the model is built, because the number of cache
-layers depends on M. It is resolved once per server by `server_trajectory`: vLLM's `--hf-overrides` (`loop_budget`,
-`step_schedule`), else the checkpoint's generation_config.json, else its config (`default_loop_budget`,
-`default_step_schedule`). What vLLM cannot express is refused there (see `server_trajectory`).
+The number of cache layers is fixed when the model is built: one per (loop step, block) up to the largest budget a
+request may ask for (`max_request_loop_budget`). The server's trajectory (loop budget M, step sizes Δ_1..Δ_M) is
+resolved once by `server_trajectory`: vLLM's `--hf-overrides` (`loop_budget`, `step_schedule`), else the checkpoint's
+generation_config.json, else its config (`default_loop_budget`, `default_step_schedule`); what vLLM cannot express is
+refused there. A request may pick its own budget and schedule (`SamplingParams(extra_args=...)`, the OpenAI server's
+`vllm_xargs`; `vllm_requests.py`), a token running only the loop steps of its own request's trajectory.
 
 Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_attn.q_proj.weight`, ...). This file
 takes the loop conditioning module (t, Δ → c_i) from `modeling_loopformer.py`; the rest is vLLM's layers.

@@ -164,3 +164,80 @@ def test_the_causal_lm_forward_is_llama_sized_and_reads_its_objective_as_data():
                                       "shortcut_consistency"}
     source = inspect.getsource(inspect.getmodule(LoopFormerForCausalLM))
     assert "shortcut_objective" not in source and "record_terms" not in source
+
+
+# ---- no import cycles: every module of the tree, function-level imports included --------------------------------
+
+# import name -> folder (the wheel installs training/ as looped_training; tests import their helpers as `support`)
+IMPORT_ROOTS = {"loopformer_hf": "loopformer_hf", "fprm_hf": "fprm_hf", "looped_training": "training",
+                "benchmarks": "benchmarks", "support": "tests/support"}
+
+
+def _import_graph():
+    modules = {}
+    for name, folder in IMPORT_ROOTS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name):  # the module `name` is, or the deepest one it lies in
+        name = name.replace("tests.support", "support", 1) if name.startswith("tests.support") else name
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                       else []))
+                found |= {known(f"{base}.{alias.name}") for alias in node.names}
+        # a module's own package __init__ runs before it anyway: not an edge
+        graph[module] = {m for m in found if m and m != module and not (module.startswith(m + ".")
+                                                                        and modules[m].name == "__init__.py")}
+    return graph
+
+
+def test_no_import_cycles_anywhere_in_the_tree():
+    graph, cycles = _import_graph(), []
+
+    def reaches(start, goal, seen):
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    cycles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+# ---- the docs name what the code holds ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package, doc", [("loopformer_hf", "docs/loopformer.md"), ("fprm_hf", "docs/fprm_model.md")])
+def test_every_module_is_in_its_docs_files_table(package, doc):
+    text = (ROOT / doc).read_text()
+    missing = [p.name for p in _modules(package) if p.name != "__init__.py" and f"`{p.name}`" not in text]
+    assert not missing, f"{doc} does not list {missing}"
+
+
+def test_the_documented_option_lists_are_the_codes():
+    from fprm_hf.configuration_fprm import HALT_SCOPES
+    from loopformer_hf import LoopFormerForCausalLM
+    from loopformer_hf.halting_loopformer import HALT_CRITERIA
+
+    def rows(doc, name):
+        return [line for line in (ROOT / doc).read_text().splitlines() if line.startswith(f"| `{name}` |")]
+
+    forward_row = rows("docs/loopformer.md", "halt_criterion")[-1]  # the forward arguments' table
+    assert all(f'"{c}"' in forward_row for c in HALT_CRITERIA), forward_row
+    assert all(f'"{s}"' in row for row in rows("docs/fprm_model.md", "halt_scope") for s in HALT_SCOPES)
+    doc = LoopFormerForCausalLM.generate.__doc__
+    assert all(f"`{knob}`" in doc for knob in ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")), doc

@@ -80,7 +80,7 @@ def test_row_scaling_times_each_half_batch_against_its_full_one(capsys):
 def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     """bench_halting's timed rows carry the m/L + 0.15 bound; report_table prints them and a slot for the rows other
     benchmarks add (static cache, compiled decoding, shared cache)."""
-    from benchmarks import bench_halting, report_table
+    from benchmarks import bench_halting, format_markdown, report_table, row
 
     rows = bench_halting.halting_rows(tiny_model, [1e-9], ("reuse",), prompt_len=4, new_tokens=2, repeats=1)
     assert [r["run"] for r in rows] == ["M=1", "M=2", "M=3", "M=4", "eps=1e-09 (reuse)"]
@@ -95,8 +95,8 @@ def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     counted = {r["measurement"]: r for r in table_rows if r["measurement"].startswith("ATen calls/token")}
     assert len(timed) == len(counted) == 4 and timed[-1]["target"] == "<= 1.15"
     assert counted["ATen calls/token, M=1, mean loops 1.00: / M=4"]["ratio"] < 1
-    table = report_table.format_markdown(
-        [report_table.row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
+    table = format_markdown(
+        [row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
          dict(measurement=report_table.EXTRA_SLOT, slot=True)])
     assert "| x / y | 2 | 1 | 2.000 | 1.500-2.500 | <= 1.0 | NO |" in table
     assert "not measured by this command yet" in table.splitlines()[-1]

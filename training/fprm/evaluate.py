@@ -12,6 +12,7 @@ file (or the run's own) for the card's model-index.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -340,7 +341,7 @@ def build_parser(argv):
     """The command's parser, its evaluation defaults taken from the run's record, and the run (model folder, record)."""
     from transformers import HfArgumentParser
 
-    from looped_training.fprm.train import EvalArguments
+    from looped_training.fprm.arguments import EvalArguments
 
     parser = HfArgumentParser((EvalArguments,), prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="an FPRM training output folder (holding model/ and results.json)")
@@ -376,6 +377,18 @@ def card_results(data, path, checkpoint, record, _):
             for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if is_number(block.get(metric))]
 
 
+def _strict_json(value):
+    """`value` with every non-finite float (an accuracy of no sample, a diverged residual) as None: NaN and Infinity
+    are not JSON, and strict readers (JavaScript, jq) refuse the file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def main(argv=None):
     import torch
 
@@ -384,7 +397,7 @@ def main(argv=None):
     from fprm_hf import FPRMForReasoning
     from looped_training.checkpoints import load_model
     from looped_training.fprm.tasks import build_task
-    from looped_training.fprm.train import DataArguments, EvalArguments, _strict_json, check_run_flags
+    from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, run = build_parser(argv)

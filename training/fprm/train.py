@@ -24,7 +24,6 @@ running the cap (accuracy, iterations and wall-clock), and writes PNG plots and 
 """
 
 import json
-import math
 import os
 import sys
 import time
@@ -35,7 +34,6 @@ from safetensors.torch import load_file
 from transformers import HfArgumentParser, TrainerState, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.arguments import parse_args_with_config, split_config_file
 from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
                                          check_resume_data, check_run_length, claim_output_dir, finish_final_save,
@@ -43,8 +41,9 @@ from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, Ru
                                          start_final_save, unfinished_records)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
-from looped_training.fprm.evaluate import (RESULTS_FILE, accuracy, evaluate, parse_iteration_counts, print_report,
-                                           write_plots)
+from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
+from looped_training.fprm.evaluate import (RESULTS_FILE, _strict_json, accuracy, evaluate, parse_iteration_counts,
+                                           print_report, write_plots)
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
 
@@ -89,55 +88,6 @@ class ModelArguments:
     puzzle_emb_ndim: int | None = field(
         default=None, metadata={"help": "values of the prefix rows that are learned (their puzzle_emb_ndim, = d in "
                                         "their Sudoku/maze configs: the first of the 16 rows); default all"})
-
-
-@dataclass
-class DataArguments:
-    preset: str | None = field(
-        default=None, metadata={"help": "a file of training/configs/fprm/ by name: `--preset s5-cpu` reads "
-                                        "training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"})
-    task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
-    num_train: int = field(default=2000)
-    num_test: int = field(default=200)
-    sudoku_size: int = field(default=4)
-    maze_size: int = field(default=15)
-    train_length: int = field(default=32)
-    min_train_length: int | None = field(
-        default=None, metadata={"help": "state tracking: train lengths uniform in [min_train_length, train_length] "
-                                        "(default: all exactly train_length)"})
-    test_length: int = field(default=128)
-    pad_train_to_test_length: bool = field(
-        default=True, metadata={"help": "state tracking: pad the training rows to --test_length with ignored labels, "
-                                        "as the authors' build_state_tracking_dataset (false: to the longest training "
-                                        "length, cheaper per step; the halting residual then reads fewer positions)"})
-    curriculum_start_length: int | None = field(
-        default=None, metadata={"help": "state tracking: train on fresh sequences of length <= this first, then "
-                                        "raise the maximum by half (up to --train_length) each time accuracy at the "
-                                        "current maximum reaches --curriculum_threshold"})
-    curriculum_threshold: float = field(default=0.9)
-    curriculum_check_steps: int = field(default=50, metadata={"help": "optimizer steps between curriculum checks"})
-    arc_max_grid: int = field(default=10)
-    arc_max_tasks: int = field(default=40)
-    arc_augmentations: int = field(default=8)
-    data_seed_offset: int = field(default=0)
-
-
-@dataclass
-class EvalArguments:
-    eval_max_loops: int = field(default=200, metadata={"help": "solver cap at evaluation"})
-    eval_halt_eps: float | None = field(default=None, metadata={"help": "halt_eps at evaluation (default: config)"})
-    eval_gamma: float | None = field(default=None)
-    eval_batch_size: int = field(default=100)
-    compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
-    eval_iterations_curve: str | None = field(
-        default=None, metadata={"help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
-                                        "fraction converged with halting off after each (the stability test)"})
-    time_budget_minutes: float | None = field(
-        default=None, metadata={"help": "stop training after this long (0: no budget, e.g. to lift a preset's)"})
-    time_budget_decay_fraction: float = field(
-        default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
-                                       "budget (0: no decay)"})
-    torch_threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU)"})
 
 
 def parse_args(argv=None):
@@ -186,45 +136,6 @@ def check_train_size(parser, data_args, train_args):
                      f"{data_args.num_train}.")
 
 
-def _at_least_one(value, name):
-    if value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-
-
-def _time_budget(value, name):
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"`{name}` must be a finite number of minutes >= 0 (0: no budget, e.g. over a preset's), "
-                         f"got {value!r}.")
-
-
-def _unless_none(check):
-    """`check` for a flag whose None means "not given"."""
-    return lambda value, name: value is None or check(value, name)
-
-
-def check_run_flags(parser, data_args, eval_args):
-    """argparse's error (exit 2) for a flag read only after training (the evaluation) or during it (a callback),
-    before any data or model is built: a bad value must not cost a run. The rules are those of the code that reads
-    the flag."""
-    checks = [
-        (eval_args, "eval_max_loops", check_max_loops),
-        (eval_args, "eval_halt_eps", _unless_none(check_halt_eps)),  # None: the config's
-        (eval_args, "eval_gamma", _unless_none(check_unit_interval)),
-        (eval_args, "eval_batch_size", _at_least_one),
-        (data_args, "num_test", _at_least_one),
-        (eval_args, "torch_threads", _unless_none(_at_least_one)),
-        (data_args, "curriculum_check_steps", _at_least_one),
-        (eval_args, "time_budget_minutes", _unless_none(_time_budget)),
-        # TimeBudgetCallback's own check (with a stand-in budget): checked with or without a budget
-        (eval_args, "time_budget_decay_fraction", lambda value, name: TimeBudgetCallback(1.0, value)),
-    ]
-    for args, flag, check in checks:
-        try:
-            check(getattr(args, flag), f"--{flag}")
-        except ValueError as e:
-            parser.error(str(e))
-
-
 def predictions_and_iterations(outputs, labels):
     """What `solver_metrics` needs of an evaluation batch's outputs (logits, iterations, ...): not the logits."""
     return outputs[0].argmax(-1), outputs[1]
@@ -235,18 +146,6 @@ def solver_metrics(eval_pred):
     preds, iterations = eval_pred.predictions
     cell, exact, _, _ = accuracy(torch.as_tensor(preds), eval_pred.label_ids)
     return {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iterations.mean())}
-
-
-def _strict_json(value):
-    """`value` with every non-finite float (an accuracy of no sample, a diverged residual) as None: NaN and Infinity
-    are not JSON, and strict readers (JavaScript, jq) refuse the file."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
 
 
 def main(argv=None):
