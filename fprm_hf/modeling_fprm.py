@@ -509,6 +509,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
     prefix)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # tied only with tie_word_embeddings=True
+    # its **kwargs are the solver's (FPRMSolveKwargs), not loss kwargs: Trainer must not pass `num_items_in_batch`
+    accepts_loss_kwargs = False
 
     def __init__(self, config: FPRMConfig):
         super().__init__(config)
