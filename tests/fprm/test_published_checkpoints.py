@@ -67,6 +67,23 @@ def test_the_newest_step_loads_with_the_values_of_the_files(repo, sudoku):
     torch.testing.assert_close(sudoku.q_head.bias, theirs["model.inner.q_head.bias"])
 
 
+def test_where_each_value_came_from_is_logged(repo, caplog):
+    import transformers
+
+    root, _ = repo
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("INFO", logger="fprm_hf.authors_checkpoints"):
+            FPRMForReasoning.from_pretrained(root / "sudoku", step=OLDER)
+    finally:
+        transformers.logging.disable_propagation()
+    lines = [r.getMessage() for r in caplog.records if r.name == "fprm_hf.authors_checkpoints"]
+    line = next(m for m in lines if f"step_{OLDER}: " in m and "num_heads from" in m)
+    assert "num_heads from all_config.yaml arch.num_heads" in line
+    assert "hidden_size from weights: embed_tokens.embedding_weight (11, 512)" in line
+    assert "rms_norm_eps from GitHub nilskiKonjIzDunava/fprm models/config.py ReasoningModelConfig default" in line
+
+
 def test_step_picks_another_and_an_unknown_step_is_named(repo):
     root, weights = repo
     older = FPRMForReasoning.from_pretrained(root / "sudoku", step=OLDER)
