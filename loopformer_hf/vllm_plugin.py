@@ -1,4 +1,4 @@
-"""vLLM plugin: `pip install "looped-transformers-hf[vllm]"` installs the entry point `vllm.general_plugins` ->
+"""vLLM plugin: `pip install ".[vllm]"` (from a checkout) installs the entry point `vllm.general_plugins` ->
 `register`, which vLLM calls in every process it starts (the API server, the engine core, its workers) before it
 reads a model's config. After it, `vllm serve CKPT` and `LLM(model=CKPT)` run a checkpoint this package saved.
 

@@ -256,7 +256,8 @@ def write_plots(results, log_history, output_dir):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install 'looped-transformers-hf[train]')")
+        print("matplotlib is not installed: no plots (pip install matplotlib, or `pip install '.[train]'` in a "
+              "checkout)")
         return []
 
     matplotlib.use("Agg")
