@@ -4,7 +4,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
 from .authors_checkpoints import from_pretrained_published, install_config_hook
 from .configuration_fprm import FPRMConfig
-from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMModelOutput, FPRMPreTrainedModel, FPRMReasoningOutput
+from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMPreTrainedModel
+from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput
 from .solver_fprm import FPRMSolverState, SolverSettings
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)

@@ -11,7 +11,7 @@ training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA co
 `all_config.yaml` (`yaml.dump(PretrainConfig.model_dump())`; its `arch:` carries the fields their Hydra configs set)
 and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
 
-So every value comes from the files, in this order (`authors_layout.resolve_settings`, the one derivation behind
+So every value comes from the files, in this order (`authors_settings.resolve_settings`, the one derivation behind
 `from_pretrained`, `AutoConfig` and `python -m fprm_hf.convert_reference`):
 
 1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
@@ -34,16 +34,8 @@ import re
 import torch
 from transformers.utils import cached_file, logging
 
-from .authors_layout import (
-    GITHUB,
-    PublishedCheckpointError,
-    build_config,
-    fixed_alphas_of,
-    map_reference_state_dict,
-    resolve_settings,
-    unknown_settings,
-    weight_settings,
-)
+from .authors_layout import GITHUB, build_config, fixed_alphas_of, map_reference_state_dict, unknown_settings
+from .authors_settings import PublishedCheckpointError, resolve_settings, weight_settings
 
 logger = logging.get_logger(__name__)
 
@@ -56,21 +48,50 @@ LOCATING_KWARGS = HUB_KWARGS + ("trust_remote_code", "_from_pipeline", "_from_au
 
 # Their Hydra configs as one run merges them (config/arch/fprm.yaml, then the task file's `arch:` section), for a
 # folder that states no all_config.yaml. Only the fields that decide what the forward computes and the task's data.
-_ARCH = dict(L_layers=2, hidden_size=512, num_heads=8, expansion=4, puzzle_emb_ndim=512, puzzle_emb_len=16,
-             pos_encodings="rope", forward_dtype="bfloat16", mlp_t=False, fp_thresh=0.1, stepsize=1.0,
-             stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1e-8, init_std=6.0,
-             additive_noise_std=0.0, fixed_init=False, residual_scale="input-independent", alpha_1_init=0.75,
-             alpha_2_init=0.25, outer_only=False, norm_type="pre-norm", normalize_input_injection=False,
-             softmax_temp=1.0, n_decode_steps=0, max_iter_eval=1000)
+_ARCH = dict(
+    L_layers=2,
+    hidden_size=512,
+    num_heads=8,
+    expansion=4,
+    puzzle_emb_ndim=512,
+    puzzle_emb_len=16,
+    pos_encodings="rope",
+    forward_dtype="bfloat16",
+    mlp_t=False,
+    fp_thresh=0.1,
+    stepsize=1.0,
+    stepsize_decay_train=0.9,
+    stepsize_decay_eval=0.99,
+    decay_patience=5,
+    eps=1e-8,
+    init_std=6.0,
+    additive_noise_std=0.0,
+    fixed_init=False,
+    residual_scale="input-independent",
+    alpha_1_init=0.75,
+    alpha_2_init=0.25,
+    outer_only=False,
+    norm_type="pre-norm",
+    normalize_input_injection=False,
+    softmax_temp=1.0,
+    n_decode_steps=0,
+    max_iter_eval=1000,
+)
 EXPERIMENTS = {
-    "sudoku": {"source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_sudoku.yaml",
-               "data_paths": ["data/sudoku-extreme-1k-aug-1000"],
-               "arch": dict(_ARCH, norm_placement="none", conv_type="conv2d", conv_kernel_size=3, conv_bias=False,
-                            max_iter=12)},
-    "maze": {"source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_maze.yaml",
-             "data_paths": ["data/maze-30x30-hard-1k-noaug"],
-             "arch": dict(_ARCH, norm_placement="output", conv_type="conv1d", conv_kernel_size=4, conv_bias=False,
-                          max_iter=24)},
+    "sudoku": {
+        "source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_sudoku.yaml",
+        "data_paths": ["data/sudoku-extreme-1k-aug-1000"],
+        "arch": dict(
+            _ARCH, norm_placement="none", conv_type="conv2d", conv_kernel_size=3, conv_bias=False, max_iter=12
+        ),
+    },
+    "maze": {
+        "source": f"{GITHUB} config/arch/fprm.yaml + config/cfg_pretrain_maze.yaml",
+        "data_paths": ["data/maze-30x30-hard-1k-noaug"],
+        "arch": dict(
+            _ARCH, norm_placement="output", conv_type="conv1d", conv_kernel_size=4, conv_bias=False, max_iter=24
+        ),
+    },
 }
 # ---- the folder ------------------------------------------------------------------------------------------------------
 
@@ -100,8 +121,11 @@ def list_folder(path, hub_kwargs):
     except Exception:  # offline, unknown repo: the caller decides with what it has
         return None
     prefix = f"{sub.strip('/')}/" if sub else ""
-    return sorted(s.rfilename[len(prefix):] for s in info.siblings
-                  if s.rfilename.startswith(prefix) and "/" not in s.rfilename[len(prefix):])
+    return sorted(
+        s.rfilename[len(prefix) :]
+        for s in info.siblings
+        if s.rfilename.startswith(prefix) and "/" not in s.rfilename[len(prefix) :]
+    )
 
 
 def steps_in(names):
@@ -136,14 +160,20 @@ def choose_step(path, hub_kwargs, step=None):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise PublishedCheckpointError(f"`step` must be a non-negative integer (a step_N file), got {step!r}.")
         if steps is not None and step not in steps:
-            raise PublishedCheckpointError(f"{_where(path, hub_kwargs)} has no step_{step}; its steps: "
-                                           f"{steps or 'none'}.")
+            raise PublishedCheckpointError(
+                f"{_where(path, hub_kwargs)} has no step_{step}; its steps: {steps or 'none'}."
+            )
         return step
     if not steps:
         raise PublishedCheckpointError(
-            f"{_where(path, hub_kwargs)} holds no step_N files" + (" (the Hub could not be listed: pass step=N to "
-                                                                  "read one from the cache)" if names is None else
-                                                                  f" (its files: {names[:8]})") + ".")
+            f"{_where(path, hub_kwargs)} holds no step_N files"
+            + (
+                " (the Hub could not be listed: pass step=N to read one from the cache)"
+                if names is None
+                else f" (its files: {names[:8]})"
+            )
+            + "."
+        )
     return steps[-1]
 
 
@@ -163,12 +193,18 @@ def read_step_file(path, hub_kwargs, step):
         reason = next((line for line in reason if line.strip()), type(error).__name__)
         needs_pickle = "weights_only" in str(error) or "Unsupported global" in str(error)
         raise PublishedCheckpointError(
-            f"{resolved}: " + ("refused, it needs pickle to load (only tensors are read from a step file): "
-                               if needs_pickle else "not a readable torch state dict (truncated or damaged?): ")
-            + reason[:300]) from None
+            f"{resolved}: "
+            + (
+                "refused, it needs pickle to load (only tensors are read from a step file): "
+                if needs_pickle
+                else "not a readable torch state dict (truncated or damaged?): "
+            )
+            + reason[:300]
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-        raise PublishedCheckpointError(f"{resolved}: does not hold a state dict (str -> tensor), got "
-                                       f"{type(state).__name__}.")
+        raise PublishedCheckpointError(
+            f"{resolved}: does not hold a state dict (str -> tensor), got {type(state).__name__}."
+        )
     return state
 
 
@@ -185,9 +221,10 @@ def read_arch(path, hub_kwargs):
     except yaml.YAMLError as error:
         raise PublishedCheckpointError(f"{resolved}: not readable YAML ({str(error).splitlines()[0]}).") from None
     if not isinstance(data, dict) or not isinstance(data.get("arch"), dict):
-        raise PublishedCheckpointError(f"{resolved}: expected their pretrain config with an `arch:` mapping, got "
-                                       f"{type(data).__name__}" + (f" with keys {sorted(data)[:10]}"
-                                                                   if isinstance(data, dict) else "") + ".")
+        raise PublishedCheckpointError(
+            f"{resolved}: expected their pretrain config with an `arch:` mapping, got "
+            f"{type(data).__name__}" + (f" with keys {sorted(data)[:10]}" if isinstance(data, dict) else "") + "."
+        )
     paths = data.get("data_paths") or ([data["data_path"]] if data.get("data_path") else [])
     return dict(data["arch"]), list(paths), f"{CONFIG_YAML} arch"
 
@@ -210,22 +247,29 @@ def published_config(path, hub_kwargs, step=None, reference=None):
     if arch is None and task is not None:
         experiment = EXPERIMENTS[task]
         arch, data_paths, arch_source = dict(experiment["arch"]), experiment["data_paths"], experiment["source"]
-        logger.warning_once(f"{_where(path, hub_kwargs)} states no {CONFIG_YAML}: its settings are their published {task} "
-                       f"experiment's ({arch_source}), the weights deciding every size they show.")
+        logger.warning_once(
+            f"{_where(path, hub_kwargs)} states no {CONFIG_YAML}: its settings are their published {task} "
+            f"experiment's ({arch_source}), the weights deciding every size they show."
+        )
     where = f"{_where(path, hub_kwargs)}/step_{step}"
     settings, grid, sources = resolve_settings(reference, arch, arch_source, data_paths, where)
     unknown = unknown_settings(settings)
     if unknown:
-        logger.warning_once(f"{where}: {arch_source} sets {unknown}, which their FPRMConfig does not define (pydantic "
-                       f"ignores them, and so does this loader).")
+        logger.warning_once(
+            f"{where}: {arch_source} sets {unknown}, which their FPRMConfig does not define (pydantic "
+            f"ignores them, and so does this loader)."
+        )
         settings = {k: v for k, v in settings.items() if k not in unknown}
     _, has_q_head = weight_settings(reference)
     config = build_config(settings, fixed_alphas_of(reference), use_q_head=has_q_head, grid=grid)
     config.dtype = str(next(iter(reference.values())).dtype).removeprefix("torch.")  # as stored (their fp32 EMA)
     sub = hub_kwargs.get("subfolder")
     config.authors_checkpoint = {
-        "repo": os.fspath(path), "subfolder": sub or None, "step": step,
-        "file": f"{sub}/step_{step}" if sub else f"step_{step}", "sources": sources,
+        "repo": os.fspath(path),
+        "subfolder": sub or None,
+        "step": step,
+        "file": f"{sub}/step_{step}" if sub else f"step_{step}",
+        "sources": sources,
     }
     logger.info(f"{where}: " + "; ".join(f"{k} from {v}" for k, v in sorted(sources.items())))
     return config, reference, step
@@ -280,8 +324,11 @@ def from_pretrained_published(cls, path, model_args, kwargs):
 
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for a published folder.")
-    kwargs = {k: v for k, v in kwargs.items()
-              if k not in HUB_KWARGS + ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")}
+    kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in HUB_KWARGS + ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")
+    }
     step, config = kwargs.pop("step", None), kwargs.pop("config", None)
     if config is not None and not isinstance(config, FPRMConfig):
         raise ValueError(f"`config` must be an FPRMConfig for {PUBLISHED_REPO}'s layout, got {type(config).__name__}.")
@@ -297,8 +344,10 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     if config_kwargs:
         config.validate()
     state_dict, dropped = map_reference_state_dict(reference, config)
-    logger.info(f"{_where(path, hub_kwargs)}/step_{step}: dropped {dropped[:4]}{' ...' if len(dropped) > 4 else ''} "
-                f"(all-ones DropConnect masks and rotary caches, not used by the forward)")
+    logger.info(
+        f"{_where(path, hub_kwargs)}/step_{step}: dropped {dropped[:4]}{' ...' if len(dropped) > 4 else ''} "
+        f"(all-ones DropConnect masks and rotary caches, not used by the forward)"
+    )
     loading = cls if issubclass(cls, FPRMForReasoning) else FPRMForReasoning
     loaded = super(FPRMPreTrainedModel, loading).from_pretrained(None, config=config, state_dict=state_dict, **kwargs)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
@@ -308,5 +357,13 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     return (model, info) if info is not None else model
 
 
-__all__ = ["PUBLISHED_REPO", "EXPERIMENTS", "resolve_settings", "published_config", "is_published_layout",
-           "install_config_hook", "from_pretrained_published", "PublishedCheckpointError"]
+__all__ = [
+    "PUBLISHED_REPO",
+    "EXPERIMENTS",
+    "resolve_settings",
+    "published_config",
+    "is_published_layout",
+    "install_config_hook",
+    "from_pretrained_published",
+    "PublishedCheckpointError",
+]

@@ -42,9 +42,11 @@ DEFAULT_CONV_KERNEL = {"2d": 3, "causal_1d": 4, "none": None}
 # repository whose code reads it. `norm_position` was saved by every version before the authors' layout (05bdf19:
 # fused q|k|v and gate|up, no final norm, a fresh z0), e.g. b160b8c; the other two were options until 8db7780.
 REMOVED_OPTIONS = {"conv_placement": "state", "final_norm": False, "norm_position": None}
-READS_REMOVED = {"norm_position": "ffb16f3 (the last commit before 05bdf19 changed the layout)",
-                 "conv_placement": "7688b05 (the last commit before 8db7780 removed it)",
-                 "final_norm": "7688b05 (the last commit before 8db7780 removed it)"}
+READS_REMOVED = {
+    "norm_position": "ffb16f3 (the last commit before 05bdf19 changed the layout)",
+    "conv_placement": "7688b05 (the last commit before 8db7780 removed it)",
+    "final_norm": "7688b05 (the last commit before 8db7780 removed it)",
+}
 
 
 def swiglu_width(hidden_size, expansion):
@@ -62,6 +64,7 @@ def _is_int(value):
 
 
 # ---- the solver's knobs, checked alike as config fields and as a forward's arguments (`SolverSettings`) -------------
+
 
 def check_halt_eps(value, name="halt_eps"):
     """τ must be a positive finite number: the solver halts a sample when its relative residual drops below it."""
@@ -92,7 +95,7 @@ HALT_SCOPES = ("sample", "batch")
 
 
 def check_halt_scope(value, name="halt_scope"):
-    """"sample" (each row halts on its own) or "batch" (the authors' evaluation: every row at once)."""
+    """ "sample" (each row halts on its own) or "batch" (the authors' evaluation: every row at once)."""
     if value not in HALT_SCOPES:
         raise ValueError(f"`{name}` must be one of {HALT_SCOPES}, got {value!r}.")
     return value
@@ -105,6 +108,7 @@ def check_patience(value, name="patience"):
 
 
 # ---- the other field rules transformers does not provide: check(value) raises ValueError ---------------------------
+
 
 def check_positive_number(value):
     """A positive finite number (None allowed: the field's type says whether it may be None)."""
@@ -151,8 +155,11 @@ def _seed(value):
 
 def _grid_size(value):
     """None, a positive int (a square grid) or [height, width]."""
-    if isinstance(value, (list, tuple)) and not (len(value) == 2 and all(_is_int(s) and s >= 1 for s in value)) or (
-            _is_int(value) and value < 1):
+    if (
+        isinstance(value, (list, tuple))
+        and not (len(value) == 2 and all(_is_int(s) and s >= 1 for s in value))
+        or (_is_int(value) and value < 1)
+    ):
         raise ValueError(f"Value must be None, a positive int or [height, width], got {value!r}.")
 
 
@@ -345,24 +352,34 @@ class FPRMConfig(PreTrainedConfig):
     def validate_architecture(self):
         """The rules between fields (each field's own rule is its validator; `@strict` runs every `validate_*`)."""
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                             f"({self.num_attention_heads}).")
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
         if self.conv_type == "2d" and self.grid_size is None:
             raise ValueError("`conv_type='2d'` convolves over a grid and needs `grid_size`; got grid_size=None.")
         if self.conv_type != "none" and self.conv_kernel_size is None:
             raise ValueError(f"`conv_type={self.conv_type!r}` needs a `conv_kernel_size`, got None.")
         if self.conv_type == "2d" and self.conv_kernel_size % 2 == 0:
-            raise ValueError(f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}.")
+            raise ValueError(
+                f"A 2-D conv needs an odd `conv_kernel_size` (same padding), got {self.conv_kernel_size}."
+            )
         if (ndim := self.puzzle_emb_ndim) is not None and ndim > self.num_prefix_tokens * self.hidden_size:
-            raise ValueError(f"`puzzle_emb_ndim` ({ndim}) must be at most num_prefix_tokens × hidden_size = "
-                             f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} "
-                             f"(the values of the prefix rows), or None.")
+            raise ValueError(
+                f"`puzzle_emb_ndim` ({ndim}) must be at most num_prefix_tokens × hidden_size = "
+                f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} "
+                f"(the values of the prefix rows), or None."
+            )
         if self.position_embedding_type != "rope" and self.rope_parameters is not None:
-            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
-                             f"with position_embedding_type={self.position_embedding_type!r}.")
+            raise ValueError(
+                f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
+                f"with position_embedding_type={self.position_embedding_type!r}."
+            )
         if self.position_embedding_type == "rope" and self.rotary_dim % 2:
-            raise ValueError(f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
-                             f"rope_parameters {self.rope_parameters}).")
+            raise ValueError(
+                f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
+                f"rope_parameters {self.rope_parameters})."
+            )
 
     def validate_rope(self):
         """transformers' check of the keys each RoPE type requires; a missing one (a KeyError there) is refused."""
@@ -373,6 +390,12 @@ class FPRMConfig(PreTrainedConfig):
 
 
 __all__ = [
-    "FPRMConfig", "HALT_SCOPES", "RESIDUAL_SCALINGS", "NORM_TYPES", "NORM_PLACEMENTS", "CONV_TYPES", "POSITION_EMBEDDING_TYPES",
+    "FPRMConfig",
+    "HALT_SCOPES",
+    "RESIDUAL_SCALINGS",
+    "NORM_TYPES",
+    "NORM_PLACEMENTS",
+    "CONV_TYPES",
+    "POSITION_EMBEDDING_TYPES",
     "swiglu_width",
 ]

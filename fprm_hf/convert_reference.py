@@ -44,7 +44,8 @@ import sys
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from .authors_layout import build_config, fixed_alphas_of, map_reference_state_dict, resolve_settings
+from .authors_layout import build_config, fixed_alphas_of, map_reference_state_dict
+from .authors_settings import resolve_settings
 from .modeling_fprm import FPRMForReasoning
 
 _REF = re.compile(r"^\$\{\.([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -115,8 +116,18 @@ def load_reference_state_dict(path, allow_pickle=False):
 # ---- conversion ---------------------------------------------------------------------------------------------------
 
 
-def convert(checkpoint, configs, output, vocab_size=None, seq_len=None, num_puzzle_identifiers=None,
-            dataset_json=None, allow_pickle=False, overrides=None, keep_q_head=False):
+def convert(
+    checkpoint,
+    configs,
+    output,
+    vocab_size=None,
+    seq_len=None,
+    num_puzzle_identifiers=None,
+    dataset_json=None,
+    allow_pickle=False,
+    overrides=None,
+    keep_q_head=False,
+):
     """Convert and save; returns the loaded-back `FPRMForReasoning`. `checkpoint` is a path or a state dict;
     `configs` are paths or mappings of their arch fields (later wins). `keep_q_head=True` keeps their Q-head
     (`use_q_head=True`, for training on with their Q-halt loss); by default it is dropped."""
@@ -147,26 +158,46 @@ def convert(checkpoint, configs, output, vocab_size=None, seq_len=None, num_puzz
 def _parser():
     p = argparse.ArgumentParser(prog="python -m fprm_hf.convert_reference", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="their checkpoint: a torch.save'd state dict or .safetensors")
-    p.add_argument("--config", required=True, action="append",
-                   help="YAML/JSON with their arch fields (repeat: later files win; a pretrain config's arch: is used)")
+    p.add_argument(
+        "--config",
+        required=True,
+        action="append",
+        help="YAML/JSON with their arch fields (repeat: later files win; a pretrain config's arch: is used)",
+    )
     p.add_argument("--output", required=True, help="folder to save_pretrained into")
-    p.add_argument("--dataset-json", default=None, help="their dataset.json (vocab_size, seq_len, num_puzzle_identifiers)")
+    p.add_argument(
+        "--dataset-json", default=None, help="their dataset.json (vocab_size, seq_len, num_puzzle_identifiers)"
+    )
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--num-puzzle-identifiers", type=int, default=None)
-    p.add_argument("--keep-q-head", action="store_true",
-                   help="keep their Q-head (use_q_head=True) instead of dropping it, to train on with its loss")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="torch.load with weights_only=False (only for a trusted file holding other objects)")
+    p.add_argument(
+        "--keep-q-head",
+        action="store_true",
+        help="keep their Q-head (use_q_head=True) instead of dropping it, to train on with its loss",
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="torch.load with weights_only=False (only for a trusted file holding other objects)",
+    )
     return p
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
-        model = convert(args.checkpoint, args.config, args.output, args.vocab_size, args.seq_len,
-                        args.num_puzzle_identifiers, args.dataset_json, args.allow_pickle,
-                        keep_q_head=args.keep_q_head)
+        model = convert(
+            args.checkpoint,
+            args.config,
+            args.output,
+            args.vocab_size,
+            args.seq_len,
+            args.num_puzzle_identifiers,
+            args.dataset_json,
+            args.allow_pickle,
+            keep_q_head=args.keep_q_head,
+        )
     except (ValueError, StrictDataclassError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -83,8 +83,9 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     dtype, d = q.dtype, cos.shape[-1]
     q, k = q.to(cos.dtype), k.to(cos.dtype)
     if d < q.shape[-1]:
-        return tuple(torch.cat((t[..., :d] * cos + rotate_half(t[..., :d]) * sin, t[..., d:]), -1).to(dtype)
-                     for t in (q, k))
+        return tuple(
+            torch.cat((t[..., :d] * cos + rotate_half(t[..., :d]) * sin, t[..., d:]), -1).to(dtype) for t in (q, k)
+        )
     return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
 
 
@@ -125,7 +126,11 @@ class FPRMAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         out, _ = attention_interface(
-            self, q, k, v, None,
+            self,
+            q,
+            k,
+            v,
+            None,
             dropout=self.config.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             is_causal=self.is_causal,

@@ -10,7 +10,12 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .configuration_fprm import (
-    check_halt_eps, check_halt_scope, check_max_loops, check_min_eta, check_patience, check_unit_interval,
+    check_halt_eps,
+    check_halt_scope,
+    check_max_loops,
+    check_min_eta,
+    check_patience,
+    check_unit_interval,
 )
 
 
@@ -38,13 +43,21 @@ class FPRMSolverState:
     @classmethod
     def start(cls, hidden, eta, patience):
         """A fresh state from the iterate `hidden` (z0): η = `eta` and `patience` per sample, nothing halted."""
+
         def full(value, dtype):
             return torch.full((hidden.shape[0],), value, dtype=dtype, device=hidden.device)
 
-        return cls(hidden=hidden, eta=full(float(eta), torch.float32), patience=full(patience, torch.long),
-                   best=full(float("inf"), torch.float32), residuals=full(float("inf"), torch.float32),
-                   iterations=full(0, torch.long), halted=full(False, torch.bool), converged=full(False, torch.bool),
-                   diverged=full(False, torch.bool))
+        return cls(
+            hidden=hidden,
+            eta=full(float(eta), torch.float32),
+            patience=full(patience, torch.long),
+            best=full(float("inf"), torch.float32),
+            residuals=full(float("inf"), torch.float32),
+            iterations=full(0, torch.long),
+            halted=full(False, torch.bool),
+            converged=full(False, torch.bool),
+            diverged=full(False, torch.bool),
+        )
 
     def detach(self):
         return replace(self, hidden=self.hidden.detach())
@@ -63,8 +76,9 @@ class FPRMSolverState:
 
     def select(self, rows):
         """The state of the rows indexed by `rows` (a LongTensor)."""
-        return FPRMSolverState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
-                                  for f in fields(self)})
+        return FPRMSolverState(
+            **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)}
+        )
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,19 @@ class SolverSettings:
     patience: int  # P
     min_eta: float  # a sample halts when η < min_eta
     halting: bool = True  # False: every sample runs `max_loops` iterations (a non-finite residual still stops it)
-    halt_scope: str = "sample"  # "batch": every row stops at once, when the batch's largest r < τ or largest η < min_eta
+    halt_scope: str = (
+        "sample"  # "batch": every row stops at once, when the batch's largest r < τ or largest η < min_eta
+    )
 
     def __post_init__(self):
-        checks = (("halt_eps", check_halt_eps), ("max_loops", check_max_loops), ("eta", check_unit_interval),
-                  ("gamma", check_unit_interval), ("patience", check_patience), ("min_eta", check_min_eta))
+        checks = (
+            ("halt_eps", check_halt_eps),
+            ("max_loops", check_max_loops),
+            ("eta", check_unit_interval),
+            ("gamma", check_unit_interval),
+            ("patience", check_patience),
+            ("min_eta", check_min_eta),
+        )
         for name, check in checks:
             object.__setattr__(self, name, check(getattr(self, name), name))
         if not isinstance(self.halting, bool):
@@ -95,10 +117,16 @@ class SolverSettings:
         """The settings of a call: each of `given` that is None takes the config's value (`gamma`: `gamma_train`
         in training mode, `gamma_eval` in evaluation mode; `halt_scope`: the config's in evaluation mode, per sample
         in training mode, as the authors' evaluation and training halt)."""
-        defaults = dict(halt_eps=config.halt_eps, max_loops=config.max_loops, eta=config.eta,
-                        gamma=config.gamma_train if training else config.gamma_eval, patience=config.patience,
-                        min_eta=config.min_eta, halting=True,
-                        halt_scope="sample" if training else getattr(config, "halt_scope", "sample"))
+        defaults = dict(
+            halt_eps=config.halt_eps,
+            max_loops=config.max_loops,
+            eta=config.eta,
+            gamma=config.gamma_train if training else config.gamma_eval,
+            patience=config.patience,
+            min_eta=config.min_eta,
+            halting=True,
+            halt_scope="sample" if training else getattr(config, "halt_scope", "sample"),
+        )
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise ValueError(f"Unknown solver settings {unknown}; allowed: {sorted(defaults)}.")
@@ -126,8 +154,11 @@ def input_fingerprint(input_ids, puzzle_identifiers=None, inputs_embeds=None):
         values = inputs_embeds.detach().flatten(1).float().view(torch.int32).long()
     else:
         values = input_ids.long()
-    ids = torch.zeros(values.shape[0], dtype=torch.long, device=values.device) if puzzle_identifiers is None else (
-        puzzle_identifiers.long())
+    ids = (
+        torch.zeros(values.shape[0], dtype=torch.long, device=values.device)
+        if puzzle_identifiers is None
+        else (puzzle_identifiers.long())
+    )
     values = torch.cat([ids[:, None], values], dim=1)
     # fixed odd 63-bit weights: products and sum wrap around in int64, a multiplicative hash
     weights = torch.randint(-(2**62), 2**62, (values.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
@@ -148,8 +179,16 @@ def check_solver_state(state, x, fingerprint):
             f"`solver_state.hidden` is {state.hidden.dtype}, this model computes in {x.dtype}: pass a state of "
             f"a call in this dtype (or `.to({x.dtype})` its hidden)."
         )
-    per_sample = {"eta": torch.float32, "patience": torch.long, "best": torch.float32, "residuals": torch.float32,
-                  "iterations": torch.long, "halted": torch.bool, "converged": torch.bool, "diverged": torch.bool}
+    per_sample = {
+        "eta": torch.float32,
+        "patience": torch.long,
+        "best": torch.float32,
+        "residuals": torch.float32,
+        "iterations": torch.long,
+        "halted": torch.bool,
+        "converged": torch.bool,
+        "diverged": torch.bool,
+    }
     for name, dtype in per_sample.items():
         value = getattr(state, name)
         if not torch.is_tensor(value) or value.shape != (x.shape[0],) or value.dtype != dtype:
@@ -179,9 +218,17 @@ def solve(step, x, state, settings, output_residual_trace=False, output_hidden_s
     # halt_eps / min_eta / halting is reopened (or halts) here; a diverged row stays frozen at its last finite y.
     converged, stops = settings.halts(state.residuals, state.eta)
     halted = state.diverged | stops if settings.halting else state.diverged.clone()
-    s = replace(state, eta=state.eta.clone(), patience=state.patience.clone(), best=state.best.clone(),
-                residuals=state.residuals.clone(), iterations=state.iterations.clone(), halted=halted,
-                converged=converged, diverged=state.diverged.clone())
+    s = replace(
+        state,
+        eta=state.eta.clone(),
+        patience=state.patience.clone(),
+        best=state.best.clone(),
+        residuals=state.residuals.clone(),
+        iterations=state.iterations.clone(),
+        halted=halted,
+        converged=converged,
+        diverged=state.diverged.clone(),
+    )
     trace, iterates = [], [s.hidden] if output_hidden_states else None
     for _ in range(settings.max_loops):
         rows = (~s.halted).nonzero().squeeze(1)

@@ -75,6 +75,25 @@ def test_output_hidden_states_of_halted_samples_repeat_their_final_state():
             assert torch.equal(later[row], out.hidden_states[k][row])
 
 
+def test_output_fields_keep_their_order_with_the_solver_fields_declared_once():
+    """Both outputs take the solver's fields from one declaration (`FPRMSolverOutputMixin`), between their leading
+    fields and their own: the order their fields and `to_tuple()` have always had."""
+    from dataclasses import fields
+
+    from fprm_hf import FPRMModelOutput, FPRMReasoningOutput
+    from fprm_hf.outputs_fprm import FPRMSolverOutputMixin
+
+    solver = ["iterations", "residuals", "converged", "diverged", "residual_trace", "solver_state", "hidden_states"]
+    assert [f.name for f in fields(FPRMSolverOutputMixin)] == solver
+    assert [f.name for f in fields(FPRMModelOutput)] == ["last_hidden_state", *solver]
+    assert [f.name for f in fields(FPRMReasoningOutput)] == ["loss", "logits", *solver, "q_halt_logits"]
+    model = tiny_fprm(use_q_head=True)
+    with torch.no_grad():
+        out = model(grid_inputs(1), labels=grid_inputs(1), max_loops=2, output_residual_trace=True)
+    assert list(out.keys()) == ["loss", "logits", *solver[:-1], "q_halt_logits"]
+    assert all(a is b for a, b in zip(out.to_tuple(), out.values()))
+
+
 def test_output_hidden_states_from_config_and_in_tuple_output():
     model = tiny_fprm(output_hidden_states=True)
     with torch.no_grad():

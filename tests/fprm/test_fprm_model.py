@@ -85,6 +85,10 @@ with torch.no_grad():
     torch.testing.assert_close(m(e["ids"]).logits, e["logits"])
 print("REMOTE_OK", type(m).__module__)
 """
+    # the modeling file and every module it imports relatively lie next to the weights
+    code = ("configuration_fprm.py", "modeling_fprm.py", "layers_fprm.py", "solver_fprm.py", "inputs_fprm.py",
+            "outputs_fprm.py")
+    assert set(code) <= {p.name for p in tmp_path.glob("*.py")}
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
