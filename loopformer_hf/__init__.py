@@ -2,7 +2,8 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from .authors_checkpoints import from_pretrained_reference, reference_config_classes, translate_config
+from .authors_checkpoints import from_pretrained_reference, translate_config
+from .authors_config import AUTHORS_CONFIG_CLASSES
 from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
 from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
@@ -17,8 +18,8 @@ if translate_config not in LoopFormerConfig.config_translators:
 if from_pretrained_reference not in LoopFormerPreTrainedModel.checkpoint_loaders:
     LoopFormerPreTrainedModel.checkpoint_loaders.append(from_pretrained_reference)
 # The authors' Hub repos (model_type "base_loop", "base_loop_ee", …): their configs translate to a LoopFormerConfig.
-for _reference_config in reference_config_classes():
-    AutoConfig.register(_reference_config.model_type, _reference_config, exist_ok=True)
+for _authors_config in AUTHORS_CONFIG_CLASSES:
+    AutoConfig.register(_authors_config.model_type, _authors_config, exist_ok=True)
 AutoModel.register(LoopFormerConfig, LoopFormerModel, exist_ok=True)
 AutoModelForCausalLM.register(LoopFormerConfig, LoopFormerForCausalLM, exist_ok=True)
 # for a folder whose tokenizer_config.json names no class (or that has none: it says so)

@@ -51,10 +51,10 @@ import sys
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from .authors_checkpoints import MODEL_TYPES, map_names
+from .authors_config import MODEL_TYPES
+from .authors_weights import map_names
 from .configuration_loopformer import LoopFormerConfig
 from .modeling_loopformer import LoopFormerForCausalLM
-
 
 COMPILE_PREFIX = "_orig_mod."
 WRAPPER_KEYS = ("model", "state_dict")
@@ -92,14 +92,18 @@ def load_reference_state_dict(path, allow_pickle=False):
         try:
             obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
         except Exception as error:  # torch raises UnpicklingError / RuntimeError for unsafe or corrupt files
-            hint = "" if allow_pickle else " If the file is trusted and holds other Python objects, pass --allow-pickle."
+            hint = (
+                "" if allow_pickle else " If the file is trusted and holds other Python objects, pass --allow-pickle."
+            )
             raise ValueError(f"Could not read {path!r} with torch.load: {error}.{hint}") from error
     return _unwrap(obj, path)
 
 
 def _is_state_dict(obj):
-    return isinstance(obj, dict) and len(obj) > 0 and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    return (
+        isinstance(obj, dict)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
     )
 
 
@@ -116,7 +120,7 @@ def _unwrap(obj, path):
         obj = obj[wrapped[0]]
     state_dict = {}
     for key, value in obj.items():
-        new_key = key[len(COMPILE_PREFIX):] if key.startswith(COMPILE_PREFIX) else key
+        new_key = key[len(COMPILE_PREFIX) :] if key.startswith(COMPILE_PREFIX) else key
         if new_key in state_dict:
             raise ValueError(f"{path!r} holds both {new_key!r} and {COMPILE_PREFIX + new_key!r}.")
         state_dict[new_key] = value
@@ -132,8 +136,19 @@ def _check_model_type(model_type):
     return MODEL_TYPES[model_type]
 
 
-def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024, mlp_hidden=None,
-                 model_type="loopformer", frequency_embedding_size=256, max_period=10000.0, **extra):
+def build_config(
+    n_layer,
+    n_loops,
+    n_embd,
+    n_head,
+    vocab_size=50304,
+    block_size=1024,
+    mlp_hidden=None,
+    model_type="loopformer",
+    frequency_embedding_size=256,
+    max_period=10000.0,
+    **extra,
+):
     """The `LoopFormerConfig` of a reference model: GELU MLP, no biases, learned positions, tied head.
 
     `n_loops=None` is allowed for `model_type="base"` only (one pass over its blocks)."""
@@ -168,9 +183,11 @@ def build_config(n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=
 
 def map_reference_state_dict(reference, config, model_type="loopformer"):
     """Map reference keys onto `LoopFormerForCausalLM` keys by the table `from_pretrained` loads their Hub repos with
-    (`authors_checkpoints.map_names`), every key checked. Raises `ValueError` listing every problem at once."""
+    (`authors_weights.map_names`), every key checked. Raises `ValueError` listing every problem at once."""
     plain_list = _check_model_type(model_type)[2]
-    block_key, other_layout = (_LIST_BLOCK_KEY, _SHARED_BLOCK_KEY) if plain_list else (_SHARED_BLOCK_KEY, _LIST_BLOCK_KEY)
+    block_key, other_layout = (
+        (_LIST_BLOCK_KEY, _SHARED_BLOCK_KEY) if plain_list else (_SHARED_BLOCK_KEY, _LIST_BLOCK_KEY)
+    )
     d, n = config.hidden_size, config.max_position_embeddings
     unknown, problems, reference = [], [], dict(reference)
     for key in [k for k in reference if (m := block_key.match(k)) and m.group(2) == "attn.bias"]:
@@ -184,8 +201,10 @@ def map_reference_state_dict(reference, config, model_type="loopformer"):
     if "lm_head.weight" in reference and "transformer.wte.weight" in reference:
         head, wte = reference.pop("lm_head.weight"), reference["transformer.wte.weight"]
         if head.shape != wte.shape or not torch.equal(head, wte):
-            problems.append("lm_head.weight differs from transformer.wte.weight; the reference ties them and so does "
-                            "the converted model (tie_word_embeddings=True)")
+            problems.append(
+                "lm_head.weight differs from transformer.wte.weight; the reference ties them and so does "
+                "the converted model (tie_word_embeddings=True)"
+            )
     unknown += [key for key in reference if other_layout.match(key)]
     model_shapes = _expected_shapes(config)
     mapped = {}
@@ -195,8 +214,9 @@ def map_reference_state_dict(reference, config, model_type="loopformer"):
             continue
         mapped[name] = tensor
         if tuple(tensor.shape) != model_shapes[name]:
-            problems.append(f"{source} -> {name}: checkpoint shape {tuple(tensor.shape)}, model expects "
-                            f"{model_shapes[name]}")
+            problems.append(
+                f"{source} -> {name}: checkpoint shape {tuple(tensor.shape)}, model expects {model_shapes[name]}"
+            )
         if not tensor.is_floating_point():
             problems.append(f"{source}: dtype {tensor.dtype} is not a floating-point type")
     missing = sorted(key for key in model_shapes if key not in mapped and key != "lm_head.weight")
@@ -209,11 +229,16 @@ def _mismatch_error(config, model_type, plain_list, other_layout, unknown, missi
     """One `ValueError` listing every problem `map_reference_state_dict` found."""
     parts = []
     if unknown:
-        parts.append(f"unknown keys (not part of a {config.num_hidden_layers}-block reference model of "
-                     f"model_type={model_type!r}): {sorted(set(unknown))}")
+        parts.append(
+            f"unknown keys (not part of a {config.num_hidden_layers}-block reference model of "
+            f"model_type={model_type!r}): {sorted(set(unknown))}"
+        )
         if any(other_layout.match(key) for key in unknown):
-            hint = ("model_type='base' keeps its blocks under transformer.h.{j}" if plain_list else
-                    "keys transformer.h.{j}.… (no .blocks) are the layout of models/base.py: model_type='base'")
+            hint = (
+                "model_type='base' keeps its blocks under transformer.h.{j}"
+                if plain_list
+                else "keys transformer.h.{j}.… (no .blocks) are the layout of models/base.py: model_type='base'"
+            )
             parts.append(f"block keys of the other layout: {hint}")
     if missing:
         parts.append(f"missing keys (model parameters the checkpoint does not fill): {missing}")
@@ -233,9 +258,23 @@ def _expected_shapes(config):
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
-def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=50304, block_size=1024,
-            mlp_hidden=None, model_type="loopformer", frequency_embedding_size=256, max_period=10000.0,
-            dtype="float32", allow_pickle=False, safe_serialization=True):
+def convert(
+    checkpoint,
+    output,
+    n_layer,
+    n_loops,
+    n_embd,
+    n_head,
+    vocab_size=50304,
+    block_size=1024,
+    mlp_hidden=None,
+    model_type="loopformer",
+    frequency_embedding_size=256,
+    max_period=10000.0,
+    dtype="float32",
+    allow_pickle=False,
+    safe_serialization=True,
+):
     """Convert `checkpoint` (a model of the reference's `model_type`) and save it with `save_pretrained` into
     `output`. Returns the converted model (eval)."""
     output = os.fspath(output)
@@ -244,9 +283,18 @@ def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=503
         raise ValueError(f"--output {output!r} exists and is not a folder.")
     if dtype not in DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    config = build_config(n_layer, n_loops, n_embd, n_head, vocab_size=vocab_size, block_size=block_size,
-                          mlp_hidden=mlp_hidden, model_type=model_type,
-                          frequency_embedding_size=frequency_embedding_size, max_period=max_period)
+    config = build_config(
+        n_layer,
+        n_loops,
+        n_embd,
+        n_head,
+        vocab_size=vocab_size,
+        block_size=block_size,
+        mlp_hidden=mlp_hidden,
+        model_type=model_type,
+        frequency_embedding_size=frequency_embedding_size,
+        max_period=max_period,
+    )
     reference = load_reference_state_dict(checkpoint, allow_pickle=allow_pickle)
     state_dict = map_reference_state_dict(reference, config, model_type)
 
@@ -267,8 +315,16 @@ def convert(checkpoint, output, n_layer, n_loops, n_embd, n_head, vocab_size=503
 
 # what a Hub repo of theirs holds that a converted folder needs (their remote code is not needed)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 def convert_hub_repo(repo, output, revision=None, dtype=None):
@@ -294,31 +350,53 @@ def _parser():
     p = argparse.ArgumentParser(
         prog="python -m loopformer_hf.convert_reference",
         description="Convert a reference LoopFormer (nanoGPT-style) checkpoint, or one of the authors' Hub repos, into "
-                    "a saved LoopFormerForCausalLM.",
+        "a saved LoopFormerForCausalLM.",
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
-    source.add_argument("--hub_repo", help="a Hub repo id of the authors (e.g. armenjeddi/LoopFormer-3block-"
-                        "8iterations) or a local folder in their layout; the shapes come from its config.json")
+    source.add_argument(
+        "--hub_repo",
+        help="a Hub repo id of the authors (e.g. armenjeddi/LoopFormer-3block-"
+        "8iterations) or a local folder in their layout; the shapes come from its config.json",
+    )
     p.add_argument("--revision", default=None, help="with --hub_repo: branch, tag or commit")
     p.add_argument("--output", "--output_dir", dest="output", required=True, help="folder to save_pretrained into")
-    p.add_argument("--n-layer", type=int, default=None,
-                   help="k, number of shared blocks (model type base: all its blocks); required with --checkpoint")
-    p.add_argument("--n-loops", type=int, default=None,
-                   help="L, loop steps of the training trajectory (required except for --model-type base: 1)")
+    p.add_argument(
+        "--n-layer",
+        type=int,
+        default=None,
+        help="k, number of shared blocks (model type base: all its blocks); required with --checkpoint",
+    )
+    p.add_argument(
+        "--n-loops",
+        type=int,
+        default=None,
+        help="L, loop steps of the training trajectory (required except for --model-type base: 1)",
+    )
     p.add_argument("--n-embd", type=int, default=None, help="hidden size d; required with --checkpoint")
     p.add_argument("--n-head", type=int, default=None, help="attention heads; required with --checkpoint")
     p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary size (default: 50304)")
     p.add_argument("--block-size", type=int, default=1024, help="learned positions (default: 1024)")
     p.add_argument("--mlp-hidden", type=int, default=None, help="GELU MLP width (default: 4 * n_embd)")
-    p.add_argument("--model-type", default="loopformer", choices=tuple(MODEL_TYPES),
-                   help="the reference model the checkpoint comes from: loopformer (default), tmlt, base_loop, base")
+    p.add_argument(
+        "--model-type",
+        default="loopformer",
+        choices=tuple(MODEL_TYPES),
+        help="the reference model the checkpoint comes from: loopformer (default), tmlt, base_loop, base",
+    )
     p.add_argument("--frequency-embedding-size", type=int, default=256, help="sinusoidal width (default: 256)")
     p.add_argument("--max-period", type=float, default=10000.0, help="sinusoid max period (default: 10000)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="dtype of the saved weights (default: float32 from --checkpoint, the repo's own with --hub_repo)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="torch.load with weights_only=False (only for trusted .pt files holding other objects)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="dtype of the saved weights (default: float32 from --checkpoint, the repo's own with --hub_repo)",
+    )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="torch.load with weights_only=False (only for trusted .pt files holding other objects)",
+    )
     return p
 
 
@@ -332,16 +410,29 @@ def main(argv=None):
             parser.exit(2, f"{parser.prog}: error: {error}\n")
         print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
         return 0
-    missing = [flag for flag, value in (("--n-layer", args.n_layer), ("--n-embd", args.n_embd),
-                                        ("--n-head", args.n_head)) if value is None]
+    missing = [
+        flag
+        for flag, value in (("--n-layer", args.n_layer), ("--n-embd", args.n_embd), ("--n-head", args.n_head))
+        if value is None
+    ]
     if missing:
         parser.error(f"--checkpoint needs the shape flags {', '.join(missing)}")
     try:
         convert(
-            args.checkpoint, args.output, n_layer=args.n_layer, n_loops=args.n_loops, n_embd=args.n_embd,
-            n_head=args.n_head, vocab_size=args.vocab_size, block_size=args.block_size, mlp_hidden=args.mlp_hidden,
-            model_type=args.model_type, frequency_embedding_size=args.frequency_embedding_size,
-            max_period=args.max_period, dtype=args.dtype or "float32", allow_pickle=args.allow_pickle,
+            args.checkpoint,
+            args.output,
+            n_layer=args.n_layer,
+            n_loops=args.n_loops,
+            n_embd=args.n_embd,
+            n_head=args.n_head,
+            vocab_size=args.vocab_size,
+            block_size=args.block_size,
+            mlp_hidden=args.mlp_hidden,
+            model_type=args.model_type,
+            frequency_embedding_size=args.frequency_embedding_size,
+            max_period=args.max_period,
+            dtype=args.dtype or "float32",
+            allow_pickle=args.allow_pickle,
         )
     except (ValueError, StrictDataclassError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
