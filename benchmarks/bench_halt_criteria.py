@@ -38,6 +38,7 @@ import time
 import torch
 
 import loopformer_hf
+import benchmarks.halting_rules  # noqa: F401 (registers the lab's exit rules as halt_criterion values)
 from loopformer_hf import ShortcutConsistency
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems

@@ -17,6 +17,7 @@ import time
 import torch
 
 import loopformer_hf
+import benchmarks.halting_rules  # noqa: F401 (registers the lab's exit rules as halt_criterion values)
 from benchmarks import write_json
 from tests.support.instruments import CountOps
 from loopformer_hf.halting_loopformer import state_change_score

@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .halting_loopformer import check_halt_criterion, check_halt_eps, probe_slots
+from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
 from .trajectory_loopformer import LoopFormerRows, per_row_budget, resolve_call
 
 
@@ -62,7 +62,7 @@ class LoopFormerCacheSpec(NamedTuple):
     @property
     def num_steps(self):
         """Loop-step slots per block that the cache stores."""
-        steps = self.loop_steps + probe_slots(self.halt_criterion)  # "probe_entropy": its step's own slots
+        steps = self.loop_steps + extra_slots(self.halt_criterion)  # e.g. the lab's "probe_entropy" step
         return steps if self.share_n is None else min(steps, self.share_n)
 
     @property

@@ -23,7 +23,7 @@ from transformers.utils import logging
 from transformers.utils.type_validators import interval, positive_int_field, probability
 
 from . import trajectory_loopformer as trajectory
-from .halting_loopformer import HALT_CRITERIA, check_halt_eps
+from .halting_loopformer import check_halt_criterion, check_halt_eps
 from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
 
 logger = logging.get_logger(__name__)
@@ -146,8 +146,9 @@ class LoopFormerConfig(PreTrainedConfig):
             i mod `cache_share_n`, min(M, n) x k slots whatever the budget M (docs/compile.md).
         cache_share_n (`int`, defaults to 4): n, the loop-step slots per block with `cache_sharing="modulo"`.
         halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping:
-            `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps, `"kl"`, `"entropy"`, their
-            `"_shortcut"` forms, `"probe_entropy"` (`halting_loopformer` describes each). A call can override it.
+            `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps; or a rule registered with
+            `halting_loopformer.register_halting_rule` (the lab's research rules: benchmarks/halting_rules.py). A call
+            can override it.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -192,7 +193,7 @@ class LoopFormerConfig(PreTrainedConfig):
     halt_kv_fill: Literal[HALT_KV_FILLS] = "reuse"
     cache_sharing: Literal[CACHE_SHARING_MODES] = "none"
     cache_share_n: int = positive_int_field(default=4)
-    halt_criterion: Literal[HALT_CRITERIA] = "state_change"
+    halt_criterion: str = validated_field(check_halt_criterion, default="state_change")
     attention_dropout: int | float = probability(default=0.0)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -318,5 +319,5 @@ def _setattr_numpy_integers_as_int(self, name, value):
 
 LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
-__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "HALT_CRITERIA",
+__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES",
            "check_halt_eps"]

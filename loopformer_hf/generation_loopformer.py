@@ -21,7 +21,7 @@ from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDeco
                                      UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
-from .halting_loopformer import check_halt_criterion, check_halt_eps, probe_slots
+from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
 from .trajectory_loopformer import max_loop_steps, resolve_call
 
 
@@ -134,8 +134,8 @@ class LoopFormerGenerationMixin(GenerationMixin):
         (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         steps = max_loop_steps(self.config, model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule"))
-        rule = model_kwargs.get("halt_criterion") or self.config.halt_criterion  # "probe_entropy": its step's slots
-        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps + probe_slots(rule))
+        rule = model_kwargs.get("halt_criterion") or self.config.halt_criterion  # a rule's extra slots
+        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps + extra_slots(rule))
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has

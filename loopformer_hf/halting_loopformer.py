@@ -2,13 +2,13 @@
 `halt_eps`; its state is frozen, and the cache slots of the steps it skips are filled so that later tokens can still
 attend to every (loop step, block).
 
-Exit rules (`halt_criterion`): "state_change", "kl", "entropy" freeze a token where its score falls (at t_i < 1, a
-state LoopFormer's objective never asked it to decode). Their "_shortcut" forms ("kl_shortcut", ...) let the token
-take one more step, Δ = 1 − t_i from t_i to t = 1, before it freezes: its path is then a shortcut trajectory of i + 1
-steps, the kind the objective trains (models conditioned on Δ only, `loop_conditioning="shortcut"`).
+The library's exit rule (`halt_criterion="state_change"`): a token freezes once its relative state change falls below
+`halt_eps`. Other rules are subclasses of [`LoopFormerHaltingState`] registered under a name
+(`register_halting_rule`); the lab's research rules ("kl", "entropy", their "_shortcut" forms, "probe_entropy":
+benchmarks/halting_rules.py) register themselves on import. The loop calls a rule through the hooks below only.
 
 - [`LoopFormerHaltingState`]: the halting carried through one forward's loop (which tokens are active, their loop
-  counts, the scores of `halt_criterion`), as `FPRMSolverState` is for FPRM's solver.
+  counts), as `FPRMSolverState` is for FPRM's solver.
 - [`LoopFormerHaltingStep`]: what one block needs at one loop step (the one object a block takes).
 - [`LoopFormerActiveTokens`]: the gather plan that leaves halted tokens out of a step's computation.
 
@@ -18,7 +18,7 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 import math
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -156,19 +156,6 @@ class LoopFormerHaltingStep(NamedTuple):
         return torch.where(self.halted[..., None], frozen, computed)
 
 
-# What `halt_eps` thresholds (LoopFormerHaltingState.update): the relative state change, the KL divergence between
-# successive steps' next-token distributions, or the entropy of the current one (both in nats). The "_shortcut" forms
-# exit through one step Δ = 1 − t to t = 1 before freezing; "probe_entropy" runs the one-step trajectory first and the
-# budget only for the tokens unsure there (models conditioned on Δ only).
-HALT_CRITERIA = ("state_change", "kl", "entropy", "state_change_shortcut", "kl_shortcut", "entropy_shortcut",
-                 "probe_entropy")
-SHORTCUT_EXIT_SUFFIX = "_shortcut"
-# "probe_entropy": every token first runs the one-step trajectory (Δ = 1, a trained endpoint); a token whose
-# next-token entropy there is below halt_eps keeps it (1 loop step), the others run the budget from the embeddings
-# (1 + M steps). The probe step has its own cache slots, after the budget's (`probe_slots`).
-PROBE_CRITERION = "probe_entropy"
-
-
 def check_halt_eps(value, name="halt_eps"):
     """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
     if value is None:
@@ -178,45 +165,6 @@ def check_halt_eps(value, name="halt_eps"):
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be None or a positive finite float, got {value!r} ({type(value).__name__}).")
     return float(value)
-
-
-def check_halt_criterion(criterion):
-    """A call's `halt_criterion`: one of `HALT_CRITERIA`."""
-    if criterion not in HALT_CRITERIA:
-        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {criterion!r}.")
-    return criterion
-
-
-def probe_slots(criterion):
-    """Extra loop-step slots per block a cache needs under `criterion`: 1 for the probe's step, else 0."""
-    return int(criterion == PROBE_CRITERION)
-
-
-def split_criterion(criterion):
-    """("state_change" | "kl" | "entropy" | "probe_entropy", exits through a shortcut step) of a `halt_criterion`
-    value."""
-    if criterion.endswith(SHORTCUT_EXIT_SUFFIX):
-        return criterion[:-len(SHORTCUT_EXIT_SUFFIX)], True
-    return criterion, False
-
-
-def shortcut_exit_adaln(model, trajectory, dtype, device, first=1):
-    """`exit[j][s]`: block j's adaLN vectors of a step that starts at step s's time t_s and jumps to t = 1
-    (Δ = 1 − t_s), for s = `first` .. M − 2 (None elsewhere: no token exits before step 1 has run, and at the last
-    step the exit step is the budget's own; s = 0 is the one-step trajectory, the probe's step). The conditioning the
-    shortcut trajectory trajectory[:s] + [1 − t_s] gives its last step."""
-    steps = list(range(first, max(len(trajectory) - 1, 1)))
-    exit_adaln = [[None] * len(trajectory) for _ in model.layers]
-    if not steps:
-        return exit_adaln
-    conditioning = model.loop_conditioning
-    starts = torch.tensor([sum(trajectory[:s]) for s in steps], device=device, dtype=torch.float64)
-    c = conditioning.time_embedder(starts.float(), dtype) + conditioning.dt_embedder((1 - starts).float(), dtype)
-    for j, block in enumerate(model.layers):
-        vectors = block.adaln(block.adaLN_modulation(c).to(dtype))
-        for i, s in enumerate(steps):
-            exit_adaln[j][s] = tuple(v[i] for v in vectors)
-    return exit_adaln
 
 
 def state_change_score(previous, hidden_states):
@@ -231,12 +179,16 @@ def state_change_score(previous, hidden_states):
 class LoopFormerHaltingState:
     """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
 
-    `active` tokens keep looping; a halted token's state is frozen, and the cache slots it skips are filled
-    (`halt_kv_fill`) so that later tokens can still attend to every slot. `criterion` says what `halt_eps`
-    thresholds (see `update`). Updated in place, one loop step at a time.
+    `active` tokens keep looping; a token halts once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps
+    ("state_change"). A halted token's state is frozen, and the cache slots it skips are filled (`halt_kv_fill`) so
+    that later tokens can still attend to every slot. Updated in place, one loop step at a time.
 
     Per-row trajectories (`row_budgets`) freeze a row's tokens after its own last step the same way, with or without
     `halt_eps` (None: only the budgets halt).
+
+    Another exit rule subclasses this class and overrides what it changes: `_score` (what halt_eps thresholds),
+    `before_loop`, `block_adaln`, `next_step`, `update`, `final_states` (the hooks the loop calls), and the class
+    attributes below; `register_halting_rule` names it.
     """
 
     halt_eps: float | None
@@ -244,113 +196,108 @@ class LoopFormerHaltingState:
     active: torch.BoolTensor  # (batch, seq)
     num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
     last_kv: list  # per block: the (keys, values) of the last step each token computed
-    criterion: str = "state_change"
-    readout: object = None  # h -> next-token log-probabilities ("kl", "entropy")
-    log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state ("kl")
+    readout: object = None  # h -> next-token log-probabilities (the LM head after the final norm), or None
     # Loop steps every token ran (counted in Python while no token has halted), plus `partial_counts` (batch, seq):
     # the steps run since (decoding one token never needs a tensor for its count).
     steps_all_ran: int = 0
     partial_counts: torch.LongTensor | None = None
-    # The "_shortcut" exit rules: tokens whose score fell below halt_eps after the last step run one exit step
-    # (Δ = 1 − t) at the coming step, then freeze. `exiting` (batch, seq) bool, None while no token exits.
-    shortcut_exit: bool = False
-    exit_adaln: list | None = None  # shortcut_exit_adaln(...) of this call's trajectory
-    exiting: torch.BoolTensor | None = None
-    num_exiting: int = 0
     step: int = 0  # loop steps run so far in this call
     num_steps: int = 0  # the call's budget M
-    probe: bool = False  # "probe_entropy"
-    probe_states: torch.Tensor | None = None  # the one-step trajectory's output, kept by the tokens sure of it
     row_budgets: torch.LongTensor | None = None  # (batch,) per-row budgets M_b
     # the same as plain ints in eager code, which counts the active tokens without a device sync; None in a compiled
     # forward, which reads no value of the rows and computes every token (`num_active` is then None after step 1)
     row_steps: tuple | None = None
 
+    # Loop-step cache slots per block the rule needs beyond the budget's (the cache spec adds them).
+    extra_slots: ClassVar[int] = 0
+    # Whether the rule combines with per-row budgets (one trajectory per row).
+    per_row: ClassVar[bool] = True
+
     @classmethod
-    def start(cls, halt_eps, config, hidden_states, criterion="state_change", readout=None, rows=None):
+    def check_model(cls, config, readout, criterion):
+        """Raise a ValueError if the rule cannot run on a model of `config` (with `readout`, the LM head, or None)."""
+
+    @classmethod
+    def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion="state_change"):
         """The state before step 1; `rows` (a `LoopFormerRows`) halts each row after its own budget."""
+        if halt_eps is not None:
+            cls.check_model(config, readout, criterion)
         batch_seq, device = hidden_states.shape[:2], hidden_states.device
-        if halt_eps is None:  # per-row budgets alone: no score
-            criterion = "state_change"
-        score, shortcut_exit = split_criterion(criterion)
-        if score != "state_change" and readout is None:
-            raise ValueError(
-                f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
-                f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
-            )
-        probe = score == PROBE_CRITERION
-        if (shortcut_exit or probe) and config.loop_conditioning != "shortcut":
-            raise ValueError(
-                f"halt_criterion={criterion!r} runs a step Δ = 1 − t, which only a model conditioned on Δ "
-                f"(loop_conditioning='shortcut', LoopFormer) was trained for; this one has loop_conditioning="
-                f"{config.loop_conditioning!r}: use halt_criterion={'entropy' if probe else score!r}."
-            )
-        if probe and config.cache_sharing != "none":
-            raise ValueError(f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
-                             f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'.")
-        # the probe's tokens are frozen at the embeddings through the loop: their slots repeat the probe's keys/values
-        state = cls(halt_eps, config.halt_kv_fill == "reuse" or probe,
-                    torch.ones(batch_seq, dtype=torch.bool, device=device), batch_seq.numel(),
-                    [None] * config.num_hidden_layers, score, readout,
-                    readout(hidden_states) if score == "kl" and halt_eps is not None else None,
-                    shortcut_exit=shortcut_exit, probe=probe)
+        state = cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
+                    batch_seq.numel(), [None] * config.num_hidden_layers, readout)
         if rows is not None:
             state.num_steps, state.row_budgets = rows.num_steps, rows.budgets.to(device)
             state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
         return state
 
-    def prepare_exits(self, model, trajectory, loop_adaln, cache):
-        """Before the loop: with a "_shortcut" rule, the exit steps' adaLN vectors of `trajectory` (computed once per
-        inference run: kept on `cache` beside the loop's own, `loop_adaln`, which is the same object while the cache
-        keeps it)."""
-        self.num_steps = len(trajectory)
-        if not (self.shortcut_exit or self.probe):
-            return
-        memo = getattr(cache, "halting_exit_memo", None)
-        if memo is not None and memo[0] is loop_adaln and not torch.is_grad_enabled():
-            self.exit_adaln = memo[1]
-            return
-        self.exit_adaln = shortcut_exit_adaln(model, trajectory, loop_adaln[0][0][0].dtype, loop_adaln[0][0][0].device,
-                                              first=0 if self.probe else 1)
-        if cache is not None and not torch.is_grad_enabled():
-            cache.halting_exit_memo = (loop_adaln, self.exit_adaln)
+    # ---- the hooks the loop calls ---------------------------------------------------------------------------------
 
-    def run_probe(self, blocks, hidden_states, mask, position_embeddings, cache):
-        """"probe_entropy", before the loop: every token runs the one-step trajectory (its keys/values in the cache
-        slots after the budget's); the tokens whose next-token entropy there is below halt_eps keep its output
-        (`final_states`) and sit out the loop, their slots repeating the probe's keys/values. Returns the loop's input
-        (the embeddings, unchanged)."""
-        if not self.probe:
-            return hidden_states
-        h = hidden_states
-        for j, block in enumerate(blocks):
-            h, _, self.last_kv[j] = block(
-                h, None, adaln=self.exit_adaln[j][0], attention_mask=mask, position_embeddings=position_embeddings,
-                cache=cache, cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0)
-        log_probs = self.readout(h)
-        sure = (log_probs.exp() * log_probs).sum(-1) > -self.halt_eps  # entropy < halt_eps (NaN: unsure)
-        self.probe_states, self.steps_all_ran = h, 1
-        self.active = ~sure
-        self.num_active = int(self.active.sum())  # one sync
+    def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
+        """Before step 1 of a single trajectory (not per-row): returns the loop's input."""
+        self.num_steps = len(trajectory)
         return hidden_states
 
-    def final_states(self, hidden_states):
-        """The loop's output, with the probe's for the tokens that kept it."""
-        if self.probe_states is None:
-            return hidden_states
-        if self.num_active == 0:
-            return self.probe_states
-        return torch.where(self.active[..., None], hidden_states, self.probe_states)
+    def block_adaln(self, block, step, adaln, loop_adaln):
+        """Block `block`'s adaLN vectors at loop step `step`: the trajectory's (`adaln`) unless the rule runs other
+        steps for some tokens (`loop_adaln` holds every step's)."""
+        return adaln
 
-    def exit_step_adaln(self, block, step, adaln):
-        """Block `block`'s adaLN vectors at loop step `step` while some tokens take their exit step there: the exit
-        step's for those tokens, `adaln` (the trajectory's) for the others, per token ((batch, seq, d) each) unless
-        every token whose result or keys count exits."""
-        exit_vectors = self.exit_adaln[block][step]
-        if self.num_exiting == self.num_active and (self.reuse_kv or self.all_active()):
-            return exit_vectors  # the halted tokens' results are dropped and their keys reused
-        exiting = self.exiting[..., None]
-        return tuple(torch.where(exiting, e, a) for e, a in zip(exit_vectors, adaln))
+    def next_step(self, hidden_size, gather=True):
+        """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
+        (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
+        halted = self.halted()
+        if halted is None or not gather or self.num_active is None:  # a compiled forward reads no count: dense
+            return halted, None
+        return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
+
+    def block_step(self, block, halted, active):
+        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (None: nothing halted)."""
+        if halted is None:
+            return None
+        return LoopFormerHaltingStep(halted, active, self.last_kv[block] if self.reuse_kv else None)
+
+    def update(self, previous, hidden_states, final=False):
+        """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once its score
+        (`_score`) falls below halt_eps. After the `final` step of the budget no score is needed: only the counts
+        advance."""
+        self.step += 1
+        if self.row_budgets is not None:
+            return self._row_update(previous, hidden_states, final)
+        if final:
+            self._count_step()
+            return self
+        score = self._score(previous, hidden_states)
+        self._count_step()
+        if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
+            if score.item() < self.halt_eps:
+                self.active, self.num_active = torch.zeros_like(self.active), 0
+            return self
+        still = ~(score < self.halt_eps)  # a NaN score keeps looping
+        if not self.all_active():
+            still &= self.active
+        self.active = still
+        self.num_active = int(still.sum())  # one sync per step
+        return self
+
+    def final_states(self, hidden_states):
+        """The loop's output."""
+        return hidden_states
+
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
+        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
+        if cache is None:
+            return
+        steps = range(first_step, cache.spec.loop_steps)
+        for j, block in enumerate(blocks):
+            if self.reuse_kv:
+                per_step = [self.last_kv[j]] * len(steps)
+            else:
+                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
+            for step, (k, v) in zip(steps, per_step):
+                cache.write(k, v, cache.slot(step, j))
+
+    # ---- the counts ---------------------------------------------------------------------------------------------
 
     @property
     def loop_counts(self):
@@ -368,49 +315,9 @@ class LoopFormerHaltingState:
     def all_halted(self):
         return self.num_active == 0
 
-    def next_step(self, hidden_size, gather=True):
-        """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
-        (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
-        halted = self.halted()
-        if halted is None or not gather or self.exiting is not None or self.num_active is None:
-            # an exit step's adaLN is per token, and a compiled forward reads no count: dense
-            return halted, None
-        return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
-
-    def block_step(self, block, halted, active):
-        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (None: nothing halted)."""
-        if halted is None:
-            return None
-        return LoopFormerHaltingStep(halted, active, self.last_kv[block] if self.reuse_kv else None)
-
-    def update(self, previous, hidden_states, final=False):
-        """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once
-        - "state_change": ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps;
-        - "kl": KL(p_i ‖ p_{i−1}) < halt_eps, p the next-token distributions (p_0 from the embeddings);
-        - "entropy": H(p_i) < halt_eps.
-        After the `final` step of the budget no score is needed: only the counts advance. With a "_shortcut" rule
-        a token whose score falls does not freeze yet: it takes one exit step (Δ = 1 − t) at the next step, then
-        freezes (`_shortcut_update`)."""
-        self.step += 1
-        if self.row_budgets is not None:
-            return self._row_update(previous, hidden_states, final)
-        if final or self.probe:  # the probe's unsure tokens run the whole budget
-            self._count_step()
-            return self
-        if self.shortcut_exit:
-            return self._shortcut_update(previous, hidden_states)
-        score = self._score(previous, hidden_states)
-        self._count_step()
-        if score.numel() == 1:  # one token (decoding): read its score, one sync, no mask arithmetic
-            if score.item() < self.halt_eps:
-                self.active, self.num_active = torch.zeros_like(self.active), 0
-            return self
-        still = ~(score < self.halt_eps)  # a NaN score keeps looping
-        if not self.all_active():
-            still &= self.active
-        self.active = still
-        self.num_active = int(still.sum())  # one sync per step
-        return self
+    def _score(self, previous, hidden_states):
+        """What halt_eps thresholds, per token, after the step just run."""
+        return state_change_score(previous, hidden_states)
 
     def _row_update(self, previous, hidden_states, final):
         """`update` under per-row budgets: the rows whose last step this was stop, and with `halt_eps` the tokens
@@ -429,44 +336,6 @@ class LoopFormerHaltingState:
             self.num_active = None
         return self
 
-    def _score(self, previous, hidden_states):
-        """The criterion's score of every token after the step just run."""
-        if self.criterion == "state_change":
-            score = state_change_score(previous, hidden_states)
-        else:
-            log_probs = self.readout(hidden_states)
-            if self.criterion == "kl":
-                score = (log_probs.exp() * (log_probs - self.log_probs)).sum(-1)
-                self.log_probs = log_probs
-            else:
-                score = -(log_probs.exp() * log_probs).sum(-1)
-        return score
-
-    def _shortcut_update(self, previous, hidden_states):
-        """`update` under a "_shortcut" rule: the tokens that just ran their exit step freeze; of the others, those
-        whose score fell below halt_eps exit at the next step, unless it is the budget's last (it is their exit)."""
-        finishing, num_finishing = self.exiting, self.num_exiting
-        self._count_step()
-        self.exiting, self.num_exiting = None, 0
-        if finishing is not None:
-            if num_finishing == self.num_active:  # every token still computed has finished: no score to read
-                self.active, self.num_active = torch.zeros_like(self.active), 0
-                return self
-            self.active = self.active & ~finishing
-            self.num_active -= num_finishing
-        if self.step >= self.num_steps - 1:  # the next step is the last: whoever stops now stops after it anyway
-            return self
-        score = self._score(previous, hidden_states)
-        if score.numel() == 1:  # one token (decoding): one sync
-            if score.item() < self.halt_eps:
-                self.exiting, self.num_exiting = torch.ones_like(self.active), 1
-            return self
-        exiting = (score < self.halt_eps) & self.active
-        num_exiting = int(exiting.sum())  # one sync per step
-        if num_exiting:
-            self.exiting, self.num_exiting = exiting, num_exiting
-        return self
-
     def _count_step(self):
         """The active tokens ran one more step."""
         if self.all_active():
@@ -474,21 +343,44 @@ class LoopFormerHaltingState:
         else:
             self.partial_counts = self.active.long() if self.partial_counts is None else self.partial_counts + self.active
 
-    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
-        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
-        if cache is None:
-            return
-        steps = range(first_step, cache.spec.loop_steps)
-        for j, block in enumerate(blocks):
-            if self.reuse_kv:
-                per_step = [self.last_kv[j]] * len(steps)
-            else:
-                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
-            for step, (k, v) in zip(steps, per_step):
-                cache.write(k, v, cache.slot(step, j))
+
+# `halt_criterion` values: the rule each names. The library's is "state_change"; the lab's register on import
+# (`import benchmarks.halting_rules`).
+HALTING_RULES = {"state_change": LoopFormerHaltingState}
+LIBRARY_HALT_CRITERIA = tuple(HALTING_RULES)  # what the docs list; the lab registers more
+LAB_RULES_MODULE = "benchmarks.halting_rules"
 
 
-__all__ = ["HALT_CRITERIA", "LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep", "PROBE_CRITERION",
-           "check_halt_criterion", "check_halt_eps",
-           "probe_slots", "shortcut_exit_adaln", "split_criterion", "state_change_score"]
+def register_halting_rule(name, rule):
+    """Name `rule` (a [`LoopFormerHaltingState`] subclass) as a `halt_criterion` value."""
+    if not (isinstance(rule, type) and issubclass(rule, LoopFormerHaltingState)):
+        raise TypeError(f"A halting rule is a LoopFormerHaltingState subclass, got {rule!r} for {name!r}.")
+    HALTING_RULES[name] = rule
+
+
+def halting_rule(criterion):
+    """The rule a `halt_criterion` value names, or a ValueError listing the registered ones."""
+    rule = HALTING_RULES.get(criterion) if isinstance(criterion, str) else None
+    if rule is None:
+        raise ValueError(
+            f"`halt_criterion` must be one of {tuple(HALTING_RULES)}, got {criterion!r}. The lab's research rules "
+            f"(\"kl\", \"entropy\", their \"_shortcut\" forms, \"probe_entropy\") register on `import "
+            f"{LAB_RULES_MODULE}` from a checkout."
+        )
+    return rule
+
+
+def check_halt_criterion(criterion):
+    """A call's or config's `halt_criterion`: a registered rule's name."""
+    halting_rule(criterion)
+    return criterion
+
+
+def extra_slots(criterion):
+    """Extra loop-step slots per block a cache needs under `criterion` (None: no halting)."""
+    return 0 if criterion is None else halting_rule(criterion).extra_slots
+
+
+__all__ = ["HALTING_RULES", "LIBRARY_HALT_CRITERIA", "LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep",
+           "check_halt_criterion", "check_halt_eps", "extra_slots", "halting_rule", "register_halting_rule",
+           "state_change_score"]

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from .halting_loopformer import PROBE_CRITERION, split_criterion
+from .halting_loopformer import HALTING_RULES, halting_rule
 
 
 STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
@@ -276,9 +276,10 @@ def _check_rows_supported(config, halt_criterion):
         raise ValueError(f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
                          f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
                          f"Use cache_sharing='none', or one budget for the batch.")
-    if halt_criterion is not None and (split_criterion(halt_criterion)[1] or halt_criterion == PROBE_CRITERION):
+    if halt_criterion is not None and not halting_rule(halt_criterion).per_row:
+        allowed = [name for name, rule in HALTING_RULES.items() if rule.per_row]
         raise ValueError(f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
-                         f"or schedules take 'state_change', 'kl' or 'entropy' (or one budget for the batch).")
+                         f"or schedules take {allowed} (or one budget for the batch).")
 
 
 def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=None, batch_size=None):

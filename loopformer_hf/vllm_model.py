@@ -39,7 +39,7 @@ from vllm.sequence import IntermediateTensors
 
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
-from .modeling_loopformer import LoopFormerLoopConditioning, rms_norm
+from .layers_loopformer import LoopFormerLoopConditioning, rms_norm
 from .vllm_plugin import max_request_loop_budget, server_trajectory
 from .vllm_requests import LoopPlan, requests_of
 

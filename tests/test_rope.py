@@ -13,7 +13,7 @@ from huggingface_hub.errors import StrictDataclassError
 from fprm_hf import FPRMForReasoning
 from fprm_hf.layers_fprm import FPRMRotaryEmbedding, apply_rotary_pos_emb
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
-from loopformer_hf.modeling_loopformer import LoopFormerRotaryEmbedding, apply_rotary, rotate_half
+from loopformer_hf.layers_loopformer import LoopFormerRotaryEmbedding, apply_rotary, rotate_half
 from support.tiny_models import sequence_fprm_config, tiny_fprm, tiny_fprm_config, tiny_loopformer_config
 
 

@@ -8,10 +8,10 @@ from huggingface_hub.errors import StrictDataclassError
 
 from support.instruments import CountOps
 from support.tiny_data import left_padded
-from support.tiny_models import cache_of, tiny_loopformer_config
+from support.tiny_models import cache_of
 import loopformer_hf
 from loopformer_hf import halting_loopformer
-from loopformer_hf.modeling_loopformer import rms_norm
+from loopformer_hf.layers_loopformer import rms_norm
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 
@@ -280,108 +280,6 @@ def test_decode_keeps_the_loops_adaln_vectors_on_the_cache(model):
     torch.testing.assert_close(decoded[:, -1], model(ids).logits[:, -1], atol=1e-5, rtol=0)
 
 
-# ---- exit criteria -------------------------------------------------------------------------------------------------
-
-
-def split_threshold(scores):
-    """A threshold that halts about half the tokens, midway between the two middle scores: a median is itself one of
-    the scores, and a score equal to the threshold halts or not by float rounding, which cached and uncached runs do
-    differently."""
-    s = scores.flatten().sort().values
-    i = (len(s) - 1) // 2
-    assert s[i] < s[i + 1], "the two middle scores tie: these inputs cannot split the tokens"
-    return float((s[i] + s[i + 1]) / 2)
-
-
-def decode_stepwise(model, ids, prefix, attention_mask=None, **kwargs):
-    """(logits, loop counts) of a prefill over `ids[:, :prefix]`, then one forward per later token on the cache."""
-    def masked(end):
-        return {} if attention_mask is None else {"attention_mask": attention_mask[:, :end]}
-
-    out = model(ids[:, :prefix], **masked(prefix), **kwargs)
-    logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
-    for i in range(prefix, ids.shape[1]):
-        out = model(ids[:, i:i + 1], cache=cache, **masked(i + 1), **kwargs)
-        logits.append(out.logits)
-        counts.append(out.loop_counts)
-    return torch.cat(logits, 1), torch.cat(counts, 1)
-
-
-def step_scores(model, ids):
-    """Per loop step i = 1..4 of the full budget: the entropy H(p_i) and KL(p_i || p_{i-1}) of every token."""
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-        log_p = [torch.log_softmax(model.lm_head(model.model.norm(h)), -1) for h in hidden]
-    entropy = [-(lp.exp() * lp).sum(-1) for lp in log_p[1:]]
-    kl = [(log_p[i].exp() * (log_p[i] - log_p[i - 1])).sum(-1) for i in range(1, len(log_p))]
-    return {"entropy": entropy, "kl": kl}
-
-
-@pytest.mark.parametrize("criterion", ["kl", "entropy"])
-def test_each_criterion_decodes_cached_as_uncached(model, criterion):
-    ids = torch.randint(3, 97, (2, 16))
-    eps = split_threshold(step_scores(model, ids)[criterion][1])
-    full = model(ids, halt_eps=eps, halt_criterion=criterion, use_cache=False)
-    assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that halt at different steps"
-    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion=criterion)
-    assert torch.equal(counts, full.loop_counts)
-    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
-
-
-def test_cache_filled_under_one_criterion_refuses_another(model):
-    """Another criterion halts other tokens, so their skipped slots differ: the cache names both criteria."""
-    ids = torch.randint(3, 97, (1, 9))
-    cache = cache_of(model(ids[:, :8], halt_eps=0.1, halt_criterion="kl"))
-    assert cache.spec.halt_criterion == "kl"
-    with pytest.raises(ValueError, match=r"filled under halt_eps=0.1 .*halt_criterion=kl.* this call runs "
-                                         r"halt_eps=0.1 \(kv fill \w+\)"):
-        model(ids[:, 8:], cache=cache, halt_eps=0.1, halt_criterion="state_change")
-    assert cache_of(model(ids[:, :8])).spec.halt_criterion is None  # recorded only with halt_eps
-
-
-@pytest.mark.parametrize("criterion", ["kl", "entropy"])
-def test_criteria_halt_on_their_own_scores(model, criterion):
-    ids = torch.randint(3, 97, (2, 16))
-    first = step_scores(model, ids)[criterion][0]  # after step 1, before anyone halts
-    ordered = first.flatten().sort().values
-    middle = ordered.numel() // 2  # halfway between two neighbours, so round-off cannot move a token across
-    eps = float(ordered[middle - 1] + ordered[middle]) / 2
-    counts = model(ids, halt_eps=eps, halt_criterion=criterion).loop_counts
-    assert torch.equal(counts == 1, first < eps) and 0 < int((counts == 1).sum()) < ids.numel()
-    means = [model(ids, halt_eps=e, halt_criterion=criterion).loop_counts.float().mean() for e in (1e-9, eps, 99.0)]
-    assert means[0] == 4 and 1 < means[1] < 4 and means[2] == 1  # larger thresholds halt sooner
-
-
-def test_halt_criterion_is_a_config_default_and_a_generate_kwarg(model):
-    ids = torch.randint(3, 97, (1, 5))
-    eps = split_threshold(step_scores(model, ids)["entropy"][1])
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=eps, return_dict_in_generate=True)
-    by_kwarg = model.generate(ids, halt_criterion="entropy", **kw)
-    default = model.generate(ids, **kw)
-    assert not torch.equal(by_kwarg.loop_counts, default.loop_counts)
-    model.config.halt_criterion = "entropy"
-    assert torch.equal(model.generate(ids, **kw).loop_counts, by_kwarg.loop_counts)
-    torch.testing.assert_close(by_kwarg.loop_counts, model(by_kwarg.sequences[:, :-1], halt_eps=eps).loop_counts)
-
-
-def test_bad_halt_criterion_raises(model):
-    ids = torch.randint(3, 97, (1, 4))
-    with pytest.raises(ValueError, match=r"halt_criterion.*'entropie'"):
-        model(ids, halt_eps=0.1, halt_criterion="entropie")
-    with pytest.raises(StrictDataclassError, match=r"(?s)halt_criterion.*got kl2"):
-        loopformer_hf.LoopFormerConfig(halt_criterion="kl2")
-    with pytest.raises(ValueError, match="LM head"):
-        model.model(ids, halt_eps=0.1, halt_criterion="kl")
-
-
-def test_cache_filled_under_another_criterion_is_refused(model):
-    ids = torch.randint(3, 97, (1, 6))
-    out = model(ids, halt_eps=0.1, halt_criterion="kl")
-    with pytest.raises(ValueError, match="halt_criterion"):
-        model(ids[:, :1], cache=cache_of(out), halt_eps=0.1)
-    model(ids[:, :1], cache=cache_of(out), halt_eps=0.1, halt_criterion="kl")
-
-
 def _decode_ops(model, **kwargs):
     """ATen calls of one cached single-token decode step (after an 8-token prefill) under `kwargs`."""
     ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -459,122 +357,6 @@ def test_a_slot_that_is_never_read_does_not_keep_one_tensor_per_token():
     torch.testing.assert_close(layer.values, -torch.cat(pieces, dim=-2), rtol=0, atol=0)
 
 
-# ---- the shortcut exit rules -----------------------------------------------------------------------------------------
-# The "_shortcut" exit rules and "probe_entropy" (`halt_criterion="kl_shortcut"`, ...): a token whose score falls below
-# `halt_eps` after step i takes one step Δ = 1 − t_i to t = 1 before it freezes, so its path is a shortcut trajectory
-# of i + 1 steps. Exact against the fixed trajectory, cached as uncached, static as dynamic, padded and gathered.
-
-RULES = ["state_change_shortcut", "kl_shortcut", "entropy_shortcut"]
-
-
-def first_scores(model, ids, rule):
-    """Every token's score after loop step 1 of the full budget (before any token exits)."""
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-        log_p = [torch.log_softmax(model.lm_head(model.model.norm(h)), -1) for h in hidden[:2]]
-    if rule == "state_change_shortcut":
-        return halting_loopformer.state_change_score(hidden[0], hidden[1])
-    if rule == "kl_shortcut":
-        return (log_p[1].exp() * (log_p[1] - log_p[0])).sum(-1)
-    return -(log_p[1].exp() * log_p[1]).sum(-1)
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_a_token_that_stops_after_step_1_ends_on_the_shortcut_trajectory(model, rule):
-    """Everyone below halt_eps after step 1: the output is the 2-step shortcut trajectory [1/L, 1 − 1/L]'s, exactly
-    what `step_schedule` runs, at 2 loop steps per token; a threshold below every score runs the full budget."""
-    ids = torch.randint(3, 97, (2, 12))
-    with torch.no_grad():
-        out = model(ids, halt_eps=1e9, halt_criterion=rule, use_cache=False)
-        fixed = model(ids, step_schedule=[0.25, 0.75], use_cache=False)
-        full = model(ids, halt_eps=1e-12, halt_criterion=rule, use_cache=False)
-    assert (out.loop_counts == 2).all()
-    torch.testing.assert_close(out.logits, fixed.logits, atol=1e-5, rtol=0)
-    assert (full.loop_counts == 4).all()
-    torch.testing.assert_close(full.logits, model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_tokens_exit_where_their_score_falls_and_pay_one_more_step(model, rule):
-    ids = torch.randint(3, 97, (2, 16))
-    first = first_scores(model, ids, rule)
-    eps = split_threshold(first)
-    counts = model(ids, halt_eps=eps, halt_criterion=rule).loop_counts
-    # below after step 1: one exit step (2 in all); the others decide again after step 2 (3 in all, or 4); never 1
-    assert torch.equal(counts == 2, first < eps)
-    assert set(counts.flatten().tolist()) <= {2, 3, 4} and (counts[first >= eps] >= 3).all()
-
-
-@pytest.mark.parametrize("fill", ["reuse", "recompute"])
-@pytest.mark.parametrize("rule", RULES)
-def test_cached_decode_equals_the_uncached_forward(model, rule, fill):
-    """The cache stays exact: decoding token by token gives the counts and logits of one uncached forward, with the
-    exiting tokens' slots written at their exit step and the later ones filled as for any halted token."""
-    model.config.halt_kv_fill = fill
-    ids = torch.randint(3, 97, (2, 16))
-    eps = split_threshold(first_scores(model, ids, rule))
-    full = model(ids, halt_eps=eps, halt_criterion=rule, use_cache=False)
-    assert full.loop_counts.min() < full.loop_counts.max(), "test needs tokens that exit at different steps"
-    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion=rule)
-    assert torch.equal(counts, full.loop_counts)
-    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("gather", [False, True])
-def test_padded_batch_decodes_as_the_dense_path(model, monkeypatch, gather):
-    """A left-padded batch, rows exiting at different steps, with the halted tokens gathered out or computed."""
-    monkeypatch.setattr(halting_loopformer, "GATHER_ACTIVE_FRACTION", 1.0 if gather else -1.0)
-    monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", 0)
-    ids = torch.randint(3, 97, (3, 20))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    eps = split_threshold(first_scores(model, ids, "kl_shortcut")[mask.bool()])
-    full = model(ids, attention_mask=mask, halt_eps=eps, halt_criterion="kl_shortcut", use_cache=False)
-    logits, counts = decode_stepwise(model, ids, 12, attention_mask=mask, halt_eps=eps, halt_criterion="kl_shortcut")
-    assert len(set(counts[:, 12:].flatten().tolist())) > 1  # decoded rows exit at different steps
-    assert torch.equal(counts, full.loop_counts)
-    real = mask.bool()
-    torch.testing.assert_close(logits[real], full.logits[real], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("fill", ["reuse", "recompute"])
-def test_generate_with_a_static_cache_matches_the_dynamic_cache(model, fill):
-    model.config.halt_kv_fill = fill
-    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    eps = split_threshold(first_scores(model, ids, "entropy_shortcut")[mask.bool()])
-    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, halt_eps=eps,
-                           halt_criterion="entropy_shortcut", return_dict_in_generate=True, output_logits=True, **kw)
-            for kw in ({}, {"cache_implementation": "static"})]
-    dynamic, static = runs
-    assert dynamic.loop_counts.min() < dynamic.loop_counts.max()
-    assert torch.equal(static.sequences, dynamic.sequences)
-    assert torch.equal(static.loop_counts, dynamic.loop_counts)
-    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
-
-
-def test_shortcut_rules_refuse_a_model_without_step_conditioning():
-    """TMLT (t only) and Base-Loop were never trained on a step Δ = 1 − t: the rule names the criterion to use."""
-    for mode in ("timestep", "none"):
-        model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning=mode)).eval()
-        ids = torch.randint(3, 97, (1, 6))
-        with pytest.raises(ValueError, match=r"loop_conditioning='shortcut'.*use halt_criterion='kl'"):
-            model(ids, halt_eps=0.1, halt_criterion="kl_shortcut")
-        assert model(ids, halt_eps=0.1, halt_criterion="kl").loop_counts is not None
-
-
-def test_the_exit_steps_adaln_is_kept_on_the_cache_for_decoding(model):
-    ids = torch.randint(3, 97, (1, 8))
-    calls = []
-    model.model.layers[0].adaLN_modulation.register_forward_pre_hook(lambda *a: calls.append(1))
-    with torch.no_grad():
-        out = model(ids[:, :6], halt_eps=1e9, halt_criterion="kl_shortcut")
-        for i in (6, 7):
-            out = model(ids[:, i:i + 1], cache=cache_of(out), halt_eps=1e9, halt_criterion="kl_shortcut")
-    assert len(calls) == 2  # the trajectory's steps and the exit steps, once each, at the prefill
-
-
 def test_per_token_norm_weights_equal_the_shared_weight():
     """The exit step's per-token adaLN folds into the norm as (batch, seq, d) weights: the same values as a shared
     (d,) weight where they agree."""
@@ -582,67 +364,29 @@ def test_per_token_norm_weights_equal_the_shared_weight():
     torch.testing.assert_close(rms_norm(x, w.expand(2, 5, 64)), rms_norm(x, w), atol=1e-6, rtol=0)
 
 
-def test_without_halt_eps_nothing_changes(model):
-    """`halt_eps=None`: the rule is not read; the output equals the plain full budget."""
-    ids = torch.randint(3, 97, (2, 10))
+def test_an_unknown_halt_criterion_names_the_registered_rules_and_the_lab(model):
+    ids = torch.randint(3, 97, (1, 4))
+    with pytest.raises(ValueError, match=r"halt_criterion.*\('state_change'.*'entropie'.*benchmarks.halting_rules"):
+        model(ids, halt_eps=0.1, halt_criterion="entropie")
+    with pytest.raises(StrictDataclassError, match=r"(?s)halt_criterion.*kl2"):
+        loopformer_hf.LoopFormerConfig(halt_criterion="kl2")
+
+
+def test_a_registered_rule_is_what_the_loop_calls(model, monkeypatch):
+    """The loop reaches an exit rule through its hooks alone: a registered subclass whose score is 0 halts every
+    token after step 1, whose output it then keeps."""
+
+    class StopAfterOne(halting_loopformer.LoopFormerHaltingState):
+        def _score(self, previous, hidden_states):
+            return torch.zeros(hidden_states.shape[:2])
+
+    monkeypatch.setitem(halting_loopformer.HALTING_RULES, "stop_after_one", StopAfterOne)
+    ids = torch.randint(3, 97, (2, 7))
     with torch.no_grad():
-        plain = model(ids)
-        model.config.halt_criterion = "kl_shortcut"
-        ruled = model(ids)
-    assert ruled.loop_counts is None
-    assert torch.equal(plain.logits, ruled.logits)
-
-
-# ---- "probe_entropy": the one-step trajectory first, the budget only where it is unsure -------------------------------
-
-
-def probe_entropy(model, ids, **kwargs):
-    with torch.no_grad():
-        log_p = model(ids, step_schedule=[1.0], use_cache=False, **kwargs).logits.log_softmax(-1)
-    return -(log_p.exp() * log_p).sum(-1)
-
-
-def test_probe_keeps_the_one_step_output_where_sure_and_runs_the_budget_elsewhere(model):
-    ids = torch.randint(3, 97, (2, 16))
-    entropy = probe_entropy(model, ids)
-    eps = split_threshold(entropy)
-    with torch.no_grad():
-        out = model(ids, halt_eps=eps, halt_criterion="probe_entropy", use_cache=False)
-        one = model(ids, step_schedule=[1.0], use_cache=False)
-        everyone_sure = model(ids, halt_eps=1e9, halt_criterion="probe_entropy", use_cache=False)
-        nobody_sure = model(ids, halt_eps=1e-12, halt_criterion="probe_entropy", use_cache=False)
-    sure = entropy < eps
-    assert 0 < int(sure.sum()) < ids.numel()
-    assert torch.equal(out.loop_counts, torch.where(sure, 1, 5))  # the probe, then 1 + M for the unsure
-    torch.testing.assert_close(out.logits[sure], one.logits[sure], atol=1e-5, rtol=0)
-    torch.testing.assert_close(everyone_sure.logits, one.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(nobody_sure.logits, model(ids, use_cache=False).logits, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("fill", ["reuse", "recompute"])
-def test_probe_decodes_cached_as_uncached_and_static_as_dynamic(model, fill):
-    """The probe step's keys/values have slots of their own (M + 1 per block); decode equals one forward, and a
-    static cache sized by generate equals the dynamic one, left-padded batch included."""
-    model.config.halt_kv_fill = fill
-    ids = torch.randint(3, 97, (2, 16))
-    eps = split_threshold(probe_entropy(model, ids))
-    full = model(ids, halt_eps=eps, halt_criterion="probe_entropy", use_cache=False)
-    logits, counts = decode_stepwise(model, ids, 8, halt_eps=eps, halt_criterion="probe_entropy")
-    assert torch.equal(counts, full.loop_counts) and counts.min() < counts.max()
-    torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
-    prompt, mask = ids[:, :7], torch.ones(2, 7, dtype=torch.long)
-    mask[1, :3] = 0
-    runs = [model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, halt_eps=eps,
-                           halt_criterion="probe_entropy", return_dict_in_generate=True, output_logits=True, **kw)
-            for kw in ({}, {"cache_implementation": "static"})]
-    assert torch.equal(runs[0].sequences, runs[1].sequences) and torch.equal(runs[0].loop_counts, runs[1].loop_counts)
-    torch.testing.assert_close(torch.stack(runs[0].logits), torch.stack(runs[1].logits), atol=1e-5, rtol=0)
-
-
-def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
-    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).eval()
-    with pytest.raises(ValueError, match=r"use halt_criterion='entropy'"):
-        model(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
-    shared = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(cache_sharing="modulo")).eval()
-    with pytest.raises(ValueError, match="cache_sharing='none'"):
-        shared(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
+        out = model(ids, halt_eps=0.5, halt_criterion="stop_after_one", use_cache=False)
+        after_one = model(ids, output_hidden_states=True, use_cache=False).hidden_states[1]
+        expected = model.lm_head(model.model.norm(after_one))
+    assert (out.loop_counts == 1).all()
+    torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
+    with pytest.raises(TypeError, match="LoopFormerHaltingState subclass"):
+        halting_loopformer.register_halting_rule("bad", object)

@@ -180,7 +180,7 @@ def test_weighted_block_norms_in_cached_adaptive_decode(conditioning):
 
 def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
     torch.manual_seed(0)
-    block = loopformer_hf.modeling_loopformer.LoopFormerBlock(tiny_config).eval()
+    block = loopformer_hf.layers_loopformer.LoopFormerBlock(tiny_config).eval()
     d = tiny_config.hidden_size
     x, c = torch.randn(1, 5, d), torch.randn(d)  # one conditioning vector per loop step, shared by every token
     with torch.no_grad():
@@ -354,8 +354,8 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
     loads from them where the package cannot be imported."""
     tiny_model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [
-        "cache_loopformer.py", "configuration_loopformer.py", "generation_loopformer.py", "halting_loopformer.py",
-        "hub.py", "loss_loopformer.py", "masks_loopformer.py", "modeling_loopformer.py", "trajectory_loopformer.py"]
+        "cache_loopformer.py", "configuration_loopformer.py", "generation_loopformer.py", "halting_loopformer.py", "hub.py",
+        "layers_loopformer.py", "loss_loopformer.py", "masks_loopformer.py", "modeling_loopformer.py", "trajectory_loopformer.py"]
     ids = torch.randint(3, 97, (1, 6))
     expected = tiny_model(ids, loop_budget=3, step_schedule=[0.5, 0.25, 0.25]).logits
     torch.save({"ids": ids, "expected": expected}, tmp_path / "check.pt")

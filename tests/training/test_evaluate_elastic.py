@@ -246,22 +246,8 @@ def test_perplexity_target_needs_two_settings_below_the_fixed_curve():
     assert halting_verdict(rec) == {"entropy_shortcut": (True, [0.5, 1.0]), "state_change": (False, [0.4])}
 
 
-def test_evaluate_sweeps_each_rule_and_prints_its_table_and_verdict(tmp_path, capsys):
-    """`evaluate --halt_criteria`: each rule at each halt_eps, the '_shortcut' one only on a model conditioned on Δ;
-    the printed table has the fixed budgets at equal compute and a verdict per rule."""
-    from looped_training.loopformer import evaluate, train
-
-    for variant in ("loopformer", "base_loop"):
-        train.main(["--output_dir", str(tmp_path / variant), "--variant", variant, *TINY])
-    lf, bl = evaluate.main([str(tmp_path / "loopformer"), str(tmp_path / "base_loop"), "--output_dir",
-                            str(tmp_path / "eval"), "--schedules", "uniform", "--halt_eps", "1e-9", "1e9",
-                            "--halt_criteria", "state_change", "state_change_shortcut"])
-    assert [(h["criterion"], h["halt_eps"]) for h in lf["halting"]] == [
-        ("state_change", 1e-9), ("state_change", 1e9), ("state_change_shortcut", 1e-9), ("state_change_shortcut", 1e9)]
-    assert [h["criterion"] for h in bl["halting"]] == ["state_change", "state_change"]  # no Δ: no shortcut rule
-    assert lf["halting"][3]["mean_loops"] == 2  # every token exits after step 1, through one shortcut step
-    out = capsys.readouterr().out
-    assert out.count("halt_criterion='state_change_shortcut'") == 1 and out.count("Verdict: ") == 3
-    assert "fixed budget at equal compute (exact match) | adaptive better? |" in out
-    with pytest.raises(ValueError, match="halt_criteria"):
-        evaluate.main([str(tmp_path / "loopformer"), "--output_dir", str(tmp_path / "x"), "--halt_criteria", "kll"])
+def test_evaluate_refuses_an_unregistered_rule_and_names_the_labs_command(tmp_path):
+    """A rule no one registered is refused before anything loads; the message names the lab's command (the sweep of
+    the lab's rules: tests/lab/test_halting_rules.py)."""
+    with pytest.raises(ValueError, match=r"--halt_criteria \['kll'\] unknown.*benchmarks.halting_rules"):
+        evaluate_elastic.main([str(tmp_path), "--output_dir", str(tmp_path / "x"), "--halt_criteria", "kll"])

@@ -30,7 +30,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
-from loopformer_hf.configuration_loopformer import HALT_CRITERIA
+from loopformer_hf.halting_loopformer import HALTING_RULES, halting_rule
 from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
 from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
@@ -102,15 +102,23 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     return math.exp(ce_sum / max(count, 1)), correct, loops
 
 
+def _runs_on(model, criterion):
+    """Whether the exit rule `criterion` runs on `model` (its own check, as a forward makes it)."""
+    try:
+        halting_rule(criterion).check_model(model.config, model.get_output_embeddings(), criterion)
+    except ValueError:
+        return False
+    return True
+
+
 def evaluate_halting(model, task, data, eps_values, criteria=None):
     """Adaptive depth per token: quality against mean loop steps per scored token, at the full uniform budget, for
-    each exit rule of `criteria` (default: the model's `halt_criterion`; the "_shortcut" rules only on a model
-    conditioned on Δ)."""
+    each exit rule of `criteria` (default: the model's `halt_criterion`; a rule only on a model it runs on, e.g. the
+    lab's "_shortcut" rules on a model conditioned on Δ)."""
     results = []
     trajectory = model.config.resolve_trajectory(model.config.num_loops, "uniform")
     kept = model.config.halt_criterion
-    criteria = [c for c in (criteria or [kept])
-                if model.config.loop_conditioning == "shortcut" or not c.endswith("_shortcut")]
+    criteria = [c for c in (criteria or [kept]) if _runs_on(model, c)]
     try:
         for criterion in criteria:
             model.config.halt_criterion = criterion  # `quality` passes halt_eps; the rule comes from the config
@@ -604,7 +612,8 @@ def main(argv=None):
                         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
     parser.add_argument("--halt_criteria", nargs="*", default=None,
                         help="Exit rules (halt_criterion values) the --halt_eps sweep runs (default: each model's own; "
-                             "the '_shortcut' rules only on models conditioned on Δ).")
+                             "a rule only on the models it runs on). With the lab's rules: python -m "
+                             "benchmarks.halting_rules ARGS.")
     parser.add_argument("--device", default=None,
                         help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).")
     parser.add_argument("--disable_tqdm", type=_bool, default=None,
@@ -612,9 +621,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for eps in args.halt_eps:
         loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
-    bad = [c for c in args.halt_criteria or [] if c not in HALT_CRITERIA]
+    bad = [c for c in args.halt_criteria or [] if c not in HALTING_RULES]
     if bad:
-        raise ValueError(f"--halt_criteria {bad} unknown; allowed: {HALT_CRITERIA}.")
+        raise ValueError(f"--halt_criteria {bad} unknown; allowed: {tuple(HALTING_RULES)} (with the lab's rules: "
+                         f"python -m benchmarks.halting_rules ARGS).")
     if args.names and len(args.names) != len(args.checkpoints):
         raise ValueError(f"--names gives {len(args.names)} names for {len(args.checkpoints)} checkpoints.")
     bad = [s for s in args.schedules if s not in SCHEDULES]
