@@ -15,14 +15,24 @@ def write_json(path, obj):
 def row(name, loopformer, baseline, ratios, target=None, met=None):
     """One row of the speed table (`report_table`): medians of the two sides, median and spread (min-max) of the
     per-round ratios."""
-    return dict(measurement=name, loopformer=loopformer, baseline=baseline, ratio=statistics.median(ratios),
-                ratio_min=min(ratios), ratio_max=max(ratios), target=target, met=met)
+    return dict(
+        measurement=name,
+        loopformer=loopformer,
+        baseline=baseline,
+        ratio=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+        target=target,
+        met=met,
+    )
 
 
 def format_markdown(rows):
     """The speed table (`report_table`, `bench_authors`) as Markdown."""
-    lines = ["| measurement | LoopFormer | baseline | ratio (median) | spread (min-max) | target | met |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| measurement | LoopFormer | baseline | ratio (median) | spread (min-max) | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("slot"):
             text = r["slot"] if isinstance(r["slot"], str) else "not measured by this command yet"
@@ -30,6 +40,8 @@ def format_markdown(rows):
             continue
         spread = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
-        lines.append(f"| {r['measurement']} | {r['loopformer']:.4g} | {r['baseline']:.4g} | {r['ratio']:.3f} | "
-                     f"{spread} | {r['target'] or '-'} | {met} |")
+        lines.append(
+            f"| {r['measurement']} | {r['loopformer']:.4g} | {r['baseline']:.4g} | {r['ratio']:.3f} | "
+            f"{spread} | {r['target'] or '-'} | {met} |"
+        )
     return "\n".join(lines)

@@ -72,9 +72,16 @@ def build_pair(module, cfg, workdir, seed=0, model_type="loopformer", jitter=0.0
     parameter moved by N(0, jitter) so that norm weights and biases are not their trivial init), our converter. Base
     (not looped) gets the k·L blocks of one pass."""
     n_layer = cfg["k"] * cfg["loops"] if model_type == "base" else cfg["k"]
-    config = module.GPTConfig(block_size=cfg["max_positions"], vocab_size=cfg["vocab"], n_layer=n_layer,
-                              n_head=cfg["heads"], n_embd=cfg["hidden"], dropout=0.0, bias=False,
-                              intermediate_dim=cfg["intermediate"])
+    config = module.GPTConfig(
+        block_size=cfg["max_positions"],
+        vocab_size=cfg["vocab"],
+        n_layer=n_layer,
+        n_head=cfg["heads"],
+        n_embd=cfg["hidden"],
+        dropout=0.0,
+        bias=False,
+        intermediate_dim=cfg["intermediate"],
+    )
     torch.manual_seed(seed)
     with contextlib.redirect_stdout(io.StringIO()):  # their constructor prints its parameter count
         theirs = module.GPT(config)
@@ -84,10 +91,19 @@ def build_pair(module, cfg, workdir, seed=0, model_type="loopformer", jitter=0.0
                 p.add_(torch.randn_like(p) * jitter)
     checkpoint = os.path.join(workdir, f"{model_type}.pt")
     torch.save({"model": theirs.state_dict()}, checkpoint)
-    ours = convert(checkpoint, os.path.join(workdir, f"converted_{model_type}"), n_layer=n_layer,
-                   n_loops=None if model_type == "base" else cfg["loops"], n_embd=cfg["hidden"], n_head=cfg["heads"],
-                   vocab_size=cfg["vocab"], block_size=cfg["max_positions"], mlp_hidden=cfg["intermediate"],
-                   model_type=model_type, allow_pickle=True)
+    ours = convert(
+        checkpoint,
+        os.path.join(workdir, f"converted_{model_type}"),
+        n_layer=n_layer,
+        n_loops=None if model_type == "base" else cfg["loops"],
+        n_embd=cfg["hidden"],
+        n_head=cfg["heads"],
+        vocab_size=cfg["vocab"],
+        block_size=cfg["max_positions"],
+        mlp_hidden=cfg["intermediate"],
+        model_type=model_type,
+        allow_pickle=True,
+    )
     return theirs, ours
 
 
@@ -105,7 +121,7 @@ def their_generate_fn(model, prompt, new_tokens, steps):
         idx = prompt
         with torch.inference_mode():
             for _ in range(new_tokens):
-                logits = model(idx[:, -model.config.block_size:], steps=steps)[0]
+                logits = model(idx[:, -model.config.block_size :], steps=steps)[0]
                 idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         result["tokens"] = idx
 
@@ -136,13 +152,15 @@ def our_train_step_fn(model, batch, short_steps):
     predicts the same seq targets as theirs), AdamW with the same groups."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95)
+    )
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps),
-              use_cache=False).loss.backward()
+        model(
+            input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps), use_cache=False
+        ).loss.backward()
         optimizer.step()
 
     return step
@@ -161,13 +179,26 @@ def authors_rows(cfg, repeats, authors_repo, log=print):
     with tempfile.TemporaryDirectory() as workdir:
         ids = torch.randint(0, cfg["vocab"], (2, cfg["prompt"]), generator=g)
         for model_type in MODEL_TYPES:  # the forward of each of their model files, on non-trivial weights
-            theirs, ours = build_pair(load_authors_module(authors_repo, model_type), cfg, workdir,
-                                      model_type=model_type, jitter=0.1)
+            theirs, ours = build_pair(
+                load_authors_module(authors_repo, model_type), cfg, workdir, model_type=model_type, jitter=0.1
+            )
             with torch.inference_mode():
-                diff = (their_full_logits(theirs.eval(), ids, model_type, L)
-                        - ours.eval()(ids, use_cache=False).logits).abs().max().item()
-            rows.append(row(f"logits, max abs(ours - theirs): models/{model_type}.py, converted", diff, 0.0, [diff],
-                            "<= 1e-4", diff <= 1e-4))
+                diff = (
+                    (their_full_logits(theirs.eval(), ids, model_type, L) - ours.eval()(ids, use_cache=False).logits)
+                    .abs()
+                    .max()
+                    .item()
+                )
+            rows.append(
+                row(
+                    f"logits, max abs(ours - theirs): models/{model_type}.py, converted",
+                    diff,
+                    0.0,
+                    [diff],
+                    "<= 1e-4",
+                    diff <= 1e-4,
+                )
+            )
 
         theirs, ours = build_pair(module, cfg, workdir)
         theirs.train()
@@ -176,32 +207,63 @@ def authors_rows(cfg, repeats, authors_repo, log=print):
         with torch.no_grad():  # the objective's two CE terms on one batch (dropout is 0 in both)
             x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             theirs_ce = torch.stack([theirs(x, y, long_steps)[1], theirs(x, y, short_steps)[1]])
-            out = ours(input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps),
-                       use_cache=False)
+            out = ours(
+                input_ids=batch, labels=batch, shortcut_consistency=ShortcutConsistency(short_steps), use_cache=False
+            )
             diff = (torch.stack([out.ce_full, out.ce_short]) - theirs_ce).abs().max().item()
-        rows.append(row("CE of the full and the short trajectory, max abs(ours - theirs)", diff, 0.0, [diff],
-                        "<= 1e-4", diff <= 1e-4))
+        rows.append(
+            row(
+                "CE of the full and the short trajectory, max abs(ours - theirs)",
+                diff,
+                0.0,
+                [diff],
+                "<= 1e-4",
+                diff <= 1e-4,
+            )
+        )
         log(f"vs authors: shortcut-consistency train step, batch {cfg['batch']} x seq {cfg['seq']}, {repeats} rounds")
-        t = interleaved({"ours": our_train_step_fn(ours, batch, short_steps),
-                         "theirs": their_train_step_fn(theirs, batch, long_steps, short_steps)}, repeats)
+        t = interleaved(
+            {
+                "ours": our_train_step_fn(ours, batch, short_steps),
+                "theirs": their_train_step_fn(theirs, batch, long_steps, short_steps),
+            },
+            repeats,
+        )
         ratios = [a / b for a, b in zip(t["ours"], t["theirs"])]
-        rows.append(row(f"train step with the consistency objective (b{cfg['batch']}x{cfg['seq']}), s: ours / "
-                        "authors'", statistics.median(t["ours"]), statistics.median(t["theirs"]), ratios,
-                        "<= 1.0", statistics.median(ratios) <= 1.0))
+        rows.append(
+            row(
+                f"train step with the consistency objective (b{cfg['batch']}x{cfg['seq']}), s: ours / authors'",
+                statistics.median(t["ours"]),
+                statistics.median(t["theirs"]),
+                ratios,
+                "<= 1.0",
+                statistics.median(ratios) <= 1.0,
+            )
+        )
 
         theirs.eval()
         ours.eval()
         n = cfg["gen_vs_llama"]
         prompt = torch.randint(0, cfg["vocab"], (1, cfg["prompt"]), generator=g)
         log(f"vs authors: greedy generate {n} tokens at M={L}, {repeats} rounds")
-        sides = {"ours": generate_fn(ours, prompt, n, loop_budget=L),
-                 "theirs": their_generate_fn(theirs, prompt, n, long_steps)}
+        sides = {
+            "ours": generate_fn(ours, prompt, n, loop_budget=L),
+            "theirs": their_generate_fn(theirs, prompt, n, long_steps),
+        }
         t = interleaved(sides, repeats)
         same = torch.equal(sides["ours"].result["tokens"], sides["theirs"].result["tokens"])
         ratios = [b / a for a, b in zip(t["ours"], t["theirs"])]
-        rows.append(row(f"greedy generate {n} tok at M={L}, tokens/s: ours (KV cache) / authors' (no cache)"
-                        + ("" if same else " (TOKENS DIFFER)"), n / statistics.median(t["ours"]),
-                        n / statistics.median(t["theirs"]), ratios, ">= 1.0", statistics.median(ratios) >= 1.0 and same))
+        rows.append(
+            row(
+                f"greedy generate {n} tok at M={L}, tokens/s: ours (KV cache) / authors' (no cache)"
+                + ("" if same else " (TOKENS DIFFER)"),
+                n / statistics.median(t["ours"]),
+                n / statistics.median(t["theirs"]),
+                ratios,
+                ">= 1.0",
+                statistics.median(ratios) >= 1.0 and same,
+            )
+        )
     return rows
 
 
@@ -227,10 +289,17 @@ def main(argv=None):
         p.error(str(e))
     print()
     print(format_markdown(rows))
-    write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick),
-                                 authors_repo=os.path.abspath(args.authors_repo),
-                                 authors_commit=authors_commit(args.authors_repo), torch=torch.__version__,
-                                 wall_s=time.time() - start, rows=rows))
+    write_json(
+        args.output,
+        dict(
+            config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick),
+            authors_repo=os.path.abspath(args.authors_repo),
+            authors_commit=authors_commit(args.authors_repo),
+            torch=torch.__version__,
+            wall_s=time.time() - start,
+            rows=rows,
+        ),
+    )
     print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
     return rows
 

@@ -39,16 +39,22 @@ def compare(logits, reference):
     """max and mean |Δ logit|, top-1 agreement and mean KL(reference || logits), all in fp32."""
     a, b = logits.float(), reference.float()
     kl = F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
-    return {"max_abs": float((a - b).abs().max()), "mean_abs": float((a - b).abs().mean()),
-            "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()), "kl": float(kl)}
+    return {
+        "max_abs": float((a - b).abs().max()),
+        "mean_abs": float((a - b).abs().mean()),
+        "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+        "kl": float(kl),
+    }
 
 
 def torch_default_eps():
     """max |F.rms_norm(x bf16, eps=None) - the norm with eps e| for e = float32's eps and 2^-7, on x of rms 0.03."""
     x = (torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)) * 0.03).bfloat16()
     got = F.rms_norm(x, (2048,), None, None).float()
-    return {name: float((got - x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).abs().max())
-            for name, eps in (("float32_eps", torch.finfo(torch.float32).eps), ("bf16_eps", 2.0 ** -7))}
+    return {
+        name: float((got - x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).abs().max())
+        for name, eps in (("float32_eps", torch.finfo(torch.float32).eps), ("bf16_eps", 2.0**-7))
+    }
 
 
 def run(cfg, authors_repo, stream_rms, batch, seq, threads):
@@ -65,8 +71,10 @@ def run(cfg, authors_repo, stream_rms, batch, seq, threads):
     with tempfile.TemporaryDirectory() as folder:
         write_reference_checkpoint(cfg, folder)
         theirs = load_theirs(module, folder)  # fp32, as their loader leaves it
-        ours = {"ours bf16": AutoModelForCausalLM.from_pretrained(folder),
-                "ours fp32": AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)}
+        ours = {
+            "ours bf16": AutoModelForCausalLM.from_pretrained(folder),
+            "ours fp32": AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+        }
         norms = [m for m in theirs.modules() if isinstance(m, torch.nn.RMSNorm)]
         base_wpe = theirs.transformer.wpe.weight.detach().clone()
         for rms in stream_rms:
@@ -79,19 +87,27 @@ def run(cfg, authors_repo, stream_rms, batch, seq, threads):
                 logits["theirs fp32"] = theirs(ids, targets=torch.zeros_like(ids), steps=steps)[0]
                 logits["theirs bf16"] = theirs.bfloat16()(ids, targets=torch.zeros_like(ids), steps=steps)[0]
                 for norm in norms:
-                    norm.eps = 2.0 ** -7
+                    norm.eps = 2.0**-7
                 logits["theirs bf16, eps 2^-7"] = theirs(ids, targets=torch.zeros_like(ids), steps=steps)[0]
                 for norm in norms:
                     norm.eps = None
                 for name, model in ours.items():
                     logits[name] = model(ids, loop_budget=LOOPS, use_cache=False).logits
-            for name, reference in (("ours bf16", "theirs bf16"), ("ours bf16", "theirs fp32"),
-                                    ("theirs bf16", "theirs fp32"), ("theirs bf16, eps 2^-7", "theirs fp32"),
-                                    ("ours fp32", "theirs fp32")):
-                rows.append(dict(stream_rms=rms, compared=name, against=reference,
-                                 **compare(logits[name], logits[reference])))
-                print(f"| {rms:g} | {name} | {reference} | {rows[-1]['max_abs']:.3g} | {rows[-1]['mean_abs']:.3g} | "
-                      f"{rows[-1]['top1_agree']:.3f} | {rows[-1]['kl']:.3g} |", flush=True)
+            for name, reference in (
+                ("ours bf16", "theirs bf16"),
+                ("ours bf16", "theirs fp32"),
+                ("theirs bf16", "theirs fp32"),
+                ("theirs bf16, eps 2^-7", "theirs fp32"),
+                ("ours fp32", "theirs fp32"),
+            ):
+                rows.append(
+                    dict(stream_rms=rms, compared=name, against=reference, **compare(logits[name], logits[reference]))
+                )
+                print(
+                    f"| {rms:g} | {name} | {reference} | {rows[-1]['max_abs']:.3g} | {rows[-1]['mean_abs']:.3g} | "
+                    f"{rows[-1]['top1_agree']:.3f} | {rows[-1]['kl']:.3g} |",
+                    flush=True,
+                )
     return rows
 
 
@@ -99,8 +115,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--authors_repo", required=True, help="a clone of github.com/armenjeddi/loopformer")
     p.add_argument("--quick", action="store_true", help="a tiny shape: a smoke run")
-    p.add_argument("--stream_rms", type=float, nargs="+", default=[0.03, 0.3, 1.0],
-                   help="rms of the learned position table (0.03: their init's scale, as written)")
+    p.add_argument(
+        "--stream_rms",
+        type=float,
+        nargs="+",
+        default=[0.03, 0.3, 1.0],
+        help="rms of the learned position table (0.03: their init's scale, as written)",
+    )
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -112,15 +133,27 @@ def main(argv=None):
         p.error(str(error))
     cfg = QUICK if args.quick else FULL
     eps = torch_default_eps()
-    print(f"torch {torch.__version__}: F.rms_norm(bf16, eps=None) differs by {eps['float32_eps']:.3g} from the norm "
-          f"with float32's eps and by {eps['bf16_eps']:.3g} from the norm with 2^-7\n")
-    print("| stream rms | logits of | against | max abs | mean abs | top-1 agree | KL |\n|---|---|---|---:|---:|---:|---:|")
+    print(
+        f"torch {torch.__version__}: F.rms_norm(bf16, eps=None) differs by {eps['float32_eps']:.3g} from the norm "
+        f"with float32's eps and by {eps['bf16_eps']:.3g} from the norm with 2^-7\n"
+    )
+    print(
+        "| stream rms | logits of | against | max abs | mean abs | top-1 agree | KL |\n|---|---|---|---:|---:|---:|---:|"
+    )
     rows = run(cfg, args.authors_repo, args.stream_rms, args.batch, args.seq, args.threads)
-    output = args.output or (os.path.join(tempfile.gettempdir(), "bf16_norm_quick.json") if args.quick
-                             else DEFAULT_OUTPUT)
-    write_json(output, dict(rows=rows, torch_default_eps=eps, config=dict(cfg, quick=args.quick, batch=args.batch, seq=args.seq,
-                                                   loops=LOOPS), authors_commit=authors_commit(args.authors_repo),
-                            torch=torch.__version__))
+    output = args.output or (
+        os.path.join(tempfile.gettempdir(), "bf16_norm_quick.json") if args.quick else DEFAULT_OUTPUT
+    )
+    write_json(
+        output,
+        dict(
+            rows=rows,
+            torch_default_eps=eps,
+            config=dict(cfg, quick=args.quick, batch=args.batch, seq=args.seq, loops=LOOPS),
+            authors_commit=authors_commit(args.authors_repo),
+            torch=torch.__version__,
+        ),
+    )
     print(f"wrote {output}")
     return 0
 

@@ -42,8 +42,11 @@ def sample(probs, batch, length, g):
 
 
 def kv_bytes(cache):
-    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers if layer.is_initialized)
+    return sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+        if layer.is_initialized
+    )
 
 
 def decode_nll(model, ids, prompt_len, loop_budget):
@@ -72,9 +75,17 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     vocab = 32
-    cfg = loopformer_hf.LoopFormerConfig(vocab_size=vocab, hidden_size=64, num_attention_heads=4, intermediate_size=256,
-                                         num_hidden_layers=1, num_loops=8, max_position_embeddings=128,
-                                         frequency_embedding_size=32, max_loop_budget_factor=4)
+    cfg = loopformer_hf.LoopFormerConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_loops=8,
+        max_position_embeddings=128,
+        frequency_embedding_size=32,
+        max_loop_budget_factor=4,
+    )
     model = loopformer_hf.LoopFormerForCausalLM(cfg)
 
     # 1. memory, exact vs shared (untrained weights: bytes do not depend on them)
@@ -86,8 +97,14 @@ def main(argv=None):
         for sharing, n in [("none", None)] + [("modulo", n) for n in args.share_n]:
             model.config.cache_sharing = sharing
             model.config.cache_share_n = n or 4
-            out = model.generate(prompt, loop_budget=budget, max_new_tokens=args.new_tokens, do_sample=False,
-                                 min_new_tokens=args.new_tokens, return_dict_in_generate=True)
+            out = model.generate(
+                prompt,
+                loop_budget=budget,
+                max_new_tokens=args.new_tokens,
+                do_sample=False,
+                min_new_tokens=args.new_tokens,
+                return_dict_in_generate=True,
+            )
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             row["exact" if n is None else f"shared n={n}"] = kv_bytes(cache)
         memory[f"M={budget}"] = row
@@ -118,16 +135,24 @@ def main(argv=None):
             row[f"shared n={n}"] = math.exp(decode_nll(model, held_out, args.prompt_len, budget))
         model.config.cache_sharing = "none"
         quality[f"M={budget}"] = row
-    report = {"config": vars(args), "kv_bytes": memory, "perplexity": quality, "train_s": train_s,
-              "final_train_loss": loss.item(), "language_perplexity_floor": math.exp(floor)}
+    report = {
+        "config": vars(args),
+        "kv_bytes": memory,
+        "perplexity": quality,
+        "train_s": train_s,
+        "final_train_loss": loss.item(),
+        "language_perplexity_floor": math.exp(floor),
+    }
 
     names = list(next(iter(memory.values())))
     print("KV bytes held after a prompt of 8 and", args.new_tokens, "decoded tokens (k=1, d=64, fp32):")
     print(f"{'budget':>7} | " + " | ".join(f"{n:>12}" for n in names))
     for key, row in memory.items():
         print(f"{key:>7} | " + " | ".join(f"{row[n]:12d}" for n in names))
-    print(f"perplexity of cached decoding after {args.steps} training steps ({train_s:.0f} s; train loss "
-          f"{loss.item():.3f}; the language's floor {math.exp(floor):.2f}):")
+    print(
+        f"perplexity of cached decoding after {args.steps} training steps ({train_s:.0f} s; train loss "
+        f"{loss.item():.3f}; the language's floor {math.exp(floor):.2f}):"
+    )
     for key, row in quality.items():
         print(f"{key:>7} | " + " | ".join(f"{n} {v:.3f}" for n, v in row.items()))
     if args.output:

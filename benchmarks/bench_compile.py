@@ -37,9 +37,15 @@ from benchmarks import write_json
 
 def tiny_random_model(hidden_size=256):
     torch.manual_seed(0)
-    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size, num_attention_heads=4,
-                                         intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=4,
-                                         max_position_embeddings=1024)
+    cfg = loopformer_hf.LoopFormerConfig(
+        vocab_size=512,
+        hidden_size=hidden_size,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=2,
+        num_loops=4,
+        max_position_embeddings=1024,
+    )
     return loopformer_hf.LoopFormerForCausalLM(cfg).eval()
 
 
@@ -86,8 +92,14 @@ def main(argv=None):
         sync()
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, loop_budget=budget, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, do_sample=False, **kw)
+            out = model.generate(
+                prompt,
+                loop_budget=budget,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                do_sample=False,
+                **kw,
+            )
         sync()
         return args.new_tokens / (time.perf_counter() - start), out
 
@@ -104,34 +116,56 @@ def main(argv=None):
         speeds = {name: [] for name in sides}
         names = list(sides)
         for r in range(args.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 speeds[name].append(run(name, budget)[0])
         results[f"M={budget}"] = {
             "tokens_per_s": {name: statistics.median(v) for name, v in speeds.items()},
             "tokens_per_s_spread": {name: [min(v), max(v)] for name, v in speeds.items()},
             "compiled_over_eager_static": statistics.median(
-                c / e for c, e in zip(speeds["compiled static"], speeds["eager static"])),
+                c / e for c, e in zip(speeds["compiled static"], speeds["eager static"])
+            ),
             "compiled_over_eager_dynamic": statistics.median(
-                c / e for c, e in zip(speeds["compiled static"], speeds["eager dynamic"])),
+                c / e for c, e in zip(speeds["compiled static"], speeds["eager dynamic"])
+            ),
             "compiled_dynamic_over_eager_dynamic": statistics.median(
-                c / e for c, e in zip(speeds["compiled dynamic"], speeds["eager dynamic"])),
-            **({"generate_compile_over_eager_dynamic": statistics.median(
-                c / e for c, e in zip(speeds["generate compile"], speeds["eager dynamic"]))}
-               if "generate compile" in speeds else {}),
+                c / e for c, e in zip(speeds["compiled dynamic"], speeds["eager dynamic"])
+            ),
+            **(
+                {
+                    "generate_compile_over_eager_dynamic": statistics.median(
+                        c / e for c, e in zip(speeds["generate compile"], speeds["eager dynamic"])
+                    )
+                }
+                if "generate compile" in speeds
+                else {}
+            ),
             "same_tokens": same,
             "first_call_s": warmup,
         }
     # "stats" counts the frames dynamo compiled ("unique_graphs"), i.e. the (re)compiles
     frames = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames", "recompiles")}
-    report = {"config": vars(args), "results": results, "dynamo_frames": frames,
-              "device": torch.cuda.get_device_name(0) if prompt.is_cuda else "cpu", "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    report = {
+        "config": vars(args),
+        "results": results,
+        "dynamo_frames": frames,
+        "device": torch.cuda.get_device_name(0) if prompt.is_cuda else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
 
     names = list(sides)
-    print(f"{'budget':>7} | " + " | ".join(f"{n:>16}" for n in names) + " | compiled/eager dyn | same tokens | first call")
+    print(
+        f"{'budget':>7} | "
+        + " | ".join(f"{n:>16}" for n in names)
+        + " | compiled/eager dyn | same tokens | first call"
+    )
     for key, r in results.items():
         t = r["tokens_per_s"]
-        print(f"{key:>7} | " + " | ".join(f"{t[n]:16.1f}" for n in names)
-              + f" | {r['compiled_over_eager_dynamic']:17.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s")
+        print(
+            f"{key:>7} | "
+            + " | ".join(f"{t[n]:16.1f}" for n in names)
+            + f" | {r['compiled_over_eager_dynamic']:17.2f}x | {str(r['same_tokens']):>11} | {r['first_call_s']:.0f} s"
+        )
     print(f"tokens/s ({args.backend}, medians of {args.repeats} interleaved rounds); dynamo frames: {frames}")
     if args.output:
         write_json(args.output, report)

@@ -28,9 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _in_fresh_process(loops, mode, hidden, batch):
-    code = ("import json; import torch; torch.set_num_threads(1);"
-            "from tests.support.instruments import train_memory;"
-            f"print('RESULT', json.dumps(train_memory({loops}, {mode!r}, hidden={hidden}, batch={batch})))")
+    code = (
+        "import json; import torch; torch.set_num_threads(1);"
+        "from tests.support.instruments import train_memory;"
+        f"print('RESULT', json.dumps(train_memory({loops}, {mode!r}, hidden={hidden}, batch={batch})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -45,7 +47,7 @@ def halting_vs_cap(model_dir, task, num_test, max_loops, halt_eps, batch_size=10
     if task.startswith("sudoku"):
         from looped_training.fprm.tasks.sudoku import build_sudoku_dataset
 
-        test = build_sudoku_dataset(int(task[len("sudoku"):]), 0, num_test, seed=seed + 1000)["test"]
+        test = build_sudoku_dataset(int(task[len("sudoku") :]), 0, num_test, seed=seed + 1000)["test"]
     elif task in STATE_TRACKING_TASKS:
         from looped_training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
@@ -56,8 +58,13 @@ def halting_vs_cap(model_dir, task, num_test, max_loops, halt_eps, batch_size=10
     for name, kwargs in (("always_cap", dict(halting=False)), ("halting", dict(halt_eps=halt_eps))):
         preds, iters, conv, seconds = run_solver(model, test, batch_size, name, max_loops=max_loops, **kwargs)
         cell, exact, _, _ = accuracy(preds, test["labels"])
-        rows[name] = {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iters.float().mean()),
-                      "seconds": seconds, "converged_fraction": float(conv.float().mean())}
+        rows[name] = {
+            "cell_accuracy": cell,
+            "exact_accuracy": exact,
+            "mean_iterations": float(iters.float().mean()),
+            "seconds": seconds,
+            "converged_fraction": float(conv.float().mean()),
+        }
     rows["iteration_ratio"] = rows["halting"]["mean_iterations"] / rows["always_cap"]["mean_iterations"]
     rows["wall_clock_ratio"] = rows["halting"]["seconds"] / rows["always_cap"]["seconds"]
     return rows
@@ -80,12 +87,18 @@ def main(argv=None):
     for mode in ("truncated", "full"):
         for loops in args.loops:
             results["memory"].append(_in_fresh_process(loops, mode, args.hidden, args.batch))
-    print(f"\nPeak training memory (hidden {args.hidden}, batch {args.batch}, 6x6 grid + 2 prefix tokens, n_backward 4)")
-    print(f"{'mode':<10}{'loops':>6}{'segments':>9}{'saved activations':>19}{'peak RSS increase':>19}{'cuda peak':>11}")
+    print(
+        f"\nPeak training memory (hidden {args.hidden}, batch {args.batch}, 6x6 grid + 2 prefix tokens, n_backward 4)"
+    )
+    print(
+        f"{'mode':<10}{'loops':>6}{'segments':>9}{'saved activations':>19}{'peak RSS increase':>19}{'cuda peak':>11}"
+    )
     for r in results["memory"]:
         cuda = "-" if r["cuda_peak_bytes"] is None else f"{r['cuda_peak_bytes'] / 2**20:.1f} MiB"
-        print(f"{r['mode']:<10}{r['loops']:>6}{r['segments']:>9}{r['saved_activation_bytes'] / 2**20:>15.1f} MiB"
-              f"{r['rss_peak_increase_bytes'] / 2**20:>15.1f} MiB{cuda:>11}")
+        print(
+            f"{r['mode']:<10}{r['loops']:>6}{r['segments']:>9}{r['saved_activation_bytes'] / 2**20:>15.1f} MiB"
+            f"{r['rss_peak_increase_bytes'] / 2**20:>15.1f} MiB{cuda:>11}"
+        )
     lo, hi = min(args.loops), max(args.loops)
     ratios = {}
     for mode in ("truncated", "full"):
@@ -94,17 +107,23 @@ def main(argv=None):
             "saved_activation_ratio": by[hi]["saved_activation_bytes"] / by[lo]["saved_activation_bytes"],
             "rss_increase_ratio": by[hi]["rss_peak_increase_bytes"] / max(by[lo]["rss_peak_increase_bytes"], 1),
         }
-        print(f"{mode}: {hi} vs {lo} loops -> saved activations x{ratios[mode]['saved_activation_ratio']:.2f}, "
-              f"peak RSS increase x{ratios[mode]['rss_increase_ratio']:.2f}")
+        print(
+            f"{mode}: {hi} vs {lo} loops -> saved activations x{ratios[mode]['saved_activation_ratio']:.2f}, "
+            f"peak RSS increase x{ratios[mode]['rss_increase_ratio']:.2f}"
+        )
     results["ratios"] = ratios
     if args.halting_model:
         rows = halting_vs_cap(args.halting_model, args.task, args.num_test, args.max_loops, args.halt_eps)
         results["halting_vs_cap"] = rows
-        print(f"\nHalting (halt_eps={args.halt_eps}) vs always {args.max_loops} loops, {args.task}, {args.num_test} puzzles")
+        print(
+            f"\nHalting (halt_eps={args.halt_eps}) vs always {args.max_loops} loops, {args.task}, {args.num_test} puzzles"
+        )
         for name in ("halting", "always_cap"):
             r = rows[name]
-            print(f"  {name:<11} mean iterations {r['mean_iterations']:7.1f}  {r['seconds']:6.1f}s  "
-                  f"cell acc {r['cell_accuracy']:.4f}  exact acc {r['exact_accuracy']:.4f}")
+            print(
+                f"  {name:<11} mean iterations {r['mean_iterations']:7.1f}  {r['seconds']:6.1f}s  "
+                f"cell acc {r['cell_accuracy']:.4f}  exact acc {r['exact_accuracy']:.4f}"
+            )
         print(f"  ratio: iterations {rows['iteration_ratio']:.3f}, wall-clock {rows['wall_clock_ratio']:.3f}")
     else:
         print("\n(halting vs cap skipped: pass --halting_model <folder of a trained model>)")

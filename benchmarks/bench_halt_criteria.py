@@ -60,15 +60,20 @@ def halting_sweep_summary(result):
     budgets at equal compute (with the best fixed trajectory's quality there: uniform budgets or a shortcut exit)."""
     metric, higher = halting_metric(result["task"])
     sign = 1 if higher else -1
-    lines = [f"| rule | target met (halt_eps) | best row: halt_eps | mean loops | {metric} | fixed budgets at equal "
-             "compute | best fixed trajectory |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| rule | target met (halt_eps) | best row: halt_eps | mean loops | {metric} | fixed budgets at equal "
+        "compute | best fixed trajectory |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rule, verdict in result["targets"].items():
         rows = [r for r in result["criteria"] if r["criterion"] == rule]
         best = max(rows, key=lambda r: (sign * (r[metric] - r[f"fixed_{metric}"]), -r["mean_loops"]))
         held = ", ".join(f"{e:g}" for e in verdict["settings"]) or "-"
-        lines.append(f"| {rule} | {'yes' if verdict['met'] else 'no'} ({held}) | {best['halt_eps']:g} | "
-                     f"{best['mean_loops']:.2f} | {best[metric]:.3f} | {best[f'fixed_{metric}']:.3f} | "
-                     f"{best.get(f'best_fixed_{metric}', best[f'fixed_{metric}']):.3f} |")
+        lines.append(
+            f"| {rule} | {'yes' if verdict['met'] else 'no'} ({held}) | {best['halt_eps']:g} | "
+            f"{best['mean_loops']:.2f} | {best[metric]:.3f} | {best[f'fixed_{metric}']:.3f} | "
+            f"{best.get(f'best_fixed_{metric}', best[f'fixed_{metric}']):.3f} |"
+        )
     return lines
 
 
@@ -110,8 +115,14 @@ def train_tiny(steps, batch_size=64, eval_problems=512, max_depth=2, seed=0, log
     tokenizer = CharTokenizer()
     block_size = 2 * max_depth + 4
     config = loopformer_hf.LoopFormerConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, intermediate_size=256, num_hidden_layers=2,
-        num_loops=4, max_position_embeddings=block_size, pad_token_id=0,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_loops=4,
+        max_position_embeddings=block_size,
+        pad_token_id=0,
     )
     model = loopformer_hf.LoopFormerForCausalLM(config)
     train = problem_tensors(make_problems(steps * batch_size, 1, max_depth, seed=seed), tokenizer, block_size)
@@ -121,15 +132,17 @@ def train_tiny(steps, batch_size=64, eval_problems=512, max_depth=2, seed=0, log
     model.train()
     start = time.time()
     for step in range(steps):
-        batch = {k: v[step * batch_size:(step + 1) * batch_size] for k, v in train.items()}
+        batch = {k: v[step * batch_size : (step + 1) * batch_size] for k, v in train.items()}
         objective = ShortcutConsistency(sample_shortcut_trajectory(rng, config.num_loops), 0.5, 0.1)
         out = model(**batch, shortcut_consistency=objective, use_cache=False)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 25 == 0 or step + 1 == steps:
-            log(f"  step {step + 1}/{steps}: loss {out.loss.item():.3f} (CE full {out.ce_full.item():.3f}, "
-                f"short {out.ce_short.item():.3f}), {time.time() - start:.0f} s")
+            log(
+                f"  step {step + 1}/{steps}: loss {out.loss.item():.3f} (CE full {out.ce_full.item():.3f}, "
+                f"short {out.ce_short.item():.3f}), {time.time() - start:.0f} s"
+            )
     return model.eval(), held_out
 
 
@@ -160,16 +173,21 @@ def envelope(points):
 
 @torch.no_grad()
 def probe_context_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128):
-    """"probe_entropy_context" (see the module's docstring), teacher-forced: per threshold (mean loops, EM, ppl)."""
+    """ "probe_entropy_context" (see the module's docstring), teacher-forced: per threshold (mean loops, EM, ppl)."""
     L = model.config.num_loops
     stats = {eps: dict(ce=0.0, count=0, correct=[], loops=[]) for eps in thresholds}
     for start in range(0, data["input_ids"].shape[0], batch_size):
-        ids = data["input_ids"][start:start + batch_size]
-        mask = data["attention_mask"][start:start + batch_size]
-        labels = data["labels"][start:start + batch_size][:, 1:]
+        ids = data["input_ids"][start : start + batch_size]
+        mask = data["attention_mask"][start : start + batch_size]
+        labels = data["labels"][start : start + batch_size][:, 1:]
         valid = labels != -100
-        one, full = (model(input_ids=ids, attention_mask=mask, step_schedule=schedule, use_cache=False)
-                     .logits[:, :-1].float().log_softmax(-1) for schedule in ([1.0], [1.0 / L] * L))
+        one, full = (
+            model(input_ids=ids, attention_mask=mask, step_schedule=schedule, use_cache=False)
+            .logits[:, :-1]
+            .float()
+            .log_softmax(-1)
+            for schedule in ([1.0], [1.0 / L] * L)
+        )
         entropy = -(one.exp() * one).sum(-1)
         for eps, st in stats.items():
             sure = entropy < eps
@@ -179,8 +197,15 @@ def probe_context_rows(model, data, thresholds=PROBE_THRESHOLDS, batch_size=128)
             st["correct"] += ((mixed.argmax(-1) == labels) | ~valid).all(-1).tolist()
             loops = torch.where(sure, 1.0, 1.0 + L)
             st["loops"] += ((loops * valid).sum(-1) / valid.sum(-1).clamp(min=1)).tolist()
-    return [dict(halt_eps=eps, mean_loops=sum(st["loops"]) / len(st["loops"]), em=sum(st["correct"]) / len(st["correct"]),
-                 ppl=math.exp(st["ce"] / max(st["count"], 1))) for eps, st in stats.items()]
+    return [
+        dict(
+            halt_eps=eps,
+            mean_loops=sum(st["loops"]) / len(st["loops"]),
+            em=sum(st["correct"]) / len(st["correct"]),
+            ppl=math.exp(st["ce"] / max(st["count"], 1)),
+        )
+        for eps, st in stats.items()
+    ]
 
 
 def evaluate_criteria(model, data, thresholds=None):
@@ -199,14 +224,26 @@ def evaluate_criteria(model, data, thresholds=None):
         for i in range(1, L - 1):  # i = 0 is M = 1 and i = L − 1 is M = L, both above
             ppl, correct, _ = quality(model, data, shortcut_exit_trajectory(L, i), batch_size=512)
             exits.append(dict(exit_after=i, loops=i + 1, em=sum(correct) / len(correct), ppl=ppl))
-    curves = {metric: [(f["loop_budget"], sign * f[metric]) for f in fixed] for metric, sign in (("em", 1), ("ppl", -1))}
-    best = {metric: envelope(curve + [(e["loops"], sign * e[metric]) for e in exits])
-            for (metric, curve), sign in zip(curves.items(), (1, -1))}
+    curves = {
+        metric: [(f["loop_budget"], sign * f[metric]) for f in fixed] for metric, sign in (("em", 1), ("ppl", -1))
+    }
+    best = {
+        metric: envelope(curve + [(e["loops"], sign * e[metric]) for e in exits])
+        for (metric, curve), sign in zip(curves.items(), (1, -1))
+    }
 
     def row(rule, eps, mean, em, ppl):
-        return dict(criterion=rule, halt_eps=eps, mean_loops=mean, em=em, ppl=ppl,
-                    fixed_em=interpolate(curves["em"], mean), fixed_ppl=-interpolate(curves["ppl"], mean),
-                    best_fixed_em=interpolate(best["em"], mean), best_fixed_ppl=-interpolate(best["ppl"], mean))
+        return dict(
+            criterion=rule,
+            halt_eps=eps,
+            mean_loops=mean,
+            em=em,
+            ppl=ppl,
+            fixed_em=interpolate(curves["em"], mean),
+            fixed_ppl=-interpolate(curves["ppl"], mean),
+            best_fixed_em=interpolate(best["em"], mean),
+            best_fixed_ppl=-interpolate(best["ppl"], mean),
+        )
 
     rows = []
     kept = model.config.halt_criterion
@@ -214,14 +251,17 @@ def evaluate_criteria(model, data, thresholds=None):
         for criterion, values in thresholds.items():
             model.config.halt_criterion = criterion  # `quality` passes halt_eps; the criterion comes from the config
             for eps in values:
-                ppl, correct, loops = quality(model, data, model.config.resolve_trajectory(L, "uniform"),
-                                              batch_size=512, halt_eps=eps)
+                ppl, correct, loops = quality(
+                    model, data, model.config.resolve_trajectory(L, "uniform"), batch_size=512, halt_eps=eps
+                )
                 rows.append(row(criterion, eps, sum(loops) / len(loops), sum(correct) / len(correct), ppl))
     finally:
         model.config.halt_criterion = kept
     if "probe_entropy" in thresholds:
-        rows += [row("probe_entropy_context", p["halt_eps"], p["mean_loops"], p["em"], p["ppl"])
-                 for p in probe_context_rows(model, data, thresholds["probe_entropy"])]
+        rows += [
+            row("probe_entropy_context", p["halt_eps"], p["mean_loops"], p["em"], p["ppl"])
+            for p in probe_context_rows(model, data, thresholds["probe_entropy"])
+        ]
     return fixed, exits, rows
 
 
@@ -233,7 +273,7 @@ def targets(task, fixed, rows):
     verdicts = {}
     for r in rows:
         if task == "synthetic":
-            ok = (r["mean_loops"] <= L - 0.5 and r["em"] >= fixed[-1]["em"] - 0.01 and r["em"] >= r["fixed_em"] - 1e-9)
+            ok = r["mean_loops"] <= L - 0.5 and r["em"] >= fixed[-1]["em"] - 0.01 and r["em"] >= r["fixed_em"] - 1e-9
         else:  # below by more than float noise, at a compute the fixed budgets span (a probe may spend 1 + L)
             ok = r["mean_loops"] <= L and r["ppl"] < r["fixed_ppl"] * (1 - 1e-6)
         v = verdicts.setdefault(r["criterion"], dict(settings=[], met=False))
@@ -245,24 +285,33 @@ def targets(task, fixed, rows):
 
 def format_rows(fixed, rows, exits=(), verdicts=None):
     best = any("best_fixed_em" in r for r in rows) and bool(exits)
-    lines = ["| rule | halt_eps | mean loops | EM | ppl | fixed budgets at the same mean loops: EM | ppl |"
-             + (" best fixed trajectory: EM | ppl |" if best else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if best else "")]
+    lines = [
+        "| rule | halt_eps | mean loops | EM | ppl | fixed budgets at the same mean loops: EM | ppl |"
+        + (" best fixed trajectory: EM | ppl |" if best else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if best else ""),
+    ]
     pad = " - | - |" if best else ""
     for f in fixed:
-        lines.append(f"| fixed M={f['loop_budget']} | - | {f['loop_budget']} | {f['em']:.3f} | {f['ppl']:.3f} | - | - |"
-                     + pad)
+        lines.append(
+            f"| fixed M={f['loop_budget']} | - | {f['loop_budget']} | {f['em']:.3f} | {f['ppl']:.3f} | - | - |" + pad
+        )
     for e in exits:
-        lines.append(f"| fixed shortcut exit after step {e['exit_after']} | - | {e['loops']} | {e['em']:.3f} | "
-                     f"{e['ppl']:.3f} | - | - |" + pad)
+        lines.append(
+            f"| fixed shortcut exit after step {e['exit_after']} | - | {e['loops']} | {e['em']:.3f} | "
+            f"{e['ppl']:.3f} | - | - |" + pad
+        )
     for r in rows:
-        lines.append(f"| {r['criterion']} | {r['halt_eps']:g} | {r['mean_loops']:.2f} | {r['em']:.3f} | "
-                     f"{r['ppl']:.3f} | {r['fixed_em']:.3f} | {r['fixed_ppl']:.3f} |"
-                     + (f" {r['best_fixed_em']:.3f} | {r['best_fixed_ppl']:.3f} |" if best else ""))
+        lines.append(
+            f"| {r['criterion']} | {r['halt_eps']:g} | {r['mean_loops']:.2f} | {r['em']:.3f} | "
+            f"{r['ppl']:.3f} | {r['fixed_em']:.3f} | {r['fixed_ppl']:.3f} |"
+            + (f" {r['best_fixed_em']:.3f} | {r['best_fixed_ppl']:.3f} |" if best else "")
+        )
     if verdicts:
         lines += ["", "| rule | target met | halt_eps where it holds |", "|---|---|---|"]
-        lines += [f"| {rule} | {'yes' if v['met'] else 'no'} | {', '.join(f'{e:g}' for e in v['settings']) or '-'} |"
-                  for rule, v in verdicts.items()]
+        lines += [
+            f"| {rule} | {'yes' if v['met'] else 'no'} | {', '.join(f'{e:g}' for e in v['settings']) or '-'} |"
+            for rule, v in verdicts.items()
+        ]
     return "\n".join(lines)
 
 
@@ -278,12 +327,22 @@ def evaluate_checkpoints(paths, max_rows, output, names=None):
             fixed, exits, rows = evaluate_criteria(model, data)
         verdicts = targets(task, fixed, rows)
         name = names[k] if names else path
-        print(f"{name}: {path} ({task}, {model.config.loop_conditioning} conditioning, L = {model.config.num_loops}, "
-              f"{len(data['input_ids'])} held-out rows, {time.time() - start:.0f} s):")
+        print(
+            f"{name}: {path} ({task}, {model.config.loop_conditioning} conditioning, L = {model.config.num_loops}, "
+            f"{len(data['input_ids'])} held-out rows, {time.time() - start:.0f} s):"
+        )
         print(format_rows(fixed, rows, exits, verdicts), flush=True)
-        results[path] = dict(name=name, task=task, rows=len(data["input_ids"]), num_loops=model.config.num_loops,
-                             loop_conditioning=model.config.loop_conditioning, fixed=fixed, shortcut_exits=exits,
-                             criteria=rows, targets=verdicts)
+        results[path] = dict(
+            name=name,
+            task=task,
+            rows=len(data["input_ids"]),
+            num_loops=model.config.num_loops,
+            loop_conditioning=model.config.loop_conditioning,
+            fixed=fixed,
+            shortcut_exits=exits,
+            criteria=rows,
+            targets=verdicts,
+        )
         print("", *halting_sweep_summary(results[path]), sep="\n", flush=True)
     write_json(output, dict(checkpoints=results))
     print(f"wrote {output}")
@@ -292,9 +351,13 @@ def evaluate_checkpoints(paths, max_rows, output, names=None):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoints", nargs="*", default=[],
-                        help="trained LoopFormer training-output folders, e.g. the report's "
-                             "runs/results/<task>/loopformer (their own held-out data); default: train a tiny model")
+    parser.add_argument(
+        "--checkpoints",
+        nargs="*",
+        default=[],
+        help="trained LoopFormer training-output folders, e.g. the report's "
+        "runs/results/<task>/loopformer (their own held-out data); default: train a tiny model",
+    )
     parser.add_argument("--names", nargs="*", default=None, help="display names, one per checkpoint")
     parser.add_argument("--steps", type=int, default=300, help="training steps of the tiny model (default 300)")
     parser.add_argument("--batch_size", type=int, default=64)
@@ -316,8 +379,18 @@ def main(argv=None):
         fixed, exits, rows = evaluate_criteria(model, data)
     verdicts = targets("synthetic", fixed, rows)
     print(format_rows(fixed, rows, exits, verdicts))
-    write_json(args.output, dict(steps=args.steps, batch_size=args.batch_size, eval_problems=args.eval_problems,
-                                 fixed=fixed, shortcut_exits=exits, criteria=rows, targets=verdicts))
+    write_json(
+        args.output,
+        dict(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            eval_problems=args.eval_problems,
+            fixed=fixed,
+            shortcut_exits=exits,
+            criteria=rows,
+            targets=verdicts,
+        ),
+    )
     print(f"wrote {args.output}")
     return fixed, rows
 

@@ -26,9 +26,15 @@ from transformers import AutoModelForCausalLM
 
 def tiny_random_model(hidden_size=256):
     torch.manual_seed(0)
-    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size, num_attention_heads=4,
-                                         intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=4,
-                                         max_position_embeddings=1024)
+    cfg = loopformer_hf.LoopFormerConfig(
+        vocab_size=512,
+        hidden_size=hidden_size,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=2,
+        num_loops=4,
+        max_position_embeddings=1024,
+    )
     model = loopformer_hf.LoopFormerForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -37,8 +43,9 @@ def tiny_random_model(hidden_size=256):
     return model.eval()
 
 
-def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32, new_tokens=128, repeats=5,
-                 criterion=None):
+def halting_rows(
+    model, eps_values, fills=("recompute", "reuse"), prompt_len=32, new_tokens=128, repeats=5, criterion=None
+):
     """Fixed budgets M = 1..L and halting at each eps (and fill), timed side by side: one row per run with the mean
     loops per generated token, the median ms per token, its ratio to M = L (median over interleaved rounds) and the
     target bound m/L + 0.15 of that ratio at mean m loops. `criterion`: the exit rule (default: the model's)."""
@@ -55,12 +62,19 @@ def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32,
         model.config.halt_kv_fill = kw.pop("fill", "recompute")
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)
+            out = model.generate(
+                prompt,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                **kw,
+            )
         seconds = time.perf_counter() - start
         counts = out.get("loop_counts")
         # positions prompt-1 .. end-1 produced the generated tokens
-        loops = counts[0, prompt_len - 1:].float().mean().item() if counts is not None else kw["loop_budget"]
+        loops = counts[0, prompt_len - 1 :].float().mean().item() if counts is not None else kw["loop_budget"]
         return seconds / new_tokens, loops
 
     times = {name: [] for name in runs}
@@ -73,30 +87,43 @@ def halting_rows(model, eps_values, fills=("recompute", "reuse"), prompt_len=32,
         ops[name] = counter.count / new_tokens
     names = list(runs)
     for r in range(repeats):  # interleaved, alternating order, so that machine noise hits every configuration alike
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             t, l = run(runs[name])
             times[name].append(t)
             loops[name] = l
     table = []
     for name in runs:
         ratios = [t / full for t, full in zip(times[name], times[f"M={L}"])]
-        table.append(dict(run=name, mean_loops=loops[name], loops_over_L=loops[name] / L,
-                          ms_per_token=1e3 * statistics.median(times[name]),
-                          ms_spread=1e3 * (max(times[name]) - min(times[name])),
-                          time_ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                          bound=loops[name] / L + 0.15, ops_per_token=ops[name],
-                          ops_ratio=ops[name] / ops[f"M={L}"]))
+        table.append(
+            dict(
+                run=name,
+                mean_loops=loops[name],
+                loops_over_L=loops[name] / L,
+                ms_per_token=1e3 * statistics.median(times[name]),
+                ms_spread=1e3 * (max(times[name]) - min(times[name])),
+                time_ratio=statistics.median(ratios),
+                ratio_min=min(ratios),
+                ratio_max=max(ratios),
+                bound=loops[name] / L + 0.15,
+                ops_per_token=ops[name],
+                ops_ratio=ops[name] / ops[f"M={L}"],
+            )
+        )
     return table
 
 
 def format_halting(table):
-    lines = [f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18} "
-             f"{'bound m/L+0.15':>15} {'met':>4} {'ATen calls/token':>17} {'calls vs M=L':>13}"]
+    lines = [
+        f"{'run':<24} {'mean loops/token':>17} {'loops/L':>8} {'time/token ms':>14} {'time ratio vs M=L':>18} "
+        f"{'bound m/L+0.15':>15} {'met':>4} {'ATen calls/token':>17} {'calls vs M=L':>13}"
+    ]
     for row in table:
-        lines.append(f"{row['run']:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} "
-                     f"{row['ms_per_token']:>14.2f} {row['time_ratio']:>18.2f} {row['bound']:>15.2f} "
-                     f"{'yes' if row['time_ratio'] <= row['bound'] else 'NO':>4} {row['ops_per_token']:>17.1f} "
-                     f"{row['ops_ratio']:>13.2f}")
+        lines.append(
+            f"{row['run']:<24} {row['mean_loops']:>17.2f} {row['loops_over_L']:>8.2f} "
+            f"{row['ms_per_token']:>14.2f} {row['time_ratio']:>18.2f} {row['bound']:>15.2f} "
+            f"{'yes' if row['time_ratio'] <= row['bound'] else 'NO':>4} {row['ops_per_token']:>17.1f} "
+            f"{row['ops_ratio']:>13.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -136,25 +163,37 @@ def gather_rows(widths, token_counts, repeats=20):
                 run(True), run(False)  # warm-up
                 times = {True: [], False: []}
                 for r in range(repeats):
-                    for gather in ((True, False) if r % 2 == 0 else (False, True)):
+                    for gather in (True, False) if r % 2 == 0 else (False, True):
                         times[gather].append(run(gather)[0])
                 ratios = [a / b for a, b in zip(times[True], times[False])]
-                rows.append(dict(hidden_size=width, tokens=tokens, grid=width * tokens, halt_eps=eps,
-                                 mean_loops=run(True)[1].float().mean().item(),
-                                 dense_ms=1e3 * statistics.median(times[False]),
-                                 gather_over_dense=statistics.median(ratios), ratio_min=min(ratios),
-                                 ratio_max=max(ratios)))
+                rows.append(
+                    dict(
+                        hidden_size=width,
+                        tokens=tokens,
+                        grid=width * tokens,
+                        halt_eps=eps,
+                        mean_loops=run(True)[1].float().mean().item(),
+                        dense_ms=1e3 * statistics.median(times[False]),
+                        gather_over_dense=statistics.median(ratios),
+                        ratio_min=min(ratios),
+                        ratio_max=max(ratios),
+                    )
+                )
     finally:
         halting_loopformer.GATHER_ACTIVE_FRACTION, halting_loopformer.GATHER_MIN_GRID = saved
     return rows
 
 
 def format_gather(rows):
-    lines = [f"{'hidden':>6} {'tokens':>6} {'tokens x hidden':>15} {'mean loops':>10} {'dense ms':>9} "
-             f"{'gathered / dense':>17} {'spread':>11}"]
+    lines = [
+        f"{'hidden':>6} {'tokens':>6} {'tokens x hidden':>15} {'mean loops':>10} {'dense ms':>9} "
+        f"{'gathered / dense':>17} {'spread':>11}"
+    ]
     for r in rows:
-        lines.append(f"{r['hidden_size']:>6} {r['tokens']:>6} {r['grid']:>15} {r['mean_loops']:>10.2f} "
-                     f"{r['dense_ms']:>9.2f} {r['gather_over_dense']:>17.3f} {r['ratio_min']:>5.2f}-{r['ratio_max']:.2f}")
+        lines.append(
+            f"{r['hidden_size']:>6} {r['tokens']:>6} {r['grid']:>15} {r['mean_loops']:>10.2f} "
+            f"{r['dense_ms']:>9.2f} {r['gather_over_dense']:>17.3f} {r['ratio_min']:>5.2f}-{r['ratio_max']:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -167,13 +206,20 @@ def main(argv=None):
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--criterion", default=None,
-                        help="the exit rule (halt_criterion) the halt_eps runs use; default: the model's own")
-    parser.add_argument("--output", default=None,
-                        help="default benchmarks/results/halting.json (halting_gather.json with --gather)")
-    parser.add_argument("--gather", action="store_true",
-                        help="instead: prefill time with the active tokens gathered vs every token computed, per width "
-                             "and prompt length (what GATHER_MIN_GRID is set from)")
+    parser.add_argument(
+        "--criterion",
+        default=None,
+        help="the exit rule (halt_criterion) the halt_eps runs use; default: the model's own",
+    )
+    parser.add_argument(
+        "--output", default=None, help="default benchmarks/results/halting.json (halting_gather.json with --gather)"
+    )
+    parser.add_argument(
+        "--gather",
+        action="store_true",
+        help="instead: prefill time with the active tokens gathered vs every token computed, per width "
+        "and prompt length (what GATHER_MIN_GRID is set from)",
+    )
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128])
     args = parser.parse_args(argv)
@@ -190,8 +236,16 @@ def main(argv=None):
     table = halting_rows(model, args.eps, args.fill, args.prompt_len, args.new_tokens, args.repeats, args.criterion)
     print(format_halting(table))
     output = args.output or "benchmarks/results/halting.json"
-    write_json(output, dict(checkpoint=args.checkpoint, num_loops=model.config.num_loops, new_tokens=args.new_tokens,
-                            criterion=args.criterion or model.config.halt_criterion, rows=table))
+    write_json(
+        output,
+        dict(
+            checkpoint=args.checkpoint,
+            num_loops=model.config.num_loops,
+            new_tokens=args.new_tokens,
+            criterion=args.criterion or model.config.halt_criterion,
+            rows=table,
+        ),
+    )
     print(f"wrote {output}")
     return table
 

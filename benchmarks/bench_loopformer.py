@@ -37,12 +37,42 @@ import loopformer_hf
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer.json")
 
-FULL = dict(hidden=256, heads=4, intermediate=1024, vocab=512, k=2, loops=4, seq=256, batch=4,
-            prompt=32, gen_short=256, gen_long=1024, gen_vs_llama=256, gen_budget=256,
-            repeats=5, repeats_long=3, train_repeats=7)
-QUICK = dict(hidden=64, heads=4, intermediate=256, vocab=512, k=2, loops=4, seq=64, batch=2,
-             prompt=8, gen_short=16, gen_long=48, gen_vs_llama=16, gen_budget=16,
-             repeats=2, repeats_long=2, train_repeats=2)
+FULL = dict(
+    hidden=256,
+    heads=4,
+    intermediate=1024,
+    vocab=512,
+    k=2,
+    loops=4,
+    seq=256,
+    batch=4,
+    prompt=32,
+    gen_short=256,
+    gen_long=1024,
+    gen_vs_llama=256,
+    gen_budget=256,
+    repeats=5,
+    repeats_long=3,
+    train_repeats=7,
+)
+QUICK = dict(
+    hidden=64,
+    heads=4,
+    intermediate=256,
+    vocab=512,
+    k=2,
+    loops=4,
+    seq=64,
+    batch=2,
+    prompt=8,
+    gen_short=16,
+    gen_long=48,
+    gen_vs_llama=16,
+    gen_budget=16,
+    repeats=2,
+    repeats_long=2,
+    train_repeats=2,
+)
 
 TARGETS = {  # name: (comparison, bound description)
     "train_step_loopformer_over_llama": "<= 1.15",
@@ -59,10 +89,18 @@ def build_models(cfg, position_embedding, seed=0):
     max_pos = max(2048, cfg["prompt"] + cfg["gen_long"] + 1, cfg["seq"])
     torch.manual_seed(seed)
     lf_config = loopformer_hf.LoopFormerConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-        intermediate_size=cfg["intermediate"], hidden_act="swiglu", num_hidden_layers=cfg["k"],
-        num_loops=cfg["loops"], position_embedding_type=position_embedding, max_position_embeddings=max_pos,
-        tie_word_embeddings=True, pad_token_id=0, attn_implementation="sdpa",
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        num_attention_heads=cfg["heads"],
+        intermediate_size=cfg["intermediate"],
+        hidden_act="swiglu",
+        num_hidden_layers=cfg["k"],
+        num_loops=cfg["loops"],
+        position_embedding_type=position_embedding,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        attn_implementation="sdpa",
     )
     loopformer = loopformer_hf.LoopFormerForCausalLM(lf_config)
     with torch.no_grad():  # adaLN starts small (or zero): give it trained-like random values
@@ -70,10 +108,18 @@ def build_models(cfg, position_embedding, seed=0):
             if "adaLN_modulation" in name:
                 p.normal_(0.0, 0.02) if name.endswith("weight") else p.fill_(0.5)
     llama_config = LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["k"] * cfg["loops"], num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["heads"], max_position_embeddings=max_pos, tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["k"] * cfg["loops"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"],
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
     )
     llama = LlamaForCausalLM(llama_config)
     return loopformer, llama
@@ -130,8 +176,14 @@ def generate_fn(model, prompt, new_tokens, use_cache=True, **kwargs):
     def run():
         with torch.inference_mode():
             result["tokens"] = model.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, use_cache=use_cache, pad_token_id=0, **kwargs,
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                use_cache=use_cache,
+                pad_token_id=0,
+                **kwargs,
             )
 
     run.result = result
@@ -154,11 +206,14 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
     loopformer.train()
     llama.train()
     batch = torch.randint(3, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    t = interleaved({"loopformer": train_step_fn(loopformer, batch), "llama": train_step_fn(llama, batch)},
-                    cfg["train_repeats"])
+    t = interleaved(
+        {"loopformer": train_step_fn(loopformer, batch), "llama": train_step_fn(llama, batch)}, cfg["train_repeats"]
+    )
     results["train_step"] = dict(
-        loopformer_s=med(t["loopformer"]), llama_s=med(t["llama"]),
-        ratio=paired_ratio(t, "loopformer", "llama"), times=t,
+        loopformer_s=med(t["loopformer"]),
+        llama_s=med(t["llama"]),
+        ratio=paired_ratio(t, "loopformer", "llama"),
+        times=t,
     )
     loopformer.eval()
     llama.eval()
@@ -168,10 +223,13 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
     # (ii-a) cached generate vs Llama
     n = cfg["gen_vs_llama"]
     log(f"[ii] cached generate vs Llama: {n} new tokens, {cfg['repeats']} rounds")
-    t = interleaved({"loopformer": generate_fn(loopformer, prompt, n), "llama": generate_fn(llama, prompt, n)},
-                    cfg["repeats"])
+    t = interleaved(
+        {"loopformer": generate_fn(loopformer, prompt, n), "llama": generate_fn(llama, prompt, n)}, cfg["repeats"]
+    )
     results["generate_vs_llama"] = dict(
-        new_tokens=n, loopformer_tokens_per_s=n / med(t["loopformer"]), llama_tokens_per_s=n / med(t["llama"]),
+        new_tokens=n,
+        loopformer_tokens_per_s=n / med(t["loopformer"]),
+        llama_tokens_per_s=n / med(t["llama"]),
         ratio=paired_ratio(t, "llama", "loopformer"),  # tokens/s ratio = inverse time ratio
         times=t,
     )
@@ -179,15 +237,20 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
     # (ii-b) cached vs uncached, short and long
     # The long pair skips its warm-up (the short pair has warmed the same code paths): one uncached run of 1024
     # tokens takes minutes on two cores.
-    for label, n, repeats, warmup in (("short", cfg["gen_short"], cfg["repeats"], 1),
-                                      ("long", cfg["gen_long"], cfg["repeats_long"], 0)):
+    for label, n, repeats, warmup in (
+        ("short", cfg["gen_short"], cfg["repeats"], 1),
+        ("long", cfg["gen_long"], cfg["repeats_long"], 0),
+    ):
         log(f"[ii] cached vs uncached generate: {n} new tokens, {repeats} rounds")
         cached, uncached = generate_fn(loopformer, prompt, n, True), generate_fn(loopformer, prompt, n, False)
         t = interleaved({"cached": cached, "uncached": uncached}, repeats, warmup=warmup)
         results[f"cached_vs_uncached_{label}"] = dict(
-            new_tokens=n, cached_s=med(t["cached"]), uncached_s=med(t["uncached"]),
+            new_tokens=n,
+            cached_s=med(t["cached"]),
+            uncached_s=med(t["uncached"]),
             speedup=paired_ratio(t, "uncached", "cached"),
-            same_tokens=bool(torch.equal(cached.result["tokens"], uncached.result["tokens"])), times=t,
+            same_tokens=bool(torch.equal(cached.result["tokens"], uncached.result["tokens"])),
+            times=t,
         )
 
     # (iii) generate time at budget M over time at L
@@ -206,6 +269,7 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
         def run():
             with torch.inference_mode():
                 loopformer(seq, loop_budget=M, use_cache=False)
+
         return run
 
     t = interleaved({M: forward_fn(M) for M in range(1, L + 1)}, cfg["repeats"])
@@ -225,8 +289,8 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
         "train_step_loopformer_over_llama": ratios["train_step_loopformer_over_llama"] <= 1.15,
         "generate_tokens_per_s_loopformer_over_llama": ratios["generate_tokens_per_s_loopformer_over_llama"] >= 0.85,
         "cached_over_uncached_speedup_short": ratios["cached_over_uncached_speedup_short"] >= 3.0,
-        "cached_over_uncached_speedup_long":
-            ratios["cached_over_uncached_speedup_long"] > ratios["cached_over_uncached_speedup_short"],
+        "cached_over_uncached_speedup_long": ratios["cached_over_uncached_speedup_long"]
+        > ratios["cached_over_uncached_speedup_short"],
     }
     targets = dict(TARGETS)
     for M in range(1, L + 1):
@@ -234,38 +298,66 @@ def run_benchmark(cfg, threads, position_embedding, log=print):
         targets[key] = f"<= {M / L + 0.1:.3f}"
         met[key] = ratios[key] <= M / L + 0.1
     return dict(
-        ratios=ratios, targets=targets, met=met, results=results,
+        ratios=ratios,
+        targets=targets,
+        met=met,
+        results=results,
         models=dict(loopformer_params=count_params(loopformer), llama_params=count_params(llama)),
     )
 
 
 def format_table(report):
-    cfg, res, ratios, targets, met = (report["config"], report["results"], report["ratios"], report["targets"],
-                                      report["met"])
+    cfg, res, ratios, targets, met = (
+        report["config"],
+        report["results"],
+        report["ratios"],
+        report["targets"],
+        report["met"],
+    )
     L = cfg["loops"]
     rows = [("measurement", "LoopFormer", "baseline", "ratio", "target", "met")]
     tr = res["train_step"]
-    rows.append((f"train step (b{cfg['batch']}x{cfg['seq']}) s, vs Llama {cfg['k'] * L}L",
-                 f"{tr['loopformer_s']:.4f}", f"{tr['llama_s']:.4f}"))
+    rows.append(
+        (
+            f"train step (b{cfg['batch']}x{cfg['seq']}) s, vs Llama {cfg['k'] * L}L",
+            f"{tr['loopformer_s']:.4f}",
+            f"{tr['llama_s']:.4f}",
+        )
+    )
     gl = res["generate_vs_llama"]
-    rows.append((f"cached generate {gl['new_tokens']} tok/s, vs Llama",
-                 f"{gl['loopformer_tokens_per_s']:.1f}", f"{gl['llama_tokens_per_s']:.1f}"))
+    rows.append(
+        (
+            f"cached generate {gl['new_tokens']} tok/s, vs Llama",
+            f"{gl['loopformer_tokens_per_s']:.1f}",
+            f"{gl['llama_tokens_per_s']:.1f}",
+        )
+    )
     for label in ("short", "long"):
         c = res[f"cached_vs_uncached_{label}"]
-        rows.append((f"cached vs uncached, {c['new_tokens']} new tok (s)", f"{c['cached_s']:.3f}",
-                     f"{c['uncached_s']:.3f}"))
+        rows.append(
+            (f"cached vs uncached, {c['new_tokens']} new tok (s)", f"{c['cached_s']:.3f}", f"{c['uncached_s']:.3f}")
+        )
     for M in range(1, L + 1):
         b = res["budget_scaling"][str(M)]
-        rows.append((f"generate at M={M} vs M={L} (s)", f"{b['time_s']:.3f}",
-                     f"{res['budget_scaling'][str(L)]['time_s']:.3f}"))
+        rows.append(
+            (f"generate at M={M} vs M={L} (s)", f"{b['time_s']:.3f}", f"{res['budget_scaling'][str(L)]['time_s']:.3f}")
+        )
     keys = list(ratios)
-    table = [rows[0]] + [row + (f"{ratios[k]:.3f}", targets[k], "yes" if met[k] else "NO")
-                         for row, k in zip(rows[1:], keys)]
+    table = [rows[0]] + [
+        row + (f"{ratios[k]:.3f}", targets[k], "yes" if met[k] else "NO") for row, k in zip(rows[1:], keys)
+    ]
     for M in range(1, L + 1):
         f = res["budget_scaling_forward"][str(M)]
-        table.append((f"(suppl.) forward seq {cfg['seq']} M={M} vs M={L} (s)", f"{f['time_s']:.4f}",
-                      f"{res['budget_scaling_forward'][str(L)]['time_s']:.4f}", f"{f['ratio']:.3f}",
-                      f"<= {f['bound']:.3f}", "yes" if f["ratio"] <= f["bound"] else "NO"))
+        table.append(
+            (
+                f"(suppl.) forward seq {cfg['seq']} M={M} vs M={L} (s)",
+                f"{f['time_s']:.4f}",
+                f"{res['budget_scaling_forward'][str(L)]['time_s']:.4f}",
+                f"{f['ratio']:.3f}",
+                f"<= {f['bound']:.3f}",
+                "yes" if f["ratio"] <= f["bound"] else "NO",
+            )
+        )
     widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
     lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -276,7 +368,9 @@ def timing_arguments(doc, default_output, repeats_help):
     """The options every timing script here takes: --output, --quick, --threads, --repeats."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--output", default=default_output, help=f"JSON file to write (default: {default_output})")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run (timings meaningless)")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes and few repeats: a smoke run (timings meaningless)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default: 1, the least noisy)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     return p
@@ -295,10 +389,18 @@ def write_report(report, output, table):
 
 def main(argv=None):
     p = timing_arguments(__doc__, DEFAULT_OUTPUT, "rounds per measurement (default: 5; 2 with --quick)")
-    p.add_argument("--repeats_long", type=int, default=None,
-                   help="rounds for the long cached-vs-uncached pair (default: 3; 2 with --quick)")
-    p.add_argument("--position_embedding", default="rope", choices=("rope", "learned"),
-                   help="LoopFormer positions (default: rope, as the Llama baseline)")
+    p.add_argument(
+        "--repeats_long",
+        type=int,
+        default=None,
+        help="rounds for the long cached-vs-uncached pair (default: 3; 2 with --quick)",
+    )
+    p.add_argument(
+        "--position_embedding",
+        default="rope",
+        choices=("rope", "learned"),
+        help="LoopFormer positions (default: rope, as the Llama baseline)",
+    )
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
@@ -315,10 +417,22 @@ def main(argv=None):
     start = time.time()
     report = run_benchmark(cfg, args.threads, args.position_embedding, log=lambda s: print(s, flush=True))
     report = dict(
-        config=dict(cfg, threads=args.threads, quick=args.quick, dtype="float32", attn_implementation="sdpa",
-                    loopformer_mlp="swiglu", position_embedding=args.position_embedding),
-        environment=dict(torch=torch.__version__, transformers=transformers.__version__,
-                         python=platform.python_version(), machine=platform.machine(), cpu_count=os.cpu_count()),
+        config=dict(
+            cfg,
+            threads=args.threads,
+            quick=args.quick,
+            dtype="float32",
+            attn_implementation="sdpa",
+            loopformer_mlp="swiglu",
+            position_embedding=args.position_embedding,
+        ),
+        environment=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            python=platform.python_version(),
+            machine=platform.machine(),
+            cpu_count=os.cpu_count(),
+        ),
         wall_s=time.time() - start,
         **report,
     )

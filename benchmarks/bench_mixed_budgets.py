@@ -26,8 +26,16 @@ import time
 
 import torch
 
-from benchmarks.bench_loopformer import (FULL, QUICK, build_models, interleaved, med, paired_ratio, timing_arguments,
-                                         write_report)
+from benchmarks.bench_loopformer import (
+    FULL,
+    QUICK,
+    build_models,
+    interleaved,
+    med,
+    paired_ratio,
+    timing_arguments,
+    write_report,
+)
 from loopformer_hf import halting_loopformer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,8 +52,14 @@ def generate_fn(model, prompts, new_tokens, loop_budget, gather=True):
         try:
             with torch.inference_mode():
                 result["tokens"] = model.generate(
-                    prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, loop_budget=loop_budget)
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    loop_budget=loop_budget,
+                )
         finally:
             halting_loopformer.GATHER_MIN_GRID = grid
 
@@ -60,22 +74,30 @@ def run_benchmark(cfg, threads, prompts_n, new_tokens, repeats, log=print):
     L, half = cfg["loops"], prompts_n // 2
     prompts = torch.randint(3, cfg["vocab"], (prompts_n, cfg["prompt"]), generator=torch.Generator().manual_seed(1))
     mixed = torch.tensor([1] * half + [L] * (prompts_n - half))
-    sides = {"all_L": generate_fn(model, prompts, new_tokens, L),
-             "mixed": generate_fn(model, prompts, new_tokens, mixed),
-             "mixed_dense": generate_fn(model, prompts, new_tokens, mixed, gather=False),
-             "all_1": generate_fn(model, prompts, new_tokens, 1)}
+    sides = {
+        "all_L": generate_fn(model, prompts, new_tokens, L),
+        "mixed": generate_fn(model, prompts, new_tokens, mixed),
+        "mixed_dense": generate_fn(model, prompts, new_tokens, mixed, gather=False),
+        "all_1": generate_fn(model, prompts, new_tokens, 1),
+    }
     log(f"{prompts_n} prompts x {new_tokens} new tokens, half at M=1 and half at M={L}; {repeats} rounds")
     # CPU time of this process: on a machine that others load, wall time varies 2x between rounds; with one thread
     # the CPU time is the compute's own
     t = interleaved(sides, repeats, clock=time.process_time)
     tokens = prompts_n * new_tokens
-    out = {name: {"tokens_per_cpu_s": tokens / med(t[name]), "cpu_s": med(t[name]), "times": t[name]}
-           for name in sides}
+    out = {
+        name: {"tokens_per_cpu_s": tokens / med(t[name]), "cpu_s": med(t[name]), "times": t[name]} for name in sides
+    }
     for name in ("mixed", "mixed_dense", "all_1"):
         out[name]["tokens_per_s_over_all_L"] = paired_ratio(t, "all_L", name)  # tokens/s ratio = inverse time ratio
     got = {name: fn.result["tokens"] for name, fn in sides.items()}
-    same = {name: int((got[name][:half] == got["all_1"][:half]).all(-1).sum()
-                      + (got[name][half:] == got["all_L"][half:]).all(-1).sum()) for name in ("mixed", "mixed_dense")}
+    same = {
+        name: int(
+            (got[name][:half] == got["all_1"][:half]).all(-1).sum()
+            + (got[name][half:] == got["all_L"][half:]).all(-1).sum()
+        )
+        for name in ("mixed", "mixed_dense")
+    }
     return dict(results=out, rows_equal_to_their_budget=same, rows=prompts_n)
 
 
@@ -85,16 +107,22 @@ def format_table(report):
         ratio = r.get("tokens_per_s_over_all_L", 1.0)
         lines.append(f"| {name} | {r['tokens_per_cpu_s']:.0f} | {ratio:.3f} |")
     lines.append("")
-    lines.append("rows whose tokens equal their budget's batch: " + ", ".join(
-        f"{name} {n}/{report['rows']}" for name, n in report["rows_equal_to_their_budget"].items()))
+    lines.append(
+        "rows whose tokens equal their budget's batch: "
+        + ", ".join(f"{name} {n}/{report['rows']}" for name, n in report["rows_equal_to_their_budget"].items())
+    )
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = timing_arguments(__doc__, DEFAULT_OUTPUT, "rounds (default: 5; 1 with --quick)")
-    p.add_argument("--hidden_size", type=int, default=None,
-                   help="a wider model (head_dim 64, FFN 4x): at 256 the batch of 64 is bound by per-step overheads, "
-                        "wider makes the loop steps' compute the cost a budget saves")
+    p.add_argument(
+        "--hidden_size",
+        type=int,
+        default=None,
+        help="a wider model (head_dim 64, FFN 4x): at 256 the batch of 64 is bound by per-step overheads, "
+        "wider makes the loop steps' compute the cost a budget saves",
+    )
     args = p.parse_args(argv)
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         p.error("--threads and --repeats must be >= 1")
@@ -105,9 +133,19 @@ def main(argv=None):
     repeats = args.repeats or (1 if args.quick else 5)
     start = time.time()
     report = run_benchmark(cfg, args.threads, prompts_n, new_tokens, repeats, log=lambda s: print(s, flush=True))
-    report = dict(config=dict(cfg, threads=args.threads, quick=args.quick, prompts=prompts_n, new_tokens=new_tokens,
-                              repeats=repeats, torch=torch.__version__),
-                  wall_s=time.time() - start, **report)
+    report = dict(
+        config=dict(
+            cfg,
+            threads=args.threads,
+            quick=args.quick,
+            prompts=prompts_n,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            torch=torch.__version__,
+        ),
+        wall_s=time.time() - start,
+        **report,
+    )
     write_report(report, args.output, format_table(report))
     return 0
 

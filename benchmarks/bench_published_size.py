@@ -62,10 +62,36 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "published_size.json")
 
 # their GPTConfig defaults (models/loopformer.py), which the FineWeb300K checkpoint uses
-FULL = dict(n_layer=3, n_head=32, n_embd=2048, intermediate_dim=5120, vocab_size=50304, block_size=1024, loops=8,
-            prompt=32, new_tokens=16, batch=1, seq=128, repeats=2, load_rounds=2)
-QUICK = dict(n_layer=3, n_head=4, n_embd=64, intermediate_dim=160, vocab_size=512, block_size=64, loops=8,
-             prompt=8, new_tokens=4, batch=1, seq=16, repeats=1, load_rounds=1)
+FULL = dict(
+    n_layer=3,
+    n_head=32,
+    n_embd=2048,
+    intermediate_dim=5120,
+    vocab_size=50304,
+    block_size=1024,
+    loops=8,
+    prompt=32,
+    new_tokens=16,
+    batch=1,
+    seq=128,
+    repeats=2,
+    load_rounds=2,
+)
+QUICK = dict(
+    n_layer=3,
+    n_head=4,
+    n_embd=64,
+    intermediate_dim=160,
+    vocab_size=512,
+    block_size=64,
+    loops=8,
+    prompt=8,
+    new_tokens=4,
+    batch=1,
+    seq=16,
+    repeats=1,
+    load_rounds=1,
+)
 BUDGETS = (1, 2, 4, 8)
 CONFIG_KEYS = ("n_layer", "n_head", "n_embd", "intermediate_dim", "vocab_size", "block_size")
 DTYPE = torch.bfloat16
@@ -83,13 +109,26 @@ def reference_names(cfg):
     shapes = {"transformer.wte.weight": (cfg["vocab_size"], d), "transformer.wpe.weight": (cfg["block_size"], d)}
     for j in range(cfg["n_layer"]):
         p = f"transformer.h.blocks.{j}."
-        shapes.update({p + "attn.c_attn.weight": (3 * d, d), p + "attn.c_proj.weight": (d, d),
-                       p + "mlp.c_fc.weight": (mlp, d), p + "mlp.c_proj.weight": (d, mlp),
-                       p + "adaLN_modulation.1.weight": (4 * d, d), p + "adaLN_modulation.1.bias": (4 * d,)})
+        shapes.update(
+            {
+                p + "attn.c_attn.weight": (3 * d, d),
+                p + "attn.c_proj.weight": (d, d),
+                p + "mlp.c_fc.weight": (mlp, d),
+                p + "mlp.c_proj.weight": (d, mlp),
+                p + "adaLN_modulation.1.weight": (4 * d, d),
+                p + "adaLN_modulation.1.bias": (4 * d,),
+            }
+        )
     shapes["transformer.norm_f.weight"] = (d,)
     for name in ("time_embedder", "dt_embedder"):
-        shapes.update({f"{name}.mlp.0.weight": (d, freq), f"{name}.mlp.0.bias": (d,),
-                       f"{name}.mlp.2.weight": (d, d), f"{name}.mlp.2.bias": (d,)})
+        shapes.update(
+            {
+                f"{name}.mlp.0.weight": (d, freq),
+                f"{name}.mlp.0.bias": (d,),
+                f"{name}.mlp.2.weight": (d, d),
+                f"{name}.mlp.2.bias": (d,),
+            }
+        )
     return shapes
 
 
@@ -108,18 +147,30 @@ def write_reference_checkpoint(cfg, folder, seed=0):
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     # as published: config.json states no size (transformers 4.57 saves only what differs from the configuration
     # class's defaults), the class in the repo's own code carries them
-    config = {"architectures": ["LoopFormerGPTForCausalLM"],
-              "auto_map": {"AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
-                           "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM"},
-              "dtype": "bfloat16", "model_type": "loopformer", "transformers_version": "4.57.0"}
+    config = {
+        "architectures": ["LoopFormerGPTForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
+            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM",
+        },
+        "dtype": "bfloat16",
+        "model_type": "loopformer",
+        "transformers_version": "4.57.0",
+    }
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    defaults = dict({k: cfg[k] for k in CONFIG_KEYS}, dropout=0.0, bias=False, steps=[1.0 / cfg["loops"]] * cfg["loops"])
+    defaults = dict(
+        {k: cfg[k] for k in CONFIG_KEYS}, dropout=0.0, bias=False, steps=[1.0 / cfg["loops"]] * cfg["loops"]
+    )
     with open(os.path.join(folder, "configuration_loopformer.py"), "w") as f:
-        f.write("from transformers import PretrainedConfig\n\n\nclass LoopFormerGPTConfig(PretrainedConfig):\n"
-                '    model_type = "loopformer"\n\n    def __init__(self, '
-                + ", ".join(f"{k}={v!r}" for k, v in defaults.items()) + ", **kwargs):\n"
-                + "".join(f"        self.{k} = {k}\n" for k in defaults) + "        super().__init__(**kwargs)\n")
+        f.write(
+            "from transformers import PretrainedConfig\n\n\nclass LoopFormerGPTConfig(PretrainedConfig):\n"
+            '    model_type = "loopformer"\n\n    def __init__(self, '
+            + ", ".join(f"{k}={v!r}" for k, v in defaults.items())
+            + ", **kwargs):\n"
+            + "".join(f"        self.{k} = {k}\n" for k in defaults)
+            + "        super().__init__(**kwargs)\n"
+        )
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"_from_model_config": True, "transformers_version": "4.57.0"}, f)
     return sum(t.numel() for t in tensors.values())
@@ -145,8 +196,17 @@ def load_theirs(module, folder):
 
     from loopformer_hf.authors_checkpoints import source_defaults
 
-    keep = ("model_type", "block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias",
-            "intermediate_dim")  # their loader's KEEP
+    keep = (
+        "model_type",
+        "block_size",
+        "vocab_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "dropout",
+        "bias",
+        "intermediate_dim",
+    )  # their loader's KEEP
     # their AutoConfig: the repo's configuration class, config.json's values over its defaults
     with open(os.path.join(folder, "configuration_loopformer.py")) as f:
         config = source_defaults(f.read(), "LoopFormerGPTConfig")
@@ -178,8 +238,11 @@ def load_child(kind, folder, authors_repo, threads):
     gc.collect()
     before = _status_mib("VmRSS")
     start = time.perf_counter()
-    model = load_theirs(module, folder) if kind == "theirs" else load_ours(
-        folder, torch.float32 if kind == "ours_fp32" else None)
+    model = (
+        load_theirs(module, folder)
+        if kind == "theirs"
+        else load_ours(folder, torch.float32 if kind == "ours_fp32" else None)
+    )
     seconds = time.perf_counter() - start
     load_peak = _status_mib("VmHWM")
     # ours maps model.safetensors (its pages become resident when first read): one forward reads every weight
@@ -196,10 +259,22 @@ def load_child(kind, folder, authors_repo, threads):
     # parent's peak into it, so a small child reports the benchmark process's own peak
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dtype = str(next(model.parameters()).dtype)
-    print(json.dumps(dict(kind=kind, seconds=seconds, first_forward_s=forward_s, load_peak_rss_mib=load_peak,
-                          peak_rss_mib=peak, getrusage_maxrss_mib=maxrss, rss_before_mib=before,
-                          rss_after_mib=_status_mib("VmRSS"), dtype=dtype,
-                          params=sum(p.numel() for p in model.parameters()))))
+    print(
+        json.dumps(
+            dict(
+                kind=kind,
+                seconds=seconds,
+                first_forward_s=forward_s,
+                load_peak_rss_mib=load_peak,
+                peak_rss_mib=peak,
+                getrusage_maxrss_mib=maxrss,
+                rss_before_mib=before,
+                rss_after_mib=_status_mib("VmRSS"),
+                dtype=dtype,
+                params=sum(p.numel() for p in model.parameters()),
+            )
+        )
+    )
 
 
 def time_loads(folder, kinds, rounds, authors_repo, threads, log):
@@ -207,9 +282,18 @@ def time_loads(folder, kinds, rounds, authors_repo, threads, log):
     round). {kind: [child results]}."""
     results = {kind: [] for kind in kinds}
     for r in range(rounds):
-        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-            cmd = [sys.executable, "-m", "benchmarks.bench_published_size", "--load_child", kind,
-                   "--checkpoint", folder, "--threads", str(threads)]
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_published_size",
+                "--load_child",
+                kind,
+                "--checkpoint",
+                folder,
+                "--threads",
+                str(threads),
+            ]
             if authors_repo:
                 cmd += ["--authors_repo", authors_repo]
             proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -217,8 +301,10 @@ def time_loads(folder, kinds, rounds, authors_repo, threads, log):
                 raise RuntimeError(f"the {kind} load failed:\n{proc.stderr[-3000:]}")
             results[kind].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             r = results[kind][-1]
-            log(f"  load {kind}: {r['seconds']:.2f} s (first forward {r['first_forward_s']:.2f} s), peak RSS "
-                f"{r['load_peak_rss_mib']:.0f} MiB after the load, {r['peak_rss_mib']:.0f} MiB after the forward")
+            log(
+                f"  load {kind}: {r['seconds']:.2f} s (first forward {r['first_forward_s']:.2f} s), peak RSS "
+                f"{r['load_peak_rss_mib']:.0f} MiB after the load, {r['peak_rss_mib']:.0f} MiB after the forward"
+            )
     return results
 
 
@@ -230,10 +316,18 @@ def iso_flop_llama(cfg, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["n_embd"], intermediate_size=llama_intermediate(cfg),
-        num_hidden_layers=cfg["n_layer"] * cfg["loops"], num_attention_heads=cfg["n_head"],
-        num_key_value_heads=cfg["n_head"], max_position_embeddings=cfg["block_size"], tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["n_embd"],
+        intermediate_size=llama_intermediate(cfg),
+        num_hidden_layers=cfg["n_layer"] * cfg["loops"],
+        num_attention_heads=cfg["n_head"],
+        num_key_value_heads=cfg["n_head"],
+        max_position_embeddings=cfg["block_size"],
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(config, dtype=DTYPE)
@@ -267,8 +361,10 @@ def run(cfg, authors_repo, threads, repeats, log=print):
         report["checkpoint_params"] = write_reference_checkpoint(cfg, folder)
         report["checkpoint_bytes"] = os.path.getsize(os.path.join(folder, "model.safetensors"))
         report["checkpoint_mib"] = report["checkpoint_bytes"] / 2**20
-        log(f"checkpoint: {report['checkpoint_params'] / 1e6:.1f}M parameters, bf16, "
-            f"{report['checkpoint_mib']:.0f} MiB, written in {time.perf_counter() - start:.1f} s")
+        log(
+            f"checkpoint: {report['checkpoint_params'] / 1e6:.1f}M parameters, bf16, "
+            f"{report['checkpoint_mib']:.0f} MiB, written in {time.perf_counter() - start:.1f} s"
+        )
         gc.collect()
 
         kinds = LOAD_KINDS if module else LOAD_KINDS[:2]
@@ -278,12 +374,14 @@ def run(cfg, authors_repo, threads, repeats, log=print):
         ours = load_ours(folder)
         theirs = load_theirs(module, folder).to(DTYPE) if module else None
     llama = iso_flop_llama(cfg)
-    report["params"] = dict(ours=sum(p.numel() for p in ours.parameters()),
-                            llama=sum(p.numel() for p in llama.parameters()))
+    report["params"] = dict(
+        ours=sum(p.numel() for p in ours.parameters()), llama=sum(p.numel() for p in llama.parameters())
+    )
     d, k, L = cfg["n_embd"], cfg["n_layer"], cfg["loops"]
     report["matmul_weights_per_token"] = dict(  # attention and MLP per layer application (adaLN is per step)
         ours_at_L=k * L * (4 * d * d + 2 * d * cfg["intermediate_dim"]),
-        llama=k * L * (4 * d * d + 3 * d * llama_intermediate(cfg)))
+        llama=k * L * (4 * d * d + 3 * d * llama_intermediate(cfg)),
+    )
 
     n = cfg["new_tokens"]
     g = torch.Generator().manual_seed(1)
@@ -293,8 +391,10 @@ def run(cfg, authors_repo, threads, repeats, log=print):
         fns[f"ours M={M}"] = generate_fn(ours, prompt, n, loop_budget=M)
         if theirs is not None:
             fns[f"theirs M={M}"] = their_generate_fn(theirs, prompt, n, [1.0 / M] * M)
-    log(f"generate: {n} new tokens after a {cfg['prompt']}-token prompt, warm-up (2 tokens each), then "
-        f"{repeats} round(s) of {len(fns)} runs")
+    log(
+        f"generate: {n} new tokens after a {cfg['prompt']}-token prompt, warm-up (2 tokens each), then "
+        f"{repeats} round(s) of {len(fns)} runs"
+    )
     warm = {"llama": generate_fn(llama, prompt, 2), "ours": generate_fn(ours, prompt, 2, loop_budget=cfg["loops"])}
     if theirs is not None:
         warm["theirs"] = their_generate_fn(theirs, prompt, 2, [1.0 / cfg["loops"]] * cfg["loops"])
@@ -303,29 +403,40 @@ def run(cfg, authors_repo, threads, repeats, log=print):
     t = interleaved(fns, repeats, warmup=0)
     report["generate"]["llama"] = dict(tokens_per_s=n / med(t["llama"]), times=t["llama"])
     for M in BUDGETS:
-        entry = dict(ours_tokens_per_s=n / med(t[f"ours M={M}"]), ours_times=t[f"ours M={M}"],
-                     ours_over_llama=paired(t["llama"], t[f"ours M={M}"]))
+        entry = dict(
+            ours_tokens_per_s=n / med(t[f"ours M={M}"]),
+            ours_times=t[f"ours M={M}"],
+            ours_over_llama=paired(t["llama"], t[f"ours M={M}"]),
+        )
         if theirs is not None:
-            entry.update(theirs_tokens_per_s=n / med(t[f"theirs M={M}"]), theirs_times=t[f"theirs M={M}"],
-                         ours_over_theirs=paired(t[f"theirs M={M}"], t[f"ours M={M}"]),
-                         same_tokens=bool(torch.equal(fns[f"ours M={M}"].result["tokens"],
-                                                      fns[f"theirs M={M}"].result["tokens"])))
+            entry.update(
+                theirs_tokens_per_s=n / med(t[f"theirs M={M}"]),
+                theirs_times=t[f"theirs M={M}"],
+                ours_over_theirs=paired(t[f"theirs M={M}"], t[f"ours M={M}"]),
+                same_tokens=bool(
+                    torch.equal(fns[f"ours M={M}"].result["tokens"], fns[f"theirs M={M}"].result["tokens"])
+                ),
+            )
         report["generate"][str(M)] = entry
-        log(f"  M={M}: ours {entry['ours_tokens_per_s']:.2f} tok/s"
+        log(
+            f"  M={M}: ours {entry['ours_tokens_per_s']:.2f} tok/s"
             + (f", theirs {entry['theirs_tokens_per_s']:.2f}" if theirs is not None else "")
-            + f", Llama {report['generate']['llama']['tokens_per_s']:.2f}")
+            + f", Llama {report['generate']['llama']['tokens_per_s']:.2f}"
+        )
     del theirs, fns, warm
     gc.collect()
 
-    log(f"train step: batch {cfg['batch']} x {cfg['seq']}, AdamW, bf16, ours at M={cfg['loops']}; one warm-up step "
-        f"each, then {repeats} round(s)")
+    log(
+        f"train step: batch {cfg['batch']} x {cfg['seq']}, AdamW, bf16, ours at M={cfg['loops']}; one warm-up step "
+        f"each, then {repeats} round(s)"
+    )
     ours.train()
     llama.train()
     batch = torch.randint(3, cfg["vocab_size"], (cfg["batch"], cfg["seq"]), generator=g)
     t = interleaved({"ours": train_step_fn(ours, batch), "llama": train_step_fn(llama, batch)}, repeats)
-    report["train"] = dict(ours_s=med(t["ours"]), llama_s=med(t["llama"]), ours_over_llama=paired(t["ours"],
-                                                                                                   t["llama"]),
-                           times=t)
+    report["train"] = dict(
+        ours_s=med(t["ours"]), llama_s=med(t["llama"]), ours_over_llama=paired(t["ours"], t["llama"]), times=t
+    )
     report["peak_rss_mib_main_process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
 
@@ -351,21 +462,39 @@ def table_rows(report):
 
     rows = []
     for kind, label in (("ours", "ours keeps the checkpoint's bf16"), ("ours_fp32", "ours with dtype=float32")):
-        for key, what, digits in (("seconds", "load s", 2), ("first_forward_s", "first forward s (8 tokens, M=8)", 2),
-                                  ("peak_rss_mib", "peak RSS MiB (load + first forward)", 0),
-                                  ("added", "RSS added MiB (that peak - RSS before the load)", 0)):
+        for key, what, digits in (
+            ("seconds", "load s", 2),
+            ("first_forward_s", "first forward s (8 tokens, M=8)", 2),
+            ("peak_rss_mib", "peak RSS MiB (load + first forward)", 0),
+            ("added", "RSS added MiB (that peak - RSS before the load)", 0),
+        ):
             a, b = stat(kind, key), stat("theirs", key)
             rows.append([f"{what}; {label}, theirs ends fp32", _fmt(a, digits), _fmt(b, digits), "", ratio(a, b), ""])
     llama_tps = report["generate"]["llama"]["tokens_per_s"]
     for M in BUDGETS:
         e = report["generate"][str(M)]
         same = "" if "same_tokens" not in e else (" (same tokens)" if e["same_tokens"] else " (tokens differ)")
-        rows.append([f"generate tokens/s, M={M}{same}", _fmt(e["ours_tokens_per_s"]),
-                     _fmt(e.get("theirs_tokens_per_s")), _fmt(llama_tps), _fmt(e.get("ours_over_theirs")),
-                     _fmt(e["ours_over_llama"])])
+        rows.append(
+            [
+                f"generate tokens/s, M={M}{same}",
+                _fmt(e["ours_tokens_per_s"]),
+                _fmt(e.get("theirs_tokens_per_s")),
+                _fmt(llama_tps),
+                _fmt(e.get("ours_over_theirs")),
+                _fmt(e["ours_over_llama"]),
+            ]
+        )
     tr = report["train"]
-    rows.append([f"train step s (lower is better), ours at M={report['config']['loops']}", _fmt(tr["ours_s"]), "",
-                 _fmt(tr["llama_s"]), "", _fmt(tr["ours_over_llama"])])
+    rows.append(
+        [
+            f"train step s (lower is better), ours at M={report['config']['loops']}",
+            _fmt(tr["ours_s"]),
+            "",
+            _fmt(tr["llama_s"]),
+            "",
+            _fmt(tr["ours_over_llama"]),
+        ]
+    )
     return rows
 
 
@@ -378,13 +507,19 @@ def format_table(report):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--authors_repo", default=None,
-                   help="a clone of github.com/armenjeddi/loopformer (without it their rows print 'not run')")
+    p.add_argument(
+        "--authors_repo",
+        default=None,
+        help="a clone of github.com/armenjeddi/loopformer (without it their rows print 'not run')",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny shape, one round: a smoke run (timings meaningless)")
     p.add_argument("--repeats", type=int, default=None, help="rounds of generation and of training steps (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, here and in the load subprocesses")
-    p.add_argument("--output", default=None, help=f"results JSON (default {os.path.relpath(DEFAULT_OUTPUT, REPO_ROOT)}"
-                                                  ", or a temporary file with --quick)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"results JSON (default {os.path.relpath(DEFAULT_OUTPUT, REPO_ROOT)}, or a temporary file with --quick)",
+    )
     p.add_argument("--load_child", choices=LOAD_KINDS, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -401,23 +536,37 @@ def main(argv=None):
             p.error(str(e))
     cfg = dict(QUICK if args.quick else FULL)
     repeats = args.repeats or cfg["repeats"]
-    output = args.output or (os.path.join(tempfile.gettempdir(), "published_size_quick.json") if args.quick
-                             else DEFAULT_OUTPUT)
+    output = args.output or (
+        os.path.join(tempfile.gettempdir(), "published_size_quick.json") if args.quick else DEFAULT_OUTPUT
+    )
     import transformers
 
     start = time.time()
     report = run(cfg, args.authors_repo, args.threads, repeats, log=lambda s: print(s, flush=True))
-    report.update(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick, dtype="bfloat16",
-                              llama_layers=cfg["n_layer"] * cfg["loops"], llama_intermediate=llama_intermediate(cfg)),
-                  authors_repo=args.authors_repo and os.path.abspath(args.authors_repo),
-                  authors_commit=args.authors_repo and authors_commit(args.authors_repo),
-                  torch=torch.__version__, transformers=transformers.__version__, wall_s=time.time() - start)
+    report.update(
+        config=dict(
+            cfg,
+            threads=args.threads,
+            repeats=repeats,
+            quick=args.quick,
+            dtype="bfloat16",
+            llama_layers=cfg["n_layer"] * cfg["loops"],
+            llama_intermediate=llama_intermediate(cfg),
+        ),
+        authors_repo=args.authors_repo and os.path.abspath(args.authors_repo),
+        authors_commit=args.authors_repo and authors_commit(args.authors_repo),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        wall_s=time.time() - start,
+    )
     report["table"] = table_rows(report)
     print()
-    print(f"params: ours {report['params']['ours'] / 1e6:.1f}M, Llama {report['params']['llama'] / 1e6:.1f}M; "
-          f"attention + MLP weights per token: ours at M={cfg['loops']} "
-          f"{report['matmul_weights_per_token']['ours_at_L'] / 1e6:.1f}M, Llama "
-          f"{report['matmul_weights_per_token']['llama'] / 1e6:.1f}M")
+    print(
+        f"params: ours {report['params']['ours'] / 1e6:.1f}M, Llama {report['params']['llama'] / 1e6:.1f}M; "
+        f"attention + MLP weights per token: ours at M={cfg['loops']} "
+        f"{report['matmul_weights_per_token']['ours_at_L'] / 1e6:.1f}M, Llama "
+        f"{report['matmul_weights_per_token']['llama'] / 1e6:.1f}M"
+    )
     print(format_table(report))
     write_json(output, report)
     print(f"\nwrote {output} ({time.time() - start:.0f} s)")

@@ -24,10 +24,17 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     weight = torch.randn(4 * args.hidden_size, args.hidden_size)
     rows = (32, 64, 128, 256)
-    ms = {n: 1e3 * Timer("F.linear(x, w)", globals={"F": F, "x": torch.randn(n, args.hidden_size), "w": weight})
-          .blocked_autorange(min_run_time=args.min_run_time).median for n in rows}
-    print(f"F.linear {args.hidden_size} -> {4 * args.hidden_size}, {args.threads} thread(s): "
-          + ", ".join(f"{n} rows {t:.2f} ms" for n, t in ms.items()))
+    ms = {
+        n: 1e3
+        * Timer("F.linear(x, w)", globals={"F": F, "x": torch.randn(n, args.hidden_size), "w": weight})
+        .blocked_autorange(min_run_time=args.min_run_time)
+        .median
+        for n in rows
+    }
+    print(
+        f"F.linear {args.hidden_size} -> {4 * args.hidden_size}, {args.threads} thread(s): "
+        + ", ".join(f"{n} rows {t:.2f} ms" for n, t in ms.items())
+    )
     ratios = {n: ms[n // 2] / ms[n] for n in rows[1:]}
     print("half the rows / all: " + ", ".join(f"{n // 2}/{n} = {r:.2f}" for n, r in ratios.items()))
     return ratios

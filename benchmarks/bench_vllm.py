@@ -45,10 +45,17 @@ def build_model(path, num_loops=4, seed=0, hidden_size=256):
     import loopformer_hf
 
     torch.manual_seed(seed)
-    config = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=hidden_size,
-                                            num_attention_heads=hidden_size // 64,  # head_dim 64 (vLLM's CPU attention)
-                                            intermediate_size=4 * hidden_size, num_hidden_layers=2, num_loops=num_loops,
-                                            max_position_embeddings=256, pad_token_id=0, eos_token_id=None)
+    config = loopformer_hf.LoopFormerConfig(
+        vocab_size=512,
+        hidden_size=hidden_size,
+        num_attention_heads=hidden_size // 64,  # head_dim 64 (vLLM's CPU attention)
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=2,
+        num_loops=num_loops,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     model = loopformer_hf.LoopFormerForCausalLM(config).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # open the adaLN gates: every loop step then changes the state
@@ -70,8 +77,8 @@ def left_padded(prompts):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 
@@ -81,9 +88,17 @@ def bench_generate(model, prompts, budget, new_tokens, repeats, **kwargs):
 
     def call():
         started = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, loop_budget=budget, pad_token_id=0, **kwargs)
-        return time.perf_counter() - started, out[:, ids.shape[1]:].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            loop_budget=budget,
+            pad_token_id=0,
+            **kwargs,
+        )
+        return time.perf_counter() - started, out[:, ids.shape[1] :].tolist()
 
     setup, tokens = call()
     speeds = [len(prompts) * new_tokens / call()[0] for _ in range(repeats)]
@@ -96,22 +111,36 @@ def vllm_side(spec_path, out_path):
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["checkpoint"], dtype="float32", max_model_len=256, enforce_eager=spec["enforce_eager"],
-              skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0,
-              hf_overrides={"loop_budget": spec["budget"], "step_schedule": "uniform"})
+    llm = LLM(
+        model=spec["checkpoint"],
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=spec["enforce_eager"],
+        skip_tokenizer_init=True,
+        distributed_executor_backend="uni",
+        seed=0,
+        hf_overrides={"loop_budget": spec["budget"], "step_schedule": "uniform"},
+    )
     setup = time.perf_counter() - started
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
     def params(budget):  # None: the server's budget
-        return SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True,
-                              extra_args=None if budget is None else {"loop_budget": budget})
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=spec["new_tokens"],
+            ignore_eos=True,
+            extra_args=None if budget is None else {"loop_budget": budget},
+        )
 
     def call(budgets):
         started, cpu_started = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, [params(b) for b in budgets], use_tqdm=False)
         # CPU time too: on a shared machine the wall time of one call moves with the other jobs' load
-        return (time.perf_counter() - started, time.process_time() - cpu_started,
-                [list(o.outputs[0].token_ids) for o in outs])
+        return (
+            time.perf_counter() - started,
+            time.process_time() - cpu_started,
+            [list(o.outputs[0].token_ids) for o in outs],
+        )
 
     # workload -> the budget each prompt asks for
     workloads = spec.get("workloads") or {"server": [None] * len(prompts)}
@@ -122,23 +151,48 @@ def vllm_side(spec_path, out_path):
         for name, budgets in workloads.items():
             timed[name].append(call(budgets))
     new_tokens = len(prompts) * spec["new_tokens"]
-    json.dump({"setup_s": setup, "workloads": {
-        name: {"tokens_per_s": [new_tokens / wall for wall, _, _ in runs],
-               "tokens_per_cpu_s": [new_tokens / cpu for _, cpu, _ in runs], "tokens": runs[-1][2]}
-        for name, runs in timed.items()}}, open(out_path, "w"))
+    json.dump(
+        {
+            "setup_s": setup,
+            "workloads": {
+                name: {
+                    "tokens_per_s": [new_tokens / wall for wall, _, _ in runs],
+                    "tokens_per_cpu_s": [new_tokens / cpu for _, cpu, _ in runs],
+                    "tokens": runs[-1][2],
+                }
+                for name, runs in timed.items()
+            },
+        },
+        open(out_path, "w"),
+    )
 
 
 def run_vllm(checkpoint, prompts, budget, args, workdir, workloads=None, name=None):
-    spec = {"checkpoint": checkpoint, "prompts": prompts, "budget": budget, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "enforce_eager": not args.vllm_compile, "workloads": workloads}
+    spec = {
+        "checkpoint": checkpoint,
+        "prompts": prompts,
+        "budget": budget,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "enforce_eager": not args.vllm_compile,
+        "workloads": workloads,
+    }
     name = name or str(budget)
     spec_path, out_path = os.path.join(workdir, f"spec{name}.json"), os.path.join(workdir, f"out{name}.json")
     json.dump(spec, open(spec_path, "w"))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    }
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm", "--vllm_side", spec_path, out_path],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_vllm", "--vllm_side", spec_path, out_path],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise RuntimeError(f"vLLM side failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     result = json.load(open(out_path))
@@ -149,27 +203,33 @@ def run_vllm(checkpoint, prompts, budget, args, workdir, workloads=None, name=No
 def bench_per_request(checkpoint, prompts, generated, args, workdir):
     """All at L, mixed 1 / L, all at 1 (by request) in one engine; each request's tokens against `generate`'s."""
     top = args.num_loops
-    workloads = {"all at L": [None] * len(prompts),
-                 "mixed 1 / L": [1 if i % 2 == 0 else None for i in range(len(prompts))],
-                 "all at 1 (per request)": [1] * len(prompts)}
+    workloads = {
+        "all at L": [None] * len(prompts),
+        "mixed 1 / L": [1 if i % 2 == 0 else None for i in range(len(prompts))],
+        "all at 1 (per request)": [1] * len(prompts),
+    }
     served = run_vllm(checkpoint, prompts, top, args, workdir, workloads, name="per_request")
     rows = {"setup_s": served["setup_s"], "process_s": served["process_s"]}
     print(f"per-request budgets, one engine (server M={top})")
     for name, budgets in workloads.items():
         out = served["workloads"][name]
-        exact = all(tokens == generated[budget or top][i]
-                    for i, (budget, tokens) in enumerate(zip(budgets, out["tokens"])))
+        exact = all(
+            tokens == generated[budget or top][i] for i, (budget, tokens) in enumerate(zip(budgets, out["tokens"]))
+        )
         row = rows[name] = {"exact": exact}
         for key in ("tokens_per_s", "tokens_per_cpu_s"):
             row[key] = statistics.median(out[key])
             # the median of the per-round ratios: each round times the workloads back to back, so a slow spell of
             # the machine hits both sides of a ratio
             row[f"{key}_over_all_at_L"] = statistics.median(
-                mine / theirs for mine, theirs in zip(out[key], served["workloads"]["all at L"][key]))
+                mine / theirs for mine, theirs in zip(out[key], served["workloads"]["all at L"][key])
+            )
             row[f"runs_{key}"] = out[key]
-        print(f"  {name:>24}: {row['tokens_per_s']:8.1f} tok/s ({row['tokens_per_s_over_all_at_L']:5.2f}x all at L)"
-              f"  {row['tokens_per_cpu_s']:8.1f} tok/CPU-s ({row['tokens_per_cpu_s_over_all_at_L']:5.2f}x)"
-              f"  every request exact {exact}")
+        print(
+            f"  {name:>24}: {row['tokens_per_s']:8.1f} tok/s ({row['tokens_per_s_over_all_at_L']:5.2f}x all at L)"
+            f"  {row['tokens_per_cpu_s']:8.1f} tok/CPU-s ({row['tokens_per_cpu_s_over_all_at_L']:5.2f}x)"
+            f"  every request exact {exact}"
+        )
     return rows
 
 
@@ -183,8 +243,11 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm_compile", action="store_true", help="let vLLM compile (no enforce_eager)")
     parser.add_argument("--skip_compile", action="store_true", help="leave out the static cache + compile side")
-    parser.add_argument("--per_request_only", action="store_true",
-                        help="only the per-request budgets in one engine (and generate's tokens to check them)")
+    parser.add_argument(
+        "--per_request_only",
+        action="store_true",
+        help="only the per-request budgets in one engine (and generate's tokens to check them)",
+    )
     parser.add_argument("--vllm_side", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--output", default="benchmarks/results/bench_vllm.json")
     args = parser.parse_args(argv)
@@ -195,15 +258,25 @@ def main(argv=None):
     checkpoint = os.path.join(workdir, "loopformer")
     model = build_model(checkpoint, args.num_loops, hidden_size=args.hidden_size)
     prompts = make_prompts(args.prompts)
-    results = {"config": {"prompts": args.prompts, "new_tokens": args.new_tokens, "num_loops": args.num_loops,
-                          "threads": args.threads, "repeats": args.repeats, "hidden_size": args.hidden_size,
-                          "blocks": 2,
-                          "vllm_enforce_eager": not args.vllm_compile, "torch": torch.__version__},
-               "budgets": {}}
+    results = {
+        "config": {
+            "prompts": args.prompts,
+            "new_tokens": args.new_tokens,
+            "num_loops": args.num_loops,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "hidden_size": args.hidden_size,
+            "blocks": 2,
+            "vllm_enforce_eager": not args.vllm_compile,
+            "torch": torch.__version__,
+        },
+        "budgets": {},
+    }
     generated = {}  # budget -> generate's tokens per prompt
     for budget in (1, args.num_loops):
-        setup, speeds, tokens = bench_generate(model, prompts, budget, args.new_tokens,
-                                               0 if args.per_request_only else args.repeats)
+        setup, speeds, tokens = bench_generate(
+            model, prompts, budget, args.new_tokens, 0 if args.per_request_only else args.repeats
+        )
         reference = generated[budget] = tokens
         if args.per_request_only:
             continue
@@ -211,22 +284,37 @@ def main(argv=None):
         if not args.skip_compile:
             compiled = copy.deepcopy(model)
             compiled.forward = torch.compile(compiled.forward, fullgraph=True)
-            setup, speeds, tokens = bench_generate(compiled, prompts, budget, args.new_tokens, args.repeats,
-                                                   cache_implementation="static", disable_compile=True)
-            row["generate static+compile"] = {"setup_s": setup, "tokens_per_s": statistics.median(speeds),
-                                              "same_tokens": tokens == reference}
+            setup, speeds, tokens = bench_generate(
+                compiled,
+                prompts,
+                budget,
+                args.new_tokens,
+                args.repeats,
+                cache_implementation="static",
+                disable_compile=True,
+            )
+            row["generate static+compile"] = {
+                "setup_s": setup,
+                "tokens_per_s": statistics.median(speeds),
+                "same_tokens": tokens == reference,
+            }
         served = run_vllm(checkpoint, prompts, budget, args, workdir)
-        row["vllm offline"] = {"setup_s": served["setup_s"], "process_s": served["process_s"],
-                               "tokens_per_s": statistics.median(served["workloads"]["server"]["tokens_per_s"]),
-                               "same_tokens": served["workloads"]["server"]["tokens"] == reference}
+        row["vllm offline"] = {
+            "setup_s": served["setup_s"],
+            "process_s": served["process_s"],
+            "tokens_per_s": statistics.median(served["workloads"]["server"]["tokens_per_s"]),
+            "same_tokens": served["workloads"]["server"]["tokens"] == reference,
+        }
         base = row["generate dynamic"]["tokens_per_s"]
         for side in row.values():
             side["over_generate_dynamic"] = side["tokens_per_s"] / base
         results["budgets"][str(budget)] = row
         print(f"M={budget}")
         for name, side in row.items():
-            print(f"  {name:>24}: {side['tokens_per_s']:8.1f} tok/s  {side['over_generate_dynamic']:5.2f}x  "
-                  f"set-up {side['setup_s']:6.1f} s  same tokens {side.get('same_tokens', True)}")
+            print(
+                f"  {name:>24}: {side['tokens_per_s']:8.1f} tok/s  {side['over_generate_dynamic']:5.2f}x  "
+                f"set-up {side['setup_s']:6.1f} s  same tokens {side.get('same_tokens', True)}"
+            )
     results["per_request"] = bench_per_request(checkpoint, prompts, generated, args, workdir)
     import vllm  # noqa: F401  (only for its version)
 

@@ -30,13 +30,16 @@ import tempfile
 import textwrap
 
 # (model type on the Hub, their model file, trajectories: step sizes for LoopFormer, loop counts for the others)
-CASES = [("loopformer", "loopformer", [[0.25] * 4, [0.5, 0.25, 0.25], [0.5, 0.5]]),
-         ("base_loop", "base_loop", [4, 3, 2]),
-         ("base_loop_ee", "base_loop", [4, 3, 2])]
-SHAPE = dict(block_size=64, vocab_size=101, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=False,
-             intermediate_dim=192)
+CASES = [
+    ("loopformer", "loopformer", [[0.25] * 4, [0.5, 0.25, 0.25], [0.5, 0.5]]),
+    ("base_loop", "base_loop", [4, 3, 2]),
+    ("base_loop_ee", "base_loop", [4, 3, 2]),
+]
+SHAPE = dict(
+    block_size=64, vocab_size=101, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=False, intermediate_dim=192
+)
 
-WRAPPER_CONFIG = '''
+WRAPPER_CONFIG = """
 from transformers import PretrainedConfig
 
 
@@ -48,8 +51,8 @@ class AuthorsConfig(PretrainedConfig):
         self.n_embd, self.dropout, self.bias, self.intermediate_dim = n_embd, dropout, bias, intermediate_dim
         self.steps = steps
         super().__init__(**kwargs)
-'''
-WRAPPER_MODEL = '''
+"""
+WRAPPER_MODEL = """
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
@@ -75,10 +78,10 @@ class AuthorsForCausalLM(PreTrainedModel):
     def forward(self, input_ids, **kwargs):
         _, _, x = self.gpt(input_ids, steps=self.config.steps)
         return CausalLMOutput(logits=self.gpt.lm_head(x))
-'''
+"""
 
 # Both sides write {trajectory: logits} with torch.save; `{repo}` etc. are filled in below.
-THEIRS = '''
+THEIRS = """
 import importlib.util, sys, torch
 spec = importlib.util.spec_from_file_location("authors_model", {model_file!r})
 module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
@@ -90,8 +93,8 @@ with torch.no_grad():
         _, _, x = gpt(ids, steps=steps)
         out[str(steps)] = gpt.lm_head(x).float()
 torch.save(out, {out!r})
-'''
-OURS = '''
+"""
+OURS = """
 import torch
 import loopformer_hf
 from transformers import AutoModelForCausalLM
@@ -104,13 +107,22 @@ with torch.no_grad():
         schedule = steps if isinstance(steps, list) else [1 / steps] * steps
         out[str(steps)] = model(ids, step_schedule=schedule).logits.float()
 torch.save(out, {out!r})
-'''
+"""
 
 
 # the wrapper's defaults: their GPTConfig's (the sizes then come from config.json), or, as published, the repo's own
 # sizes and trajectory (their transformers 4.57 wrote only what differs from them: a config.json without a size)
-GITHUB_DEFAULTS = dict(block_size=1024, vocab_size=50304, n_layer=3, n_head=32, n_embd=2048, dropout=0.0, bias=False,
-                       intermediate_dim=None, steps=None)
+GITHUB_DEFAULTS = dict(
+    block_size=1024,
+    vocab_size=50304,
+    n_layer=3,
+    n_head=32,
+    n_embd=2048,
+    dropout=0.0,
+    bias=False,
+    intermediate_dim=None,
+    steps=None,
+)
 
 
 def write_their_repo(authors_repo, model_type, model_file, folder, seed=0, published=False):
@@ -123,17 +135,26 @@ def write_their_repo(authors_repo, model_type, model_file, folder, seed=0, publi
     steps = [0.25] * 4 if model_type == "loopformer" else 4
     defaults = dict(SHAPE, steps=steps) if published else GITHUB_DEFAULTS
     with open(os.path.join(folder, "configuration_authors.py"), "w") as handle:
-        handle.write(WRAPPER_CONFIG.format(model_type=model_type,
-                                           defaults=", ".join(f"{k}={v!r}" for k, v in defaults.items())))
+        handle.write(
+            WRAPPER_CONFIG.format(model_type=model_type, defaults=", ".join(f"{k}={v!r}" for k, v in defaults.items()))
+        )
     with open(os.path.join(folder, "modeling_authors.py"), "w") as handle:
         handle.write(WRAPPER_MODEL)
-    config = dict(SHAPE, model_type=model_type, steps=steps, tie_word_embeddings=True,
-                  auto_map={"AutoConfig": "configuration_authors.AuthorsConfig",
-                            "AutoModelForCausalLM": "modeling_authors.AuthorsForCausalLM"})
+    config = dict(
+        SHAPE,
+        model_type=model_type,
+        steps=steps,
+        tie_word_embeddings=True,
+        auto_map={
+            "AutoConfig": "configuration_authors.AuthorsConfig",
+            "AutoModelForCausalLM": "modeling_authors.AuthorsForCausalLM",
+        },
+    )
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump(config, handle)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
-                                             trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder, trust_remote_code=True), trust_remote_code=True
+    )
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -147,8 +168,21 @@ def write_their_repo(authors_repo, model_type, model_file, folder, seed=0, publi
         with open(os.path.join(folder, "config.json")) as handle:
             saved = json.load(handle)
         with open(os.path.join(folder, "config.json"), "w") as handle:
-            json.dump({k: saved[k] for k in ("architectures", "auto_map", "dtype", "model_type",
-                                             "transformers_version", "tie_word_embeddings") if k in saved}, handle)
+            json.dump(
+                {
+                    k: saved[k]
+                    for k in (
+                        "architectures",
+                        "auto_map",
+                        "dtype",
+                        "model_type",
+                        "transformers_version",
+                        "tie_word_embeddings",
+                    )
+                    if k in saved
+                },
+                handle,
+            )
     return model
 
 
@@ -160,7 +194,9 @@ def run(code, env_extra=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.check_authors_loader", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.check_authors_loader", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--authors_repo", required=True, help="a clone of github.com/armenjeddi/loopformer")
     args = parser.parse_args(argv)
     import torch
@@ -186,10 +222,15 @@ def main(argv=None):
             for key in theirs:
                 diff = (theirs[key] - ours[key]).abs().max().item()
                 rows.append((model_type, "no sizes" if published else "sizes", key, diff))
-            print(f"{model_type}: {len(names)} tensors saved, e.g. {names[0]}; head stored: "
-                  f"{any(n.endswith('lm_head.weight') for n in names)}; config.json keys: {stated}", flush=True)
-    print("| model type | config.json states | trajectory | max abs logit difference, their GPT.from_pretrained vs "
-          "ours |")
+            print(
+                f"{model_type}: {len(names)} tensors saved, e.g. {names[0]}; head stored: "
+                f"{any(n.endswith('lm_head.weight') for n in names)}; config.json keys: {stated}",
+                flush=True,
+            )
+    print(
+        "| model type | config.json states | trajectory | max abs logit difference, their GPT.from_pretrained vs "
+        "ours |"
+    )
     print("|---|---|---|---|")
     for model_type, stated, key, diff in rows:
         print(f"| {model_type} | {stated} | {key} | {diff:.2e} |")

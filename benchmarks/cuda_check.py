@@ -17,11 +17,21 @@ def main():
     parser.add_argument("--output", default="benchmarks/results/cuda_check.json")
     args = parser.parse_args()
     dev = "cuda"
-    res = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "device": torch.cuda.get_device_name(0)}
+    res = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(0),
+    }
     torch.manual_seed(0)
-    cfg = loopformer_hf.LoopFormerConfig(vocab_size=512, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
-                                         num_hidden_layers=2, num_loops=4, max_position_embeddings=2048)
+    cfg = loopformer_hf.LoopFormerConfig(
+        vocab_size=512,
+        hidden_size=256,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_loops=4,
+        max_position_embeddings=2048,
+    )
     model = loopformer_hf.LoopFormerForCausalLM(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -37,13 +47,14 @@ def main():
             out = model(ids[:, :20], loop_budget=M)
             pieces = [out.logits]
             for i in range(20, 40):
-                out = model(ids[:, i:i + 1], loop_budget=M, **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
+                out = model(ids[:, i : i + 1], loop_budget=M, **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
                 pieces.append(out.logits)
             errs[M] = (torch.cat(pieces, 1) - full).abs().max().item()
     res["cache_max_abs_err_fp32"] = errs
     g1 = model.generate(ids[:, :8], max_new_tokens=32, min_new_tokens=32, do_sample=False, loop_budget=3)
-    g2 = model.generate(ids[:, :8], max_new_tokens=32, min_new_tokens=32, do_sample=False, loop_budget=3,
-                        use_cache=False)
+    g2 = model.generate(
+        ids[:, :8], max_new_tokens=32, min_new_tokens=32, do_sample=False, loop_budget=3, use_cache=False
+    )
     res["greedy_cached_equals_uncached"] = bool(torch.equal(g1, g2))
     for dtype in (torch.float16, torch.bfloat16):
         m = model.to(dtype)
@@ -67,6 +78,7 @@ def main():
     res["time_ratio_vs_L"] = {M: med[M] / med[4] for M in med}
     print(json.dumps(res, indent=1))
     import os
+
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(res, f, indent=1)

@@ -65,7 +65,7 @@ class ReadoutHalting(LoopFormerHaltingState):
 
 @dataclass
 class KLHalting(ReadoutHalting):
-    """"kl": KL(p_i ‖ p_{i−1}) < halt_eps."""
+    """ "kl": KL(p_i ‖ p_{i−1}) < halt_eps."""
 
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state
 
@@ -84,7 +84,7 @@ class KLHalting(ReadoutHalting):
 
 @dataclass
 class EntropyHalting(ReadoutHalting):
-    """"entropy": H(p_i) < halt_eps."""
+    """ "entropy": H(p_i) < halt_eps."""
 
     def _score(self, previous, hidden_states):
         return entropy(self.readout(hidden_states))
@@ -129,8 +129,9 @@ class ShortcutExit(LoopFormerHaltingState):
         _check_step_conditioning(config, criterion, criterion[: -len(SHORTCUT_EXIT_SUFFIX)])
 
     def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
-        hidden_states = super().before_loop(model, trajectory, loop_adaln, cache, hidden_states, mask,
-                                            position_embeddings)
+        hidden_states = super().before_loop(
+            model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
+        )
         self.exit_adaln = _exit_adaln(self, model, trajectory, loop_adaln, cache, first=1)
         return hidden_states
 
@@ -180,22 +181,22 @@ class ShortcutExit(LoopFormerHaltingState):
 
 @dataclass
 class StateChangeShortcut(ShortcutExit):
-    """"state_change_shortcut"."""
+    """ "state_change_shortcut"."""
 
 
 @dataclass
 class KLShortcut(ShortcutExit, KLHalting):
-    """"kl_shortcut"."""
+    """ "kl_shortcut"."""
 
 
 @dataclass
 class EntropyShortcut(ShortcutExit, EntropyHalting):
-    """"entropy_shortcut"."""
+    """ "entropy_shortcut"."""
 
 
 @dataclass
 class ProbeEntropy(ReadoutHalting):
-    """"probe_entropy": the one-step trajectory first, the budget only for the tokens unsure there."""
+    """ "probe_entropy": the one-step trajectory first, the budget only for the tokens unsure there."""
 
     exit_adaln: list | None = None
     probe_states: torch.Tensor | None = None  # the one-step trajectory's output, kept by the tokens sure of it
@@ -208,8 +209,10 @@ class ProbeEntropy(ReadoutHalting):
         super().check_model(config, readout, criterion)
         _check_step_conditioning(config, criterion, "entropy")
         if config.cache_sharing != "none":
-            raise ValueError(f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
-                             f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'.")
+            raise ValueError(
+                f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
+                f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'."
+            )
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion=PROBE_CRITERION):
@@ -226,8 +229,14 @@ class ProbeEntropy(ReadoutHalting):
         h = hidden_states
         for j, block in enumerate(model.layers):
             h, _, self.last_kv[j] = block(
-                h, None, adaln=self.exit_adaln[j][0], attention_mask=mask, position_embeddings=position_embeddings,
-                cache=cache, cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0)
+                h,
+                None,
+                adaln=self.exit_adaln[j][0],
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0,
+            )
         sure = entropy(self.readout(h)) < self.halt_eps  # NaN: unsure
         self.probe_states, self.steps_all_ran = h, 1
         self.active = ~sure

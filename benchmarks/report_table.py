@@ -19,11 +19,17 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import (bench_authors, bench_cache_sharing, bench_compile, bench_halting, format_markdown, row,
-                        write_json)
+from benchmarks import (
+    bench_authors,
+    bench_cache_sharing,
+    bench_compile,
+    bench_halting,
+    format_markdown,
+    row,
+    write_json,
+)
 from benchmarks.bench_loopformer import FULL, QUICK, build_models, generate_fn, interleaved, train_step_fn
 from tests.support.instruments import CountOps
-
 
 
 def cache_rows(cfg, threads, repeats, log=print):
@@ -37,19 +43,30 @@ def cache_rows(cfg, threads, repeats, log=print):
     n, rows = cfg["gen_vs_llama"], []
     for M in (cfg["loops"], 1):
         log(f"static / compiled cached generate at M={M}: {n} new tokens, {repeats} rounds")
-        sides = {"dynamic": generate_fn(loopformer, prompt, n, loop_budget=M, disable_compile=True),
-                 "static": generate_fn(loopformer, prompt, n, loop_budget=M, cache_implementation="static",
-                                       disable_compile=True),
-                 "compiled": generate_fn(compiled, prompt, n, loop_budget=M, cache_implementation="static",
-                                         disable_compile=True)}
+        sides = {
+            "dynamic": generate_fn(loopformer, prompt, n, loop_budget=M, disable_compile=True),
+            "static": generate_fn(
+                loopformer, prompt, n, loop_budget=M, cache_implementation="static", disable_compile=True
+            ),
+            "compiled": generate_fn(
+                compiled, prompt, n, loop_budget=M, cache_implementation="static", disable_compile=True
+            ),
+        }
         t = interleaved(sides, repeats)
         tokens = [fn.result["tokens"] for fn in sides.values()]
         same = all(torch.equal(tokens[0], x) for x in tokens[1:])
         for name, label in (("static", "static / dynamic cache"), ("compiled", "compiled static / eager dynamic")):
             ratios = [b / a for a, b in zip(t[name], t["dynamic"])]
-            rows.append(row(f"cached generate {n} tok at M={M}, tokens/s: {label}" + ("" if same else " (TOKENS DIFFER)"),
-                            n / statistics.median(t[name]), n / statistics.median(t["dynamic"]), ratios,
-                            ">= 1.0", statistics.median(ratios) >= 1.0 and same))
+            rows.append(
+                row(
+                    f"cached generate {n} tok at M={M}, tokens/s: {label}" + ("" if same else " (TOKENS DIFFER)"),
+                    n / statistics.median(t[name]),
+                    n / statistics.median(t["dynamic"]),
+                    ratios,
+                    ">= 1.0",
+                    statistics.median(ratios) >= 1.0 and same,
+                )
+            )
     return rows
 
 
@@ -74,8 +91,16 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
         full = held(M, "none")
         for share_n in (1, 2):
             shared = held(M, "modulo", share_n)
-            rows.append(row(f"KV bytes after {cfg['prompt']}+{n} tokens at M={M}: shared n={share_n} / exact",
-                            shared, full, [shared / full], f"= {share_n}/{M}", math.isclose(shared / full, share_n / M)))
+            rows.append(
+                row(
+                    f"KV bytes after {cfg['prompt']}+{n} tokens at M={M}: shared n={share_n} / exact",
+                    shared,
+                    full,
+                    [shared / full],
+                    f"= {share_n}/{M}",
+                    math.isclose(shared / full, share_n / M),
+                )
+            )
     loopformer.config.cache_sharing = "none"
     return rows
 
@@ -100,8 +125,16 @@ def speed_rows(cfg, repeats, log=print):
     t = interleaved({"lf": train_step_fn(loopformer, batch), "llama": train_step_fn(llama, batch)}, repeats)
     ratios = [a / b for a, b in zip(t["lf"], t["llama"])]
     r = statistics.median(ratios)
-    rows.append(row(f"train step (b{cfg['batch']}x{cfg['seq']}), s: LoopFormer / Llama", statistics.median(t["lf"]),
-                    statistics.median(t["llama"]), ratios, "<= 1.0", r <= 1.0))
+    rows.append(
+        row(
+            f"train step (b{cfg['batch']}x{cfg['seq']}), s: LoopFormer / Llama",
+            statistics.median(t["lf"]),
+            statistics.median(t["llama"]),
+            ratios,
+            "<= 1.0",
+            r <= 1.0,
+        )
+    )
     loopformer.eval()
     llama.eval()
     prompt = torch.randint(3, cfg["vocab"], (1, cfg["prompt"]), generator=g)
@@ -110,8 +143,16 @@ def speed_rows(cfg, repeats, log=print):
     t = interleaved({"lf": generate_fn(loopformer, prompt, n), "llama": generate_fn(llama, prompt, n)}, repeats)
     ratios = [b / a for a, b in zip(t["lf"], t["llama"])]  # tokens/s ratio = inverse time ratio
     r = statistics.median(ratios)
-    rows.append(row(f"cached generate {n} tok, tokens/s: LoopFormer / Llama", n / statistics.median(t["lf"]),
-                    n / statistics.median(t["llama"]), ratios, ">= 1.0", r >= 1.0))
+    rows.append(
+        row(
+            f"cached generate {n} tok, tokens/s: LoopFormer / Llama",
+            n / statistics.median(t["lf"]),
+            n / statistics.median(t["llama"]),
+            ratios,
+            ">= 1.0",
+            r >= 1.0,
+        )
+    )
     # the same calls' tensor operations per token: the looped model runs fewer than Llama, so where its tokens/s is
     # not ahead the difference is in the matmuls (reading the weights), not in per-op overhead
     ops = {}
@@ -119,8 +160,14 @@ def speed_rows(cfg, repeats, log=print):
         with CountOps() as counter:
             generate_fn(model, prompt, n)()
         ops[name] = counter.count / n
-    rows.append(row(f"cached generate {n} tok, ATen calls/token: LoopFormer / Llama", ops["lf"], ops["llama"],
-                    [ops["lf"] / ops["llama"]]))
+    rows.append(
+        row(
+            f"cached generate {n} tok, ATen calls/token: LoopFormer / Llama",
+            ops["lf"],
+            ops["llama"],
+            [ops["lf"] / ops["llama"]],
+        )
+    )
     L, k = cfg["loops"], cfg["k"]
     log(f"cached generate at budget M = 1..{L}: {n} new tokens, {repeats} rounds")
     # The same depth ratio for an unlooped model: Llama with k layers against Llama with k·L layers, in the same rounds.
@@ -132,11 +179,24 @@ def speed_rows(cfg, repeats, log=print):
         ratios = [a / b for a, b in zip(t[M], t[L])]
         bound = 0.30 if M == 1 else None
         r = statistics.median(ratios)
-        rows.append(row(f"generate time, s: M={M} / M={L}", statistics.median(t[M]), statistics.median(t[L]), ratios,
-                        None if bound is None else f"<= {bound:.2f}", None if bound is None else r <= bound))
-    rows.append(row(f"(reference) generate time, s: Llama {k} layers / Llama {k * L} layers",
-                    statistics.median(t["shallow"]), statistics.median(t["llama"]),
-                    [a / b for a, b in zip(t["shallow"], t["llama"])]))
+        rows.append(
+            row(
+                f"generate time, s: M={M} / M={L}",
+                statistics.median(t[M]),
+                statistics.median(t[L]),
+                ratios,
+                None if bound is None else f"<= {bound:.2f}",
+                None if bound is None else r <= bound,
+            )
+        )
+    rows.append(
+        row(
+            f"(reference) generate time, s: Llama {k} layers / Llama {k * L} layers",
+            statistics.median(t["shallow"]),
+            statistics.median(t["llama"]),
+            [a / b for a, b in zip(t["shallow"], t["llama"])],
+        )
+    )
     return rows
 
 
@@ -152,15 +212,28 @@ def halting_table_rows(eps_values, prompt_len, new_tokens, repeats, log=print):
         if r["run"] == f"M={L}":
             continue
         halting = r["run"].startswith("eps")
-        rows.append(dict(
-            measurement=f"generate ms/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
-            loopformer=r["ms_per_token"], baseline=full["ms_per_token"], ratio=r["time_ratio"],
-            ratio_min=r["ratio_min"], ratio_max=r["ratio_max"], target=f"<= {r['bound']:.2f}" if halting else None,
-            met=r["time_ratio"] <= r["bound"] if halting else None))
+        rows.append(
+            dict(
+                measurement=f"generate ms/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
+                loopformer=r["ms_per_token"],
+                baseline=full["ms_per_token"],
+                ratio=r["time_ratio"],
+                ratio_min=r["ratio_min"],
+                ratio_max=r["ratio_max"],
+                target=f"<= {r['bound']:.2f}" if halting else None,
+                met=r["time_ratio"] <= r["bound"] if halting else None,
+            )
+        )
     for r in table:  # the same runs' tensor operations per token: exact, where the times above are noisy
         if r["run"] != f"M={L}":
-            rows.append(row(f"ATen calls/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
-                            r["ops_per_token"], full["ops_per_token"], [r["ops_ratio"]]))
+            rows.append(
+                row(
+                    f"ATen calls/token, {r['run']}, mean loops {r['mean_loops']:.2f}: / M={L}",
+                    r["ops_per_token"],
+                    full["ops_per_token"],
+                    [r["ops_ratio"]],
+                )
+            )
     return rows
 
 
@@ -169,12 +242,19 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds: a smoke run (timings meaningless)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds per measurement (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--new_tokens", type=int, default=None,
-                   help="tokens per generate call (default: 256 vs Llama and by budget, 128 with halting; 16 with --quick)")
+    p.add_argument(
+        "--new_tokens",
+        type=int,
+        default=None,
+        help="tokens per generate call (default: 256 vs Llama and by budget, 128 with halting; 16 with --quick)",
+    )
     p.add_argument("--eps", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
-    p.add_argument("--authors_repo", default=None,
-                   help="a clone of github.com/armenjeddi/loopformer: adds the rows against the authors' code "
-                        "(benchmarks/bench_authors.py)")
+    p.add_argument(
+        "--authors_repo",
+        default=None,
+        help="a clone of github.com/armenjeddi/loopformer: adds the rows against the authors' code "
+        "(benchmarks/bench_authors.py)",
+    )
     p.add_argument("--output", default="benchmarks/results/report_table.json")
     args = p.parse_args(argv)
     if args.threads < 1:
@@ -200,10 +280,18 @@ def main(argv=None):
         rows.append(dict(measurement=AUTHORS_SLOT, slot="not run: their code is not fetched at run time"))
     print()
     print(format_markdown(rows))
-    write_json(args.output, dict(config=dict(cfg, threads=args.threads, repeats=repeats, quick=args.quick,
-                                             halting_new_tokens=halting_tokens),
-                                 authors_commit=args.authors_repo and bench_authors.authors_commit(args.authors_repo),
-                                 torch=torch.__version__, wall_s=time.time() - start, rows=rows))
+    write_json(
+        args.output,
+        dict(
+            config=dict(
+                cfg, threads=args.threads, repeats=repeats, quick=args.quick, halting_new_tokens=halting_tokens
+            ),
+            authors_commit=args.authors_repo and bench_authors.authors_commit(args.authors_repo),
+            torch=torch.__version__,
+            wall_s=time.time() - start,
+            rows=rows,
+        ),
+    )
     print(f"\nwrote {args.output} ({time.time() - start:.0f} s)")
     return rows
 

@@ -50,8 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num_test", type=int, default=200)
-    p.add_argument("--table_only", action="store_true",
-                   help="control: a plain SwiGLU MLP learning a·b from the summed embeddings of a and b")
+    p.add_argument(
+        "--table_only",
+        action="store_true",
+        help="control: a plain SwiGLU MLP learning a·b from the summed embeddings of a and b",
+    )
     return p.parse_args(argv)
 
 
@@ -115,16 +118,28 @@ def main(argv=None):
         return ids, labels
 
     config = FPRMConfig(
-        vocab_size=size + 1 + a.bos, hidden_size=a.d, num_attention_heads=a.heads, intermediate_size=a.ff,
-        num_hidden_layers=a.layers, grid_size=None, conv_type="causal_1d", conv_kernel_size=a.kernel, causal=True,
-        position_embedding_type="none", num_prefix_tokens=0, init_std=a.init_std, patience=10, gamma_train=0.95,
+        vocab_size=size + 1 + a.bos,
+        hidden_size=a.d,
+        num_attention_heads=a.heads,
+        intermediate_size=a.ff,
+        num_hidden_layers=a.layers,
+        grid_size=None,
+        conv_type="causal_1d",
+        conv_kernel_size=a.kernel,
+        causal=True,
+        position_embedding_type="none",
+        num_prefix_tokens=0,
+        init_std=a.init_std,
+        patience=10,
+        gamma_train=0.95,
         tie_word_embeddings=a.tie,
     )
     model = FPRMForReasoning(config)
     decay = [p for n, p in model.named_parameters() if "alpha" not in n and p.dim() > 1]
     rest = [p for n, p in model.named_parameters() if not ("alpha" not in n and p.dim() > 1)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95)
+    )
     test_ids, test_labels = batch(a.num_test, 128, 128)
 
     @torch.no_grad()
@@ -156,14 +171,19 @@ def main(argv=None):
             last_print = time.time()
             acc = accuracy(min(max(maxlen + 4, 12), 128), max(maxlen + 8, 20))
             shown = " ".join(f"k{k}={acc[k - 1]:.2f}" for k in (1, 2, 3, 4, 6, 8, 12))
-            print(f"{time.time() - start:5.0f}s step {step} maxlen {maxlen} loss {out.loss.item():.3f} {shown}",
-                  flush=True)
+            print(
+                f"{time.time() - start:5.0f}s step {step} maxlen {maxlen} loss {out.loss.item():.3f} {shown}",
+                flush=True,
+            )
             if a.curriculum and acc[maxlen - 1] >= a.curriculum and maxlen < a.cap:
                 maxlen = min(a.cap, maxlen + max(1, maxlen // 2))
     acc = accuracy(128, 160)
-    result = {"steps": step, "max_train_length": maxlen,
-              "accuracy_at_k": {k: round(acc[k - 1].item(), 3) for k in (2, 4, 8, 16, 32, 64, 128)},
-              "mean_over_128": round(acc.mean().item(), 3)}
+    result = {
+        "steps": step,
+        "max_train_length": maxlen,
+        "accuracy_at_k": {k: round(acc[k - 1].item(), 3) for k in (2, 4, 8, 16, 32, 64, 128)},
+        "mean_over_128": round(acc.mean().item(), 3),
+    }
     print("RESULT " + json.dumps(result), flush=True)
     return result
 

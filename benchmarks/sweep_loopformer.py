@@ -52,11 +52,25 @@ CELLS = {
     # the 3000-step recipe on the easier chains of depth 1..3, still looped L=4 times
     "steps3k-warmup750-depth1-3": ["--max_steps", "3000", "--warmup_steps", "750", "--max_depth", "3"],
     # depth 1..3 looped L=3 times: a quarter fewer block applications per step buys 4000 steps in the same time
-    "steps4k-warmup1000-depth1-3-loops3": ["--max_steps", "4000", "--warmup_steps", "1000", "--max_depth", "3",
-                                           "--num_loops", "3"],
+    "steps4k-warmup1000-depth1-3-loops3": [
+        "--max_steps",
+        "4000",
+        "--warmup_steps",
+        "1000",
+        "--max_depth",
+        "3",
+        "--num_loops",
+        "3",
+    ],
     # twice the steps of steps3k-warmup750 on the same samples (and about the same time)
-    "steps6k-warmup1500-batch32": ["--max_steps", "6000", "--warmup_steps", "1500",
-                                   "--per_device_train_batch_size", "32"],
+    "steps6k-warmup1500-batch32": [
+        "--max_steps",
+        "6000",
+        "--warmup_steps",
+        "1500",
+        "--per_device_train_batch_size",
+        "32",
+    ],
     "wd0.2": ["--weight_decay", "0.2"],  # the weight decay of the authors' config/train_*_3blk.py
     "width64": ["--hidden_size", "64"],
     "width256": ["--hidden_size", "256"],
@@ -75,9 +89,28 @@ def train(runs_dir, cell, variant, seed):
     if os.path.exists(os.path.join(out, "loopformer_training.json")):
         return out, 0.0
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, "-m", "looped_training.loopformer.train", "--config", BASE_CONFIG, *CELLS[cell],
-           "--variant", variant, "--seed", str(seed), "--shortcut_seed", str(seed), "--output_dir", out,
-           "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "500"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "looped_training.loopformer.train",
+        "--config",
+        BASE_CONFIG,
+        *CELLS[cell],
+        "--variant",
+        variant,
+        "--seed",
+        str(seed),
+        "--shortcut_seed",
+        str(seed),
+        "--output_dir",
+        out,
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "500",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     with open(os.path.join(out, "train.log"), "w") as log:
@@ -93,8 +126,15 @@ def seeds_on_disk(runs_dir, cell):
     """The seeds of `cell` whose runs have finished for every variant, in order."""
     folder = os.path.join(runs_dir, cell)
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    found = [{int(m.group(1)) for n in names if (m := re.fullmatch(rf"{v}-s(\d+)", n))
-              and os.path.exists(os.path.join(folder, n, "loopformer_training.json"))} for v in VARIANTS]
+    found = [
+        {
+            int(m.group(1))
+            for n in names
+            if (m := re.fullmatch(rf"{v}-s(\d+)", n))
+            and os.path.exists(os.path.join(folder, n, "loopformer_training.json"))
+        }
+        for v in VARIANTS
+    ]
     return sorted(set.intersection(*found))
 
 
@@ -115,9 +155,13 @@ def evaluate(path, max_rows):
     records = evaluate_quality(model, task, data, budgets, ("uniform",), disable_tqdm=True)
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
-    result = {"em": [r["em"] for r in records], "em_by_depth": [r["em_by_depth"] for r in records],
-              "train_runtime_s": meta.get("train_runtime_s"), "train_loss": state["log_history"][-1].get("train_loss"),
-              "max_steps": meta["optimizer"]["max_steps"]}
+    result = {
+        "em": [r["em"] for r in records],
+        "em_by_depth": [r["em_by_depth"] for r in records],
+        "train_runtime_s": meta.get("train_runtime_s"),
+        "train_loss": state["log_history"][-1].get("train_loss"),
+        "max_steps": meta["optimizer"]["max_steps"],
+    }
     with open(cached, "w") as f:
         json.dump(result, f, indent=2)
     return result
@@ -149,13 +193,24 @@ def summarise(runs_dir, cells, max_rows, previous=None):
         runs = {v: [results[s][v] for s in seeds] for v in VARIANTS}
         curves = {v: [mean(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
         spread = {v: [max(col) - min(col) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
-        depths = {v: {d: [mean([r["em_by_depth"][m][d] for r in rs]) for m in range(len(rs[0]["em"]))]
-                      for d in rs[0]["em_by_depth"][0]} for v, rs in runs.items()}
-        summary[cell] = {"flags": CELLS[cell], "seeds": seeds, "curves": curves, "spread": spread, "by_depth": depths,
-                         "train_runtime_s": {v: mean([r["train_runtime_s"] for r in rs]) for v, rs in runs.items()},
-                         "runs": runs,
-                         "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
-                         "per_seed_verdicts": per_seed_verdicts(runs)}
+        depths = {
+            v: {
+                d: [mean([r["em_by_depth"][m][d] for r in rs]) for m in range(len(rs[0]["em"]))]
+                for d in rs[0]["em_by_depth"][0]
+            }
+            for v, rs in runs.items()
+        }
+        summary[cell] = {
+            "flags": CELLS[cell],
+            "seeds": seeds,
+            "curves": curves,
+            "spread": spread,
+            "by_depth": depths,
+            "train_runtime_s": {v: mean([r["train_runtime_s"] for r in rs]) for v, rs in runs.items()},
+            "runs": runs,
+            "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
+            "per_seed_verdicts": per_seed_verdicts(runs),
+        }
     return summary
 
 
@@ -178,65 +233,98 @@ def yes(holds):
 def seeds_meeting_all_three(per_seed):
     """(seeds meeting (a), (b) and (c); the same with (c) read one-sided: LoopFormer no more than 0.05 behind)."""
     strict = sum(all(c["holds"] for c in claims.values()) for claims in per_seed)
-    not_behind = sum(c["a_improves_with_budget"]["holds"] and c["b_no_collapse_at_M1"]["holds"]
-                     and c["c_elastic_for_free"]["not_behind"] for c in per_seed)
+    not_behind = sum(
+        c["a_improves_with_budget"]["holds"]
+        and c["b_no_collapse_at_M1"]["holds"]
+        and c["c_elastic_for_free"]["not_behind"]
+        for c in per_seed
+    )
     return strict, not_behind
 
 
 def overview(summary):
     """One row per cell: the three margins of the seed means and how many seeds meet all three alone."""
-    lines = ["## Overview", "",
-             "The three margins of each cell's seed means ((a) gain over M, (b) LoopFormer − Base-Loop at M=1, (c) "
-             "LoopFormer − Base-Loop at M=L; thresholds ≥ 0.10, ≥ 0.10, within ±0.05), and the seeds that meet "
-             "all three alone (and with (c) one-sided: no more than 0.05 behind).", "",
-             "| cell | seeds | LoopFormer M=1 → M=L | Base-Loop M=1 → M=L | (a) gain | (b) margin | (c) gap | "
-             "all three (one-sided c) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Overview",
+        "",
+        "The three margins of each cell's seed means ((a) gain over M, (b) LoopFormer − Base-Loop at M=1, (c) "
+        "LoopFormer − Base-Loop at M=L; thresholds ≥ 0.10, ≥ 0.10, within ±0.05), and the seeds that meet "
+        "all three alone (and with (c) one-sided: no more than 0.05 behind).",
+        "",
+        "| cell | seeds | LoopFormer M=1 → M=L | Base-Loop M=1 → M=L | (a) gain | (b) margin | (c) gap | "
+        "all three (one-sided c) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for cell, s in summary.items():
         v, lf, bl = s["verdicts"], s["curves"]["loopformer"], s["curves"]["base_loop"]
         strict, not_behind = seeds_meeting_all_three(s["per_seed_verdicts"])
-        lines.append(f"| {cell} | {len(s['seeds'])} | {lf[0]:.3f} → {lf[-1]:.3f} | {bl[0]:.3f} → {bl[-1]:.3f} | "
-                     f"{v['a_improves_with_budget']['gain']:+.3f} | {v['b_no_collapse_at_M1']['margin']:+.3f} | "
-                     f"{v['c_elastic_for_free']['gap']:+.3f} | {strict} ({not_behind}) of {len(s['seeds'])} |")
+        lines.append(
+            f"| {cell} | {len(s['seeds'])} | {lf[0]:.3f} → {lf[-1]:.3f} | {bl[0]:.3f} → {bl[-1]:.3f} | "
+            f"{v['a_improves_with_budget']['gain']:+.3f} | {v['b_no_collapse_at_M1']['margin']:+.3f} | "
+            f"{v['c_elastic_for_free']['gap']:+.3f} | {strict} ({not_behind}) of {len(s['seeds'])} |"
+        )
     return lines + [""]
 
 
 def markdown(summary, command):
-    lines = ["# LoopFormer sweep: where depth pays (synthetic arithmetic chains)", "",
-             f"Written by `{command}`; every number below is in benchmarks/results/sweep_loopformer.json.",
-             f"Base recipe: `{BASE_CONFIG}` (d=128, one block looped L=4 times, batch 64, lr 1e-3, warm-up 100, "
-             "2000 steps, depths 1..4, 100k training problems); each cell changes only the flags named. "
-             "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between "
-             "the best and the worst seed). Chance is 0.1 (one answer digit mod 10).", ""]
+    lines = [
+        "# LoopFormer sweep: where depth pays (synthetic arithmetic chains)",
+        "",
+        f"Written by `{command}`; every number below is in benchmarks/results/sweep_loopformer.json.",
+        f"Base recipe: `{BASE_CONFIG}` (d=128, one block looped L=4 times, batch 64, lr 1e-3, warm-up 100, "
+        "2000 steps, depths 1..4, 100k training problems); each cell changes only the flags named. "
+        "Exact match on 500 held-out problems, mean of the seeds each cell names (± half the spread between "
+        "the best and the worst seed). Chance is 0.1 (one answer digit mod 10).",
+        "",
+    ]
     lines += overview(summary)
     for cell, s in summary.items():
         L = len(s["curves"]["loopformer"])
         seeds = s["seeds"]
-        lines += [f"## {cell}: `{' '.join(s['flags']) or '(the base recipe)'}`", "",
-                  f"Seeds {', '.join(map(str, seeds))}.", "",
-                  "| model | " + " | ".join(f"M={m}" for m in range(1, L + 1)) + " | train s |",
-                  "|---|" + "---|" * (L + 1)]
+        lines += [
+            f"## {cell}: `{' '.join(s['flags']) or '(the base recipe)'}`",
+            "",
+            f"Seeds {', '.join(map(str, seeds))}.",
+            "",
+            "| model | " + " | ".join(f"M={m}" for m in range(1, L + 1)) + " | train s |",
+            "|---|" + "---|" * (L + 1),
+        ]
         for v, name in VARIANTS.items():
             cells = [f"{c:.3f} ± {d / 2:.3f}" for c, d in zip(s["curves"][v], s["spread"][v])]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['train_runtime_s'][v]:.0f} |")
         depth_lf = s["by_depth"]["loopformer"]
         depth_bl = s["by_depth"]["base_loop"]
-        lines += ["", "By depth at M=1 → M=L: LoopFormer " + ", ".join(
-            f"d{d} {c[0]:.2f}→{c[-1]:.2f}" for d, c in depth_lf.items()) + "; Base-Loop " + ", ".join(
-            f"d{d} {c[0]:.2f}→{c[-1]:.2f}" for d, c in depth_bl.items()) + ".", ""]
+        lines += [
+            "",
+            "By depth at M=1 → M=L: LoopFormer "
+            + ", ".join(f"d{d} {c[0]:.2f}→{c[-1]:.2f}" for d, c in depth_lf.items())
+            + "; Base-Loop "
+            + ", ".join(f"d{d} {c[0]:.2f}→{c[-1]:.2f}" for d, c in depth_bl.items())
+            + ".",
+            "",
+        ]
         v = s["verdicts"]
-        lines += [f"- (a) LoopFormer improves with budget: gain {v['a_improves_with_budget']['gain']:+.3f}, worst "
-                  f"step back {v['a_improves_with_budget']['worst_step_back']:.3f}: "
-                  f"{yes(v['a_improves_with_budget']['holds'])}",
-                  f"- (b) no collapse at M=1: LoopFormer − Base-Loop {v['b_no_collapse_at_M1']['margin']:+.3f}: "
-                  f"{yes(v['b_no_collapse_at_M1']['holds'])}",
-                  f"- (c) elastic for free: LoopFormer − Base-Loop at M=L {v['c_elastic_for_free']['gap']:+.3f}: "
-                  f"{yes(v['c_elastic_for_free']['holds'])}"]
-        per_seed = [f"seed {seed}: " + " / ".join(verdict_word(c) for c in claims.values())
-                    for seed, claims in zip(seeds, s["per_seed_verdicts"])]
+        lines += [
+            f"- (a) LoopFormer improves with budget: gain {v['a_improves_with_budget']['gain']:+.3f}, worst "
+            f"step back {v['a_improves_with_budget']['worst_step_back']:.3f}: "
+            f"{yes(v['a_improves_with_budget']['holds'])}",
+            f"- (b) no collapse at M=1: LoopFormer − Base-Loop {v['b_no_collapse_at_M1']['margin']:+.3f}: "
+            f"{yes(v['b_no_collapse_at_M1']['holds'])}",
+            f"- (c) elastic for free: LoopFormer − Base-Loop at M=L {v['c_elastic_for_free']['gap']:+.3f}: "
+            f"{yes(v['c_elastic_for_free']['holds'])}",
+        ]
+        per_seed = [
+            f"seed {seed}: " + " / ".join(verdict_word(c) for c in claims.values())
+            for seed, claims in zip(seeds, s["per_seed_verdicts"])
+        ]
         all_three, not_behind = seeds_meeting_all_three(s["per_seed_verdicts"])
-        lines += ["- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
-                  + "; ".join(per_seed) + f"; all three hold for {all_three} of {len(seeds)} seeds, and for "
-                  f"{not_behind} if (c) only asks LoopFormer to end no more than 0.05 behind", ""]
+        lines += [
+            "- each seed alone (LoopFormer seed s against Base-Loop seed s), (a) / (b) / (c): "
+            + "; ".join(per_seed)
+            + f"; all three hold for {all_three} of {len(seeds)} seeds, and for "
+            f"{not_behind} if (c) only asks LoopFormer to end no more than 0.05 behind",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -244,8 +332,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs_dir", default="runs/sweep_loopformer")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
-                        help="Seeds to train in each cell (runs on disk are not trained again).")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(SEEDS),
+        help="Seeds to train in each cell (runs on disk are not trained again).",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="Runs trained at once (one thread each).")
     parser.add_argument("--max_rows", type=int, default=500, help="Held-out problems evaluated.")
     parser.add_argument("--table_only", action="store_true", help="Only rewrite the table from runs on disk.")
@@ -275,8 +368,11 @@ def main(argv=None):
     with open(os.path.join(args.output_dir, "sweep_loopformer.md"), "w") as f:
         f.write(markdown(previous, "python -m benchmarks.sweep_loopformer") + "\n")
     for cell, s in summary.items():
-        print(cell, {k: v["holds"] for k, v in s["verdicts"].items()},
-              {v: [round(x, 3) for x in c] for v, c in s["curves"].items()})
+        print(
+            cell,
+            {k: v["holds"] for k, v in s["verdicts"].items()},
+            {v: [round(x, 3) for x in c] for v, c in s["curves"].items()},
+        )
 
 
 if __name__ == "__main__":

@@ -47,13 +47,21 @@ def main(argv=None):
     for _ in range(args.rounds):
         for tree in args.trees:
             # this file run as a script: its folder holds no package, so both packages come from `tree`
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure"], cwd=tree,
-                                 env={**os.environ, "PYTHONPATH": os.path.abspath(tree)}, capture_output=True,
-                                 text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--measure"],
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": os.path.abspath(tree)},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             package, loopformer, llama = out.stdout.split()[-3:]
             ratios[tree].append(float(loopformer) / float(llama))
-            print(f"{package}: LoopFormer {float(loopformer):.4f} s, Llama {float(llama):.4f} s, ratio "
-                  f"{ratios[tree][-1]:.3f}", flush=True)
+            print(
+                f"{package}: LoopFormer {float(loopformer):.4f} s, Llama {float(llama):.4f} s, ratio "
+                f"{ratios[tree][-1]:.3f}",
+                flush=True,
+            )
     print("mean ratio:", ", ".join(f"{tree} {statistics.mean(r):.3f}" for tree, r in ratios.items() if r))
 
 

@@ -98,11 +98,24 @@ def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
     if loop_budget is NotImplemented or step_schedule is NotImplemented or isinstance(loop_budget, str):
         return None
     if not (halt_eps is None or type(halt_eps) in (int, float)) or (
-            halt_criterion is not None and not isinstance(halt_criterion, str)):
+        halt_criterion is not None and not isinstance(halt_criterion, str)
+    ):
         return None
-    return (loop_budget, step_schedule, halt_eps, halt_criterion, config.num_loops, config.default_loop_budget,
-            config.default_step_schedule, config.halt_criterion, config.halt_kv_fill, config.cache_sharing,
-            config.cache_share_n, config.loop_conditioning, config.max_loop_budget_factor)
+    return (
+        loop_budget,
+        step_schedule,
+        halt_eps,
+        halt_criterion,
+        config.num_loops,
+        config.default_loop_budget,
+        config.default_step_schedule,
+        config.halt_criterion,
+        config.halt_kv_fill,
+        config.cache_sharing,
+        config.cache_share_n,
+        config.loop_conditioning,
+        config.max_loop_budget_factor,
+    )
 
 
 class LoopFormerPlan(NamedTuple):
@@ -116,26 +129,37 @@ class LoopFormerPlan(NamedTuple):
     rows: LoopFormerRows | None = None  # per-row trajectories (`trajectory_loopformer.resolve_call`)
 
     @classmethod
-    def for_call(cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
-                 batch_size=None):
+    def for_call(
+        cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None, batch_size=None
+    ):
         """The plan of a call with these knobs: the one `cache` holds if the call asks the same (a decode step of the
         call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one, or the row
         of a bad per-row value)."""
         request = _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion)
         kept = getattr(cache, "plan", None)
-        if request is not None and kept is not None and kept.request == request and (
-                torch.compiler.is_compiling() or _same_budgets(kept, loop_budget)):
+        if (
+            request is not None
+            and kept is not None
+            and kept.request == request
+            and (torch.compiler.is_compiling() or _same_budgets(kept, loop_budget))
+        ):
             return kept
         halt_eps = check_halt_eps(halt_eps)
         halt_criterion = check_halt_criterion(config.halt_criterion if halt_criterion is None else halt_criterion)
         halting = halt_eps is not None
-        trajectory, rows = resolve_call(config, loop_budget, step_schedule, halt_criterion if halting else None,
-                                        batch_size)
+        trajectory, rows = resolve_call(
+            config, loop_budget, step_schedule, halt_criterion if halting else None, batch_size
+        )
         share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
-        spec = LoopFormerCacheSpec(tuple(trajectory), config.num_hidden_layers, halt_eps,
-                                   config.halt_kv_fill if halting else None, share_n,
-                                   halt_criterion if halting else None,
-                                   None if rows is None else rows.num_steps)
+        spec = LoopFormerCacheSpec(
+            tuple(trajectory),
+            config.num_hidden_layers,
+            halt_eps,
+            config.halt_kv_fill if halting else None,
+            share_n,
+            halt_criterion if halting else None,
+            None if rows is None else rows.num_steps,
+        )
         return cls(request, spec, rows)
 
     @property
@@ -165,9 +189,12 @@ def _mismatch_message(was, now):
     elif was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
     elif (was.trajectory, was.share_n, was.row_steps) == (now.trajectory, now.share_n, now.row_steps):
-        was_text, now_text = (f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
-                              + ("" if spec.halt_criterion in (None, "state_change") else
-                                 f"; halt_criterion={spec.halt_criterion}") + ")" for spec in (was, now))
+        was_text, now_text = (
+            f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
+            + ("" if spec.halt_criterion in (None, "state_change") else f"; halt_criterion={spec.halt_criterion}")
+            + ")"
+            for spec in (was, now)
+        )
     else:
         was_text, now_text = was.describe(), now.describe()
     return (
@@ -272,9 +299,17 @@ class LoopFormerCacheMixin:
             if self.spec is not None and not self._is_empty():
                 raise ValueError(_mismatch_message(self.spec, spec))
             self.spec, self.adaln_memo = spec, None
-        elif plan is not None and spec.row_steps is not None and plan is not self.plan and self.plan is not None and (
-                not torch.compiler.is_compiling() and plan.rows.trajectories != self.plan.rows.trajectories
-                and not self._is_empty()):
+        elif (
+            plan is not None
+            and spec.row_steps is not None
+            and plan is not self.plan
+            and self.plan is not None
+            and (
+                not torch.compiler.is_compiling()
+                and plan.rows.trajectories != self.plan.rows.trajectories
+                and not self._is_empty()
+            )
+        ):
             # per-row trajectories live on the plan (the spec holds the largest budget only)
             raise ValueError(_mismatch_message(self.plan.rows, plan.rows))
         if plan is not None:
@@ -425,8 +460,9 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
     ```
     """
 
-    def __init__(self, config, max_cache_len, max_loop_budget=None, offloading=False, offload_only_non_sliding=True,
-                 **kwargs):
+    def __init__(
+        self, config, max_cache_len, max_loop_budget=None, offloading=False, offload_only_non_sliding=True, **kwargs
+    ):
         steps = max_loop_budget if max_loop_budget is not None else (config.default_loop_budget or config.num_loops)
         if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"`max_loop_budget` must be None or an integer >= 1, got {max_loop_budget!r}.")
@@ -468,5 +504,11 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
         return past, max_len
 
 
-__all__ = ["LoopFormerCache", "LoopFormerCacheMixin", "LoopFormerCacheSpec", "LoopFormerPlan", "LoopFormerDynamicLayer",
-           "LoopFormerStaticCache"]
+__all__ = [
+    "LoopFormerCache",
+    "LoopFormerCacheMixin",
+    "LoopFormerCacheSpec",
+    "LoopFormerPlan",
+    "LoopFormerDynamicLayer",
+    "LoopFormerStaticCache",
+]

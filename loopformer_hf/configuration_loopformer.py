@@ -39,12 +39,19 @@ INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 
 # Llama's tensor-parallel plan (`from_pretrained(..., tp_plan="auto")` under torchrun): attention heads and MLP columns
 # split across ranks (gate_proj: the SwiGLU MLP's only), the adaLN modulation and the loop conditioning replicated
-TP_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-           "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-           "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 # ---- the field rules transformers does not provide: check(value) raises ValueError ---------------------------------
+
 
 def _real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -80,9 +87,22 @@ def check_activation(value):  # transformers' `activation_fn_key`, and "swiglu" 
 
 # keyword arguments that are not fields yet belong in a config: config.json's bookkeeping, what `PreTrainedConfig`
 # itself reads, and a translated config's record of its sources
-NON_FIELD_KWARGS = ("auto_map", "model_type", "name_or_path", "transformers_version", "authors_config_sources",
-                    "torch_dtype", "dtype", "rope_theta", "rope_scaling", "output_attentions", "attn_implementation",
-                    "experts_implementation", "per_layer_config", "num_labels")
+NON_FIELD_KWARGS = (
+    "auto_map",
+    "model_type",
+    "name_or_path",
+    "transformers_version",
+    "authors_config_sources",
+    "torch_dtype",
+    "dtype",
+    "rope_theta",
+    "rope_scaling",
+    "output_attentions",
+    "attn_implementation",
+    "experts_implementation",
+    "per_layer_config",
+    "num_labels",
+)
 
 
 @functools.cache
@@ -98,13 +118,16 @@ def _warn_unknown_kwargs(name, kwargs):
     import difflib
 
     fields = [f.name for f in dataclasses.fields(LoopFormerConfig)]
-    unknown = sorted(k for k in kwargs if not k.startswith("_") and k not in NON_FIELD_KWARGS
-                     and k not in _generation_kwargs())
+    unknown = sorted(
+        k for k in kwargs if not k.startswith("_") and k not in NON_FIELD_KWARGS and k not in _generation_kwargs()
+    )
     if unknown:
         hints = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
         hint = "; ".join(f"{k!r}: did you mean {v[0]!r}?" for k, v in hints.items() if v)
-        logger.warning(f"{name} got keyword arguments that are not its fields, kept on the config but read by nothing: "
-                       f"{unknown}" + (f" ({hint})" if hint else "") + ".")
+        logger.warning(
+            f"{name} got keyword arguments that are not its fields, kept on the config but read by nothing: "
+            f"{unknown}" + (f" ({hint})" if hint else "") + "."
+        )
 
 
 @strict
@@ -188,8 +211,9 @@ class LoopFormerConfig(PreTrainedConfig):
     frequency_embedding_size: int = positive_int_field(default=256)
     max_period: int | float = validated_field(check_positive_number, default=10000.0)
     default_loop_budget: int | None = positive_int_field(default=None)
-    default_step_schedule: str | list | tuple = validated_field(trajectory.check_default_step_schedule,
-                                                                default="uniform")
+    default_step_schedule: str | list | tuple = validated_field(
+        trajectory.check_default_step_schedule, default="uniform"
+    )
     halt_kv_fill: Literal[HALT_KV_FILLS] = "reuse"
     cache_sharing: Literal[CACHE_SHARING_MODES] = "none"
     cache_share_n: int = positive_int_field(default=4)
@@ -226,8 +250,9 @@ class LoopFormerConfig(PreTrainedConfig):
         """As `PreTrainedConfig.from_pretrained`; the repo and its Hub options reach `from_dict`, where a config.json
         in the authors' layout is derived from the files beside it (as `AutoConfig`, which names the repo)."""
         hub_kwargs = {key: kwargs[key] for key in HUB_OPTIONS if kwargs.get(key) is not None}
-        return super().from_pretrained(pretrained_model_name_or_path, _repo=(pretrained_model_name_or_path, hub_kwargs),
-                                       **kwargs)
+        return super().from_pretrained(
+            pretrained_model_name_or_path, _repo=(pretrained_model_name_or_path, hub_kwargs), **kwargs
+        )
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -242,9 +267,11 @@ class LoopFormerConfig(PreTrainedConfig):
                 return super(LoopFormerConfig, LoopFormerConfig).from_dict(translated, **kwargs)
         if "num_loops" not in config_dict and "num_loops" not in kwargs:
             # the constructor's default (8) would load silently and change the logits
-            raise ValueError("A LoopFormer config.json must give `num_loops`, got none: the loop count a looped model "
-                             "was trained with is part of its weights' meaning. Add \"num_loops\": L (the loop steps "
-                             "of its training run) to config.json, or pass num_loops=L to from_pretrained.")
+            raise ValueError(
+                "A LoopFormer config.json must give `num_loops`, got none: the loop count a looped model "
+                'was trained with is part of its weights\' meaning. Add "num_loops": L (the loop steps '
+                "of its training run) to config.json, or pass num_loops=L to from_pretrained."
+            )
         loaded = super().from_dict(config_dict, **kwargs)
         (loaded[0] if isinstance(loaded, tuple) else loaded).validate()
         return loaded
@@ -253,17 +280,25 @@ class LoopFormerConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
-                             f"({self.num_attention_heads}).")
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
-                             f"({self.num_attention_heads}).")
+            raise ValueError(
+                f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
         if self.position_embedding_type != "rope" and self.rope_parameters is not None:
-            raise ValueError(f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
-                             f"with position_embedding_type={self.position_embedding_type!r}.")
+            raise ValueError(
+                f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
+                f"with position_embedding_type={self.position_embedding_type!r}."
+            )
         if self.position_embedding_type == "rope" and self.rotary_dim % 2:
-            raise ValueError(f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
-                             f"rope_parameters {self.rope_parameters}).")
+            raise ValueError(
+                f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
+                f"rope_parameters {self.rope_parameters})."
+            )
 
     def validate_loop_budget(self):
         if self.default_loop_budget is not None:
@@ -319,5 +354,4 @@ def _setattr_numpy_integers_as_int(self, name, value):
 
 LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
-__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES",
-           "check_halt_eps"]
+__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]

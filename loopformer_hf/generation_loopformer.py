@@ -17,8 +17,12 @@ import json
 from dataclasses import dataclass
 
 import torch
-from transformers.generation import (GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput, GenerationMixin,
-                                     UnbatchedClassifierFreeGuidanceLogitsProcessor)
+from transformers.generation import (
+    GenerateBeamDecoderOnlyOutput,
+    GenerateDecoderOnlyOutput,
+    GenerationMixin,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
@@ -57,8 +61,9 @@ def check_generation_knobs(config, knobs, source):
         if knobs.get("halt_criterion") is not None:
             check_halt_criterion(knobs["halt_criterion"])
     except ValueError as e:
-        raise ValueError(f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it "
-                         f"there.") from None
+        raise ValueError(
+            f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it there."
+        ) from None
 
 
 def _loop_counts_unsupported(kwargs, generation_config):
@@ -94,14 +99,16 @@ def _mark_lengths_dynamic(model_inputs):
 class LoopFormerGenerationMixin(GenerationMixin):
     """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
 
-    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
-                             *args, **kwargs):
+    def adjust_generation_fn(
+        self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+    ):
         """transformers' hook that loads generation_config.json in `from_pretrained`. A file marked
         `"_from_model_config": true` (as the trainer and `save_pretrained` write one without loop knobs) loses every
         custom key on load: read the loop knobs from the file itself, so that a value written there by hand is used
         by `generate`, and refuse an invalid one here, naming the file, rather than at the first `generate`."""
-        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
-                                     *args, **kwargs)
+        super().adjust_generation_fn(
+            generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
+        )
         if generation_config is not None or pretrained_model_name_or_path is None or not self.can_generate():
             return
         names = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
@@ -109,9 +116,13 @@ class LoopFormerGenerationMixin(GenerationMixin):
         try:
             from transformers.utils import cached_file
 
-            file = cached_file(pretrained_model_name_or_path, "generation_config.json", **options,
-                               _raise_exceptions_for_missing_entries=False,
-                               _raise_exceptions_for_connection_errors=False)
+            file = cached_file(
+                pretrained_model_name_or_path,
+                "generation_config.json",
+                **options,
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
             with open(file, encoding="utf-8") as f:
                 saved = json.load(f)
         except (OSError, TypeError, ValueError):  # no such file (or not JSON): transformers has said so, or not
@@ -143,7 +154,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
         raise NotImplementedError(
             "LoopFormer does not support continuous batching (generate_batch / init_continuous_batching): its paged "
             "cache has no slot per (loop step, block). Use `generate` with a padded batch (and "
-            "`cache_implementation=\"static\"` for compiled decoding)."
+            '`cache_implementation="static"` for compiled decoding).'
         )
 
     # Private hook, kept: classifier-free guidance's processor is built inside `generate` with the model as its
@@ -155,8 +166,9 @@ class LoopFormerGenerationMixin(GenerationMixin):
         second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
         that both forwards run the same loop budget, schedule and halting."""
         processors = super()._get_logits_processor(*args, **kwargs)
-        knobs = {name: value for name, value in (kwargs.get("model_kwargs") or {}).items()
-                 if name in GENERATION_LOOP_KNOBS}
+        knobs = {
+            name: value for name, value in (kwargs.get("model_kwargs") or {}).items() if name in GENERATION_LOOP_KNOBS
+        }
         for processor in processors:
             if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor) and processor.model is self:
                 processor.model = functools.partial(self, **knobs)
@@ -171,8 +183,11 @@ class LoopFormerGenerationMixin(GenerationMixin):
         under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
         assistant = kwargs.get("assistant_model")
         if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
-            kwargs["model_kwargs"] = {name: value for name, value in kwargs["model_kwargs"].items()
-                                      if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"}
+            kwargs["model_kwargs"] = {
+                name: value
+                for name, value in kwargs["model_kwargs"].items()
+                if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"
+            }
         return super()._get_candidate_generator(*args, **kwargs)
 
     # Private hook, kept: `GenerationConfig.update` absorbs a call kwarg that the config also holds (a loop knob in
@@ -221,14 +236,16 @@ class LoopFormerGenerationMixin(GenerationMixin):
     if CACHE_FIELD == "past_key_values":  # transformers before 5.24
         _prepare_inputs_for_generation = prepare_inputs_for_generation
 
-        def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None,
-                                          past_key_values=None, **kwargs):
+        def prepare_inputs_for_generation(
+            self, input_ids, inputs_embeds=None, loop_counts_log=None, past_key_values=None, **kwargs
+        ):
             """As above. Before transformers 5.24 `generate`'s cache argument is `past_key_values`, which `forward`
             takes only under `**kwargs`, and `generate` refuses a model kwarg that neither `forward` nor this method
             names: named here, so that a cache passed to `generate` (an assistant's too, from its second draft on)
             is accepted."""
-            return self._prepare_inputs_for_generation(input_ids, inputs_embeds, loop_counts_log,
-                                                       past_key_values=past_key_values, **kwargs)
+            return self._prepare_inputs_for_generation(
+                input_ids, inputs_embeds, loop_counts_log, past_key_values=past_key_values, **kwargs
+            )
 
     # Private hook, kept: only this step sees a forward's outputs (`loop_counts`) and how many tokens assisted
     # decoding accepted (`num_new_tokens`), for this call only. A forward hook would be shared by concurrent calls and
@@ -308,10 +325,15 @@ class LoopFormerGenerationMixin(GenerationMixin):
                 )
             log = []  # local to this call: concurrent generate calls on one model each keep their own counts
         out = super().generate(*args, loop_counts_log=log, **kwargs)
-        assisted = kwargs.get("assistant_model") is not None or (
-            kwargs["prompt_lookup_num_tokens"] if "prompt_lookup_num_tokens" in kwargs
-            else getattr(given, "prompt_lookup_num_tokens", None)
-        ) is not None
+        assisted = (
+            kwargs.get("assistant_model") is not None
+            or (
+                kwargs["prompt_lookup_num_tokens"]
+                if "prompt_lookup_num_tokens" in kwargs
+                else getattr(given, "prompt_lookup_num_tokens", None)
+            )
+            is not None
+        )
         counts = self._gather_loop_counts(log, out, assisted) if log else None
         if counts is None or isinstance(out, torch.Tensor):
             return out
@@ -320,5 +342,8 @@ class LoopFormerGenerationMixin(GenerationMixin):
         return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
 
 
-__all__ = ["LoopFormerGenerationMixin", "LoopFormerGenerateDecoderOnlyOutput",
-           "LoopFormerGenerateBeamDecoderOnlyOutput"]
+__all__ = [
+    "LoopFormerGenerationMixin",
+    "LoopFormerGenerateDecoderOnlyOutput",
+    "LoopFormerGenerateBeamDecoderOnlyOutput",
+]

@@ -23,7 +23,6 @@ from typing import ClassVar, NamedTuple
 import torch
 
 
-
 # Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
 # below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
 GATHER_ACTIVE_FRACTION = 0.75
@@ -71,7 +70,9 @@ class LoopFormerActiveTokens:
 
     def gather_positions(self, position_embeddings):
         """Rotary (cos, sin), (batch, 1, seq, head_dim) -> (rows, 1, width, head_dim)."""
-        return None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
+        return (
+            None if position_embeddings is None else tuple(self.gather(p[:, 0])[:, None] for p in position_embeddings)
+        )
 
     def gather_rows(self, x):
         if len(self.rows) == self.batch_size:
@@ -223,8 +224,14 @@ class LoopFormerHaltingState:
         if halt_eps is not None:
             cls.check_model(config, readout, criterion)
         batch_seq, device = hidden_states.shape[:2], hidden_states.device
-        state = cls(halt_eps, config.halt_kv_fill == "reuse", torch.ones(batch_seq, dtype=torch.bool, device=device),
-                    batch_seq.numel(), [None] * config.num_hidden_layers, readout)
+        state = cls(
+            halt_eps,
+            config.halt_kv_fill == "reuse",
+            torch.ones(batch_seq, dtype=torch.bool, device=device),
+            batch_seq.numel(),
+            [None] * config.num_hidden_layers,
+            readout,
+        )
         if rows is not None:
             state.num_steps, state.row_budgets = rows.num_steps, rows.budgets.to(device)
             state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
@@ -341,7 +348,9 @@ class LoopFormerHaltingState:
         if self.all_active():
             self.steps_all_ran += 1
         else:
-            self.partial_counts = self.active.long() if self.partial_counts is None else self.partial_counts + self.active
+            self.partial_counts = (
+                self.active.long() if self.partial_counts is None else self.partial_counts + self.active
+            )
 
 
 # `halt_criterion` values: the rule each names. The library's is "state_change"; the lab's register on import
@@ -364,7 +373,7 @@ def halting_rule(criterion):
     if rule is None:
         raise ValueError(
             f"`halt_criterion` must be one of {tuple(HALTING_RULES)}, got {criterion!r}. The lab's research rules "
-            f"(\"kl\", \"entropy\", their \"_shortcut\" forms, \"probe_entropy\") register on `import "
+            f'("kl", "entropy", their "_shortcut" forms, "probe_entropy") register on `import '
             f"{LAB_RULES_MODULE}` from a checkout."
         )
     return rule
@@ -381,6 +390,16 @@ def extra_slots(criterion):
     return 0 if criterion is None else halting_rule(criterion).extra_slots
 
 
-__all__ = ["HALTING_RULES", "LIBRARY_HALT_CRITERIA", "LoopFormerActiveTokens", "LoopFormerHaltingState", "LoopFormerHaltingStep",
-           "check_halt_criterion", "check_halt_eps", "extra_slots", "halting_rule", "register_halting_rule",
-           "state_change_score"]
+__all__ = [
+    "HALTING_RULES",
+    "LIBRARY_HALT_CRITERIA",
+    "LoopFormerActiveTokens",
+    "LoopFormerHaltingState",
+    "LoopFormerHaltingStep",
+    "check_halt_criterion",
+    "check_halt_eps",
+    "extra_slots",
+    "halting_rule",
+    "register_halting_rule",
+    "state_change_score",
+]

@@ -51,6 +51,7 @@ class LoopFormerRMSNorm(nn.Module):
 
 class LoopFormerRotaryEmbedding(nn.Module):
     """Llama's: `config.rope_parameters` gives the frequencies (transformers' RoPE types) and the rotated share."""
+
     def __init__(self, config):
         super().__init__()
         self.config, self.rope_type = config, config.rope_parameters["rope_type"]
@@ -82,7 +83,7 @@ def apply_rotary(x, cos, sin):
     """RoPE on the first `cos.shape[-1]` channels of each head; the rest (partial_rotary_factor < 1) pass."""
     if cos.shape[-1] == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
-    return torch.cat((apply_rotary(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1]:]), dim=-1)
+    return torch.cat((apply_rotary(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1] :]), dim=-1)
 
 
 def repeat_kv(hidden_states, n_rep):
@@ -133,8 +134,16 @@ class LoopFormerAttention(nn.Module):
             k = apply_rotary(k, *position_embeddings)
         return k, v
 
-    def forward(self, hidden_states, attention_mask, position_embeddings, cache=None, cache_slot=0,
-                output_attentions=False, halting=None):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        position_embeddings,
+        cache=None,
+        cache_slot=0,
+        output_attentions=False,
+        halting=None,
+    ):
         """Returns the attention output, its weights (eager only) and this call's own (keys, values). With `halting`
         (a [`LoopFormerHaltingStep`]), only the tokens it computes query (the output is theirs); every token still
         gets its keys and values."""
@@ -159,7 +168,11 @@ class LoopFormerAttention(nn.Module):
                 self.config._attn_implementation, eager_attention_forward
             )
         out, weights = attention_interface(
-            self, q, k, v, attention_mask,
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
             dropout=self.config.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
         )
@@ -232,13 +245,17 @@ class LoopFormerLoopConditioning(nn.Module):
         for "shortcut"; "timestep" gives (M, d), the loop index being every row's own."""
         if self.mode == "none":
             return None
-        dt = (trajectory.to(device=device, dtype=torch.float64) if isinstance(trajectory, torch.Tensor) else
-              torch.tensor(trajectory, device=device, dtype=torch.float64))
+        dt = (
+            trajectory.to(device=device, dtype=torch.float64)
+            if isinstance(trajectory, torch.Tensor)
+            else torch.tensor(trajectory, device=device, dtype=torch.float64)
+        )
         if self.mode == "timestep":
             return self.time_embedder(torch.arange(dt.shape[-1], device=device, dtype=torch.float32), dtype)
         t = torch.cumsum(dt, -1) - dt  # each row's time at the start of each of its steps
         return (self.time_embedder(t.flatten().float(), dtype) + self.dt_embedder(dt.flatten().float(), dtype)).view(
-            *dt.shape, -1)
+            *dt.shape, -1
+        )
 
 
 class LoopFormerBlock(GradientCheckpointingLayer):
@@ -266,11 +283,25 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         """adaLN's vectors as this block applies them, from `modulation` = adaLN_modulation(c) (..., 4d): (gate_attn,
         gate_mlp, the attention norm's weight, the MLP norm's weight), the scales folded into the norms' weights."""
         gate_attn, gate_mlp, scale_attn, scale_mlp = modulation.chunk(4, dim=-1)
-        return (gate_attn, gate_mlp, self.input_layernorm.modulated_weight(scale_attn),
-                self.post_attention_layernorm.modulated_weight(scale_mlp))
+        return (
+            gate_attn,
+            gate_mlp,
+            self.input_layernorm.modulated_weight(scale_attn),
+            self.post_attention_layernorm.modulated_weight(scale_mlp),
+        )
 
-    def forward(self, hidden_states, conditioning=None, attention_mask=None, position_embeddings=None, cache=None,
-                cache_slot=0, output_attentions=False, adaln=None, halting=None):
+    def forward(
+        self,
+        hidden_states,
+        conditioning=None,
+        attention_mask=None,
+        position_embeddings=None,
+        cache=None,
+        cache_slot=0,
+        output_attentions=False,
+        adaln=None,
+        halting=None,
+    ):
         """One block at the loop step whose conditioning vector is `conditioning` (d,). `adaln` is `self.adaln` of
         that step when the caller has it already (at inference the loop computes every step's once). With per-token
         halting, `halting` (a [`LoopFormerHaltingStep`]) says which tokens are frozen: they keep their state, and
@@ -285,8 +316,13 @@ class LoopFormerBlock(GradientCheckpointingLayer):
             gate_attn, gate_mlp, weight_attn, weight_mlp = adaln
         normed = self.input_layernorm(hidden_states, weight_attn)
         attn_out, attn_weights, kv = self.self_attn(
-            normed, attention_mask, position_embeddings, cache=cache, cache_slot=cache_slot,
-            output_attentions=output_attentions, halting=halting,
+            normed,
+            attention_mask,
+            position_embeddings,
+            cache=cache,
+            cache_slot=cache_slot,
+            output_attentions=output_attentions,
+            halting=halting,
         )
         residual = hidden_states
         if halting is not None:

@@ -24,16 +24,27 @@ def check_labels(labels, shift_labels, shape, vocab_size):
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
         if value is None:
             continue
-        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dtype == torch.bool or tuple(
-                value.shape) != tuple(shape):
-            got = (f"Tensor {tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
-                   else type(value).__name__)
-            raise ValueError(f"`{name}` must be an integer tensor of the shape of the input {tuple(shape)} (batch, "
-                             f"seq_len), got {got}.")
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.is_floating_point()
+            or value.dtype == torch.bool
+            or tuple(value.shape) != tuple(shape)
+        ):
+            got = (
+                f"Tensor {tuple(value.shape)} {value.dtype}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"`{name}` must be an integer tensor of the shape of the input {tuple(shape)} (batch, "
+                f"seq_len), got {got}."
+            )
         bad = value[(value != -100) & ((value < 0) | (value >= vocab_size))]
         if bad.numel():
-            raise ValueError(f"`{name}` must lie in [0, {vocab_size - 1}] (vocab_size={vocab_size}) or be -100 "
-                             f"(ignored), got {sorted(set(bad.unique()[:5].tolist()))}.")
+            raise ValueError(
+                f"`{name}` must lie in [0, {vocab_size - 1}] (vocab_size={vocab_size}) or be -100 "
+                f"(ignored), got {sorted(set(bad.unique()[:5].tolist()))}."
+            )
 
 
 def _next_token_pairs(logits, labels, shift_labels=None):
@@ -109,8 +120,18 @@ def check_shortcut_consistency(value, kwargs, labels=None):
     return value
 
 
-def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lambda_short, lambda_consistency,
-                              consistency_loss, num_items_in_batch=None, shift_labels=None):
+def shortcut_consistency_loss(
+    logits,
+    h_full,
+    short_logits,
+    h_short,
+    labels,
+    lambda_short,
+    lambda_consistency,
+    consistency_loss,
+    num_items_in_batch=None,
+    shift_labels=None,
+):
     """CE_full + λ1·CE_short + λ2·D, normalised as the Trainer expects of a loss with `num_items_in_batch`: CE sums
     are divided by it (the tokens of the whole accumulated batch), the per-batch D is weighed by this batch's
     share of those tokens. Returns (loss, the three detached terms as per-token means, labelled tokens)."""
@@ -131,10 +152,19 @@ def shortcut_consistency_loss(logits, h_full, short_logits, h_short, labels, lam
     loss = ce_full_sum / denom + lambda_short * ce_short_sum / denom
     loss = loss + lambda_consistency * consistency * (n_local / denom)
     tokens = max(n_local, 1)
-    terms = {"ce_full": ce_full_sum.detach() / tokens, "ce_short": ce_short_sum.detach() / tokens,
-             "consistency": consistency.detach()}
+    terms = {
+        "ce_full": ce_full_sum.detach() / tokens,
+        "ce_short": ce_short_sum.detach() / tokens,
+        "consistency": consistency.detach(),
+    }
     return loss, terms, n_local
 
 
-__all__ = ["CONSISTENCY_LOSSES", "ShortcutConsistency", "check_consistency_args", "check_lambdas",
-           "check_shortcut_consistency", "shortcut_consistency_loss"]
+__all__ = [
+    "CONSISTENCY_LOSSES",
+    "ShortcutConsistency",
+    "check_consistency_args",
+    "check_lambdas",
+    "check_shortcut_consistency",
+    "shortcut_consistency_loss",
+]

@@ -13,8 +13,12 @@ def attention_mask_for(config, inputs_embeds, attention_mask, position_ids, cach
     eager, None for a plain causal prefill or decode step, a 4-D mask as given); a 2-D mask's shape is checked against
     the tokens the cache holds (`past_len`) plus this call's."""
     batch, q_len = inputs_embeds.shape[:2]
-    if (attention_mask is not None and attention_mask.dim() == 2 and not torch.compiler.is_compiling()
-            and attention_mask.shape != (batch, int(past_len) + q_len)):
+    if (
+        attention_mask is not None
+        and attention_mask.dim() == 2
+        and not torch.compiler.is_compiling()
+        and attention_mask.shape != (batch, int(past_len) + q_len)
+    ):
         raise ValueError(
             f"`attention_mask` must have shape (batch, past + new tokens) = {(batch, int(past_len) + q_len)}, "
             f"got {tuple(attention_mask.shape)}."
@@ -57,10 +61,15 @@ def check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
                 f"{other.unique()[:4].tolist()}: positions are counted from it. Pass a 4-D mask for anything else."
             )
     if position_ids is not None:
-        if not (torch.is_tensor(position_ids) and not position_ids.dtype.is_floating_point
-                and not position_ids.dtype.is_complex and position_ids.dtype != torch.bool
-                and position_ids.dim() == 2 and position_ids.shape[0] in (1, batch)
-                and position_ids.shape[1] == q_len):
+        if not (
+            torch.is_tensor(position_ids)
+            and not position_ids.dtype.is_floating_point
+            and not position_ids.dtype.is_complex
+            and position_ids.dtype != torch.bool
+            and position_ids.dim() == 2
+            and position_ids.shape[0] in (1, batch)
+            and position_ids.shape[1] == q_len
+        ):
             raise ValueError(
                 f"`position_ids` must be an integer tensor of shape (batch={batch} or 1, new tokens={q_len}), "
                 f"got {type(position_ids).__name__} {tuple(getattr(position_ids, 'shape', ()))} "
@@ -104,9 +113,7 @@ def check_token_inputs(input_ids, inputs_embeds, vocab_size, hidden_size, dtype)
     if not torch.compiler.is_compiling() and input_ids.numel():
         low, high = (int(v) for v in torch.aminmax(input_ids))
         if low < 0 or high >= vocab_size:
-            raise ValueError(
-                f"`input_ids` must lie in [0, {vocab_size - 1}], got values in [{low}, {high}]."
-            )
+            raise ValueError(f"`input_ids` must lie in [0, {vocab_size - 1}], got values in [{low}, {high}].")
 
 
 __all__ = ["attention_mask_for", "check_mask_and_positions", "check_token_inputs", "default_position_ids"]

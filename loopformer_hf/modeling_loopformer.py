@@ -44,7 +44,9 @@ def _safetensors_opens(path):
         return False
 
 
-class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mixin: push_to_hub writes this package's card
+class LoopFormerPreTrainedModel(
+    LoopFormerHubMixin, PreTrainedModel
+):  # the mixin: push_to_hub writes this package's card
     config_class = LoopFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -84,7 +86,7 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
         if isinstance(adjusted, str) and adjusted.startswith("paged"):
             raise ValueError(
                 f"LoopFormer does not support attn_implementation={attn_implementation!r}: paged attention needs a "
-                f"paged cache, which has no slot per (loop step, block). Use \"sdpa\" or \"eager\"."
+                f'paged cache, which has no slot per (loop step, block). Use "sdpa" or "eager".'
             )
         return adjusted
 
@@ -102,8 +104,11 @@ class LoopFormerPreTrainedModel(LoopFormerHubMixin, PreTrainedModel):  # the mix
                 init.copy_(buffer, module.frequencies(self.config)[0])
         elif getattr(module, "residual_projection", False) and reference:
             # GPT-2's scaled init, N(0, σ/√(2k)) with k = shared blocks (the reference's n_layer)
-            init.normal_(module.weight, mean=0.0,
-                         std=self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers))
+            init.normal_(
+                module.weight,
+                mean=0.0,
+                std=self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers),
+            )
             if module.bias is not None:
                 init.zeros_(module.bias)
         else:
@@ -144,8 +149,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         self.post_init()
 
     def _embed(self, input_ids, inputs_embeds):
-        check_token_inputs(input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size,
-                           self.embed_tokens.weight.dtype)
+        check_token_inputs(
+            input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size, self.embed_tokens.weight.dtype
+        )
         return inputs_embeds if input_ids is None else self.embed_tokens(input_ids)
 
     def _add_positions(self, inputs_embeds, position_ids):
@@ -176,18 +182,37 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
             per_row = conditioning.dim() == 3  # then (batch, 1, d) for each step
-            loop_adaln = [[tuple(v[:, i, None] if per_row else v[i] for v in vectors)
-                           for i in range(rows.num_steps if per_row else plan.spec.loop_steps)] for vectors in per_block]
+            loop_adaln = [
+                [
+                    tuple(v[:, i, None] if per_row else v[i] for v in vectors)
+                    for i in range(rows.num_steps if per_row else plan.spec.loop_steps)
+                ]
+                for vectors in per_block
+            ]
         if keep:
             cache.keep_adaln(key, loop_adaln)
         return loop_adaln
 
-    def _loop_step(self, step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                   output_attentions, final=False):
+    def _loop_step(
+        self,
+        step,
+        hidden_states,
+        conditioning,
+        loop_adaln,
+        mask,
+        position_embeddings,
+        cache,
+        halting,
+        output_attentions,
+        final=False,
+    ):
         """Loop step `step` (the budget's last if `final`) through the k blocks: (new state, the step's attention maps,
         halting state after it)."""
-        halted, active = (None, None) if halting is None else halting.next_step(
-            hidden_states.shape[-1], gather=not output_attentions)
+        halted, active = (
+            (None, None)
+            if halting is None
+            else halting.next_step(hidden_states.shape[-1], gather=not output_attentions)
+        )
         c = None if conditioning is None else conditioning[step]
         previous, attentions = hidden_states, ()
         for j, block in enumerate(self.layers):
@@ -195,7 +220,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             if halting is not None:  # a rule may run other steps for some tokens
                 adaln = halting.block_adaln(j, step, adaln, loop_adaln)
             hidden_states, weights, kv = block(
-                hidden_states, c,
+                hidden_states,
+                c,
                 adaln=adaln,
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
@@ -228,14 +254,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
         return hidden_states, position_embeddings, mask
 
-    def _loop(self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions,
-              output_hidden_states):
+    def _loop(
+        self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
+    ):
         """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
         the halting state or None)."""
         trajectory, num_steps, halting = plan.trajectory, plan.spec.loop_steps, None
         if plan.halt_eps is not None or plan.rows is not None:  # per-row budgets halt a row after its last step
-            readout = None if halt_head is None else (
-                lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+            readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
             rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
             halting = rule.start(plan.halt_eps, self.config, hidden_states, readout, plan.rows, plan.halt_criterion)
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
@@ -249,8 +275,9 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if conditioning is None or halting is not None:  # halting fills skipped slots from the per-block vectors
             loop_adaln = self._loop_adaln(plan, dtype, device, cache)
         if halting is not None and plan.rows is None:
-            hidden_states = halting.before_loop(self, trajectory, loop_adaln, cache, hidden_states, mask,
-                                                position_embeddings)
+            hidden_states = halting.before_loop(
+                self, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
+            )
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for step in range(num_steps):
@@ -260,8 +287,16 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                     all_hidden_states += (hidden_states,) * (num_steps - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, conditioning, loop_adaln, mask, position_embeddings, cache, halting,
-                output_attentions, final=step == num_steps - 1,
+                step,
+                hidden_states,
+                conditioning,
+                loop_adaln,
+                mask,
+                position_embeddings,
+                cache,
+                halting,
+                output_attentions,
+                final=step == num_steps - 1,
             )
             if output_attentions:
                 all_attentions += attentions
@@ -273,9 +308,21 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     # ---- forward -------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                use_cache=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None,
-                halt_head=None, **kwargs: Unpack[TransformersKwargs]):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        loop_budget=None,
+        step_schedule=None,
+        halt_eps=None,
+        halt_criterion=None,
+        halt_head=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ):
         r"""
         loop_budget (`int`, list of `int` or 1-D integer tensor, *optional*): number of loop steps M (defaults to the
             config's), or one per row: the loop runs the largest, and a row's tokens freeze after its own last step.
@@ -294,22 +341,32 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         """
         output_attentions, output_hidden_states = (
             kwargs.get(name) if kwargs.get(name) is not None else getattr(self.config, name)
-            for name in ("output_attentions", "output_hidden_states"))
+            for name in ("output_attentions", "output_hidden_states")
+        )
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
-        plan = LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion,
-                                       batch_size=inputs_embeds.shape[0])
+        plan = LoopFormerPlan.for_call(
+            self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion, batch_size=inputs_embeds.shape[0]
+        )
         # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
         # checkpointing in training uses none: recomputed blocks would write it twice).
         checkpointing = self.gradient_checkpointing and self.training
-        cache = None if checkpointing or not (use_cache or cache is not None) else LoopFormerCache.for_call(cache, plan)
-        hidden_states, position_embeddings, mask = self._prepare_inputs(inputs_embeds, attention_mask, position_ids, cache)
+        cache = (
+            None if checkpointing or not (use_cache or cache is not None) else LoopFormerCache.for_call(cache, plan)
+        )
+        hidden_states, position_embeddings, mask = self._prepare_inputs(
+            inputs_embeds, attention_mask, position_ids, cache
+        )
         hidden_states, all_hidden_states, all_attentions, halting = self._loop(
-            plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states)
+            plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
+        )
         output = LoopFormerModelOutput(
-            last_hidden_state=self.norm(hidden_states), hidden_states=all_hidden_states, attentions=all_attentions,
-            loop_counts=None if plan.halt_eps is None else halting.loop_counts, **{CACHE_FIELD: cache},
+            last_hidden_state=self.norm(hidden_states),
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+            loop_counts=None if plan.halt_eps is None else halting.loop_counts,
+            **{CACHE_FIELD: cache},
         )
         return as_requested(output, kwargs.get("return_dict"), self.config)
 
@@ -335,9 +392,23 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         self.post_init()
         self._keys_to_ignore_on_save |= set(self.all_tied_weights_keys)  # never saved: a resume re-ties, not "missing"
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep=0, loop_budget=None, step_schedule=None, halt_eps=None,
-                halt_criterion=None, shortcut_consistency=None, **kwargs: Unpack[TransformersKwargs]):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        loop_budget=None,
+        step_schedule=None,
+        halt_eps=None,
+        halt_criterion=None,
+        shortcut_consistency=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
         shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): targets already aligned with the
@@ -352,19 +423,36 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         `output_attentions`, `output_hidden_states`, `return_dict` and `past_key_values` are keywords, as for Llama.
         """
         shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
-        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                        "inputs_embeds": inputs_embeds}
+        model_inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "inputs_embeds": inputs_embeds,
+        }
         outputs = self.model(
-            **model_inputs, cache=cache, use_cache=use_cache, loop_budget=loop_budget, step_schedule=step_schedule,
-            halt_eps=halt_eps, halt_criterion=halt_criterion, halt_head=self.lm_head, **{**kwargs, "return_dict": True},
+            **model_inputs,
+            cache=cache,
+            use_cache=use_cache,
+            loop_budget=loop_budget,
+            step_schedule=step_schedule,
+            halt_eps=halt_eps,
+            halt_criterion=halt_criterion,
+            halt_head=self.lm_head,
+            **{**kwargs, "return_dict": True},
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
         output = LoopFormerCausalLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            loop_counts=outputs.loop_counts, **terms, **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)})
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            loop_counts=outputs.loop_counts,
+            **terms,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
         return as_requested(output, kwargs.get("return_dict"), self.config)
 
     def _loss(self, logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs):
@@ -376,15 +464,24 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         check_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size)
         if shortcut_consistency is None:
             loss_kwargs = {k: v for k, v in kwargs.items() if k in LOSS_KWARGS}
-            return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                                      **loss_kwargs), {}
+            return self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
+            ), {}
         objective = shortcut_consistency
-        short = self.model(**model_inputs, step_schedule=list(objective.short_step_schedule), use_cache=False,
-                           return_dict=True)
+        short = self.model(
+            **model_inputs, step_schedule=list(objective.short_step_schedule), use_cache=False, return_dict=True
+        )
         loss, terms, _ = shortcut_consistency_loss(
-            logits, hidden_states, self.lm_head(short.last_hidden_state), short.last_hidden_state, labels,
-            objective.lambda_short, objective.lambda_consistency, objective.consistency_loss,
-            kwargs.get("num_items_in_batch"), shift_labels,
+            logits,
+            hidden_states,
+            self.lm_head(short.last_hidden_state),
+            short.last_hidden_state,
+            labels,
+            objective.lambda_short,
+            objective.lambda_consistency,
+            objective.consistency_loss,
+            kwargs.get("num_items_in_batch"),
+            shift_labels,
         )
         return loss, terms
 

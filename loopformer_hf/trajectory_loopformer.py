@@ -35,8 +35,10 @@ def _is_real_number(value):
 def check_budget(config, budget, name="loop_budget"):
     """An integer 1 <= M <= `config.max_loop_budget`, checked before anything is allocated for it."""
     if isinstance(budget, torch.Tensor) and budget.ndim == 0:
-        raise ValueError(f"`{name}` must be an integer >= 1, got a 0-dim tensor {budget!r}: give an int "
-                         f"(`{name}=int(t)`) for the whole batch, or a 1-D integer tensor with one budget per row.")
+        raise ValueError(
+            f"`{name}` must be an integer >= 1, got a 0-dim tensor {budget!r}: give an int "
+            f"(`{name}=int(t)`) for the whole batch, or a 1-D integer tensor with one budget per row."
+        )
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {budget!r} ({type(budget).__name__}).")
     if budget > config.max_loop_budget:
@@ -108,8 +110,10 @@ def check_default_step_schedule(value):
         try:
             check_schedule(value)
         except ValueError as error:
-            raise ValueError(f"`default_step_schedule` must be one of {STEP_SCHEDULE_PRESETS} or a list of positive "
-                             f"step sizes summing to 1: {error}") from None
+            raise ValueError(
+                f"`default_step_schedule` must be one of {STEP_SCHEDULE_PRESETS} or a list of positive "
+                f"step sizes summing to 1: {error}"
+            ) from None
 
 
 def resolve_trajectory(config, loop_budget=None, step_schedule=None):
@@ -125,8 +129,11 @@ def resolve_trajectory(config, loop_budget=None, step_schedule=None):
         step_schedule = config.default_step_schedule
     named = step_schedule if isinstance(step_schedule, str) else None
     if named is not None:
-        budget = loop_budget or (config.default_loop_budget and check_budget(
-            config, config.default_loop_budget, "default_loop_budget")) or config.num_loops
+        budget = (
+            loop_budget
+            or (config.default_loop_budget and check_budget(config, config.default_loop_budget, "default_loop_budget"))
+            or config.num_loops
+        )
         steps = step_schedule_preset(config.num_loops, step_schedule, budget)
     else:
         if hasattr(step_schedule, "__len__") and len(step_schedule) > config.max_loop_budget:
@@ -137,8 +144,10 @@ def resolve_trajectory(config, loop_budget=None, step_schedule=None):
                 f"`loop_budget`={loop_budget} disagrees with `step_schedule` of length {len(steps)} "
                 f"({list(steps)}); give one of them, or a schedule with exactly `loop_budget` steps."
             )
-    if config.loop_conditioning != "shortcut" and named != "uniform" and any(
-        abs(s - steps[0]) > SCHEDULE_SUM_TOLERANCE for s in steps
+    if (
+        config.loop_conditioning != "shortcut"
+        and named != "uniform"
+        and any(abs(s - steps[0]) > SCHEDULE_SUM_TOLERANCE for s in steps)
     ):
         raise ValueError(
             f"`step_schedule`={step_schedule!r} needs loop_conditioning='shortcut'; a model with "
@@ -158,14 +167,17 @@ def _warn_if_extrapolating(config, steps):
         off_grid = not uniform and any(abs(s * L - round(s * L)) > 1e-6 for s in steps)
         if M <= L and not off_grid:
             return
-        reason = (f"LoopFormer trajectory {[round(s, 6) for s in steps]} extrapolates beyond training (" +
-                  (f"budget {M} > num_loops {L})." if M > L else f"steps off the 1/{L} grid it was trained on)."))
+        reason = f"LoopFormer trajectory {[round(s, 6) for s in steps]} extrapolates beyond training (" + (
+            f"budget {M} > num_loops {L})." if M > L else f"steps off the 1/{L} grid it was trained on)."
+        )
     else:
         if M == L:
             return
         variant = "TMLT" if config.loop_conditioning == "timestep" else "Base" if L == 1 else "Base-Loop"
-        reason = (f"{variant} was trained at exactly num_loops={L} loop steps and has no step-size conditioning to "
-                  f"interpolate: loop_budget={M} is a loop count it never ran.")
+        reason = (
+            f"{variant} was trained at exactly num_loops={L} loop steps and has no step-size conditioning to "
+            f"interpolate: loop_budget={M} is a loop count it never ran."
+        )
     key = (config.loop_conditioning, L, tuple(round(s, 9) for s in steps))
     if key in _warned_trajectories:
         return
@@ -174,6 +186,7 @@ def _warn_if_extrapolating(config, steps):
 
 
 # ---- per-row trajectories ----------------------------------------------------------------------------------------
+
 
 class LoopFormerRows:
     """Per-row trajectories of one call: row b runs its own M_b steps Δ_1..Δ_{M_b}; the loop runs the largest budget
@@ -195,7 +208,7 @@ class LoopFormerRows:
     def from_trajectories(cls, trajectories):
         steps = torch.zeros(len(trajectories), max(map(len, trajectories)), dtype=torch.float64)
         for b, trajectory in enumerate(trajectories):
-            steps[b, :len(trajectory)] = torch.tensor(trajectory, dtype=torch.float64)
+            steps[b, : len(trajectory)] = torch.tensor(trajectory, dtype=torch.float64)
         return cls(tuple(trajectories), torch.tensor([len(t) for t in trajectories]), steps)
 
 
@@ -212,8 +225,14 @@ def per_row_budget(value):
 
 def _per_row_schedule(value):
     """A list whose entries are schedules (None, a preset name, a list or a 1-D tensor), not step sizes."""
-    return not isinstance(value, torch.Tensor) and len(value) > 0 and all(
-        s is None or isinstance(s, (str, list, tuple)) or (isinstance(s, torch.Tensor) and s.ndim == 1) for s in value)
+    return (
+        not isinstance(value, torch.Tensor)
+        and len(value) > 0
+        and all(
+            s is None or isinstance(s, (str, list, tuple)) or (isinstance(s, torch.Tensor) and s.ndim == 1)
+            for s in value
+        )
+    )
 
 
 def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
@@ -227,14 +246,17 @@ def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
     if budgets is None and schedules is None:
         return None
     if budgets is not None and not budgets:  # `max()` of no rows failed deep inside
-        raise ValueError(f"`loop_budget` is empty ({loop_budget!r}): give an integer >= 1 for the whole batch, or "
-                         f"one per row.")
+        raise ValueError(
+            f"`loop_budget` is empty ({loop_budget!r}): give an integer >= 1 for the whole batch, or one per row."
+        )
     for name, values in (("loop_budget", budgets), ("step_schedule", schedules)):
         if values is not None and batch_size is not None and len(values) != batch_size:
-            raise ValueError(f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
-                             f"give one value per row, or one value for the batch (generate's num_return_sequences "
-                             f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated; a pipeline sends "
-                             f"`batch_size` inputs at a time, 1 unless given: pass batch_size=len(inputs)).")
+            raise ValueError(
+                f"`{name}` gives {len(values)} values, one per row, but the batch has {batch_size} rows: "
+                f"give one value per row, or one value for the batch (generate's num_return_sequences "
+                f"and beams repeat each row, and a tensor of budgets with it; a list is not repeated; a pipeline sends "
+                f"`batch_size` inputs at a time, 1 unless given: pass batch_size=len(inputs))."
+            )
     rows = max(len(budgets or ()), len(schedules or ()))
     trajectories = []
     for b in range(rows):
@@ -265,28 +287,38 @@ _resolve_rows_eagerly = torch.compiler.disable(resolve_rows)
 
 def _gives_rows(loop_budget, step_schedule):
     """Whether a knob is given per row (by its type alone: no value is read)."""
-    return isinstance(loop_budget, (list, tuple)) or (isinstance(loop_budget, torch.Tensor) and loop_budget.ndim == 1) or (
-        isinstance(step_schedule, (list, tuple)) and _per_row_schedule(step_schedule))
+    return (
+        isinstance(loop_budget, (list, tuple))
+        or (isinstance(loop_budget, torch.Tensor) and loop_budget.ndim == 1)
+        or (isinstance(step_schedule, (list, tuple)) and _per_row_schedule(step_schedule))
+    )
 
 
 def _check_rows_supported(config, halt_criterion):
     """Refuse what per-row trajectories cannot run exactly: a shared cache slot holds several steps of a row, and an
     exit or probe step's conditioning comes from one trajectory."""
     if config.cache_sharing != "none":
-        raise ValueError(f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
-                         f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
-                         f"Use cache_sharing='none', or one budget for the batch.")
+        raise ValueError(
+            f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
+            f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
+            f"Use cache_sharing='none', or one budget for the batch."
+        )
     if halt_criterion is not None and not halting_rule(halt_criterion).per_row:
         allowed = [name for name, rule in HALTING_RULES.items() if rule.per_row]
-        raise ValueError(f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
-                         f"or schedules take {allowed} (or one budget for the batch).")
+        raise ValueError(
+            f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
+            f"or schedules take {allowed} (or one budget for the batch)."
+        )
 
 
 def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=None, batch_size=None):
     """What one forward call runs: `(trajectory, None)`, or `((), rows)` for per-row trajectories (`LoopFormerRows`;
     `halt_criterion` the call's when it halts, else None). Per-row knobs that all resolve to one trajectory give it."""
-    rows = _resolve_rows_eagerly(config, loop_budget, step_schedule, batch_size) if (
-        _gives_rows(loop_budget, step_schedule)) else None
+    rows = (
+        _resolve_rows_eagerly(config, loop_budget, step_schedule, batch_size)
+        if (_gives_rows(loop_budget, step_schedule))
+        else None
+    )
     if rows is None:
         return config.resolve_trajectory(loop_budget, step_schedule), None
     if not isinstance(rows, LoopFormerRows):
@@ -295,5 +327,14 @@ def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=No
     return (), rows
 
 
-__all__ = ["STEP_SCHEDULE_PRESETS", "LoopFormerRows", "check_budget", "check_schedule", "max_loop_steps",
-           "resolve_call", "resolve_rows", "resolve_trajectory", "step_schedule_preset"]
+__all__ = [
+    "STEP_SCHEDULE_PRESETS",
+    "LoopFormerRows",
+    "check_budget",
+    "check_schedule",
+    "max_loop_steps",
+    "resolve_call",
+    "resolve_rows",
+    "resolve_trajectory",
+    "step_schedule_preset",
+]

@@ -29,8 +29,12 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -53,15 +57,29 @@ class LoopFormerMLP(nn.Module):
         self.gated = config.hidden_act == "swiglu"
         if self.gated:
             self.gate_up_proj = MergedColumnParallelLinear(
-                config.hidden_size, [config.intermediate_size] * 2, bias=bias, quant_config=quant_config,
-                prefix=f"{prefix}.gate_up_proj")
+                config.hidden_size,
+                [config.intermediate_size] * 2,
+                bias=bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.gate_up_proj",
+            )
             self.act_fn = SiluAndMul()
         else:
-            self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias,
-                                                quant_config=quant_config, prefix=f"{prefix}.up_proj")
+            self.up_proj = ColumnParallelLinear(
+                config.hidden_size,
+                config.intermediate_size,
+                bias=bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.up_proj",
+            )
             self.act_fn = ACT2FN[config.hidden_act]  # elementwise: exact on a column shard
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size,
+            config.hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
 
     def forward(self, x):
         x, _ = (self.gate_up_proj if self.gated else self.up_proj)(x)
@@ -82,22 +100,42 @@ class LoopFormerAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.attention_bias
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, quant_config=quant_config,
-                                          prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias,
-                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
         self.rotary_emb = None
         if config.position_embedding_type == "rope":
-            self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
-                                       is_neox_style=True,  # rotate_half, as the checkpoint's model
-                                       rope_parameters=config.rope_parameters)  # scaling, partial
+            self.rotary_emb = get_rope(
+                self.head_dim,
+                max_position=config.max_position_embeddings,
+                is_neox_style=True,  # rotate_half, as the checkpoint's model
+                rope_parameters=config.rope_parameters,
+            )  # scaling, partial
         k = config.num_hidden_layers
         self.attn = nn.ModuleList(
-            Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-                      cache_config=cache_config, quant_config=quant_config,
-                      # one cache layer per (step, block), numbered as LoopFormerCache's slots
-                      prefix=f"{model_prefix}.layers.{step * k + block}.self_attn.attn")
+            Attention(
+                self.num_heads,
+                self.head_dim,
+                self.head_dim**-0.5,
+                num_kv_heads=self.num_kv_heads,
+                cache_config=cache_config,
+                quant_config=quant_config,
+                # one cache layer per (step, block), numbered as LoopFormerCache's slots
+                prefix=f"{model_prefix}.layers.{step * k + block}.self_attn.attn",
+            )
             for step in range(num_steps)
         )
 
@@ -130,8 +168,9 @@ class LoopFormerBlock(nn.Module):
             self.input_layernorm = _NormWeight(config.hidden_size)
             self.post_attention_layernorm = _NormWeight(config.hidden_size)
         self.block_norm_weight = config.block_norm_weight
-        self.self_attn = LoopFormerAttention(config, block, num_steps, cache_config, quant_config,
-                                             f"{prefix}.self_attn", model_prefix)
+        self.self_attn = LoopFormerAttention(
+            config, block, num_steps, cache_config, quant_config, f"{prefix}.self_attn", model_prefix
+        )
         self.mlp = LoopFormerMLP(config, quant_config, f"{prefix}.mlp")
         if config.loop_conditioning != "none":
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(config.hidden_size, 4 * config.hidden_size))
@@ -140,13 +179,20 @@ class LoopFormerBlock(nn.Module):
         """(gate_attn, gate_mlp, attention norm weight, MLP norm weight): with conditioning, (M, d) rows of every loop
         step, the scales folded into the norms' weights; without, no gates and the norms' own weights (or None)."""
         if conditioning is None:
-            weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight) if (
-                self.block_norm_weight) else (None, None)
+            weights = (
+                (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+                if (self.block_norm_weight)
+                else (None, None)
+            )
             return None, None, *weights
         gate_attn, gate_mlp, scale_attn, scale_mlp = self.adaLN_modulation(conditioning).to(dtype).chunk(4, dim=-1)
         if self.block_norm_weight:
-            return (gate_attn, gate_mlp, self.input_layernorm.weight * (1 + scale_attn),
-                    self.post_attention_layernorm.weight * (1 + scale_mlp))
+            return (
+                gate_attn,
+                gate_mlp,
+                self.input_layernorm.weight * (1 + scale_attn),
+                self.post_attention_layernorm.weight * (1 + scale_mlp),
+            )
         return gate_attn, gate_mlp, 1 + scale_attn, 1 + scale_mlp
 
     @staticmethod
@@ -186,15 +232,16 @@ class LoopFormerModel(nn.Module):
         self.num_steps = max_request_loop_budget(config, generation_config)
         self.requests_key = id(vllm_config)  # where its requests' trajectories are (vllm_requests)
         quant_config, cache_config = vllm_config.quant_config, vllm_config.cache_config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
-                                                   prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
         if config.position_embedding_type == "learned":
-            self.embed_positions = VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size,
-                                                          prefix=f"{prefix}.embed_positions")
+            self.embed_positions = VocabParallelEmbedding(
+                config.max_position_embeddings, config.hidden_size, prefix=f"{prefix}.embed_positions"
+            )
         self.loop_conditioning = LoopFormerLoopConditioning(config)
         self.layers = nn.ModuleList(
-            LoopFormerBlock(config, j, self.num_steps, cache_config, quant_config, f"{prefix}.layers.{j}",
-                            prefix)
+            LoopFormerBlock(config, j, self.num_steps, cache_config, quant_config, f"{prefix}.layers.{j}", prefix)
             for j in range(config.num_hidden_layers)
         )
         self.norm = _NormWeight(config.hidden_size)
@@ -236,8 +283,7 @@ class LoopFormerModel(nn.Module):
         if len(tables) == 1 or tables[0][0] is None:
             return tables[0]
         depth = max(map(len, trajectories))
-        return tuple(torch.stack([F.pad(t[i], (0, 0, 0, depth - t[i].shape[0])) for t in tables])
-                     for i in range(4))
+        return tuple(torch.stack([F.pad(t[i], (0, 0, 0, depth - t[i].shape[0])) for t in tables]) for i in range(4))
 
     def run_plan(self, plan, positions, hidden_states, adaln):
         """The loop when requests of several trajectories share the batch: step i runs only the tokens whose budget
@@ -265,8 +311,11 @@ class LoopFormerForCausalLM(nn.Module):
     `loopformer_hf.vllm_plugin`)."""
 
     # checkpoint name -> (vLLM parameter, shard): the fused projections vLLM's Llama uses
-    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
-                              (".qkv_proj", ".v_proj", "v")]
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+    ]
     gated_params_mapping = [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -274,8 +323,12 @@ class LoopFormerForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = LoopFormerModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                      prefix=_join(prefix, "lm_head"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=_join(prefix, "lm_head"),
+        )
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -287,8 +340,9 @@ class LoopFormerForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids):
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds=None):
+    def forward(
+        self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None, inputs_embeds=None
+    ):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states):
@@ -296,7 +350,9 @@ class LoopFormerForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = _from_authors_layout(weights)
-        mapping = self.stacked_params_mapping + (self.gated_params_mapping if self.config.hidden_act == "swiglu" else [])
+        mapping = self.stacked_params_mapping + (
+            self.gated_params_mapping if self.config.hidden_act == "swiglu" else []
+        )
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:

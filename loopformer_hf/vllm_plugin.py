@@ -30,11 +30,15 @@ def per_request_refusal(vllm_config):
     from vllm.platforms import current_platform
 
     if vllm_config.use_v2_model_runner:
-        return ("this server runs vLLM's Model Runner V2, and the LoopFormer model reads per-request trajectories "
-                "through the V1 runner's logits processors; start it with VLLM_USE_V2_MODEL_RUNNER=0")
+        return (
+            "this server runs vLLM's Model Runner V2, and the LoopFormer model reads per-request trajectories "
+            "through the V1 runner's logits processors; start it with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
-        return ("CUDA graphs replay the batch plan they captured, while each batch's loop steps follow its "
-                "requests' budgets; start the server with --enforce-eager")
+        return (
+            "CUDA graphs replay the batch plan they captured, while each batch's loop steps follow its "
+            "requests' budgets; start the server with --enforce-eager"
+        )
     return None
 
 
@@ -73,7 +77,7 @@ def server_trajectory(hf_config, generation_config=None):
         raise ValueError(
             f"cache_sharing={hf_config.cache_sharing!r} is not supported by the vLLM LoopFormer model (its slots are "
             f"shared across decode steps in generate's order); serve with --hf-overrides "
-            f"'{{\"cache_sharing\": \"none\"}}' (exact: one cache per loop step and block)."
+            f'\'{{"cache_sharing": "none"}}\' (exact: one cache per loop step and block).'
         )
     return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
 
@@ -101,8 +105,10 @@ def request_trajectory(hf_config, generation_config, extra_args):
     `max_request_loop_budget`, and `halt_eps` (per-token halting is not served)."""
     extra_args = extra_args or {}
     if "halt_eps" in extra_args:
-        raise ValueError(f"halt_eps={extra_args['halt_eps']!r} (per-token halting) is not supported by the vLLM "
-                         f"LoopFormer model; ask for a fixed `loop_budget`.")
+        raise ValueError(
+            f"halt_eps={extra_args['halt_eps']!r} (per-token halting) is not supported by the vLLM "
+            f"LoopFormer model; ask for a fixed `loop_budget`."
+        )
     if not any(name in extra_args for name in REQUEST_KNOBS):
         return None
     knobs = server_knobs(hf_config, generation_config)
@@ -115,7 +121,8 @@ def request_trajectory(hf_config, generation_config, extra_args):
         raise ValueError(
             f"`loop_budget`={len(steps)} exceeds this server's largest per-request loop budget, {limit} (its KV "
             f"cache holds {limit} loop steps; start it with --hf-overrides "
-            f"'{{\"{MAX_REQUEST_BUDGET_KNOB}\": {len(steps)}}}' to serve more).")
+            f"'{{\"{MAX_REQUEST_BUDGET_KNOB}\": {len(steps)}}}' to serve more)."
+        )
     return steps
 
 
@@ -151,8 +158,10 @@ class LoopFormerServerConfig:
             # KV computed under one trajectory is wrong under another, and vLLM 0.32 lets no model key its cached
             # blocks by a request's sampling params (a request's `cache_salt` comes from the prompt, before any
             # model hook sees the request); a cache hit would serve another trajectory's prompt KV.
-            logger.info("LoopFormer: prefix caching disabled (its blocks are keyed by token ids alone, and each "
-                        "request may run its own loop budget and schedule).")
+            logger.info(
+                "LoopFormer: prefix caching disabled (its blocks are keyed by token ids alone, and each "
+                "request may run its own loop budget and schedule)."
+            )
             vllm_config.cache_config.enable_prefix_caching = False
 
     @staticmethod

@@ -40,8 +40,9 @@ def validate_request(sampling_params):
     """The admission check, in the front-end: against the model config the plugin's hook saw in this process."""
     if SERVED_MODEL_CONFIGS and sampling_params.extra_args:
         model_config, refusal = SERVED_MODEL_CONFIGS[-1]
-        trajectory = request_trajectory(model_config.hf_config, model_config.try_get_generation_config(),
-                                        sampling_params.extra_args)
+        trajectory = request_trajectory(
+            model_config.hf_config, model_config.try_get_generation_config(), sampling_params.extra_args
+        )
         if trajectory is not None and refusal is not None:
             raise ValueError(f"`loop_budget`/`step_schedule` per request are not served here: {refusal}.")
 
@@ -105,8 +106,15 @@ class LoopPlan:
                 index[active] = torch.from_numpy(order[:active]).to(device)
             ids = token_trajectory[order[:active]]
             shared = ids[0] if (ids == ids[0]).all() else None
-            self.steps.append(LoopStep(index.get(active), None if shared is not None else torch.from_numpy(
-                token_trajectory if active == num_tokens else ids).to(device), None if shared is None else int(shared)))
+            self.steps.append(
+                LoopStep(
+                    index.get(active),
+                    None
+                    if shared is not None
+                    else torch.from_numpy(token_trajectory if active == num_tokens else ids).to(device),
+                    None if shared is None else int(shared),
+                )
+            )
 
     @classmethod
     def build(cls, default, rows, query_start_loc, num_tokens, device):
@@ -124,7 +132,7 @@ class LoopPlan:
                 trajectories.append(trajectory)
         counts = np.diff(np.asarray(query_start_loc))
         token_trajectory = np.zeros(num_tokens, dtype=np.int64)
-        token_trajectory[:int(query_start_loc[-1])] = np.repeat(np.array(row_ids, dtype=np.int64), counts)
+        token_trajectory[: int(query_start_loc[-1])] = np.repeat(np.array(row_ids, dtype=np.int64), counts)
         present = np.unique(token_trajectory)
         if len(present) == 1:
             return cls([trajectories[int(present[0])]], None, device)

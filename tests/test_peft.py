@@ -44,8 +44,11 @@ def _perturb_loop_conditioning_copies(peft_model):
 
 @pytest.mark.parametrize("train_loop_conditioning", [False, True])
 def test_adapter_save_load_and_merge_give_the_adapter_outputs(tokenizer, tmp_path, train_loop_conditioning):
-    peft_model = add_lora(make_model(tokenizer, seed=0), init_lora_weights=False,  # random A and B: not a no-op
-                          train_loop_conditioning=train_loop_conditioning)
+    peft_model = add_lora(
+        make_model(tokenizer, seed=0),
+        init_lora_weights=False,  # random A and B: not a no-op
+        train_loop_conditioning=train_loop_conditioning,
+    )
     if train_loop_conditioning:
         _perturb_loop_conditioning_copies(peft_model)
     base_logits = _logits(make_model(tokenizer, seed=0))
@@ -87,7 +90,8 @@ def test_target_modules_are_documented_and_checked(tokenizer):
     assert default_target_modules(swiglu.config) == LOOPFORMER_TARGET_MODULES + ["gate_proj"]
     wrapped = add_lora(swiglu)
     assert {n.split(".")[-4] for n, _ in wrapped.named_parameters() if "lora_A" in n} == set(
-        LOOPFORMER_TARGET_MODULES + ["gate_proj"])
+        LOOPFORMER_TARGET_MODULES + ["gate_proj"]
+    )
     with pytest.raises(ValueError, match="gate_proj"):
         add_lora(make_model(tokenizer), target_modules=["q_proj", "gate_proj"])  # gelu MLP has no gate_proj
     with pytest.raises(ValueError, match="no loop-conditioning parameters"):
@@ -100,11 +104,29 @@ def test_finetune_text_cli_trains_or_freezes_loop_conditioning(tokenizer, tmp_pa
     base, _ = save_checkpoint(base_dir, seed=0)
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(CORPUS))
-    summary = finetune_main([
-        "--model", str(base_dir), "--train_files", str(text), "--output", str(tmp_path / "out"),
-        "--block_size", "16", "--batch_size", "4", "--max_steps", "3", "--learning_rate", "1e-2",
-        "--loop_budgets", "1,2,4", "--loop_conditioning", flag, "--merge",
-    ])
+    summary = finetune_main(
+        [
+            "--model",
+            str(base_dir),
+            "--train_files",
+            str(text),
+            "--output",
+            str(tmp_path / "out"),
+            "--block_size",
+            "16",
+            "--batch_size",
+            "4",
+            "--max_steps",
+            "3",
+            "--learning_rate",
+            "1e-2",
+            "--loop_budgets",
+            "1,2,4",
+            "--loop_conditioning",
+            flag,
+            "--merge",
+        ]
+    )
     assert summary["steps"] == 3 and summary["train_loss"] == summary["train_loss"]  # finite
     saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())  # LoRA B (zero at init) trained
@@ -117,8 +139,9 @@ def test_finetune_text_cli_trains_or_freezes_loop_conditioning(tokenizer, tmp_pa
         assert changed == conditioning  # every loop-conditioning tensor was updated
     else:
         assert changed == []  # frozen: exactly the base values
-    assert not torch.equal(base_sd["model.layers.0.self_attn.q_proj.weight"],
-                           merged_sd["model.layers.0.self_attn.q_proj.weight"])  # LoRA merged in
+    assert not torch.equal(
+        base_sd["model.layers.0.self_attn.q_proj.weight"], merged_sd["model.layers.0.self_attn.q_proj.weight"]
+    )  # LoRA merged in
 
 
 def test_finetune_fprm_on_a_task_with_lora(tmp_path):
@@ -126,10 +149,25 @@ def test_finetune_fprm_on_a_task_with_lora(tmp_path):
     base.save_pretrained(tmp_path / "fprm")
     data = tmp_path / "task.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in fprm_task_rows()))
-    summary = finetune_main([
-        "--model", str(tmp_path / "fprm"), "--task_data", str(data), "--output", str(tmp_path / "out"),
-        "--batch_size", "8", "--max_steps", "2", "--max_loops", "3", "--loop_conditioning", "train", "--merge",
-    ])
+    summary = finetune_main(
+        [
+            "--model",
+            str(tmp_path / "fprm"),
+            "--task_data",
+            str(data),
+            "--output",
+            str(tmp_path / "out"),
+            "--batch_size",
+            "8",
+            "--max_steps",
+            "2",
+            "--max_loops",
+            "3",
+            "--loop_conditioning",
+            "train",
+            "--merge",
+        ]
+    )
     assert summary["steps"] == 2
     saved = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
     assert any("residual_scaling" in k for k in saved) and any("lora_A" in k for k in saved)
@@ -144,23 +182,34 @@ def test_finetune_fprm_on_a_task_with_lora(tmp_path):
     assert not torch.allclose(a, c, atol=1e-4)
 
 
-@pytest.mark.parametrize("flag, value, allowed", [
-    ("--block_size", "0", "an integer >= 1"),  # ZeroDivisionError in the text chunker
-    ("--block_size", "-3", "an integer >= 1"),  # a torch sampler error after the model was loaded
-    ("--batch_size", "0", "an integer >= 1"),
-    ("--max_steps", "0", "an integer >= 1"),  # 0 and -1 trained the Trainer's default 3 epochs without a word
-    ("--max_steps", "-1", "an integer >= 1"),
-    ("--lora_r", "0", "an integer >= 1"),  # refused, but only after the model and the data were loaded
-    ("--lora_alpha", "0", "an integer >= 1"),  # scaling alpha/r = 0: an adapter that never changes the model
-    ("--lora_dropout", "1.5", r"in \[0, 1\)"),
-    ("--lora_dropout", "1.0", r"in \[0, 1\)"),  # every input of the adapter dropped
-    ("--learning_rate", "-1", "a finite number > 0"),  # torch's "Invalid learning rate" when training started
-    ("--learning_rate", "nan", "a finite number > 0"),
-    ("--learning_rate", "0", "a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [
+        ("--block_size", "0", "an integer >= 1"),  # ZeroDivisionError in the text chunker
+        ("--block_size", "-3", "an integer >= 1"),  # a torch sampler error after the model was loaded
+        ("--batch_size", "0", "an integer >= 1"),
+        ("--max_steps", "0", "an integer >= 1"),  # 0 and -1 trained the Trainer's default 3 epochs without a word
+        ("--max_steps", "-1", "an integer >= 1"),
+        ("--lora_r", "0", "an integer >= 1"),  # refused, but only after the model and the data were loaded
+        ("--lora_alpha", "0", "an integer >= 1"),  # scaling alpha/r = 0: an adapter that never changes the model
+        ("--lora_dropout", "1.5", r"in \[0, 1\)"),
+        ("--lora_dropout", "1.0", r"in \[0, 1\)"),  # every input of the adapter dropped
+        ("--learning_rate", "-1", "a finite number > 0"),  # torch's "Invalid learning rate" when training started
+        ("--learning_rate", "nan", "a finite number > 0"),
+        ("--learning_rate", "0", "a finite number > 0"),
+    ],
+)
 def test_finetune_refuses_a_bad_number_before_loading_anything(tmp_path, capsys, flag, value, allowed):
-    argv = ["--model", str(tmp_path / "no-such-model"), "--train_files", str(tmp_path / "no.txt"),
-            "--output", str(tmp_path / "out"), flag, value]
+    argv = [
+        "--model",
+        str(tmp_path / "no-such-model"),
+        "--train_files",
+        str(tmp_path / "no.txt"),
+        "--output",
+        str(tmp_path / "out"),
+        flag,
+        value,
+    ]
     with pytest.raises(SystemExit) as exit_info:  # argparse's error: exit 2, usage + one line
         finetune_main(argv)
     assert exit_info.value.code == 2
@@ -173,15 +222,40 @@ def test_finetune_refuses_a_block_longer_than_the_learned_position_table(tmp_pat
     # the first training step failed with "Position 199 is beyond max_position_embeddings=128", after the model,
     # tokenizer and data were loaded; the flag that caused it was not named
     save_checkpoint(tmp_path / "base", max_position_embeddings=128)
-    argv = ["--model", str(tmp_path / "base"), "--train_files", str(tmp_path / "absent.txt"),
-            "--output", str(tmp_path / "out"), "--block_size", "200"]
-    with pytest.raises(ValueError, match=r"--block_size 200 is longer than the model's context of 128 tokens .*"
-                                         r"give --block_size <= 128"):
+    argv = [
+        "--model",
+        str(tmp_path / "base"),
+        "--train_files",
+        str(tmp_path / "absent.txt"),
+        "--output",
+        str(tmp_path / "out"),
+        "--block_size",
+        "200",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"--block_size 200 is longer than the model's context of 128 tokens .*"
+        r"give --block_size <= 128",
+    ):
         finetune_main(argv)
     assert not (tmp_path / "out").exists()
     save_checkpoint(tmp_path / "rope", max_position_embeddings=128, position_embedding_type="rope")
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(CORPUS * 4))
-    summary = finetune_main(["--model", str(tmp_path / "rope"), "--train_files", str(text), "--output",
-                             str(tmp_path / "rope-out"), "--block_size", "200", "--batch_size", "1", "--max_steps", "1"])
+    summary = finetune_main(
+        [
+            "--model",
+            str(tmp_path / "rope"),
+            "--train_files",
+            str(text),
+            "--output",
+            str(tmp_path / "rope-out"),
+            "--block_size",
+            "200",
+            "--batch_size",
+            "1",
+            "--max_steps",
+            "1",
+        ]
+    )
     assert summary["steps"] == 1  # RoPE has no table to run past: the same block size trains

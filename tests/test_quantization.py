@@ -92,8 +92,10 @@ def test_dynamic_int8_fprm_solves_within_the_error_of_a_same_size_llama():
     # one iteration against a 2-layer Llama at FPRM's weight scale, mean over 5 seeds: measured 0.0795 and 0.0839
     ours = mean(relative_error(tiny_fprm(seed=seed), ids, halting=False, max_loops=1) for seed in SEEDS)
     llama = mean(relative_error(llama_at_fprm_scale(seed), ids) for seed in SEEDS)
-    print(f"dynamic int8 relative logit error, one iteration: FPRM {ours:.4f}, Llama (2 layers, std 1/sqrt(d)) "
-          f"{llama:.4f}")
+    print(
+        f"dynamic int8 relative logit error, one iteration: FPRM {ours:.4f}, Llama (2 layers, std 1/sqrt(d)) "
+        f"{llama:.4f}"
+    )
     assert ours <= llama
 
 
@@ -112,10 +114,14 @@ def test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_r
     # FPRM's weight scale 0.034 / 0.536, on an AVX512-BF16 CPU; single seeds of the 4-bit error span 0.24-0.77, so
     # 3 seeds did not separate them); where it is not installed (the default environment: requirements-quant.txt is
     # its own) or has no backend for the device, this is skipped
-    bnb = pytest.importorskip("bitsandbytes", reason=(
-        "bitsandbytes is not in the default environment (through peft it prints a kernel warning on every command): "
-        "run this test in its own, `python3 -m venv .venv-quant && .venv-quant/bin/pip install -r "
-        "requirements-quant.txt`, then the package with `--no-deps -e .` (requirements-quant.txt says how)"))
+    bnb = pytest.importorskip(
+        "bitsandbytes",
+        reason=(
+            "bitsandbytes is not in the default environment (through peft it prints a kernel warning on every command): "
+            "run this test in its own, `python3 -m venv .venv-quant && .venv-quant/bin/pip install -r "
+            "requirements-quant.txt`, then the package with `--no-deps -e .` (requirements-quant.txt says how)"
+        ),
+    )
     from transformers import BitsAndBytesConfig
 
     from fprm_hf import FPRMForReasoning
@@ -125,8 +131,10 @@ def test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_r
     ours = LoopFormerForCausalLM(LoopFormerConfig(**DIMS, num_hidden_layers=2, num_loops=4)).eval()
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**DIMS, num_hidden_layers=8)).eval()
-    for scheme, config in (("8-bit", BitsAndBytesConfig(load_in_8bit=True)),
-                           ("4-bit", BitsAndBytesConfig(load_in_4bit=True))):
+    for scheme, config in (
+        ("8-bit", BitsAndBytesConfig(load_in_8bit=True)),
+        ("4-bit", BitsAndBytesConfig(load_in_4bit=True)),
+    ):
         try:  # the stock model tells whether bitsandbytes has a backend for this device
             _, llama_error_ = bnb_error(LlamaForCausalLM, llama, ids, tmp_path / f"llama{scheme}", config)
         except (ImportError, RuntimeError) as e:
@@ -142,11 +150,30 @@ def test_bitsandbytes_8bit_and_4bit_load_generate_and_solve_where_bitsandbytes_r
             solved = solver(grid, max_loops=4)
         assert torch.isfinite(solved.logits).all() and (solved.iterations >= 1).all()
         # one iteration against a 2-layer Llama at FPRM's weight scale (module docstring), mean over 5 seeds
-        fprm_error = mean(bnb_error(FPRMForReasoning, tiny_fprm(seed=seed, **width), grid,
-                                    tmp_path / f"f{scheme}{seed}", config, halting=False, max_loops=1)[1]
-                          for seed in SEEDS)
-        like_llama = mean(bnb_error(LlamaForCausalLM, llama_at_fprm_scale(seed, dims=BNB_FPRM_DIMS), grid,
-                                    tmp_path / f"l{scheme}{seed}", config)[1] for seed in SEEDS)
-        print(f"bitsandbytes {scheme}, one iteration: FPRM {fprm_error:.4f}, Llama (2 layers, std 1/sqrt(d)) "
-              f"{like_llama:.4f}")
+        fprm_error = mean(
+            bnb_error(
+                FPRMForReasoning,
+                tiny_fprm(seed=seed, **width),
+                grid,
+                tmp_path / f"f{scheme}{seed}",
+                config,
+                halting=False,
+                max_loops=1,
+            )[1]
+            for seed in SEEDS
+        )
+        like_llama = mean(
+            bnb_error(
+                LlamaForCausalLM,
+                llama_at_fprm_scale(seed, dims=BNB_FPRM_DIMS),
+                grid,
+                tmp_path / f"l{scheme}{seed}",
+                config,
+            )[1]
+            for seed in SEEDS
+        )
+        print(
+            f"bitsandbytes {scheme}, one iteration: FPRM {fprm_error:.4f}, Llama (2 layers, std 1/sqrt(d)) "
+            f"{like_llama:.4f}"
+        )
         assert fprm_error <= like_llama

@@ -65,12 +65,16 @@ def test_a_partial_rotation_rotates_only_its_share_of_each_head():
     assert not torch.allclose(out[..., 1:, :8], first[..., 1:, :])  # position 0 is the identity; later ones rotate
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"partial_rotary_factor": 0.5},
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "dynamic", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
-], ids=["partial", "linear", "dynamic", "yarn"])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"partial_rotary_factor": 0.5},
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+    ],
+    ids=["partial", "linear", "dynamic", "yarn"],
+)
 def test_scaled_and_partial_rope_decode_with_the_cache_as_without_it(rope_parameters):
     torch.manual_seed(0)
     model = LoopFormerForCausalLM(rope_config(hidden_size=64, rope_parameters=rope_parameters)).eval()
@@ -96,8 +100,9 @@ def test_rope_parameters_on_a_learned_position_model_are_refused():
 
 def rope_fprm(**rope_parameters):
     """A sequence FPRM (any length) with RoPE, fixed seed, so that two calls differ only in `rope_parameters`."""
-    config = sequence_fprm_config(position_embedding_type="rope", max_position_embeddings=16,
-                                  rope_parameters=rope_parameters or None)
+    config = sequence_fprm_config(
+        position_embedding_type="rope", max_position_embeddings=16, rope_parameters=rope_parameters or None
+    )
     return tiny_fprm(0, config=config)
 
 

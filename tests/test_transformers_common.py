@@ -19,8 +19,7 @@ from unittest import mock
 import pytest
 from support import REPO_ROOT
 
-COMMON_TESTS_DIR = os.path.join(REPO_ROOT, ".venv",
-                                "transformers-tests")
+COMMON_TESTS_DIR = os.path.join(REPO_ROOT, ".venv", "transformers-tests")
 if not os.path.isfile(os.path.join(COMMON_TESTS_DIR, "hf_common_tests", "test_modeling_common.py")):
     pytest.skip(
         f"transformers common tests not found in {COMMON_TESTS_DIR}: run `bash scripts/fetch_transformers_tests.sh`",
@@ -217,8 +216,10 @@ class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
             self.assertEqual(old.get_seq_length(), new.get_seq_length())
             self.assertGreater(new.get_seq_length(), 0)
 
-    @unittest.skip("GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
-                   "covered by tests/loopformer/test_loopformer_cache.py")
+    @unittest.skip(
+        "GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
+        "covered by tests/loopformer/test_loopformer_cache.py"
+    )
     def test_generation_tester_mixin_inheritance(self):
         pass
 
@@ -238,9 +239,13 @@ class LoopFormerBaseLoopModelTest(LoopFormerModelTest):
 # The eager/SDPA comparisons (25 cases, about a minute) run on the Base-Loop class only: both classes send attention
 # through the same interface, and the adaLN modulation around it does not depend on the attention implementation.
 for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_matches_sdpa_inference_")]:
-    setattr(LoopFormerModelTest, _name, unittest.skip(
-        "same attention path as LoopFormerBaseLoopModelTest, where these comparisons run"
-    )(getattr(ModelTesterMixin, _name)))
+    setattr(
+        LoopFormerModelTest,
+        _name,
+        unittest.skip("same attention path as LoopFormerBaseLoopModelTest, where these comparisons run")(
+            getattr(ModelTesterMixin, _name)
+        ),
+    )
     setattr(LoopFormerBaseLoopModelTest, _name, getattr(ModelTesterMixin, _name))
 
 
@@ -248,32 +253,31 @@ for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_match
 # (e.g. "LoopFormerModel does not support SDPA" from the composite-model check): the same skip, saying why. The FPRM
 # module applies them too. The RoPE and TP-plan ones are gaps of the models, not conventions: see each reason.
 PRECISE_SKIPS = {
-    "test_sdpa_can_dispatch_composite_models":
-        "not a composite model (no vision/text sub-configs); SDPA dispatch is checked by "
-        "test_sdpa_can_dispatch_non_composite_models and eager against SDPA by test_eager_matches_sdpa_inference_*",
-    "test_can_capture_specific_layers_hidden_states":
-        "`hidden_states` and `attentions` are collected by the model's own loop, not by transformers' output-capturing "
-        "hooks (`_can_record_outputs`), so single layers cannot be picked; test_hidden_states_output and "
-        "test_attention_outputs check what the loop returns",
-    "test_capture_outputs_decorator":
-        "outputs are collected by the model's own loop, not through the `@capture_outputs` decorator",
-    "test_reverse_loading_mapping":
-        "no weight-name conversion is registered for this model type (transformers' conversion mapping): checkpoints "
-        "are saved and loaded under the module names; the authors' layouts are translated by the packages' own "
-        "loaders (authors_checkpoints, convert_reference)",
-    "test_can_load_from_already_mapped_keys":
-        "no weight-name conversion is registered for this model type, so there are no mapped keys to reload",
-    "test_resize_position_vector_embeddings":
-        "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
-        "rows (as GPT-2's), RoPE has no table",
+    "test_sdpa_can_dispatch_composite_models": "not a composite model (no vision/text sub-configs); SDPA dispatch is checked by "
+    "test_sdpa_can_dispatch_non_composite_models and eager against SDPA by test_eager_matches_sdpa_inference_*",
+    "test_can_capture_specific_layers_hidden_states": "`hidden_states` and `attentions` are collected by the model's own loop, not by transformers' output-capturing "
+    "hooks (`_can_record_outputs`), so single layers cannot be picked; test_hidden_states_output and "
+    "test_attention_outputs check what the loop returns",
+    "test_capture_outputs_decorator": "outputs are collected by the model's own loop, not through the `@capture_outputs` decorator",
+    "test_reverse_loading_mapping": "no weight-name conversion is registered for this model type (transformers' conversion mapping): checkpoints "
+    "are saved and loaded under the module names; the authors' layouts are translated by the packages' own "
+    "loaders (authors_checkpoints, convert_reference)",
+    "test_can_load_from_already_mapped_keys": "no weight-name conversion is registered for this model type, so there are no mapped keys to reload",
+    "test_resize_position_vector_embeddings": "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
+    "rows (as GPT-2's), RoPE has no table",
 }
 
 
 # transformers' RoPE tests (`rope_parameters`: scaling types, partial rotation) on a model without RoPE
 LEARNED_POSITIONS_SKIPS = dict.fromkeys(
-    ("test_model_rope_with_partial_rotation", "test_model_rope_scaling_frequencies", "test_model_rope_scaling_from_config"),
+    (
+        "test_model_rope_with_partial_rotation",
+        "test_model_rope_scaling_frequencies",
+        "test_model_rope_scaling_from_config",
+    ),
     "learned absolute positions (the authors' GPT-2 layout) have no RoPE; LoopFormerBaseLoopModelTest runs these tests "
-    "with RoPE")
+    "with RoPE",
+)
 
 
 def skip_precisely(cls, reasons=PRECISE_SKIPS):

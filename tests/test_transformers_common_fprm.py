@@ -22,8 +22,14 @@ from unittest import mock
 import torch
 
 # sys.path setup, skip-if-missing and the common-test imports are shared with the LoopFormer module
-from test_transformers_common import (ConfigTester, ModelTesterMixin, ids_tensor, modeling_auto, skip_precisely,
-                                      torch_device)
+from test_transformers_common import (
+    ConfigTester,
+    ModelTesterMixin,
+    ids_tensor,
+    modeling_auto,
+    skip_precisely,
+    torch_device,
+)
 
 from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel
 
@@ -108,7 +114,8 @@ class FPRMModelTester:
         with torch.no_grad():
             result = model(input_ids)
         self.parent.assertEqual(
-            result.last_hidden_state.shape, (self.batch_size, self.num_prefix_tokens + self.seq_length, self.hidden_size)
+            result.last_hidden_state.shape,
+            (self.batch_size, self.num_prefix_tokens + self.seq_length, self.hidden_size),
         )
         self.parent.assertTrue(bool((result.iterations >= 1).all() and (result.iterations <= self.max_loops).all()))
 
@@ -136,9 +143,7 @@ class FPRMModelTest(ModelTesterMixin, unittest.TestCase):
         # classifier gets `labels`); AutoModel.register does not add them.
         cls._auto_names = [
             mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"fprm": "FPRMModel"}),
-            mock.patch.dict(
-                modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, {"fprm": "FPRMForReasoning"}
-            ),
+            mock.patch.dict(modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, {"fprm": "FPRMForReasoning"}),
         ]
         for patch in cls._auto_names:
             patch.start()
@@ -211,11 +216,12 @@ class FPRMModelTest(ModelTesterMixin, unittest.TestCase):
     def test_retain_grad_hidden_states_attentions(self):
         pass
 
-    @unittest.skip("with `fixed_init=True` z0 (`z_init`) is a buffer drawn from a truncated normal by design (the "
-                   "authors' init_vec), so two initialisations cannot match; its meta-device init is in `_init_weights`")
+    @unittest.skip(
+        "with `fixed_init=True` z0 (`z_init`) is a buffer drawn from a truncated normal by design (the "
+        "authors' init_vec), so two initialisations cannot match; its meta-device init is in `_init_weights`"
+    )
     def test_init_weights_can_init_buffers(self):
         pass
-
 
 
 class FPRMStateTrackingModelTest(FPRMModelTest):
@@ -224,8 +230,14 @@ class FPRMStateTrackingModelTest(FPRMModelTest):
 
     def setUp(self):
         self.model_tester = FPRMModelTester(
-            self, grid_size=None, seq_length=7, conv_type="causal_1d", causal=True, position_embedding_type="learned",
-            num_prefix_tokens=0, residual_scaling="input_dependent",
+            self,
+            grid_size=None,
+            seq_length=7,
+            conv_type="causal_1d",
+            causal=True,
+            position_embedding_type="learned",
+            num_prefix_tokens=0,
+            residual_scaling="input_dependent",
         )
         self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
 
@@ -243,35 +255,52 @@ class FPRMFixedInitModelTest(FPRMModelTest):
 # with an attention mask (FPRM refuses padding: grids have none); test_eager_matches_sdpa compares the solved outputs.
 for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_matches_sdpa_inference_")]:
     for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
-        setattr(_cls, _name, unittest.skip(
-            "needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa"
-        )(getattr(ModelTesterMixin, _name)))
+        setattr(
+            _cls,
+            _name,
+            unittest.skip("needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa")(
+                getattr(ModelTesterMixin, _name)
+            ),
+        )
 del _cls, _name  # a module-level TestCase name would be collected a third time
 
 # the common tests whose own skip message misstates why (test_transformers_common.PRECISE_SKIPS), on each class: the
 # mixin copies its tests onto every subclass
 for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
     skip_precisely(_cls)
-    skip_precisely(_cls, {
-        "test_enable_input_require_grads_with_gradient_checkpointing":
-            "FPRM does not support gradient checkpointing (`supports_gradient_checkpointing = False`), so no model "
+    skip_precisely(
+        _cls,
+        {
+            "test_enable_input_require_grads_with_gradient_checkpointing": "FPRM does not support gradient checkpointing (`supports_gradient_checkpointing = False`), so no model "
             "here can run it; its training backpropagates through only `n_backward` solver iterations per segment",
-        "test_tp_plan_matches_params":
-            "FPRM has no tensor-parallel plan: its attention is one fused q/k/v projection, which transformers' "
+            "test_tp_plan_matches_params": "FPRM has no tensor-parallel plan: its attention is one fused q/k/v projection, which transformers' "
             "parallel styles cannot split by head (`packed_colwise` splits in two); LoopFormer has Llama's plan",
-    })
+        },
+    )
 del _cls
 # transformers' RoPE tests that run a model on 10 and 1.5 × max_position_embeddings tokens
 for _cls in (FPRMModelTest, FPRMFixedInitModelTest):
-    skip_precisely(_cls, dict.fromkeys(
-        ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation"),
-        "a grid model reads exactly height × width tokens, and the test feeds 10 and 1.5 × max_position_embeddings; "
-        "FPRMSequenceRopeModelTest runs them on a sequence FPRM with RoPE (test_model_rope_scaling_frequencies runs "
-        "here too)"))
+    skip_precisely(
+        _cls,
+        dict.fromkeys(
+            ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation"),
+            "a grid model reads exactly height × width tokens, and the test feeds 10 and 1.5 × max_position_embeddings; "
+            "FPRMSequenceRopeModelTest runs them on a sequence FPRM with RoPE (test_model_rope_scaling_frequencies runs "
+            "here too)",
+        ),
+    )
 del _cls  # a module-level TestCase name would be collected again
-skip_precisely(FPRMStateTrackingModelTest, dict.fromkeys(
-    ("test_model_rope_scaling_from_config", "test_model_rope_with_partial_rotation", "test_model_rope_scaling_frequencies"),
-    "learned absolute positions have no RoPE; FPRMSequenceRopeModelTest runs the RoPE tests"))
+skip_precisely(
+    FPRMStateTrackingModelTest,
+    dict.fromkeys(
+        (
+            "test_model_rope_scaling_from_config",
+            "test_model_rope_with_partial_rotation",
+            "test_model_rope_scaling_frequencies",
+        ),
+        "learned absolute positions have no RoPE; FPRMSequenceRopeModelTest runs the RoPE tests",
+    ),
+)
 
 
 class FPRMSequenceRopeModelTest(FPRMModelTest):
@@ -279,15 +308,30 @@ class FPRMSequenceRopeModelTest(FPRMModelTest):
     RoPE tests can run, since a grid model reads exactly height x width tokens (issue 55)."""
 
     def setUp(self):
-        self.model_tester = FPRMModelTester(self, grid_size=None, seq_length=7, conv_type="causal_1d", causal=True,
-                                            position_embedding_type="rope", num_prefix_tokens=0)
+        self.model_tester = FPRMModelTester(
+            self,
+            grid_size=None,
+            seq_length=7,
+            conv_type="causal_1d",
+            causal=True,
+            position_embedding_type="rope",
+            num_prefix_tokens=0,
+        )
         self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
 
 
 # the RoPE tests FPRMModelTest skips (a grid) run here, as the mixin defines them
-for _name in [n for n in dir(ModelTesterMixin) if n.startswith(("test_model_rope_scaling_from_config",
-                                                                  "test_model_rope_with_partial_rotation",
-                                                                  "test_model_rope_scaling_frequencies"))]:
+for _name in [
+    n
+    for n in dir(ModelTesterMixin)
+    if n.startswith(
+        (
+            "test_model_rope_scaling_from_config",
+            "test_model_rope_with_partial_rotation",
+            "test_model_rope_scaling_frequencies",
+        )
+    )
+]:
     if callable(getattr(ModelTesterMixin, _name)):  # parameterized.expand leaves None at the bare name
         setattr(FPRMSequenceRopeModelTest, _name, getattr(ModelTesterMixin, _name))
 del _name

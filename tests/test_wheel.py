@@ -30,12 +30,17 @@ from support.hub_server import HubServer
 PACKAGES = ("loopformer_hf", "fprm_hf", "looped_training")
 # The checkout's folder of each installed package (pyproject.toml's package-dir: training/ and model_cards/ install
 # as looped_training and looped_training/model_cards).
-SOURCE_DIRS = {"loopformer_hf": "loopformer_hf", "fprm_hf": "fprm_hf", "training": "looped_training",
-               "model_cards": "looped_training/model_cards"}
+SOURCE_DIRS = {
+    "loopformer_hf": "loopformer_hf",
+    "fprm_hf": "fprm_hf",
+    "training": "looped_training",
+    "model_cards": "looped_training/model_cards",
+}
 # What the wheel carries besides modules: the model-card templates and the config files (any depth).
 PACKAGE_DATA = re.compile(r"looped_training/(model_cards/[^/]+\.md|configs/.+\.(yaml|json))")
-NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                    "runs", "outputs")
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "outputs"
+)
 TOKEN = "hf_wheel_test_token"
 REPO = "org/wheel-tiny"
 PRESET = "s5-cpu"
@@ -54,8 +59,21 @@ def wheel(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     shutil.copytree(REPO_ROOT, source, ignore=NOT_SOURCE, symlinks=True)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(root / "dist"), str(source)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(root / "dist"),
+            str(source),
+        ]
+    )
     (path,) = (root / "dist").glob("*.whl")
     return path
 
@@ -72,7 +90,9 @@ def venv(wheel, tmp_path_factory):
     (site / "test_venv_packages.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # a plain install: no plotting extra (matplotlib is in the test venv, so it is hidden here)
     (site / "zz_no_matplotlib.pth").write_text("import sys; sys.modules['matplotlib'] = None\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)])
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(PYTHONNOUSERSITE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_TELEMETRY="1")
     work = root / "work"
@@ -102,7 +122,9 @@ def _readme_quick_snippet():
 
 def test_installed_imports_readme_snippet_and_preset_outside_the_checkout(venv):
     python, site, env, work = venv
-    code = _readme_quick_snippet() + f"""
+    code = (
+        _readme_quick_snippet()
+        + f"""
 import json, loopformer_hf, fprm_hf, looped_training
 from looped_training.fprm.train import parse_args
 
@@ -110,6 +132,7 @@ model_args, data_args, _, train_args = parse_args(["--preset", "{PRESET}"])
 print(json.dumps({{"files": [m.__file__ for m in (loopformer_hf, fprm_hf, looped_training)],
                   "task": data_args.task, "preset": data_args.preset, "output_dir": train_args.output_dir}}))
 """
+    )
     result = last_json_line(_run([str(python), "-c", code], cwd=work, env=env).stdout)
     for file in result["files"]:
         assert Path(file).is_relative_to(site) and not Path(file).is_relative_to(REPO_ROOT), file
@@ -122,16 +145,50 @@ def test_installed_lora_step_then_publish_to_the_hub(venv):
     checkpoint = work / "base"
     save_checkpoint(checkpoint)
     (work / "corpus.txt").write_text("\n".join(CORPUS))
-    proc = _run([str(python), "-m", "looped_training.finetune_lora", "--model", str(checkpoint), "--train_files",
-                 str(work / "corpus.txt"), "--output", str(work / "lora"), "--block_size", "16", "--batch_size", "2",
-                 "--max_steps", "2", "--loop_budgets", "1,2", "--merge"], cwd=work, env=env)
+    proc = _run(
+        [
+            str(python),
+            "-m",
+            "looped_training.finetune_lora",
+            "--model",
+            str(checkpoint),
+            "--train_files",
+            str(work / "corpus.txt"),
+            "--output",
+            str(work / "lora"),
+            "--block_size",
+            "16",
+            "--batch_size",
+            "2",
+            "--max_steps",
+            "2",
+            "--loop_budgets",
+            "1,2",
+            "--merge",
+        ],
+        cwd=work,
+        env=env,
+    )
     summary = last_json_line(proc.stdout)
     assert summary["steps"] == 2
     assert (work / "lora" / "adapter" / "adapter_model.safetensors").is_file()
 
     with HubServer(tokens={TOKEN}) as hub:
-        _run([str(python), "-m", "looped_training.publish", "--checkpoint", str(work / "lora" / "merged"),
-              "--repo_id", REPO, "--token", TOKEN], cwd=work, env={**env, **hf_env(work, hub.endpoint)})
+        _run(
+            [
+                str(python),
+                "-m",
+                "looped_training.publish",
+                "--checkpoint",
+                str(work / "lora" / "merged"),
+                "--repo_id",
+                REPO,
+                "--token",
+                TOKEN,
+            ],
+            cwd=work,
+            env={**env, **hf_env(work, hub.endpoint)},
+        )
         files = hub.files(REPO)
     assert {"model.safetensors", "config.json", "modeling_loopformer.py", "tokenizer.json", "README.md"} <= set(files)
     card = files["README.md"].decode()
@@ -145,8 +202,20 @@ def _fails(cmd, **kwargs):
     return proc.stderr.strip().splitlines()[-1]
 
 
-LF_TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--per_device_train_batch_size", "8", "--max_steps",
-           "2", "--save_strategy", "no", "--disable_tqdm", "true"]
+LF_TINY = [
+    "--hidden_size",
+    "32",
+    "--num_attention_heads",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--max_steps",
+    "2",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def test_shipped_configs_name_no_checkout_path():
@@ -158,19 +227,35 @@ def test_shipped_configs_name_no_checkout_path():
 
 def test_installed_accelerate_configs_by_name(venv):
     python, site, env, work = venv
-    path = Path(_run([str(python), "-m", "looped_training.configs", "accelerate", "ddp"], cwd=work, env=env)
-                .stdout.strip())
+    path = Path(
+        _run([str(python), "-m", "looped_training.configs", "accelerate", "ddp"], cwd=work, env=env).stdout.strip()
+    )
     assert path.is_relative_to(site) and path.is_file() and "distributed_type: MULTI_GPU" in path.read_text()
     listing = _run([str(python), "-m", "looped_training.configs"], cwd=work, env=env).stdout
     assert "accelerate: ddp deepspeed fsdp" in listing and "synthetic-tiny" in listing
     assert "must be one of ['ddp', 'deepspeed', 'fsdp'], got 'dpp'" in _fails(
-        [str(python), "-m", "looped_training.configs", "accelerate", "dpp"], cwd=work, env=env)
+        [str(python), "-m", "looped_training.configs", "accelerate", "dpp"], cwd=work, env=env
+    )
 
 
 def test_installed_loopformer_preset_pipeline_evaluation_and_publish(venv):
     python, site, env, work = venv
-    _run([str(python), "-m", "looped_training.loopformer.train", "--preset", "synthetic-tiny", *LF_TINY,
-          "--num_train_problems", "64", "--num_eval_problems", "16"], cwd=work, env=env)
+    _run(
+        [
+            str(python),
+            "-m",
+            "looped_training.loopformer.train",
+            "--preset",
+            "synthetic-tiny",
+            *LF_TINY,
+            "--num_train_problems",
+            "64",
+            "--num_eval_problems",
+            "16",
+        ],
+        cwd=work,
+        env=env,
+    )
     run = work / "outputs" / "loopformer-synthetic-tiny"  # the preset's default output folder
     record = json.loads((run / "loopformer_training.json").read_text())
     assert record["data"]["preset"] == "synthetic-tiny" and record["data"]["max_depth"] == 4  # the preset's values
@@ -185,15 +270,45 @@ print(json.dumps({{"tokens": len(out), "context": pipe.model.config.max_position
     generated = last_json_line(_run([str(python), "-c", code], cwd=work, env=env).stdout)
     assert generated["tokens"] <= generated["context"]
 
-    proc = _run([str(python), "-m", "looped_training.loopformer.evaluate", str(run), "--output_dir", "eval",
-                 "--max_rows", "8", "--repr_rows", "4", "--schedules", "uniform"], cwd=work, env=env)
+    proc = _run(
+        [
+            str(python),
+            "-m",
+            "looped_training.loopformer.evaluate",
+            str(run),
+            "--output_dir",
+            "eval",
+            "--max_rows",
+            "8",
+            "--repr_rows",
+            "4",
+            "--schedules",
+            "uniform",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert "matplotlib is not installed: no plots" in proc.stderr and "Exact match" in proc.stdout
     assert (work / "eval" / "elastic_eval.json").is_file() and not list((work / "eval").glob("*.png"))
 
     with HubServer(tokens={TOKEN}) as hub:
-        _run([str(python), "-m", "looped_training.publish", "--checkpoint", str(run), "--repo_id", "org/lf-tiny",
-              "--token", TOKEN, "--eval_json", str(work / "eval" / "elastic_eval.json")], cwd=work,
-             env={**env, **hf_env(work, hub.endpoint)})
+        _run(
+            [
+                str(python),
+                "-m",
+                "looped_training.publish",
+                "--checkpoint",
+                str(run),
+                "--repo_id",
+                "org/lf-tiny",
+                "--token",
+                TOKEN,
+                "--eval_json",
+                str(work / "eval" / "elastic_eval.json"),
+            ],
+            cwd=work,
+            env={**env, **hf_env(work, hub.endpoint)},
+        )
         files = hub.files("org/lf-tiny")
     card = files["README.md"].decode()
     assert f'tokenizer(["{record["prompt"]}"]' in card and "preset `synthetic-tiny`" in card
@@ -205,8 +320,18 @@ def test_installed_text_preset_trains_on_the_users_files(venv):
     python, site, env, work = venv
     (work / "plays").mkdir(exist_ok=True)
     (work / "plays" / "corpus.txt").write_text("\n".join(CORPUS * 10))
-    common = [str(python), "-m", "looped_training.loopformer.train", "--preset", "shakespeare-tiny", *LF_TINY,
-              "--block_size", "16", "--tokenizer_vocab_size", "300"]
+    common = [
+        str(python),
+        "-m",
+        "looped_training.loopformer.train",
+        "--preset",
+        "shakespeare-tiny",
+        *LF_TINY,
+        "--block_size",
+        "16",
+        "--tokenizer_vocab_size",
+        "300",
+    ]
     assert "Give exactly one of `dataset_name`" in _fails([*common, "--output_dir", "no-data"], cwd=work, env=env)
     _run([*common, "--train_files", "plays", "--output_dir", "text-run"], cwd=work, env=env)
     assert (work / "text-run" / "model.safetensors").is_file()
@@ -214,20 +339,63 @@ def test_installed_text_preset_trains_on_the_users_files(venv):
 
 def test_installed_fprm_preset_evaluation_and_publish(venv):
     python, site, env, work = venv
-    _run([str(python), "-m", "looped_training.fprm.train", "--preset", PRESET, "--output_dir", "fprm-run",
-          "--max_steps", "2", "--num_train", "32", "--num_test", "8", "--train_length", "8", "--test_length", "16",
-          "--hidden_size", "32", "--intermediate_size", "64", "--per_device_train_batch_size", "8",
-          "--eval_max_loops", "4", "--time_budget_minutes", "0"], cwd=work, env=env)
+    _run(
+        [
+            str(python),
+            "-m",
+            "looped_training.fprm.train",
+            "--preset",
+            PRESET,
+            "--output_dir",
+            "fprm-run",
+            "--max_steps",
+            "2",
+            "--num_train",
+            "32",
+            "--num_test",
+            "8",
+            "--train_length",
+            "8",
+            "--test_length",
+            "16",
+            "--hidden_size",
+            "32",
+            "--intermediate_size",
+            "64",
+            "--per_device_train_batch_size",
+            "8",
+            "--eval_max_loops",
+            "4",
+            "--time_budget_minutes",
+            "0",
+        ],
+        cwd=work,
+        env=env,
+    )
     trained = json.loads((work / "fprm-run" / "results.json").read_text())
     proc = _run([str(python), "-m", "looped_training.fprm.evaluate", "fprm-run"], cwd=work, env=env)
     assert "matplotlib is not installed" in proc.stdout
     again = json.loads((work / "fprm-run" / "eval" / "results.json").read_text())
     assert again["halting"]["cell_accuracy"] == trained["halting"]["cell_accuracy"]  # the same test set, rebuilt
-    assert "fprm-nope' is not a folder" in _fails([str(python), "-m", "looped_training.fprm.evaluate", "fprm-nope"],
-                                       cwd=work, env=env)
+    assert "fprm-nope' is not a folder" in _fails(
+        [str(python), "-m", "looped_training.fprm.evaluate", "fprm-nope"], cwd=work, env=env
+    )
     with HubServer(tokens={TOKEN}) as hub:
-        _run([str(python), "-m", "looped_training.publish", "--checkpoint", "fprm-run/model", "--repo_id",
-              "org/fprm-tiny", "--token", TOKEN], cwd=work, env={**env, **hf_env(work, hub.endpoint)})
+        _run(
+            [
+                str(python),
+                "-m",
+                "looped_training.publish",
+                "--checkpoint",
+                "fprm-run/model",
+                "--repo_id",
+                "org/fprm-tiny",
+                "--token",
+                TOKEN,
+            ],
+            cwd=work,
+            env={**env, **hf_env(work, hub.endpoint)},
+        )
         card = hub.files("org/fprm-tiny")["README.md"].decode()
     assert "type: exact_accuracy" in card and f"preset `{PRESET}`" in card
 
@@ -243,18 +411,58 @@ def test_installed_converters_run_with_the_readmes_flags(venv, tmp_path):
 
     python, site, env, work = venv
     torch.save(loopformer_reference(d=64, n_layer=3, vocab=97, block=64), work / "ckpt.pt")
-    _run([str(python), "-m", "loopformer_hf.convert_reference", "--checkpoint", "ckpt.pt", "--output",
-          "loopformer-3x8", "--n-layer", "3", "--n-loops", "8", "--n-embd", "64", "--n-head", "4", "--vocab-size",
-          "97", "--block-size", "64"], cwd=work, env=env)
+    _run(
+        [
+            str(python),
+            "-m",
+            "loopformer_hf.convert_reference",
+            "--checkpoint",
+            "ckpt.pt",
+            "--output",
+            "loopformer-3x8",
+            "--n-layer",
+            "3",
+            "--n-loops",
+            "8",
+            "--n-embd",
+            "64",
+            "--n-head",
+            "4",
+            "--vocab-size",
+            "97",
+            "--block-size",
+            "64",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert json.loads((work / "loopformer-3x8" / "config.json").read_text())["num_loops"] == 8
 
     (work / "config" / "arch").mkdir(parents=True, exist_ok=True)
     arch = {k: v for k, v in BASE.items() if k not in ("vocab_size", "seq_len", "num_puzzle_identifiers")}
     (work / "config" / "arch" / "fprm.yaml").write_text(yaml.safe_dump(arch))
     (work / "config" / "cfg_pretrain.yaml").write_text(yaml.safe_dump({"arch": {"max_iter_eval": 12}}))
-    (work / "dataset.json").write_text(json.dumps({"vocab_size": VOCAB, "seq_len": SEQ_LEN, "num_puzzle_identifiers": 3}))
+    (work / "dataset.json").write_text(
+        json.dumps({"vocab_size": VOCAB, "seq_len": SEQ_LEN, "num_puzzle_identifiers": 3})
+    )
     torch.save(fprm_reference(BASE), work / "step_50000")
-    _run([str(python), "-m", "fprm_hf.convert_reference", "--checkpoint", "step_50000", "--config",
-          "config/arch/fprm.yaml", "--config", "config/cfg_pretrain.yaml", "--dataset-json", "dataset.json",
-          "--output", "out/fprm"], cwd=work, env=env)
+    _run(
+        [
+            str(python),
+            "-m",
+            "fprm_hf.convert_reference",
+            "--checkpoint",
+            "step_50000",
+            "--config",
+            "config/arch/fprm.yaml",
+            "--config",
+            "config/cfg_pretrain.yaml",
+            "--dataset-json",
+            "dataset.json",
+            "--output",
+            "out/fprm",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert json.loads((work / "out" / "fprm" / "config.json").read_text())["max_loops"] == 12

@@ -61,8 +61,10 @@ def read_config_file(parser, path):
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             # e.g. a `!!python/object` tag, which safe_load refuses to construct (nothing runs)
             detail = " ".join(str(e).split())
-            raise ValueError(f"Config file {path!r} is not plain {'JSON' if is_json else 'YAML'} (names mapped to "
-                             f"numbers, strings, lists): {detail}") from None
+            raise ValueError(
+                f"Config file {path!r} is not plain {'JSON' if is_json else 'YAML'} (names mapped to "
+                f"numbers, strings, lists): {detail}"
+            ) from None
     if not isinstance(values, dict):
         raise ValueError(f"Config file {path!r} must map argument names to values, got a {type(values).__name__}.")
     try:

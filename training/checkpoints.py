@@ -68,7 +68,9 @@ def _check_safetensors(path):
             raise CheckpointError(f"{path} is truncated ({size} bytes): not a safetensors file.")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise CheckpointError(f"{path} is truncated or corrupt: header of {header_len} bytes in a {size}-byte file.")
+            raise CheckpointError(
+                f"{path} is truncated or corrupt: header of {header_len} bytes in a {size}-byte file."
+            )
         try:
             header = json.loads(f.read(header_len))
         except ValueError as e:
@@ -102,8 +104,10 @@ def check_checkpoint(path, for_resume=False):
     for name in weights:
         _check_safetensors(os.path.join(path, name))
     if for_resume:
-        _check_json(os.path.join(path, "trainer_state.json"),
-                    f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.")
+        _check_json(
+            os.path.join(path, "trainer_state.json"),
+            f"{path!r} is not a Trainer checkpoint: it has no trainer_state.json.",
+        )
         # the run's record (loopformer_training.json, fprm_run.json), the tokenizer's files: a resume reads each
         for name in sorted(n for n in os.listdir(path) if n.endswith(".json")):
             _check_json(os.path.join(path, name), None)
@@ -128,19 +132,24 @@ def load_model(model_class, checkpoint, **kwargs):
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report would repeat, in a table, what the error says
     try:
-        model, info = model_class.from_pretrained(checkpoint, output_loading_info=True, ignore_mismatched_sizes=True,
-                                                  **kwargs)
+        model, info = model_class.from_pretrained(
+            checkpoint, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
     except (OSError, RuntimeError, ValueError, StrictDataclassError) as err:  # a value the config refuses, a bad file
         raise CheckpointError(f"{weights} could not be loaded with {config_file}: {first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     if mismatched := sorted(info.get("mismatched_keys") or []):
         name, in_file, in_config = mismatched[0]
-        raise CheckpointError(f"{weights} does not fit {config_file}: {len(mismatched)} tensor(s) differ in shape, "
-                              f"e.g. {name} is {list(in_file)} in the weights and {list(in_config)} by the config.")
+        raise CheckpointError(
+            f"{weights} does not fit {config_file}: {len(mismatched)} tensor(s) differ in shape, "
+            f"e.g. {name} is {list(in_file)} in the weights and {list(in_config)} by the config."
+        )
     if missing := sorted(info.get("missing_keys") or []):
-        raise CheckpointError(f"{weights} lacks {len(missing)} tensor(s) that {config_file} needs: "
-                              f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}.")
+        raise CheckpointError(
+            f"{weights} lacks {len(missing)} tensor(s) that {config_file} needs: "
+            f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}."
+        )
     return model
 
 
@@ -201,9 +210,11 @@ def check_model_type(checkpoint, model_type):
     with open(path) as f:
         saved = json.load(f).get("model_type")
     if saved != model_type:
-        raise ValueError(f"{checkpoint} is a {saved!r} checkpoint (config.json model_type), not a {model_type!r} one: "
-                         f"give it to the {saved!r} model's trainer or evaluation, or give a {model_type!r} checkpoint "
-                         f"here.")
+        raise ValueError(
+            f"{checkpoint} is a {saved!r} checkpoint (config.json model_type), not a {model_type!r} one: "
+            f"give it to the {saved!r} model's trainer or evaluation, or give a {model_type!r} checkpoint "
+            f"here."
+        )
 
 
 def resolve_resume(resume_from_checkpoint, output_dir, model_type):
@@ -218,11 +229,14 @@ def resolve_resume(resume_from_checkpoint, output_dir, model_type):
             if run_record(output_dir) is not None:
                 # a run saved without checkpoint-N (FPRM's default, --save_strategy no): its own record says whether
                 # it is finished (`finished_run`); training from scratch would overwrite its model
-                logger.info("No checkpoint in %s; it holds the record of a run (%s).", output_dir,
-                            run_record(output_dir))
+                logger.info(
+                    "No checkpoint in %s; it holds the record of a run (%s).", output_dir, run_record(output_dir)
+                )
                 return output_dir
-            logger.warning("No complete checkpoint in %s (an incomplete one is skipped, above): training from "
-                           "scratch.", output_dir)
+            logger.warning(
+                "No complete checkpoint in %s (an incomplete one is skipped, above): training from scratch.",
+                output_dir,
+            )
             return None
         logger.info("Resuming from %s.", resume)
     else:
@@ -286,11 +300,22 @@ def finished_run(checkpoint, args, incomplete_save=None):
         )
     if not done:
         return False
-    written = ("nothing written" if incomplete_save is None else
-               f"but the final save in {incomplete_save} is incomplete (a run killed while writing it?): writing it "
-               f"from this checkpoint")
-    logger.warning("%s is the end of a finished run (step %d, epoch %.2f; this run asks for %s): nothing to train, "
-                   "%s. Raise %s to train further.", checkpoint, step, epoch, goal, written, goal.split()[0])
+    written = (
+        "nothing written"
+        if incomplete_save is None
+        else f"but the final save in {incomplete_save} is incomplete (a run killed while writing it?): writing it "
+        f"from this checkpoint"
+    )
+    logger.warning(
+        "%s is the end of a finished run (step %d, epoch %.2f; this run asks for %s): nothing to train, "
+        "%s. Raise %s to train further.",
+        checkpoint,
+        step,
+        epoch,
+        goal,
+        written,
+        goal.split()[0],
+    )
     return True
 
 
@@ -298,8 +323,10 @@ def check_run_length(args):
     """Refuse `--max_steps 0` (`TrainingArguments`): the Trainer took one step and saved the model as a finished run
     of global_step 1, with exit 0."""
     if args.max_steps == 0:
-        raise ValueError("--max_steps 0 would train nothing (the Trainer took one step and saved it as a finished "
-                         "run): give --max_steps >= 1, or -1 (the default) to train --num_train_epochs.")
+        raise ValueError(
+            "--max_steps 0 would train nothing (the Trainer took one step and saved it as a finished "
+            "run): give --max_steps >= 1, or -1 (the default) to train --num_train_epochs."
+        )
 
 
 @dataclass
@@ -309,10 +336,14 @@ class TrainingArguments(transformers.TrainingArguments):
     holds a run unless it resumes it or this flag is given (`claim_output_dir`). No pinned memory without an
     accelerator."""
 
-    overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Train a new run in an --output_dir that holds one: the old run's checkpoint-N folders, final model and "
-                "records are deleted first (without this flag such a folder is refused; --resume_from_checkpoint "
-                "last continues its run)."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train a new run in an --output_dir that holds one: the old run's checkpoint-N folders, final model and "
+            "records are deleted first (without this flag such a folder is refused; --resume_from_checkpoint "
+            "last continues its run)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -358,8 +389,10 @@ def claim_output_dir(args, resume, after_final=()):
     final save (`unfinished_records`), which the refusal names when they are missing."""
     output_dir = args.output_dir
     if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
-        raise ValueError(f"--overwrite_output_dir (train a new run over {output_dir!r}) and --resume_from_checkpoint "
-                         f"{args.resume_from_checkpoint} (continue a run) do not combine: give one.")
+        raise ValueError(
+            f"--overwrite_output_dir (train a new run over {output_dir!r}) and --resume_from_checkpoint "
+            f"{args.resume_from_checkpoint} (continue a run) do not combine: give one."
+        )
     saved = saved_run(output_dir)
     resumes_it = args.resume_from_checkpoint == "last" or (resume is not None and _inside(resume, output_dir))
     if not saved or resumes_it:
@@ -367,9 +400,14 @@ def claim_output_dir(args, resume, after_final=()):
     listed = ", ".join(saved[:6]) + (", ..." if len(saved) > 6 else "")
     if not args.overwrite_output_dir:
         missing = unfinished_records(output_dir, after_final)
-        state, resume_does = ((f" that stopped after its final save, before writing {', '.join(missing)}",
-                               "to finish it (nothing is trained: what is missing is written from the saved model)")
-                              if missing else ("", "to continue it (a finished run is then left as it is)"))
+        state, resume_does = (
+            (
+                f" that stopped after its final save, before writing {', '.join(missing)}",
+                "to finish it (nothing is trained: what is missing is written from the saved model)",
+            )
+            if missing
+            else ("", "to continue it (a finished run is then left as it is)")
+        )
         raise ValueError(
             f"--output_dir {output_dir!r} already holds a run ({listed}){state}: a new run would train over it. Give "
             f"--resume_from_checkpoint last {resume_does}, --overwrite_output_dir to delete it and train a new run "
@@ -491,8 +529,11 @@ def output_dir_lock(output_dir, hold=True):
     try:
         os.makedirs(output_dir, exist_ok=True)
     except PermissionError as err:
-        raise _not_writable(err, f"--output_dir {output_dir} cannot be created: {os.path.dirname(err.filename)} is not "
-                                 f"writable ({err.strerror}); give an --output_dir in a folder you can write") from None
+        raise _not_writable(
+            err,
+            f"--output_dir {output_dir} cannot be created: {os.path.dirname(err.filename)} is not "
+            f"writable ({err.strerror}); give an --output_dir in a folder you can write",
+        ) from None
     me = {"pid": os.getpid(), "host": socket.gethostname()}
     for attempt in range(2):
         try:
@@ -512,8 +553,11 @@ def output_dir_lock(output_dir, hold=True):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
                 continue
-            who = (f"process {holder['pid']} on {holder.get('host', '?')}" if holder else
-                   "a lock that is empty or unreadable, written just now")
+            who = (
+                f"process {holder['pid']} on {holder.get('host', '?')}"
+                if holder
+                else "a lock that is empty or unreadable, written just now"
+            )
             raise ValueError(
                 f"--output_dir {output_dir!r} is being written by another run ({who}, {path}): give another "
                 f"--output_dir, or wait for that run to end. If it is gone (killed, or its machine stopped), delete "
@@ -524,8 +568,11 @@ def output_dir_lock(output_dir, hold=True):
             if err.errno not in _REFUSED_WRITE:
                 raise
             # nothing to lock against: no run can write there either
-            yield _not_writable(err, f"--output_dir {output_dir} is not writable ({err.strerror}: {path}); make it "
-                                     f"writable (chmod u+w {output_dir}) or give another --output_dir")
+            yield _not_writable(
+                err,
+                f"--output_dir {output_dir} is not writable ({err.strerror}: {path}); make it "
+                f"writable (chmod u+w {output_dir}) or give another --output_dir",
+            )
             return
     with os.fdopen(fd, "w") as f:
         json.dump(me, f)
@@ -595,12 +642,16 @@ def _ending_in_one_line(output_dir):
             raise
         resume, final = last_complete_checkpoint(output_dir, warn=False), run_record(output_dir)
         if resume:
-            saved = (f"the last complete checkpoint is {resume}. Run the same command with --resume_from_checkpoint "
-                     f"last to go on from it")
+            saved = (
+                f"the last complete checkpoint is {resume}. Run the same command with --resume_from_checkpoint "
+                f"last to go on from it"
+            )
         elif final:  # a run without checkpoints, after its final save (FPRM: in its evaluation)
-            saved = (f"the run's final model and {os.path.basename(final)} are in {output_dir}. Run the same command "
-                     f"with --resume_from_checkpoint last to write anything it had left to write (FPRM: the "
-                     f"evaluation's results.json), without training")
+            saved = (
+                f"the run's final model and {os.path.basename(final)} are in {output_dir}. Run the same command "
+                f"with --resume_from_checkpoint last to write anything it had left to write (FPRM: the "
+                f"evaluation's results.json), without training"
+            )
         else:
             saved = "no checkpoint is complete, so there is nothing to resume: run the same command to start over"
         raise RunInterrupted(f"interrupted (Ctrl-C): {saved}.") from None
@@ -610,10 +661,13 @@ def _ending_in_one_line(output_dir):
         file = _file_being_written(err.__traceback__) or output_dir
         refused = isinstance(err, OSError) and err.errno in _REFUSED_WRITE
         if refused and _inside(err.filename or file, output_dir):  # not a file of the user's the run reads
-            raise _not_writable(err, f"A write in --output_dir {output_dir} was refused during the run "
-                                     f"({err.strerror}: {err.filename or file}): "
-                                     f"{_what_a_resume_starts_from(output_dir)}. Make it writable and run the same "
-                                     f"command with --resume_from_checkpoint last") from err
+            raise _not_writable(
+                err,
+                f"A write in --output_dir {output_dir} was refused during the run "
+                f"({err.strerror}: {err.filename or file}): "
+                f"{_what_a_resume_starts_from(output_dir)}. Make it writable and run the same "
+                f"command with --resume_from_checkpoint last",
+            ) from err
         if not _is_disk_full(err, output_dir):
             raise
         free = shutil.disk_usage(output_dir).free

@@ -42,8 +42,10 @@ LOOPFORMER_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", 
 FPRM_TARGET_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LOOP_CONDITIONING_MODULES = {"loopformer": ["loop_conditioning", "adaLN_modulation"], "fprm": ["residual_scaling"]}
 # The flags only one model type reads (the other would ignore them).
-MODEL_TYPE_FLAGS = {"loopformer": ["train_files", "dataset", "dataset_config", "loop_budgets"],
-                    "fprm": ["task_data", "max_loops"]}
+MODEL_TYPE_FLAGS = {
+    "loopformer": ["train_files", "dataset", "dataset_config", "loop_budgets"],
+    "fprm": ["task_data", "max_loops"],
+}
 MODEL_NAMES = {"loopformer": "LoopFormer", "fprm": "FPRM"}
 
 
@@ -68,20 +70,26 @@ def default_target_modules(config):
 def loop_conditioning_modules(model):
     """Names (suffixes, as PEFT's modules_to_save wants them) of the loop-conditioning modules present in `model`."""
     wanted = LOOP_CONDITIONING_MODULES.get(model.config.model_type, [])
-    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-               if next(module.parameters(), None) is not None}
+    present = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if next(module.parameters(), None) is not None
+    }
     return [name for name in wanted if name in present]
 
 
-def add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=None, train_loop_conditioning=False,
-             init_lora_weights=True):
+def add_lora(
+    model, r=8, alpha=16, dropout=0.0, target_modules=None, train_loop_conditioning=False, init_lora_weights=True
+):
     """Wrap `model` with LoRA adapters. `train_loop_conditioning` makes the loop-conditioning modules trainable
     (modules_to_save); otherwise they stay frozen with the rest of the base model."""
     from peft import LoraConfig, get_peft_model
 
     if target_modules is None:
         target_modules = default_target_modules(model.config)
-    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    linear_names = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
     unknown = [t for t in target_modules if t not in linear_names]
     if not target_modules or unknown:
         raise ValueError(
@@ -100,8 +108,12 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, target_modules=None, train_loop_
                 f"{getattr(model.config, 'loop_conditioning', None)!r}); use --loop_conditioning freeze."
             )
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-        modules_to_save=modules_to_save, init_lora_weights=init_lora_weights,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        modules_to_save=modules_to_save,
+        init_lora_weights=init_lora_weights,
         task_type="CAUSAL_LM" if model.config.model_type == "loopformer" else None,
     )
     return get_peft_model(model, config)
@@ -184,16 +196,27 @@ def build_parser():
     data.add_argument("--dataset_config", default=None)
     data.add_argument("--text_column", default="text")
     data.add_argument("--task_data", default=None, help="FPRM: datasets folder or JSON-lines with input_ids, labels")
-    p.add_argument("--block_size", type=int, default=None,
-                   help="LoopFormer: tokens per training row (default: 128, or the model's context if shorter)")
+    p.add_argument(
+        "--block_size",
+        type=int,
+        default=None,
+        help="LoopFormer: tokens per training row (default: 128, or the model's context if shorter)",
+    )
     p.add_argument("--lora_r", type=int, default=8)
     p.add_argument("--lora_alpha", type=int, default=16)
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--target_modules", default=None, help="comma-separated; default: the documented ones")
-    p.add_argument("--loop_conditioning", choices=["freeze", "train"], default="freeze",
-                   help="freeze (default) or train the loop-conditioning parameters")
-    p.add_argument("--loop_budgets", default=None, help="LoopFormer: budgets sampled per batch, e.g. 2,4,8 "
-                                                         "(default: the config's default budget)")
+    p.add_argument(
+        "--loop_conditioning",
+        choices=["freeze", "train"],
+        default="freeze",
+        help="freeze (default) or train the loop-conditioning parameters",
+    )
+    p.add_argument(
+        "--loop_budgets",
+        default=None,
+        help="LoopFormer: budgets sampled per batch, e.g. 2,4,8 (default: the config's default budget)",
+    )
     p.add_argument("--max_loops", type=int, default=None, help="FPRM: solver cap during fine-tuning")
     p.add_argument("--max_steps", type=int, default=100)
     p.add_argument("--batch_size", type=int, default=8)
@@ -224,13 +247,16 @@ def check_output(output):
     old one would be left beside it as if it were the new one's."""
     out = Path(output)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {output} is a file, not a folder: give a folder (new, or empty) for adapter/ and "
-                         f"merged/.")
+        raise ValueError(
+            f"--output {output} is a file, not a folder: give a folder (new, or empty) for adapter/ and merged/."
+        )
     earlier = [name for name in ("adapter", "merged") if (out / name).exists()]
     if earlier:
-        raise ValueError(f"--output {output} already holds {' and '.join(f'{n}/' for n in earlier)} of an earlier "
-                         f"fine-tuning, which this one would replace or leave stale: give a new --output, or move "
-                         f"those away first.")
+        raise ValueError(
+            f"--output {output} already holds {' and '.join(f'{n}/' for n in earlier)} of an earlier "
+            f"fine-tuning, which this one would replace or leave stale: give a new --output, or move "
+            f"those away first."
+        )
 
 
 def resolve_model(model):
@@ -269,14 +295,18 @@ def check_flags_apply(args, config):
     for model_type, flags in MODEL_TYPE_FLAGS.items():
         given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
         if given and model_type != config.model_type:
-            raise ValueError(f"{', '.join(given)}: only for {MODEL_NAMES[model_type]} models, and --model "
-                             f"{args.model} is model_type {config.model_type!r}.")
+            raise ValueError(
+                f"{', '.join(given)}: only for {MODEL_NAMES[model_type]} models, and --model "
+                f"{args.model} is model_type {config.model_type!r}."
+            )
     if config.model_type == "loopformer":
         context = config.max_position_embeddings
         if config.position_embedding_type == "learned" and args.block_size > context:
             # the first training step failed with "Position ... is beyond max_position_embeddings"
-            raise ValueError(f"--block_size {args.block_size} is longer than the model's context of {context} tokens "
-                             f"(max_position_embeddings, learned positions); give --block_size <= {context}.")
+            raise ValueError(
+                f"--block_size {args.block_size} is longer than the model's context of {context} tokens "
+                f"(max_position_embeddings, learned positions); give --block_size <= {context}."
+            )
         for budget in args.loop_budgets or []:
             try:
                 config.resolve_trajectory(budget)  # the check the forward runs
@@ -315,14 +345,27 @@ def main(argv=None):
         collator = ExtraKwargsCollator(fixed=None if args.max_loops is None else {"max_loops": args.max_loops})
 
     targets = args.target_modules.split(",") if args.target_modules else None
-    peft_model = add_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                          target_modules=targets, train_loop_conditioning=args.loop_conditioning == "train")
+    peft_model = add_lora(
+        model,
+        r=args.lora_r,
+        alpha=args.lora_alpha,
+        dropout=args.lora_dropout,
+        target_modules=targets,
+        train_loop_conditioning=args.loop_conditioning == "train",
+    )
     peft_model.print_trainable_parameters()
     training_args = TrainingArguments(
-        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate, logging_steps=max(1, args.max_steps // 10), save_strategy="no",
-        report_to="none", remove_unused_columns=False, seed=args.seed,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        output_dir=args.output,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        logging_steps=max(1, args.max_steps // 10),
+        save_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
     )
     trainer = Trainer(model=peft_model, args=training_args, train_dataset=train, data_collator=collator)
     result = trainer.train()
@@ -336,8 +379,12 @@ def main(argv=None):
         merged.save_pretrained(out / "merged")
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "merged")
-    summary = {"train_loss": result.training_loss, "steps": result.global_step, "adapter": str(out / "adapter"),
-               "merged": str(out / "merged") if args.merge else None}
+    summary = {
+        "train_loss": result.training_loss,
+        "steps": result.global_step,
+        "adapter": str(out / "adapter"),
+        "merged": str(out / "merged") if args.merge else None,
+    }
     print(json.dumps(summary))
     return summary
 

@@ -24,14 +24,17 @@ class ReferenceWarmupCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
-            raise ValueError(f"The reference warm-up replaces the warm-up of a LambdaLR schedule (constant, linear, "
-                             f"cosine, cosine_with_min_lr, ...), got {type(lr_scheduler).__name__}.")
+            raise ValueError(
+                f"The reference warm-up replaces the warm-up of a LambdaLR schedule (constant, linear, "
+                f"cosine, cosine_with_min_lr, ...), got {type(lr_scheduler).__name__}."
+            )
         warmup = args.get_warmup_steps(state.max_steps)
 
         def wrap(trainer_factor):
             # a plain function: LambdaLR's state_dict stores nothing of it, so checkpoints stay as the Trainer's
             def factor(step):
                 return reference_warmup_factor(step, warmup) if step < warmup else trainer_factor(step)
+
             return factor
 
         lr_scheduler.lr_lambdas = [wrap(f) for f in lr_scheduler.lr_lambdas]

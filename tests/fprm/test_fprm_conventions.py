@@ -29,8 +29,16 @@ BAD_VALUES = [(*case.setting, case.message) for case in CASES if case.area == "F
 
 @pytest.mark.parametrize("field,value,message", BAD_VALUES)
 def test_bad_config_value_refused_however_it_arrives(checkpoint, tmp_path, field, value, message):
-    assert_refused_however_it_arrives(tiny_fprm_config, FPRMForReasoning, AutoModelForTokenClassification, checkpoint,
-                                      tmp_path, field, value, message)
+    assert_refused_however_it_arrives(
+        tiny_fprm_config,
+        FPRMForReasoning,
+        AutoModelForTokenClassification,
+        checkpoint,
+        tmp_path,
+        field,
+        value,
+        message,
+    )
 
 
 def test_good_values_still_set_and_grid_size_normalised(checkpoint):
@@ -45,6 +53,7 @@ def test_good_values_still_set_and_grid_size_normalised(checkpoint):
 
 
 # ---- output_hidden_states ------------------------------------------------------------------------------------------
+
 
 def test_output_hidden_states_are_the_solver_iterates():
     model = tiny_fprm()
@@ -105,6 +114,7 @@ def test_output_hidden_states_from_config_and_in_tuple_output():
 
 # ---- attention_mask ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("config", [tiny_fprm_config, sequence_fprm_config])
 def test_all_ones_attention_mask_is_accepted_and_changes_nothing(config):
     model = tiny_fprm(config=config())
@@ -128,8 +138,11 @@ def test_padded_attention_mask_is_refused(config):
 
 
 def test_attention_mask_of_another_shape_is_refused():
-    with pytest.raises(ValueError, match=r"`attention_mask` must be a tensor of the shape of `input_ids` \(2, 16\), "
-                                         r"got Tensor \(2, 15\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`attention_mask` must be a tensor of the shape of `input_ids` \(2, 16\), "
+        r"got Tensor \(2, 15\)",
+    ):
         tiny_fprm()(grid_inputs(2), attention_mask=torch.ones(2, 15, dtype=torch.long))
 
 
@@ -154,10 +167,23 @@ def test_eager_attention_keeps_float64_and_equals_sdpa():
 # config.json as b160b8c's FPRMConfig wrote it (separate q/k/v and gate/up, weighted norms, a stored z0), trimmed to
 # the fields that tell the layout; its model computed another step than the authors' one this version computes
 B160B8C_CONFIG = {
-    "model_type": "fprm", "architectures": ["FPRMForReasoning"], "vocab_size": 6, "hidden_size": 32,
-    "num_attention_heads": 4, "intermediate_size": 1536, "num_hidden_layers": 2, "grid_size": [4, 4],
-    "conv_type": "2d", "conv_kernel_size": 3, "norm_position": "pre", "residual_scaling": "input_independent",
-    "alpha1": 0.75, "alpha2": 0.25, "init_std": 6.0, "rope_theta": 10000.0, "num_prefix_tokens": 16,
+    "model_type": "fprm",
+    "architectures": ["FPRMForReasoning"],
+    "vocab_size": 6,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 2,
+    "grid_size": [4, 4],
+    "conv_type": "2d",
+    "conv_kernel_size": 3,
+    "norm_position": "pre",
+    "residual_scaling": "input_independent",
+    "alpha1": 0.75,
+    "alpha2": 0.25,
+    "init_std": 6.0,
+    "rope_theta": 10000.0,
+    "num_prefix_tokens": 16,
 }
 
 
@@ -166,7 +192,10 @@ def test_a_save_of_an_earlier_release_says_which_commit_reads_it(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(B160B8C_CONFIG))
     for load in (FPRMForReasoning.from_pretrained, AutoModelForTokenClassification.from_pretrained):
-        with pytest.raises(ValueError, match=r"`norm_position='pre'`: this config.json was saved by an earlier "
-                                             r"version .* at commit ffb16f3 \(the last commit before 05bdf19") as error:
+        with pytest.raises(
+            ValueError,
+            match=r"`norm_position='pre'`: this config.json was saved by an earlier "
+            r"version .* at commit ffb16f3 \(the last commit before 05bdf19",
+        ) as error:
             load(tmp_path)
         assert "\n" not in str(error.value)

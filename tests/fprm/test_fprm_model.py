@@ -33,7 +33,12 @@ def test_config_defaults_are_the_authors_arch_defaults_with_transformers_names()
     assert (c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers) == (11, 512, 8, 2)
     assert (c.alpha1, c.alpha2, c.halt_eps, c.init_std, c.patience) == (0.5, 0.5, 0.1, 1.0, 5)
     assert (c.gamma_train, c.gamma_eval, c.conv_type, c.conv_kernel_size, c.num_prefix_tokens) == (
-        0.9, 0.99, "causal_1d", 4, 16)
+        0.9,
+        0.99,
+        "causal_1d",
+        4,
+        16,
+    )
     assert (c.norm_type, c.norm_placement, c.fixed_init) == ("pre", "none", False)
     assert (c.expansion, c.intermediate_size, c.rms_norm_eps, c.position_embedding_type) == (4.0, 1536, 1e-5, "rope")
     assert tiny_fprm_config(conv_type="2d").conv_kernel_size == 3  # 3x3 for grids
@@ -86,8 +91,14 @@ with torch.no_grad():
 print("REMOTE_OK", type(m).__module__)
 """
     # the modeling file and every module it imports relatively lie next to the weights
-    code = ("configuration_fprm.py", "modeling_fprm.py", "layers_fprm.py", "solver_fprm.py", "inputs_fprm.py",
-            "outputs_fprm.py")
+    code = (
+        "configuration_fprm.py",
+        "modeling_fprm.py",
+        "layers_fprm.py",
+        "solver_fprm.py",
+        "inputs_fprm.py",
+        "outputs_fprm.py",
+    )
     assert set(code) <= {p.name for p in tmp_path.glob("*.py")}
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -192,8 +203,9 @@ def test_peri_norm_and_norm_placements():
         y = torch.randn_like(x)
         assert not torch.allclose(plain.fixed_point_map(y, x), placed.fixed_point_map(y, x))
         # input placement: f(c·y) = f(y) for any c > 0 when the conv is linear and the state is normalised after it
-        torch.testing.assert_close(placed.fixed_point_map(3 * y, x), placed.fixed_point_map(y, x), rtol=1e-4,
-                                   atol=1e-4)
+        torch.testing.assert_close(
+            placed.fixed_point_map(3 * y, x), placed.fixed_point_map(y, x), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_input_is_reinjected_every_loop_step():
@@ -274,7 +286,9 @@ def test_the_conv_replaces_the_grid_rows_of_the_raw_state():
 def test_position_embedding_types(positions):
     torch.manual_seed(0)
     # fixed_init: the same z0 on every token, so that only positions can tell the cells apart
-    model = FPRMForReasoning(tiny_fprm_config(position_embedding_type=positions, conv_type="none", fixed_init=True)).eval()
+    model = FPRMForReasoning(
+        tiny_fprm_config(position_embedding_type=positions, conv_type="none", fixed_init=True)
+    ).eval()
     assert (model.model.embed_positions is not None) == (positions == "learned")
     assert (model.model.rotary_emb is not None) == (positions == "rope")
     ids = torch.full((1, 16), 3)
@@ -462,11 +476,17 @@ def test_a_solver_state_of_another_dtype_or_hand_edited_is_a_named_error():
     ids = grid_inputs(2)
     with torch.no_grad():
         state = model(ids, max_loops=2).solver_state
-        with pytest.raises(ValueError, match=r"`solver_state.hidden` is torch.bfloat16, this model computes in "
-                                             r"torch.float32"):
+        with pytest.raises(
+            ValueError,
+            match=r"`solver_state.hidden` is torch.bfloat16, this model computes in "
+            r"torch.float32",
+        ):
             model(ids, solver_state=dataclasses.replace(state, hidden=state.hidden.bfloat16()))
-        with pytest.raises(ValueError, match=r"`solver_state.eta` must be a torch.float32 tensor of shape \(2,\), got "
-                                             r"Tensor \(3,\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"`solver_state.eta` must be a torch.float32 tensor of shape \(2,\), got "
+            r"Tensor \(3,\)",
+        ):
             model(ids, solver_state=dataclasses.replace(state, eta=torch.ones(3)))
         with pytest.raises(ValueError, match=r"`solver_state.halted` must be a torch.bool tensor"):
             model(ids, solver_state=dataclasses.replace(state, halted=state.halted.long()))
@@ -614,8 +634,9 @@ def test_inputs_embeds_stand_in_for_the_token_embeddings():
     model = tiny_fprm().eval()
     ids = grid_inputs(2)
     embeds = model.get_input_embeddings()(ids)
-    torch.testing.assert_close(model(inputs_embeds=embeds, labels=ids).logits, model(ids, labels=ids).logits,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        model(inputs_embeds=embeds, labels=ids).logits, model(ids, labels=ids).logits, rtol=0, atol=0
+    )
     with pytest.raises(ValueError, match="exactly one of `input_ids` or `inputs_embeds`"):
         model(ids, inputs_embeds=embeds)
     with pytest.raises(ValueError, match="`inputs_embeds` must be a float tensor of shape"):
@@ -649,8 +670,13 @@ def test_half_precision_computes_the_fp32_function_up_to_rounding(layout, bound)
     within 5x (printed: ~3.7x bf16, ~2.6x fp16)."""
     import copy
 
-    overrides = {} if layout == "grid" else dict(grid_size=None, conv_type="causal_1d", causal=True,
-                                                 position_embedding_type="none", num_prefix_tokens=0)
+    overrides = (
+        {}
+        if layout == "grid"
+        else dict(
+            grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0
+        )
+    )
     model = tiny_fprm(0, init_std=0.15, **overrides)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(0.15)

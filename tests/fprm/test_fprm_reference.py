@@ -33,20 +33,29 @@ def one_thread():
 PREFIX = dict(puzzle_emb_ndim=2 * HIDDEN - 5, puzzle_emb_len=3)  # 3 rows, the last one partly zero padding
 CASES = {
     "conv1d-rope-prefix-pre-input_independent": dict(**PREFIX),
-    "conv2d-rope-prefix-pre-input_independent": dict(conv_type="conv2d", conv_kernel_size=3, alpha_1_init=0.75,
-                                                     alpha_2_init=0.25, **PREFIX),
+    "conv2d-rope-prefix-pre-input_independent": dict(
+        conv_type="conv2d", conv_kernel_size=3, alpha_1_init=0.75, alpha_2_init=0.25, **PREFIX
+    ),
     "conv1d-learned-post-none": dict(pos_encodings="learned", norm_type="post-norm", residual_scale=None),
-    "conv1d-none-causal-pre-fixed": dict(pos_encodings="none", causal=True, residual_scale="fixed",
-                                         alpha_1_init=0.6, alpha_2_init=0.3),
-    "conv2d-none-pre-input_dependent": dict(conv_type="conv2d", conv_kernel_size=3, pos_encodings="none",
-                                            residual_scale="input-dependent"),
+    "conv1d-none-causal-pre-fixed": dict(
+        pos_encodings="none", causal=True, residual_scale="fixed", alpha_1_init=0.6, alpha_2_init=0.3
+    ),
+    "conv2d-none-pre-input_dependent": dict(
+        conv_type="conv2d", conv_kernel_size=3, pos_encodings="none", residual_scale="input-dependent"
+    ),
     "conv1d-rope-prefix-pre-outer_only": dict(outer_only=True, **PREFIX),
     "conv1d-learned-prefix-post-input_independent": dict(pos_encodings="learned", norm_type="post-norm", **PREFIX),
-    "conv1d-rope-peri-output-normalized-injection": dict(norm_type="peri-norm", norm_placement="output",
-                                                         normalize_input_injection=True, conv_bias=True),
-    "conv2d-learned-prefix-pre-input-norm-fixed_init": dict(conv_type="conv2d", conv_kernel_size=3,
-                                                            pos_encodings="learned", norm_placement="input",
-                                                            fixed_init=True, **PREFIX),
+    "conv1d-rope-peri-output-normalized-injection": dict(
+        norm_type="peri-norm", norm_placement="output", normalize_input_injection=True, conv_bias=True
+    ),
+    "conv2d-learned-prefix-pre-input-norm-fixed_init": dict(
+        conv_type="conv2d",
+        conv_kernel_size=3,
+        pos_encodings="learned",
+        norm_placement="input",
+        fixed_init=True,
+        **PREFIX,
+    ),
     "none-conv-rope-pre-input_independent-temp": dict(conv_type="none", softmax_temp=1.7),
 }
 # with these seeds the residual improves at every one of the 20 iterations, so η never decays
@@ -96,8 +105,14 @@ def _compare(model, sd, s, training=False, iterations=20):
         # one call of `iterations` steps gives the same state and residual trace as the step-by-step calls
         fresh = core.initial_solver_state(x)
         fresh.hidden = z0.clone()
-        full = model(ids, puzzle_identifiers=puzzles, solver_state=fresh, max_loops=iterations, halting=False,
-                     output_residual_trace=True)
+        full = model(
+            ids,
+            puzzle_identifiers=puzzles,
+            solver_state=fresh,
+            max_loops=iterations,
+            halting=False,
+            output_residual_trace=True,
+        )
         torch.testing.assert_close(full.residual_trace, torch.stack(trace, dim=1), **TOL)
         torch.testing.assert_close(full.solver_state.hidden, ref_state["y"], **TOL)
     etas = state.eta.tolist()
@@ -132,21 +147,40 @@ def test_compiled_prefix_yaml_config_and_cli(tmp_path):
     sd = {f"_orig_mod.{k}": v for k, v in reference_state_dict(s, seed=9).items()}
     torch.save(sd, tmp_path / "step_100")
     arch = {k: v for k, v in s.items() if k not in ("vocab_size", "seq_len", "num_puzzle_identifiers", "L_cycles")}
-    arch.update(L_cycles=4, n_backwards_L="${.L_cycles}", name="fixed_point_reasoning.fprm@FixedPointReasoningModel",
-                loss={"name": "losses@ACTLossHead", "loss_type": "stablemax_cross_entropy"})
+    arch.update(
+        L_cycles=4,
+        n_backwards_L="${.L_cycles}",
+        name="fixed_point_reasoning.fprm@FixedPointReasoningModel",
+        loss={"name": "losses@ACTLossHead", "loss_type": "stablemax_cross_entropy"},
+    )
     (tmp_path / "fprm.yaml").write_text(yaml.safe_dump(arch))
     (tmp_path / "task.yaml").write_text(yaml.safe_dump({"global_batch_size": 768, "arch": {"max_iter_eval": 33}}))
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "fprm_hf.convert_reference", "--checkpoint", str(tmp_path / "step_100"),
-           "--config", str(tmp_path / "fprm.yaml"), "--config", str(tmp_path / "task.yaml"),
-           "--vocab-size", str(VOCAB), "--seq-len", str(SEQ_LEN), "--num-puzzle-identifiers", "3",
-           "--output", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fprm_hf.convert_reference",
+        "--checkpoint",
+        str(tmp_path / "step_100"),
+        "--config",
+        str(tmp_path / "fprm.yaml"),
+        "--config",
+        str(tmp_path / "task.yaml"),
+        "--vocab-size",
+        str(VOCAB),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--num-puzzle-identifiers",
+        "3",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "saved FPRMForReasoning" in done.stdout
     model = FPRMForReasoning.from_pretrained(tmp_path / "out").eval()
     assert model.config.max_loops == 33 and model.config.grid_size == [4, 4] and model.config.num_prefix_tokens == 3
-    _compare(model, {k[len("_orig_mod."):]: v for k, v in sd.items()}, s, iterations=3)
+    _compare(model, {k[len("_orig_mod.") :]: v for k, v in sd.items()}, s, iterations=3)
 
 
 # ---- the converter's errors ------------------------------------------------------------------------------------------
@@ -160,17 +194,28 @@ def _case(**overrides):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda s, sd: sd.update({"model.inner.L_level.extra.weight": torch.zeros(1)}),
-         r"unknown keys \['L_level.extra.weight'\]"),
-        (lambda s, sd: sd.pop("model.inner.L_level.layers.1.mlp.down_proj.weight"),
-         r"missing keys \['model.layers.1.mlp.down_proj.weight'\]"),
-        (lambda s, sd: sd.update({"model.inner.L_level.conv.weight": torch.zeros(HIDDEN, 1, 3)}),
-         r"states conv_kernel_size=4, the weights show 3 \(L_level.conv.weight \(32, 1, 3\)\)"),
+        (
+            lambda s, sd: sd.update({"model.inner.L_level.extra.weight": torch.zeros(1)}),
+            r"unknown keys \['L_level.extra.weight'\]",
+        ),
+        (
+            lambda s, sd: sd.pop("model.inner.L_level.layers.1.mlp.down_proj.weight"),
+            r"missing keys \['model.layers.1.mlp.down_proj.weight'\]",
+        ),
+        (
+            lambda s, sd: sd.update({"model.inner.L_level.conv.weight": torch.zeros(HIDDEN, 1, 3)}),
+            r"states conv_kernel_size=4, the weights show 3 \(L_level.conv.weight \(32, 1, 3\)\)",
+        ),
         (lambda s, sd: sd.update({"other.weight": torch.zeros(1)}), r"unknown keys \['other.weight'\].*model.inner."),
         (lambda s, sd: s.update(mlp_t=True), r"unsupported settings: mlp_t=True"),
-        (lambda s, sd: (s.update(use_spec_norm_linear=True, residual_scale="input-dependent"), sd.clear(),
-                        sd.update(reference_state_dict(s))),
-         r"unsupported settings: use_spec_norm_linear=True"),
+        (
+            lambda s, sd: (
+                s.update(use_spec_norm_linear=True, residual_scale="input-dependent"),
+                sd.clear(),
+                sd.update(reference_state_dict(s)),
+            ),
+            r"unsupported settings: use_spec_norm_linear=True",
+        ),
         (lambda s, sd: s.update(additive_noise_std=0.1), r"unsupported settings: additive_noise_std=0.1"),
         (lambda s, sd: s.update(bogus_field=1), r"unknown settings \['bogus_field'\]"),
         (lambda s, sd: s.pop("seq_len"), r"nothing determines \['seq_len'\]"),
@@ -192,14 +237,30 @@ def test_converter_cli_refuses_an_output_file_and_pickles(tmp_path, capsys):
     (tmp_path / "arch.yaml").write_text(yaml.safe_dump(s))
     torch.save(sd, tmp_path / "ckpt.pt")
     (tmp_path / "taken").write_text("a file")
-    code = convert_main(["--checkpoint", str(tmp_path / "ckpt.pt"), "--config", str(tmp_path / "arch.yaml"),
-                         "--output", str(tmp_path / "taken")])
+    code = convert_main(
+        [
+            "--checkpoint",
+            str(tmp_path / "ckpt.pt"),
+            "--config",
+            str(tmp_path / "arch.yaml"),
+            "--output",
+            str(tmp_path / "taken"),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 2 and "exists and is not a folder" in out.err and "saved" not in out.out
     # a pickle holding more than tensors is refused unless --allow-pickle
     torch.save({"state": sd, "note": object.__new__(Marker)}, tmp_path / "pickled.pt")
-    code = convert_main(["--checkpoint", str(tmp_path / "pickled.pt"), "--config", str(tmp_path / "arch.yaml"),
-                         "--output", str(tmp_path / "o")])
+    code = convert_main(
+        [
+            "--checkpoint",
+            str(tmp_path / "pickled.pt"),
+            "--config",
+            str(tmp_path / "arch.yaml"),
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "weights_only=True" in err and "--allow-pickle" in err
 
@@ -214,14 +275,33 @@ def test_the_sizes_come_from_the_weights_and_a_stated_one_they_contradict_is_nam
     contradict names both."""
     s = {**BASE, **PREFIX, "expansion": 13}  # SwiGLU width round(13·32·2/3) -> 512, not the 256 of expansion 2
     sd = reference_state_dict(s, seed=4)
-    stated_only = {k: s[k] for k in ("num_heads", "seq_len", "pos_encodings", "puzzle_emb_len", "norm_type",
-                                     "fp_thresh", "stepsize_decay_eval", "decay_patience")}
+    stated_only = {
+        k: s[k]
+        for k in (
+            "num_heads",
+            "seq_len",
+            "pos_encodings",
+            "puzzle_emb_len",
+            "norm_type",
+            "fp_thresh",
+            "stepsize_decay_eval",
+            "decay_patience",
+        )
+    }
     model = convert(sd, [stated_only], tmp_path / "out").eval()
     c = model.config
     assert (c.intermediate_size, c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_puzzle_identifiers) == (
-        512, VOCAB, HIDDEN, 2, 3)
+        512,
+        VOCAB,
+        HIDDEN,
+        2,
+        3,
+    )
     _compare(model, sd, {**s, "fixed_init": False}, iterations=3)
-    with pytest.raises(ValueError, match=r"states expansion=2 \(SwiGLU width 256 for hidden 32\), the weights show "
-                                         r"512 \(L_level.layers.0.mlp.gate_up_proj.weight \(1024, 32\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"states expansion=2 \(SwiGLU width 256 for hidden 32\), the weights show "
+        r"512 \(L_level.layers.0.mlp.gate_up_proj.weight \(1024, 32\)\)",
+    ):
         convert(sd, [{**stated_only, "expansion": 2}], tmp_path / "bad")
     assert not (tmp_path / "bad").exists()

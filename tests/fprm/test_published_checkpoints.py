@@ -29,8 +29,10 @@ COPIED_SOURCE = "import pathlib\npathlib.Path(__file__).with_name('EXECUTED').wr
 def repo(tmp_path_factory):
     """A local copy of the Hub repo's layout: sudoku/ (steps, all_config.yaml, the copied model file), maze/ (steps)."""
     root = tmp_path_factory.mktemp("fprm-published")
-    weights = {"sudoku": write_published_folder(root / "sudoku", "sudoku", model_source=COPIED_SOURCE),
-               "maze": write_published_folder(root / "maze", "maze", with_yaml=False)}
+    weights = {
+        "sudoku": write_published_folder(root / "sudoku", "sudoku", model_source=COPIED_SOURCE),
+        "maze": write_published_folder(root / "maze", "maze", with_yaml=False),
+    }
     return root, weights
 
 
@@ -50,11 +52,21 @@ def test_the_newest_step_loads_with_the_values_of_the_files(repo, sudoku):
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size) == (11, 512, 2, 1536)
     assert (c.conv_type, c.conv_kernel_size, c.conv_bias, c.num_prefix_tokens) == ("2d", 3, False, 16)
     assert (c.residual_scaling, c.puzzle_emb_ndim, c.num_puzzle_identifiers, c.use_q_head) == (
-        "input_independent", 512, 1, True)
+        "input_independent",
+        512,
+        1,
+        True,
+    )
     # from all_config.yaml, their defaults and the data path
     assert (c.num_attention_heads, c.alpha1, c.alpha2, c.init_std, c.norm_placement) == (8, 0.75, 0.25, 6.0, "none")
     assert (c.halt_eps, c.gamma_eval, c.patience, c.max_loops, c.rms_norm_eps, c.causal) == (
-        0.1, 0.99, 5, 1000, 1e-5, False)
+        0.1,
+        0.99,
+        5,
+        1000,
+        1e-5,
+        False,
+    )
     assert c.grid_size == [9, 9] and c.fixed_init is False and c.halt_scope == "sample"
     sources = c.authors_checkpoint["sources"]
     assert sources["num_heads"] == "all_config.yaml arch.num_heads"
@@ -118,7 +130,12 @@ def test_the_maze_folder_states_no_yaml_so_their_maze_experiment_config_is_named
         transformers.logging.disable_propagation()
     c = maze.config
     assert (c.vocab_size, c.conv_type, c.conv_kernel_size, c.norm_placement, c.grid_size) == (
-        6, "causal_1d", 4, "output", [30, 30])
+        6,
+        "causal_1d",
+        4,
+        "output",
+        [30, 30],
+    )
     assert (c.num_attention_heads, c.alpha1, c.alpha2, c.init_std, c.max_loops) == (8, 0.75, 0.25, 6.0, 1000)
     assert "cfg_pretrain_maze.yaml" in c.authors_checkpoint["sources"]["num_heads"]
     assert "maze-30x30-hard-1k-noaug" in c.authors_checkpoint["sources"]["seq_len"]
@@ -136,9 +153,24 @@ def test_round_trip_and_publish_with_a_card_crediting_their_repo_and_step(repo, 
     ids = torch.randint(1, 11, (2, 81), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(again(ids, max_loops=3).logits, sudoku(ids, max_loops=3).logits, rtol=0, atol=0)
-    done = subprocess.run([sys.executable, "-m", "looped_training.publish", "--checkpoint", str(tmp_path / "saved"),
-                           "--repo_id", "someone/fprm-sudoku", "--dry_run", "--stage_dir", str(tmp_path / "stage")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "looped_training.publish",
+            "--checkpoint",
+            str(tmp_path / "saved"),
+            "--repo_id",
+            "someone/fprm-sudoku",
+            "--dry_run",
+            "--stage_dir",
+            str(tmp_path / "stage"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     card = (tmp_path / "stage" / "README.md").read_text()
     assert f"`sudoku/step_{NEWEST}` read from `{repo[0]}`, a folder in the layout of their Hub repo" in card
@@ -173,16 +205,23 @@ def test_from_the_hub_by_repo_id_and_subfolder(tmp_path):
     from huggingface_hub import HfApi
     from support.hub_server import HubServer
 
-    write_published_folder(tmp_path / "repo" / "sudoku", "sudoku", steps=(10, 20), hidden_size=64, num_heads=4,
-                           puzzle_emb_ndim=64)
+    write_published_folder(
+        tmp_path / "repo" / "sudoku", "sudoku", steps=(10, 20), hidden_size=64, num_heads=4, puzzle_emb_ndim=64
+    )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1"}
     with pytest.MonkeyPatch.context() as patch, HubServer(tokens={"hf_token"}) as hub:
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         api = HfApi(endpoint=hub.endpoint, token="hf_token")
         api.create_repo("fixed-point-reasoners/fprm")
         api.upload_folder(folder_path=str(tmp_path / "repo"), repo_id="fixed-point-reasoners/fprm")
-        done = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=300, env=dict(env, HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0"))
+        done = subprocess.run(
+            [sys.executable, "-c", HUB_SCRIPT, str(tmp_path)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(env, HF_ENDPOINT=hub.endpoint, HF_HUB_OFFLINE="0"),
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == dict(step=20, older=10, repo="fixed-point-reasoners/fprm", same=True, publish=0, hidden=64)
@@ -190,13 +229,27 @@ def test_from_the_hub_by_repo_id_and_subfolder(tmp_path):
     assert "`sudoku/step_20` of their Hub repo [fixed-point-reasoners/fprm]" in card
     # offline, the cache serves a step named by `step=`; without one the folder cannot be listed, and says so
     offline = dict(env, HF_HUB_OFFLINE="1")
-    load = "from fprm_hf import FPRMForReasoning; m = FPRMForReasoning.from_pretrained('fixed-point-reasoners/fprm', " \
-           "subfolder='sudoku'{}); print(m.config.authors_checkpoint['step'])"
-    cached = subprocess.run([sys.executable, "-c", load.format(", step=20")], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=300, env=offline)
+    load = (
+        "from fprm_hf import FPRMForReasoning; m = FPRMForReasoning.from_pretrained('fixed-point-reasoners/fprm', "
+        "subfolder='sudoku'{}); print(m.config.authors_checkpoint['step'])"
+    )
+    cached = subprocess.run(
+        [sys.executable, "-c", load.format(", step=20")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=offline,
+    )
     assert cached.returncode == 0 and cached.stdout.split()[-1] == "20", cached.stderr[-3000:]
-    unlisted = subprocess.run([sys.executable, "-c", load.format("")], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=300, env=offline)
+    unlisted = subprocess.run(
+        [sys.executable, "-c", load.format("")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=offline,
+    )
     assert unlisted.returncode != 0 and "the Hub could not be listed: pass step=N" in unlisted.stderr
 
 
@@ -287,8 +340,17 @@ def _their_batch_halting(model, ids, max_loops=60):
 
 def test_batch_halting_stops_every_row_at_their_rule_and_differs_from_per_sample():
     torch.manual_seed(0)
-    config = FPRMConfig(vocab_size=6, grid_size=4, conv_type="2d", hidden_size=32, num_attention_heads=4,
-                        num_prefix_tokens=0, init_std=1.0, halt_eps=1e-3, max_loops=60)
+    config = FPRMConfig(
+        vocab_size=6,
+        grid_size=4,
+        conv_type="2d",
+        hidden_size=32,
+        num_attention_heads=4,
+        num_prefix_tokens=0,
+        init_std=1.0,
+        halt_eps=1e-3,
+        max_loops=60,
+    )
     model = FPRMForReasoning(config).eval()
     ids = torch.randint(0, 6, (6, 16), generator=torch.Generator().manual_seed(4))
     per_sample = model(ids)
@@ -334,12 +396,15 @@ def test_a_truncated_step_file_is_named(tmp_path):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("norm_type", "sandwich", r"`norm_type` must be one of .* got 'sandwich'"),
-    ("mlp_t", True, r"unsupported settings: mlp_t=True"),
-    ("hidden_size", 256, r"all_config.yaml arch states hidden_size=256, the weights show 512"),
-    ("conv_type", "conv1d", r"states conv_type='conv1d', the weights show 'conv2d'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("norm_type", "sandwich", r"`norm_type` must be one of .* got 'sandwich'"),
+        ("mlp_t", True, r"unsupported settings: mlp_t=True"),
+        ("hidden_size", 256, r"all_config.yaml arch states hidden_size=256, the weights show 512"),
+        ("conv_type", "conv1d", r"states conv_type='conv1d', the weights show 'conv2d'"),
+    ],
+)
 def test_a_yaml_value_their_code_or_the_weights_reject_is_named(tmp_path, field, value, message):
     import yaml
 
@@ -374,14 +439,17 @@ def test_a_yaml_field_their_config_does_not_define_is_warned_and_ignored_as_thei
 def test_a_folder_nothing_determines_the_heads_of_is_refused_naming_them(tmp_path):
     folder = _folder(tmp_path, name="sudoku", with_yaml=False)
     renamed = folder.rename(tmp_path / "mine")  # no YAML and no task in the name: nothing states num_heads
-    with pytest.raises(PublishedCheckpointError, match=r"nothing determines \['num_heads', 'seq_len', 'pos_encodings'\]"):
+    with pytest.raises(
+        PublishedCheckpointError, match=r"nothing determines \['num_heads', 'seq_len', 'pos_encodings'\]"
+    ):
         FPRMForReasoning.from_pretrained(renamed)
 
 
 def test_a_folder_with_a_config_json_is_not_read_as_theirs(tmp_path):
     folder = tmp_path / "ours"
-    FPRMForReasoning(FPRMConfig(vocab_size=6, grid_size=4, conv_type="2d", hidden_size=32,
-                                num_attention_heads=4)).save_pretrained(folder)
+    FPRMForReasoning(
+        FPRMConfig(vocab_size=6, grid_size=4, conv_type="2d", hidden_size=32, num_attention_heads=4)
+    ).save_pretrained(folder)
     (folder / "step_10").write_bytes(b"not read")
     assert FPRMForReasoning.from_pretrained(folder).config.hidden_size == 32
     with pytest.raises((OSError, ValueError), match="config.json"):  # transformers' own answer, unchanged

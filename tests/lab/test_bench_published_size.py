@@ -23,8 +23,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "benchmarks.bench_published_size", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_published_size", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_checkpoint_is_in_their_layout_and_loads_as_the_oracle_computes(tmp_path):
@@ -35,11 +40,17 @@ def test_the_checkpoint_is_in_their_layout_and_loads_as_the_oracle_computes(tmp_
     saved = load_file(str(tmp_path / "model.safetensors"))
     assert all(k.startswith("gpt.") for k in saved) and "gpt.lm_head.weight" not in saved
     assert {t.dtype for t in saved.values()} == {torch.bfloat16} and params == sum(t.numel() for t in saved.values())
-    oracle_names = reference_state_dict(d=cfg["n_embd"], n_layer=cfg["n_layer"], vocab=cfg["vocab_size"],
-                                        block=cfg["block_size"], mlp=cfg["intermediate_dim"])
+    oracle_names = reference_state_dict(
+        d=cfg["n_embd"],
+        n_layer=cfg["n_layer"],
+        vocab=cfg["vocab_size"],
+        block=cfg["block_size"],
+        mlp=cfg["intermediate_dim"],
+    )
     sd = strip_wrapper_prefixes(saved)
     assert {k: tuple(v.shape) for k, v in sd.items()} == {
-        k: tuple(v.shape) for k, v in oracle_names.items() if k != "lm_head.weight"}
+        k: tuple(v.shape) for k, v in oracle_names.items() if k != "lm_head.weight"
+    }
 
     model = bench.load_ours(str(tmp_path))
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_loops == cfg["loops"]
@@ -76,7 +87,7 @@ def test_quick_run_without_the_authors_code(tmp_path):
         assert "theirs_tokens_per_s" not in entry
     assert report["train"]["ours_s"] > 0 and report["train"]["llama_s"] > 0
 
-    table = proc.stdout[proc.stdout.index("| measurement"):]
+    table = proc.stdout[proc.stdout.index("| measurement") :]
     rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # less the header
     assert len(rows) == len(report["table"]) == 8 + 4 + 1
     assert all("| not run |" in line for line in rows[:12])  # every load and generate row has a theirs cell
@@ -99,6 +110,11 @@ def test_the_published_size_file_is_byte_exact_and_loads_from_a_config_that_stat
     params = bench.write_reference_checkpoint(cfg, str(tmp_path))
     assert (tmp_path / "model.safetensors").stat().st_size == 556_342_528 and params == 278_169_600
     model = bench.load_ours(str(tmp_path))
-    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size,
-            model.config.num_attention_heads, model.config.num_loops) == (3, 2048, 5120, 32, 8)
+    assert (
+        model.config.num_hidden_layers,
+        model.config.hidden_size,
+        model.config.intermediate_size,
+        model.config.num_attention_heads,
+        model.config.num_loops,
+    ) == (3, 2048, 5120, 32, 8)
     assert model.dtype == torch.bfloat16 and model.num_parameters() == params

@@ -19,7 +19,13 @@ EXPECTED_RATIOS = [
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "benchmarks.bench_loopformer", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_loopformer", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_quick_benchmark_writes_every_ratio(tmp_path):
@@ -58,8 +64,13 @@ def test_bad_arguments_are_rejected(tmp_path):
 def test_mixed_budgets_quick_run_is_exact(tmp_path):
     """bench_mixed_budgets times every side and checks every mixed row's tokens against its budget's batch."""
     out = tmp_path / "mixed.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_mixed_budgets", "--quick", "--output", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_mixed_budgets", "--quick", "--output", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["rows_equal_to_their_budget"] == {"mixed": report["rows"], "mixed_dense": report["rows"]}
@@ -96,8 +107,11 @@ def test_halting_rows_and_the_report_table(tiny_model, monkeypatch):
     assert len(timed) == len(counted) == 4 and timed[-1]["target"] == "<= 1.15"
     assert counted["ATen calls/token, M=1, mean loops 1.00: / M=4"]["ratio"] < 1
     table = format_markdown(
-        [row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
-         dict(measurement=report_table.EXTRA_SLOT, slot=True)])
+        [
+            row("x / y", 2.0, 1.0, [1.5, 2.0, 2.5], "<= 1.0", False),
+            dict(measurement=report_table.EXTRA_SLOT, slot=True),
+        ]
+    )
     assert "| x / y | 2 | 1 | 2.000 | 1.500-2.500 | <= 1.0 | NO |" in table
     assert "not measured by this command yet" in table.splitlines()[-1]
 
@@ -128,19 +142,22 @@ def test_report_table_cache_rows(monkeypatch):
     cfg = dict(bench_loopformer.QUICK, gen_vs_llama=3, prompt=4)
     rows = report_table.cache_rows(cfg, 1, 1, log=lambda s: None)
     assert [r["measurement"] for r in rows] == [
-        f"cached generate 3 tok at M={m}, tokens/s: {label}" for m in (4, 1)
-        for label in ("static / dynamic cache", "compiled static / eager dynamic")]
+        f"cached generate 3 tok at M={m}, tokens/s: {label}"
+        for m in (4, 1)
+        for label in ("static / dynamic cache", "compiled static / eager dynamic")
+    ]
     assert all(r["loopformer"] > 0 and r["baseline"] > 0 for r in rows)
     rows = report_table.shared_cache_rows(cfg, 1, 1, log=lambda s: None)
     assert [(r["measurement"].split(": ")[1], r["target"]) for r in rows] == [
-        (f"shared n={n} / exact", f"= {n}/{m}") for m in (4, 8, 12) for n in (1, 2)]
+        (f"shared n={n} / exact", f"= {n}/{m}") for m in (4, 8, 12) for n in (1, 2)
+    ]
     assert all(r["met"] and r["ratio"] == r["loopformer"] / r["baseline"] for r in rows)
 
 
 # The authors' interface (models/loopformer.py of github.com/armenjeddi/loopformer: GPTConfig, GPT(config),
 # forward(idx, targets, steps) -> (logits, loss, x), configure_optimizers), computed by the independent oracle of
 # tests/support/reference_oracle.py: their code cannot be fetched here, so the benchmark's plumbing is checked on this.
-STAND_IN_AUTHORS = '''
+STAND_IN_AUTHORS = """
 MODEL_TYPE = "{model_type}"
 
 import dataclasses
@@ -185,7 +202,7 @@ class GPT(torch.nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
-'''
+"""
 
 
 def test_authors_rows_on_a_stand_in_for_their_code(tmp_path):
@@ -197,21 +214,48 @@ def test_authors_rows_on_a_stand_in_for_their_code(tmp_path):
     for model_type in ("loopformer", "tmlt", "base_loop", "base"):
         (tmp_path / "models" / f"{model_type}.py").write_text(STAND_IN_AUTHORS.replace("{model_type}", model_type))
     out = tmp_path / "authors.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path),
-                           "--quick", "--output", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_authors",
+            "--authors_repo",
+            str(tmp_path),
+            "--quick",
+            "--output",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     *logits, ce, train, generate = json.loads(out.read_text())["rows"]
     assert [r["measurement"].split(": ")[1] for r in logits] == [
-        f"models/{t}.py, converted" for t in ("loopformer", "tmlt", "base_loop", "base")]
+        f"models/{t}.py, converted" for t in ("loopformer", "tmlt", "base_loop", "base")
+    ]
     assert all(r["loopformer"] <= 1e-4 and r["met"] for r in logits)
     assert ce["measurement"].startswith("CE of the full and the short") and ce["loopformer"] <= 1e-4 and ce["met"]
     assert "train step" in train["measurement"] and train["loopformer"] > 0 and train["baseline"] > 0
     assert "generate" in generate["measurement"] and "TOKENS DIFFER" not in generate["measurement"]
     assert "| logits, max abs(ours - theirs): models/tmlt.py" in proc.stdout
 
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_authors", "--authors_repo", str(tmp_path / "none"),
-                           "--quick", "--output", str(tmp_path / "x.json")], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_authors",
+            "--authors_repo",
+            str(tmp_path / "none"),
+            "--quick",
+            "--output",
+            str(tmp_path / "x.json"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2 and os.path.join(str(tmp_path / "none"), "models", "loopformer.py") in proc.stderr
     assert not (tmp_path / "x.json").exists()

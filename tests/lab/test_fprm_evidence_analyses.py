@@ -69,8 +69,9 @@ def test_fresh_sudoku_split_is_another_seeds_test_split_without_the_training_puz
     import looped_training.fprm.tasks as tasks
     from benchmarks.fprm_evidence import FRESH_SEED_OFFSET, fresh_sudoku_split, test_split
 
-    results = {"args": {"data": {"task": "sudoku", "sudoku_size": 4, "num_train": 100, "num_test": 50,
-                                 "data_seed_offset": 0}}}
+    results = {
+        "args": {"data": {"task": "sudoku", "sudoku_size": 4, "num_train": 100, "num_test": 50, "data_seed_offset": 0}}
+    }
     other = test_split(results, 7 + FRESH_SEED_OFFSET)
     build = tasks.build_task
 
@@ -100,5 +101,8 @@ def test_sweep_knobs_name_the_run_and_set_only_the_training_flags_given():
     assert flags == ["--max_steps", "4000", "--time_budget_minutes", "80", "--ema_decay", "0.999"]
     assert (tag, own) == ("seed1_steps4000_ema0.999", " --sudoku_steps 4000 --sudoku_ema 0.999")
     state = SimpleNamespace(seed=0, state_num_train=None, state_steps=3000)
-    assert sweep_knobs(state, STATE_KNOBS) == (["--max_steps", "3000", "--time_budget_minutes", "45"],
-                                               "seed0_steps3000", " --state_steps 3000")
+    assert sweep_knobs(state, STATE_KNOBS) == (
+        ["--max_steps", "3000", "--time_budget_minutes", "45"],
+        "seed0_steps3000",
+        " --state_steps 3000",
+    )

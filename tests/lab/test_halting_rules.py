@@ -16,6 +16,7 @@ from loopformer_hf import halting_loopformer
 def model(tiny_model):  # conftest's tiny model
     return tiny_model
 
+
 # ---- exit criteria -------------------------------------------------------------------------------------------------
 
 
@@ -31,13 +32,14 @@ def split_threshold(scores):
 
 def decode_stepwise(model, ids, prefix, attention_mask=None, **kwargs):
     """(logits, loop counts) of a prefill over `ids[:, :prefix]`, then one forward per later token on the cache."""
+
     def masked(end):
         return {} if attention_mask is None else {"attention_mask": attention_mask[:, :end]}
 
     out = model(ids[:, :prefix], **masked(prefix), **kwargs)
     logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
     for i in range(prefix, ids.shape[1]):
-        out = model(ids[:, i:i + 1], cache=cache, **masked(i + 1), **kwargs)
+        out = model(ids[:, i : i + 1], cache=cache, **masked(i + 1), **kwargs)
         logits.append(out.logits)
         counts.append(out.loop_counts)
     return torch.cat(logits, 1), torch.cat(counts, 1)
@@ -69,8 +71,11 @@ def test_cache_filled_under_one_criterion_refuses_another(model):
     ids = torch.randint(3, 97, (1, 9))
     cache = cache_of(model(ids[:, :8], halt_eps=0.1, halt_criterion="kl"))
     assert cache.spec.halt_criterion == "kl"
-    with pytest.raises(ValueError, match=r"filled under halt_eps=0.1 .*halt_criterion=kl.* this call runs "
-                                         r"halt_eps=0.1 \(kv fill \w+\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"filled under halt_eps=0.1 .*halt_criterion=kl.* this call runs "
+        r"halt_eps=0.1 \(kv fill \w+\)",
+    ):
         model(ids[:, 8:], cache=cache, halt_eps=0.1, halt_criterion="state_change")
     assert cache_of(model(ids[:, :8])).spec.halt_criterion is None  # recorded only with halt_eps
 
@@ -198,9 +203,20 @@ def test_generate_with_a_static_cache_matches_the_dynamic_cache(model, fill):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     eps = split_threshold(first_scores(model, ids, "entropy_shortcut")[mask.bool()])
-    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, halt_eps=eps,
-                           halt_criterion="entropy_shortcut", return_dict_in_generate=True, output_logits=True, **kw)
-            for kw in ({}, {"cache_implementation": "static"})]
+    runs = [
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            halt_eps=eps,
+            halt_criterion="entropy_shortcut",
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
+        for kw in ({}, {"cache_implementation": "static"})
+    ]
     dynamic, static = runs
     assert dynamic.loop_counts.min() < dynamic.loop_counts.max()
     assert torch.equal(static.sequences, dynamic.sequences)
@@ -225,7 +241,7 @@ def test_the_exit_steps_adaln_is_kept_on_the_cache_for_decoding(model):
     with torch.no_grad():
         out = model(ids[:, :6], halt_eps=1e9, halt_criterion="kl_shortcut")
         for i in (6, 7):
-            out = model(ids[:, i:i + 1], cache=cache_of(out), halt_eps=1e9, halt_criterion="kl_shortcut")
+            out = model(ids[:, i : i + 1], cache=cache_of(out), halt_eps=1e9, halt_criterion="kl_shortcut")
     assert len(calls) == 2  # the trajectory's steps and the exit steps, once each, at the prefill
 
 
@@ -279,9 +295,20 @@ def test_probe_decodes_cached_as_uncached_and_static_as_dynamic(model, fill):
     torch.testing.assert_close(logits, full.logits, atol=1e-5, rtol=0)
     prompt, mask = ids[:, :7], torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0
-    runs = [model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, halt_eps=eps,
-                           halt_criterion="probe_entropy", return_dict_in_generate=True, output_logits=True, **kw)
-            for kw in ({}, {"cache_implementation": "static"})]
+    runs = [
+        model.generate(
+            prompt,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            halt_eps=eps,
+            halt_criterion="probe_entropy",
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kw,
+        )
+        for kw in ({}, {"cache_implementation": "static"})
+    ]
     assert torch.equal(runs[0].sequences, runs[1].sequences) and torch.equal(runs[0].loop_counts, runs[1].loop_counts)
     torch.testing.assert_close(torch.stack(runs[0].logits), torch.stack(runs[1].logits), atol=1e-5, rtol=0)
 
@@ -317,15 +344,34 @@ def test_evaluate_sweeps_each_rule_and_prints_its_table_and_verdict(tmp_path, ca
 
     for variant in ("loopformer", "base_loop"):
         train.main(["--output_dir", str(tmp_path / variant), "--variant", variant, *TINY])
-    lf, bl = halting_rules.main([str(tmp_path / "loopformer"), str(tmp_path / "base_loop"), "--output_dir",
-                            str(tmp_path / "eval"), "--schedules", "uniform", "--halt_eps", "1e-9", "1e9",
-                            "--halt_criteria", "state_change", "state_change_shortcut"])
+    lf, bl = halting_rules.main(
+        [
+            str(tmp_path / "loopformer"),
+            str(tmp_path / "base_loop"),
+            "--output_dir",
+            str(tmp_path / "eval"),
+            "--schedules",
+            "uniform",
+            "--halt_eps",
+            "1e-9",
+            "1e9",
+            "--halt_criteria",
+            "state_change",
+            "state_change_shortcut",
+        ]
+    )
     assert [(h["criterion"], h["halt_eps"]) for h in lf["halting"]] == [
-        ("state_change", 1e-9), ("state_change", 1e9), ("state_change_shortcut", 1e-9), ("state_change_shortcut", 1e9)]
+        ("state_change", 1e-9),
+        ("state_change", 1e9),
+        ("state_change_shortcut", 1e-9),
+        ("state_change_shortcut", 1e9),
+    ]
     assert [h["criterion"] for h in bl["halting"]] == ["state_change", "state_change"]  # no Δ: no shortcut rule
     assert lf["halting"][3]["mean_loops"] == 2  # every token exits after step 1, through one shortcut step
     out = capsys.readouterr().out
     assert out.count("halt_criterion='state_change_shortcut'") == 1 and out.count("Verdict: ") == 3
     assert "fixed budget at equal compute (exact match) | adaptive better? |" in out
     with pytest.raises(ValueError, match="halt_criteria"):
-        halting_rules.main([str(tmp_path / "loopformer"), "--output_dir", str(tmp_path / "x"), "--halt_criteria", "kll"])
+        halting_rules.main(
+            [str(tmp_path / "loopformer"), "--output_dir", str(tmp_path / "x"), "--halt_criteria", "kll"]
+        )

@@ -9,20 +9,31 @@ from looped_training.loopformer.evaluate import budget_claims
 
 
 def fake_runs():
-    em = {"loopformer": ([0.40, 0.50, 0.60, 0.70], [0.25, 0.25, 0.25, 0.25]),
-          "base_loop": ([0.20, 0.40, 0.60, 0.70], [0.10, 0.30, 0.50, 0.90]),
-          "tmlt_ee": ([0.30, 0.40, 0.50, 0.60], [0.30, 0.40, 0.50, 0.60])}
-    return {v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve], "train_runtime_s": 1.0} for curve in em[v]]
-            for v in VARIANTS}
+    em = {
+        "loopformer": ([0.40, 0.50, 0.60, 0.70], [0.25, 0.25, 0.25, 0.25]),
+        "base_loop": ([0.20, 0.40, 0.60, 0.70], [0.10, 0.30, 0.50, 0.90]),
+        "tmlt_ee": ([0.30, 0.40, 0.50, 0.60], [0.30, 0.40, 0.50, 0.60]),
+    }
+    return {
+        v: [{"em": curve, "em_by_depth": [{"1": x} for x in curve], "train_runtime_s": 1.0} for curve in em[v]]
+        for v in VARIANTS
+    }
 
 
 def cell_of(runs, seeds, flags=()):
     """A cell of the summary as `summarise` writes it, from fake runs (seed means as the curves)."""
     curves = {v: [sum(col) / len(rs) for col in zip(*(r["em"] for r in rs))] for v, rs in runs.items()}
-    return {"flags": list(flags), "seeds": seeds, "curves": curves, "spread": {v: [0.0] * 4 for v in VARIANTS},
-            "by_depth": {v: {"1": c} for v, c in curves.items()}, "train_runtime_s": {v: 1.0 for v in VARIANTS},
-            "runs": runs, "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
-            "per_seed_verdicts": per_seed_verdicts(runs)}
+    return {
+        "flags": list(flags),
+        "seeds": seeds,
+        "curves": curves,
+        "spread": {v: [0.0] * 4 for v in VARIANTS},
+        "by_depth": {v: {"1": c} for v, c in curves.items()},
+        "train_runtime_s": {v: 1.0 for v in VARIANTS},
+        "runs": runs,
+        "verdicts": budget_claims(curves["loopformer"], curves["base_loop"]),
+        "per_seed_verdicts": per_seed_verdicts(runs),
+    }
 
 
 def test_per_seed_verdicts_pair_each_loopformer_seed_with_the_same_base_loop_seed():
@@ -92,8 +103,9 @@ def test_seeds_in_the_committed_table_stay_when_a_fresh_checkout_trains_another(
         run = tmp_path / "steps4k" / f"{variant}-s2"
         run.mkdir(parents=True)
         (run / "loopformer_training.json").write_text("{}")
-        (run / "sweep_eval.json").write_text(json.dumps(
-            {"em": [0.1, 0.2, 0.3, 0.4], "em_by_depth": [{"1": 0.5}] * 4, "train_runtime_s": 2.0}))
+        (run / "sweep_eval.json").write_text(
+            json.dumps({"em": [0.1, 0.2, 0.3, 0.4], "em_by_depth": [{"1": 0.5}] * 4, "train_runtime_s": 2.0})
+        )
     committed = cell_of(fake_runs(), [0, 1], flags=CELLS["steps4k"])
     cell = summarise(str(tmp_path), ["steps4k"], 500, {"steps4k": committed})["steps4k"]
     assert cell["seeds"] == [0, 1, 2]

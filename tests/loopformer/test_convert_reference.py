@@ -19,11 +19,32 @@ from safetensors.torch import save_file
 import loopformer_hf
 from loopformer_hf.convert_reference import convert, load_reference_state_dict, main
 
-from support.reference_oracle import BLOCK, N_EMBD, N_HEAD, N_LAYER, N_LOOPS, VOCAB, reference_forward, reference_state_dict
+from support.reference_oracle import (
+    BLOCK,
+    N_EMBD,
+    N_HEAD,
+    N_LAYER,
+    N_LOOPS,
+    VOCAB,
+    reference_forward,
+    reference_state_dict,
+)
 from support import REPO_ROOT
 
-SHAPE_ARGS = ["--n-layer", str(N_LAYER), "--n-loops", str(N_LOOPS), "--n-embd", str(N_EMBD), "--n-head", str(N_HEAD),
-              "--vocab-size", str(VOCAB), "--block-size", str(BLOCK)]
+SHAPE_ARGS = [
+    "--n-layer",
+    str(N_LAYER),
+    "--n-loops",
+    str(N_LOOPS),
+    "--n-embd",
+    str(N_EMBD),
+    "--n-head",
+    str(N_HEAD),
+    "--vocab-size",
+    str(VOCAB),
+    "--block-size",
+    str(BLOCK),
+]
 SHAPE_KWARGS = dict(n_layer=N_LAYER, n_loops=N_LOOPS, n_embd=N_EMBD, n_head=N_HEAD, vocab_size=VOCAB, block_size=BLOCK)
 FULL = [1 / N_LOOPS] * N_LOOPS
 SHORTCUT = [0.5, 0.25, 0.25]
@@ -58,8 +79,9 @@ def _check_matches_reference(folder, ref_sd, ids):
             got = model(ids, step_schedule=trajectory, use_cache=False).logits
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=f"trajectory {trajectory}")
         # the default trajectory is the full uniform one
-        torch.testing.assert_close(model(ids, use_cache=False).logits, reference_forward(ref_sd, ids, FULL),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model(ids, use_cache=False).logits, reference_forward(ref_sd, ids, FULL), atol=1e-4, rtol=0
+        )
 
 
 def test_convert_wrapped_compiled_pt_matches_reference(tmp_path, ref_sd, ids):
@@ -68,7 +90,9 @@ def test_convert_wrapped_compiled_pt_matches_reference(tmp_path, ref_sd, ids):
     for j in range(N_LAYER):
         compiled[f"_orig_mod.transformer.h.blocks.{j}.attn.bias"] = torch.ones(BLOCK, BLOCK).tril()[None, None]
     ckpt = tmp_path / "ckpt.pt"
-    torch.save({"model": compiled, "optimizer": {"state": {}}, "model_args": {"n_layer": N_LAYER}, "iter_num": 7}, ckpt)
+    torch.save(
+        {"model": compiled, "optimizer": {"state": {}}, "model_args": {"n_layer": N_LAYER}, "iter_num": 7}, ckpt
+    )
     out = tmp_path / "hf"
     assert main(["--checkpoint", str(ckpt), "--output", str(out), *SHAPE_ARGS]) == 0
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
@@ -82,8 +106,20 @@ def test_convert_safetensors_via_command_line(tmp_path, ref_sd, ids):
     save_file(plain, str(ckpt))
     out = tmp_path / "hf"
     proc = subprocess.run(
-        [sys.executable, "-m", "loopformer_hf.convert_reference", "--checkpoint", str(ckpt), "--output", str(out),
-         *SHAPE_ARGS], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "loopformer_hf.convert_reference",
+            "--checkpoint",
+            str(ckpt),
+            "--output",
+            str(out),
+            *SHAPE_ARGS,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     _check_matches_reference(out, ref_sd, ids)
@@ -124,7 +160,9 @@ def test_missing_key_is_listed(tmp_path, ref_sd):
 
 
 def test_unknown_key_is_listed(tmp_path, ref_sd):
-    sd = dict(ref_sd, **{"transformer.h.blocks.0.attn.q_norm.weight": torch.ones(N_EMBD), "extra.thing": torch.ones(1)})
+    sd = dict(
+        ref_sd, **{"transformer.h.blocks.0.attn.q_norm.weight": torch.ones(N_EMBD), "extra.thing": torch.ones(1)}
+    )
     with pytest.raises(ValueError, match=r"unknown keys.*'extra\.thing'.*'transformer\.h\.blocks\.0\.attn\.q_norm"):
         convert(_save(tmp_path, sd), tmp_path / "out", **SHAPE_KWARGS)
 
@@ -137,8 +175,11 @@ def test_wrong_n_layer_lists_the_extra_block(tmp_path, ref_sd):
 
 
 def test_shape_mismatch_is_listed(tmp_path, ref_sd):
-    with pytest.raises(ValueError, match=r"transformer\.wte\.weight -> model\.embed_tokens\.weight: checkpoint shape "
-                                         r"\(97, 64\), model expects \(100, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"transformer\.wte\.weight -> model\.embed_tokens\.weight: checkpoint shape "
+        r"\(97, 64\), model expects \(100, 64\)",
+    ):
         convert(_save(tmp_path, ref_sd), tmp_path / "out", **dict(SHAPE_KWARGS, vocab_size=100))
     with pytest.raises(ValueError, match=r"fused qkv must have shape \(96, 32\), got \(192, 64\)"):
         convert(_save(tmp_path, ref_sd), tmp_path / "out", **dict(SHAPE_KWARGS, n_embd=32, n_head=4))
@@ -155,7 +196,9 @@ def test_bad_files_are_rejected(tmp_path, ref_sd):
         load_reference_state_dict(tmp_path / "weights.npz")
     with pytest.raises(ValueError, match="does not exist"):
         load_reference_state_dict(tmp_path / "nope.pt")
-    with pytest.raises(ValueError, match=r"neither a state dict.*'model' or 'state_dict'.*\['iter_num', 'optimizer'\]"):
+    with pytest.raises(
+        ValueError, match=r"neither a state dict.*'model' or 'state_dict'.*\['iter_num', 'optimizer'\]"
+    ):
         load_reference_state_dict(_save(tmp_path, {"optimizer": {"state": {}}, "iter_num": 3}))
     with pytest.raises(ValueError, match="holds a list"):
         load_reference_state_dict(_save(tmp_path, [1, 2]))
@@ -176,7 +219,11 @@ def test_command_line_reports_errors_without_traceback(tmp_path, ref_sd, capsys)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "missing keys" in err and "model.norm.weight" in err and "Traceback" not in err
-    shape_args = [*SHAPE_ARGS[:SHAPE_ARGS.index("--n-head") + 1], "5", *SHAPE_ARGS[SHAPE_ARGS.index("--n-head") + 2:]]
+    shape_args = [
+        *SHAPE_ARGS[: SHAPE_ARGS.index("--n-head") + 1],
+        "5",
+        *SHAPE_ARGS[SHAPE_ARGS.index("--n-head") + 2 :],
+    ]
     with pytest.raises(SystemExit) as exit_info:  # a shape the config refuses: its error, in one line
         main(["--checkpoint", str(_save(tmp_path, ref_sd)), "--output", str(tmp_path / "out"), *shape_args])
     assert exit_info.value.code == 2
@@ -224,8 +271,10 @@ def test_reference_forward_depends_on_what_the_type_adds(ids, model_type):
         if key == "time_embedder.mlp.2.bias":
             changed[key] = sd[key] + 1.0
     with torch.no_grad():
-        assert (reference_forward(sd, ids, FULL, model_type=model_type)
-                - reference_forward(changed, ids, FULL, model_type=model_type)).abs().max() > 1e-2
+        assert (
+            reference_forward(sd, ids, FULL, model_type=model_type)
+            - reference_forward(changed, ids, FULL, model_type=model_type)
+        ).abs().max() > 1e-2
 
 
 def test_base_layout_needs_model_type_base(tmp_path):
@@ -234,8 +283,11 @@ def test_base_layout_needs_model_type_base(tmp_path):
         convert(base, tmp_path / "out", model_type="base_loop", **dict(SHAPE_KWARGS, n_layer=BASE_LAYERS))
     with pytest.raises(ValueError, match=r"`n_loops` must be 1.*model_type='base'.*got 4"):
         convert(base, tmp_path / "out", model_type="base", **dict(SHAPE_KWARGS, n_layer=BASE_LAYERS))
-    with pytest.raises(ValueError, match=r"`model_type` must be one of \('loopformer', 'tmlt', 'tmlt_ee', 'base_loop', "
-                       r"'base_loop_ee', 'base'\), got 'gpt'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model_type` must be one of \('loopformer', 'tmlt', 'tmlt_ee', 'base_loop', "
+        r"'base_loop_ee', 'base'\), got 'gpt'",
+    ):
         convert(base, tmp_path / "out", model_type="gpt", **SHAPE_KWARGS)
 
 
@@ -255,9 +307,10 @@ def test_command_line_converts_a_base_checkpoint(tmp_path, ids):
     args = [a for a in SHAPE_ARGS]
     args[args.index("--n-layer") + 1] = str(BASE_LAYERS)
     i = args.index("--n-loops")
-    del args[i:i + 2]
+    del args[i : i + 2]
     assert main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "hf"), "--model-type", "base", *args]) == 0
     model = loopformer_hf.LoopFormerForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits,
-                                   reference_forward(sd, ids, None, model_type="base"), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            model(ids, use_cache=False).logits, reference_forward(sd, ids, None, model_type="base"), atol=1e-4, rtol=0
+        )

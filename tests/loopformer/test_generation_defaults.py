@@ -11,9 +11,26 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import loopformer_hf  # noqa: F401  (registers the Auto classes)
 
-TRAIN_TINY = ["--preset", "synthetic-tiny", "--hidden_size", "32", "--num_attention_heads", "2",
-              "--num_train_problems", "64", "--num_eval_problems", "24", "--per_device_train_batch_size", "8",
-              "--max_steps", "2", "--save_strategy", "no", "--disable_tqdm", "true"]
+TRAIN_TINY = [
+    "--preset",
+    "synthetic-tiny",
+    "--hidden_size",
+    "32",
+    "--num_attention_heads",
+    "2",
+    "--num_train_problems",
+    "64",
+    "--num_eval_problems",
+    "24",
+    "--per_device_train_batch_size",
+    "8",
+    "--max_steps",
+    "2",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +60,12 @@ def test_a_trained_folder_decodes_greedily_through_a_pipeline_with_no_argument(t
 
 # ---- loop knobs hand-edited into generation_config.json -----------------------------------------------------------
 
+
 @pytest.fixture
 def edited(trained, tmp_path):
     """edit(**knobs): a copy of the trained folder whose generation_config.json has `knobs` added by hand (its
     `"_from_model_config": true` kept, as the trainer writes it)."""
+
     def edit(**knobs):
         folder = shutil.copytree(trained[0], tmp_path / f"edited{len(list(tmp_path.iterdir()))}")
         file = folder / "generation_config.json"
@@ -54,6 +73,7 @@ def edited(trained, tmp_path):
         assert config.get("_from_model_config") is True
         file.write_text(json.dumps({**config, **knobs}))
         return folder
+
     return edit
 
 
@@ -61,9 +81,11 @@ def forward_knobs(model, **generate_kwargs):
     """The loop knobs each forward of `model.generate(...)` received."""
     seen = []
     handle = model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append({k: kwargs.get(k) for k in ("loop_budget", "step_schedule",
-                                                                               "halt_eps", "halt_criterion")}),
-        with_kwargs=True)
+        lambda module, args, kwargs: seen.append(
+            {k: kwargs.get(k) for k in ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")}
+        ),
+        with_kwargs=True,
+    )
     try:
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, **generate_kwargs)
     finally:
@@ -85,17 +107,23 @@ def test_loop_knobs_written_by_hand_into_generation_config_json_are_honoured(edi
     assert forward_knobs(model)[0] == dict.fromkeys(knobs)
 
 
-@pytest.mark.parametrize("knobs, message", [
-    ({"loop_budget": 0}, r"`loop_budget` must be an integer >= 1, got 0"),
-    ({"loop_budget": "bogus"}, r"`loop_budget` must be an integer >= 1, got 'bogus'"),
-    ({"loop_budget": 10**6}, r"`loop_budget`=1000000 exceeds the largest loop budget"),
-    ({"step_schedule": [0.5, 0.4]}, r"`step_schedule` must sum to 1"),
-    ({"step_schedule": "bogus"}, r"`step_schedule` preset must be one of .* got 'bogus'"),
-    ({"loop_budget": 3, "step_schedule": [0.5, 0.5]}, r"`loop_budget`=3 disagrees with `step_schedule` of length 2"),
-    ({"halt_eps": 0}, r"`halt_eps` must be None or a positive finite float, got 0"),
-    ({"halt_eps": "x"}, r"`halt_eps` must be None or a positive finite float, got 'x'"),
-    ({"halt_criterion": "bogus"}, r"`halt_criterion` must be one of \('state_change',.*\), got 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        ({"loop_budget": 0}, r"`loop_budget` must be an integer >= 1, got 0"),
+        ({"loop_budget": "bogus"}, r"`loop_budget` must be an integer >= 1, got 'bogus'"),
+        ({"loop_budget": 10**6}, r"`loop_budget`=1000000 exceeds the largest loop budget"),
+        ({"step_schedule": [0.5, 0.4]}, r"`step_schedule` must sum to 1"),
+        ({"step_schedule": "bogus"}, r"`step_schedule` preset must be one of .* got 'bogus'"),
+        (
+            {"loop_budget": 3, "step_schedule": [0.5, 0.5]},
+            r"`loop_budget`=3 disagrees with `step_schedule` of length 2",
+        ),
+        ({"halt_eps": 0}, r"`halt_eps` must be None or a positive finite float, got 0"),
+        ({"halt_eps": "x"}, r"`halt_eps` must be None or a positive finite float, got 'x'"),
+        ({"halt_criterion": "bogus"}, r"`halt_criterion` must be one of \('state_change',.*\), got 'bogus'"),
+    ],
+)
 def test_invalid_loop_knobs_in_generation_config_json_are_refused_at_load(edited, knobs, message):
     folder = edited(**knobs)
     with pytest.raises(ValueError, match=rf"generation_config\.json sets a loop knob .*{message}"):

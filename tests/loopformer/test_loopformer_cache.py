@@ -48,8 +48,9 @@ def test_past_key_values_name_is_accepted(tiny_model):
 def test_greedy_generate_with_and_without_cache_agree(tiny_model, kwargs):
     ids = torch.randint(3, 97, (2, 6))
     cached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, **kwargs)
-    uncached = tiny_model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False,
-                                   **kwargs)
+    uncached = tiny_model.generate(
+        ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False, **kwargs
+    )
     assert cached.shape == (2, 26)
     assert torch.equal(cached, uncached)
 
@@ -74,7 +75,9 @@ def test_generate_grows_the_cache_generate_built(tiny_model):
 def test_left_padded_batch_generates_like_each_prompt_alone(tiny_config, sdpa):
     torch.manual_seed(0)
     impl = "sdpa" if sdpa else "eager"
-    model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM._from_config(tiny_config, attn_implementation=impl))
+    model = randomize_modulation(
+        loopformer_hf.LoopFormerForCausalLM._from_config(tiny_config, attn_implementation=impl)
+    )
     model.eval()
     prompts = [torch.randint(3, 97, (n,)) for n in (3, 9, 6)]
     ids, mask = left_padded(prompts, tiny_config.pad_token_id)
@@ -83,7 +86,7 @@ def test_left_padded_batch_generates_like_each_prompt_alone(tiny_config, sdpa):
     batched = model.generate(ids, attention_mask=mask, **kw)
     for row, p in enumerate(prompts):
         alone = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
-        assert torch.equal(batched[row, width:], alone[0, len(p):]), f"prompt {row} differs when batched"
+        assert torch.equal(batched[row, width:], alone[0, len(p) :]), f"prompt {row} differs when batched"
 
 
 @pytest.mark.parametrize(
@@ -142,19 +145,30 @@ def test_a_cached_decode_step_dispatches_fewer_ops_than_the_iso_flop_llama():
     looped = loopformer_hf.LoopFormerForCausalLM(
         tiny_loopformer_config(hidden_act="swiglu", attn_implementation="sdpa")
     ).eval()
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-        num_hidden_layers=looped.config.num_hidden_layers * looped.config.num_loops, pad_token_id=0,
-        attn_implementation="sdpa",
-    )).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            num_hidden_layers=looped.config.num_hidden_layers * looped.config.num_loops,
+            pad_token_id=0,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     ids = torch.randint(3, 97, (1, 9))
     counts = {}
     for name, model in (("looped", looped), ("llama", llama)):
         with torch.no_grad():
             cache = cache_of(model(ids[:, :8], attention_mask=torch.ones(1, 8, dtype=torch.long), use_cache=True))
             with CountOps() as ops:
-                model(ids[:, 8:], attention_mask=torch.ones(1, 9, dtype=torch.long), use_cache=True,
-                      **{CACHE_FIELD: cache})
+                model(
+                    ids[:, 8:],
+                    attention_mask=torch.ones(1, 9, dtype=torch.long),
+                    use_cache=True,
+                    **{CACHE_FIELD: cache},
+                )
         counts[name] = ops.count
     assert 0 < counts["looped"] < counts["llama"], counts
 
@@ -208,11 +222,21 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
     the same call read it instead of validating the budget and schedule again."""
     resolved = []
     resolve = type(tiny_model.config).resolve_trajectory
-    monkeypatch.setattr(type(tiny_model.config), "resolve_trajectory",
-                        lambda self, *a, **k: resolved.append(a) or resolve(self, *a, **k))
+    monkeypatch.setattr(
+        type(tiny_model.config),
+        "resolve_trajectory",
+        lambda self, *a, **k: resolved.append(a) or resolve(self, *a, **k),
+    )
     ids = torch.randint(3, 97, (2, 5))
-    out = tiny_model.generate(ids, max_new_tokens=6, do_sample=False, loop_budget=2, step_schedule=[0.75, 0.25],
-                              halt_eps=0.5, return_dict_in_generate=True)
+    out = tiny_model.generate(
+        ids,
+        max_new_tokens=6,
+        do_sample=False,
+        loop_budget=2,
+        step_schedule=[0.75, 0.25],
+        halt_eps=0.5,
+        return_dict_in_generate=True,
+    )
     cache = cache_of(out)
     assert cache.plan.trajectory == (0.75, 0.25) and cache.plan.halt_eps == 0.5 and cache.spec is cache.plan.spec
     # one resolution to size the cache (generate's hook) and one by the prefill; none by the 5 decode steps
@@ -284,8 +308,14 @@ def test_static_cache_at_default_init_within_1e_5(trajectory):
 @pytest.mark.parametrize("trajectory", TRAJECTORIES)
 def test_generate_static_matches_dynamic(model, trajectory):
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True,
-              **trajectory)
+    kw = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **trajectory,
+    )
     seen = []
     hook = model.model.register_forward_pre_hook(lambda mod, a, k: seen.append(k.get(CACHE_FIELD)), with_kwargs=True)
     try:
@@ -305,14 +335,25 @@ def test_generate_static_matches_dynamic(model, trajectory):
 def test_left_padded_batch_static_matches_dynamic(attn):
     torch.manual_seed(0)
     config = tiny_loopformer_config(initializer_range=0.3)
-    model = randomize_modulation(
-        loopformer_hf.LoopFormerForCausalLM._from_config(config, attn_implementation=attn), std=0.3
-    ).double().eval()
+    model = (
+        randomize_modulation(
+            loopformer_hf.LoopFormerForCausalLM._from_config(config, attn_implementation=attn), std=0.3
+        )
+        .double()
+        .eval()
+    )
     prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 6)]
     ids, mask = left_padded(prompts, config.pad_token_id)
     width = ids.shape[1]
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, step_schedule=[0.5, 0.25, 0.25],
-              return_dict_in_generate=True, output_logits=True, attention_mask=mask)
+    kw = dict(
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        step_schedule=[0.5, 0.25, 0.25],
+        return_dict_in_generate=True,
+        output_logits=True,
+        attention_mask=mask,
+    )
     static = model.generate(ids, cache_implementation="static", **kw)
     dynamic = model.generate(ids, **kw)
     assert torch.equal(static.sequences, dynamic.sequences)
@@ -368,8 +409,12 @@ def test_shared_cache_holds_n_step_slots_and_is_exact_within_a_call(storage):
     assert not torch.allclose(shared_4[:, 10:], exact_4[:, 10:], atol=1e-3)
     assert_logits_match(shared_4[:, :10], exact_4[:, :10])
     assert int(cache.get_seq_length()) == 20 and cache.spec.share_n == 2
-    other, _ = _prefill_then_decode(model, ids, LoopFormerCache() if storage == "static" else
-                                    LoopFormerStaticCache(model.config, max_cache_len=20), loop_budget=4)
+    other, _ = _prefill_then_decode(
+        model,
+        ids,
+        LoopFormerCache() if storage == "static" else LoopFormerStaticCache(model.config, max_cache_len=20),
+        loop_budget=4,
+    )
     assert_logits_match(other, shared_4)
 
 
@@ -378,8 +423,14 @@ def test_shared_cache_from_generate_and_refused_under_exact_config():
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=4, do_sample=False, loop_budget=4, return_dict_in_generate=True)
     assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 2 * 2
-    static = model.generate(ids, max_new_tokens=4, do_sample=False, loop_budget=4, cache_implementation="static",
-                            return_dict_in_generate=True)
+    static = model.generate(
+        ids,
+        max_new_tokens=4,
+        do_sample=False,
+        loop_budget=4,
+        cache_implementation="static",
+        return_dict_in_generate=True,
+    )
     assert len(cache_of(static).layers) == 2 * 2 and torch.equal(static.sequences, out.sequences)
     model.config.cache_sharing = "none"  # the filled cache records its sharing: the exact model refuses it
     with pytest.raises(ValueError, match="cache shared modulo 2.* but this call runs trajectory"):
@@ -400,9 +451,19 @@ def test_halting_generate_with_a_static_cache_matches_the_dynamic_cache(tiny_mod
     ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    runs = [tiny_model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, halt_eps=0.5,
-                                return_dict_in_generate=True, output_logits=True, **kwargs)
-            for kwargs in ({}, {"cache_implementation": "static"})]
+    runs = [
+        tiny_model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            halt_eps=0.5,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
+        for kwargs in ({}, {"cache_implementation": "static"})
+    ]
     dynamic, static = runs
     assert len(set(dynamic.loop_counts[:, 6:].flatten().tolist())) > 1  # generated tokens halt at different steps
     assert torch.equal(static.sequences, dynamic.sequences)

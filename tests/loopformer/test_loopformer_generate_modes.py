@@ -26,8 +26,16 @@ def counts_of_a_forward(model, sequences):
 def test_beam_search_counts_follow_the_beams(model):
     torch.manual_seed(0)
     ids = torch.randint(3, 97, (2, 5))
-    out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, num_beams=3, num_return_sequences=2,
-                         do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        halt_eps=EPS,
+        return_dict_in_generate=True,
+    )
     assert isinstance(out, loopformer_hf.LoopFormerGenerateBeamDecoderOnlyOutput)
     # it was (batch x beams, ...) in the order of the running beams: (6, 12) here
     assert out.sequences.shape == (4, 13) and out.loop_counts.shape == (4, 12)
@@ -35,8 +43,17 @@ def test_beam_search_counts_follow_the_beams(model):
     expected = counts_of_a_forward(model, out.sequences)
     assert expected.min() < expected.max()
     assert torch.equal(out.loop_counts, expected)
-    uncached = model.generate(ids, max_new_tokens=8, min_new_tokens=8, num_beams=3, num_return_sequences=2,
-                              do_sample=False, halt_eps=EPS, use_cache=False, return_dict_in_generate=True)
+    uncached = model.generate(
+        ids,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        num_beams=3,
+        num_return_sequences=2,
+        do_sample=False,
+        halt_eps=EPS,
+        use_cache=False,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(uncached.sequences, out.sequences) and torch.equal(uncached.loop_counts, out.loop_counts)
 
 
@@ -44,9 +61,18 @@ def test_beam_search_counts_are_zero_after_a_sequence_finished(model):
     torch.manual_seed(1)
     ids = torch.randint(3, 97, (1, 4))
     # token 2 ends two of the three best beams early; length_penalty=0 keeps the short ones among the returned
-    out = model.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
-                         eos_token_id=2, pad_token_id=0, length_penalty=0.0, halt_eps=EPS,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        num_beams=3,
+        num_return_sequences=3,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+        length_penalty=0.0,
+        halt_eps=EPS,
+        return_dict_in_generate=True,
+    )
     finished = (out.beam_indices < 0).any(dim=1)
     assert finished.any() and not finished.all(), "test needs one sequence shorter than another"
     for row in range(out.sequences.shape[0]):
@@ -58,8 +84,12 @@ def test_beam_search_counts_are_zero_after_a_sequence_finished(model):
 
 def test_beam_search_with_halt_eps_from_generation_config(model):
     ids = torch.randint(3, 97, (1, 5))
-    out = model.generate(ids, max_new_tokens=4, return_dict_in_generate=True,
-                         generation_config=GenerationConfig(halt_eps=EPS, num_beams=2, do_sample=False))
+    out = model.generate(
+        ids,
+        max_new_tokens=4,
+        return_dict_in_generate=True,
+        generation_config=GenerationConfig(halt_eps=EPS, num_beams=2, do_sample=False),
+    )
     assert torch.equal(out.loop_counts, counts_of_a_forward(model, out.sequences))
 
 
@@ -82,8 +112,11 @@ def test_assisted_and_prompt_lookup_counts_are_those_of_greedy(model, mode):
         extra = dict(assistant_model=copy.deepcopy(model))
     else:  # another model's drafts are mostly rejected: the counts of rejected positions must be dropped
         torch.manual_seed(5)
-        extra = dict(assistant_model=randomize_modulation(
-            loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()), seed=5).eval())
+        extra = dict(
+            assistant_model=randomize_modulation(
+                loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()), seed=5
+            ).eval()
+        )
     calls, handle = _forwards(model)
     try:
         out = model.generate(ids, **kw, **extra)
@@ -102,12 +135,20 @@ def test_continuing_from_a_cache_counts_every_position_held_ones_zero(model):
     positions the cache already held count 0 (this call ran no loop step for them), the others are a forward's."""
     torch.manual_seed(3)
     ids = torch.randint(3, 97, (2, 6))
-    first = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, halt_eps=EPS,
-                           return_dict_in_generate=True)
+    first = model.generate(
+        ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, halt_eps=EPS, return_dict_in_generate=True
+    )
     cache = cache_of(first)
     held = cache.get_seq_length()
-    out = model.generate(first.sequences, **{CACHE_FIELD: cache}, max_new_tokens=3, min_new_tokens=3,
-                         do_sample=False, halt_eps=EPS, return_dict_in_generate=True)
+    out = model.generate(
+        first.sequences,
+        **{CACHE_FIELD: cache},
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        halt_eps=EPS,
+        return_dict_in_generate=True,
+    )
     assert out.loop_counts.shape == (2, out.sequences.shape[1] - 1)  # it was (2, 3)
     assert (out.loop_counts[:, :held] == 0).all()
     assert torch.equal(out.loop_counts[:, held:], counts_of_a_forward(model, out.sequences)[:, held:])
@@ -120,8 +161,15 @@ def test_classifier_free_guidance_runs_both_forwards_at_the_call_loop_budget(mod
 
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
     scale = 1.5
-    out = model.generate(ids, max_new_tokens=1, guidance_scale=scale, loop_budget=1, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=1,
+        guidance_scale=scale,
+        loop_budget=1,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         conditional = F.log_softmax(model(ids, loop_budget=1).logits[:, -1], dim=-1)
         unconditional = F.log_softmax(model(ids[:, -1:], loop_budget=1).logits[:, -1], dim=-1)
@@ -139,9 +187,18 @@ def test_an_assistant_runs_under_its_own_settings_not_the_main_models_loop_knobs
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(6)
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, pad_token_id=0, eos_token_id=1,
-                                         bos_token_id=2)).eval()
+    draft = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        )
+    ).eval()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(7))
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, **knobs)
     out = model.generate(ids, assistant_model=draft, **kw)
@@ -157,7 +214,8 @@ def test_a_loopformer_assistant_keeps_its_own_loop_budget(model):
     draft.generation_config.loop_budget = 1
     budgets = []
     handle = draft.register_forward_pre_hook(
-        lambda module, args, kwargs: budgets.append(kwargs.get("loop_budget")), with_kwargs=True)
+        lambda module, args, kwargs: budgets.append(kwargs.get("loop_budget")), with_kwargs=True
+    )
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(8))
     kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, loop_budget=6)
     try:
@@ -199,8 +257,11 @@ def test_the_private_generate_hooks_it_overrides_exist_in_the_installed_transfor
 
     from loopformer_hf.generation_loopformer import LoopFormerGenerationMixin
 
-    overridden = {name for name in vars(LoopFormerGenerationMixin)
-                  if name.startswith("_") and not name.startswith("__") and hasattr(GenerationMixin, name)}
+    overridden = {
+        name
+        for name in vars(LoopFormerGenerationMixin)
+        if name.startswith("_") and not name.startswith("__") and hasattr(GenerationMixin, name)
+    }
     assert overridden == set(PRIVATE_GENERATION_HOOKS)
     for name, (leading, named) in PRIVATE_GENERATION_HOOKS.items():
         parameters = list(inspect.signature(getattr(GenerationMixin, name)).parameters)[1:]  # after self

@@ -85,14 +85,20 @@ def test_batched_equals_one_by_one_with_left_padding(model):
     prompts = [torch.randint(3, 97, (n,)) for n in (4, 9, 6)]
     ids, mask = left_padded(prompts)
     width = ids.shape[1]
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, halt_eps=EPS, pad_token_id=0,
-              return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        halt_eps=EPS,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
     batched = model.generate(ids, attention_mask=mask, **kw)
     assert batched.loop_counts.shape == (3, width + 9)
     for row, p in enumerate(prompts):
         alone = model.generate(p[None], **kw)
-        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, len(p):]), f"prompt {row}: tokens"
-        assert torch.equal(batched.loop_counts[row, width - len(p):], alone.loop_counts[0]), f"prompt {row}: counts"
+        assert torch.equal(batched.sequences[row, width:], alone.sequences[0, len(p) :]), f"prompt {row}: tokens"
+        assert torch.equal(batched.loop_counts[row, width - len(p) :], alone.loop_counts[0]), f"prompt {row}: counts"
 
 
 def test_generate_returns_loop_counts(model):
@@ -105,16 +111,25 @@ def test_generate_returns_loop_counts(model):
     assert torch.equal(uncached.sequences, out.sequences) and torch.equal(uncached.loop_counts, out.loop_counts)
     # the counts are those of a forward over the generated sequence (position i produced token i + 1)
     torch.testing.assert_close(out.loop_counts, model(out.sequences[:, :-1], halt_eps=EPS).loop_counts)
-    assert model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True).get("loop_counts") \
-        is None  # without halt_eps every position runs the full budget
+    assert (
+        model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True).get("loop_counts") is None
+    )  # without halt_eps every position runs the full budget
     assert not any(isinstance(v, torch.Tensor) for v in vars(model).values())  # nothing kept on the model
 
 
 def test_sampling_reports_the_counts_of_the_sampled_tokens(model):
     ids = torch.randint(3, 97, (2, 5))
     torch.manual_seed(3)
-    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=0, halt_eps=EPS,
-                         num_return_sequences=2, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=True,
+        top_k=0,
+        halt_eps=EPS,
+        num_return_sequences=2,
+        return_dict_in_generate=True,
+    )
     assert out.sequences.shape == (4, 11) and out.loop_counts.shape == (4, 10)
     torch.testing.assert_close(out.loop_counts, model(out.sequences[:, :-1], halt_eps=EPS).loop_counts)
 
@@ -139,8 +154,9 @@ def test_two_threads_generating_on_one_model_keep_their_own_counts(model):
     barrier, together = threading.Barrier(2), {}
 
     def run(name):
-        together[name] = model.generate(ids, logits_processor=LogitsProcessorList([LockStep(barrier)]),
-                                        **jobs[name], **kw)
+        together[name] = model.generate(
+            ids, logits_processor=LogitsProcessorList([LockStep(barrier)]), **jobs[name], **kw
+        )
 
     threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
     for t in threads:
@@ -217,8 +233,15 @@ def test_gathered_prefill_and_decode_equal_the_dense_path(model, monkeypatch, fi
         out = run(model, gather, monkeypatch, ids[:, :16], attention_mask=mask[:, :16], halt_eps=EPS)
         logits, counts, cache = [out.logits], [out.loop_counts], cache_of(out)
         for i in range(16, 24):  # batched decode: rows halt at different steps
-            out = run(model, gather, monkeypatch, ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache,
-                      halt_eps=EPS)
+            out = run(
+                model,
+                gather,
+                monkeypatch,
+                ids[:, i : i + 1],
+                attention_mask=mask[:, : i + 1],
+                cache=cache,
+                halt_eps=EPS,
+            )
             logits.append(out.logits)
             counts.append(out.loop_counts)
         outs[gather] = torch.cat(logits, 1), torch.cat(counts, 1), cache
@@ -323,8 +346,9 @@ def test_deferred_slot_writes_are_seen_by_every_cache_operation():
     later = copy.deepcopy(cache)
     assert cache.get_seq_length(1) == 5
     torch.testing.assert_close(cache.layers[1].keys, expected_keys, rtol=0, atol=0)
-    torch.testing.assert_close(cache.layers[1].values, torch.cat([first[1], second[1], third[1]], dim=-2),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        cache.layers[1].values, torch.cat([first[1], second[1], third[1]], dim=-2), rtol=0, atol=0
+    )
     new = kv(1, 3)
     keys, _ = later.update(*new, 1)  # one concatenation of the history, both pieces and the new keys
     torch.testing.assert_close(keys, torch.cat([expected_keys, new[0]], dim=-2), rtol=0, atol=0)

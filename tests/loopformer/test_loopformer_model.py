@@ -20,11 +20,24 @@ from loopformer_hf import trajectory_loopformer
 
 # ---- configuration ---------------------------------------------------------------------------------------------
 
+
 def test_config_uses_transformers_standard_names():
     cfg = tiny_loopformer_config()
-    for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "hidden_act", "num_hidden_layers", "max_position_embeddings", "tie_word_embeddings",
-                 "rms_norm_eps", "num_loops", "loop_conditioning", "use_cache"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "hidden_act",
+        "num_hidden_layers",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "num_loops",
+        "loop_conditioning",
+        "use_cache",
+    ):
         assert hasattr(cfg, name), name
     assert cfg.model_type == "loopformer"
     assert cfg.num_key_value_heads == cfg.num_attention_heads
@@ -32,11 +45,22 @@ def test_config_uses_transformers_standard_names():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("num_loops", 0), ("num_hidden_layers", -1), ("hidden_size", 65), ("num_key_value_heads", 3),
-     ("loop_conditioning", "adaptive"), ("position_embedding_type", "alibi"), ("hidden_act", "nope"),
-     ("rms_norm_eps", -1.0), ("default_step_schedule", "zigzag"), ("default_loop_budget", 0),
-     ("num_loops", True), ("attention_dropout", 2.0), ("initializer_scheme", "xavier"),
-     ("block_norm_weight", "yes")],
+    [
+        ("num_loops", 0),
+        ("num_hidden_layers", -1),
+        ("hidden_size", 65),
+        ("num_key_value_heads", 3),
+        ("loop_conditioning", "adaptive"),
+        ("position_embedding_type", "alibi"),
+        ("hidden_act", "nope"),
+        ("rms_norm_eps", -1.0),
+        ("default_step_schedule", "zigzag"),
+        ("default_loop_budget", 0),
+        ("num_loops", True),
+        ("attention_dropout", 2.0),
+        ("initializer_scheme", "xavier"),
+        ("block_norm_weight", "yes"),
+    ],
 )
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(StrictDataclassError, match=field):
@@ -44,7 +68,9 @@ def test_config_rejects_bad_fields(field, value):
 
 
 def test_config_error_names_the_initializer_schemes():
-    with pytest.raises(StrictDataclassError, match=r"(?s)initializer_scheme.*\('reference', 'zero_adaln'\), got xavier"):
+    with pytest.raises(
+        StrictDataclassError, match=r"(?s)initializer_scheme.*\('reference', 'zero_adaln'\), got xavier"
+    ):
         tiny_loopformer_config(initializer_scheme="xavier")
 
 
@@ -58,6 +84,7 @@ def test_config_round_trips(tmp_path):
 
 
 # ---- architecture ----------------------------------------------------------------------------------------------
+
 
 def test_architecture_matches_spec(tiny_config):
     model = LoopFormerForCausalLM(tiny_config)
@@ -107,9 +134,19 @@ def test_fresh_model_init_statistics_follow_the_scheme(scheme, conditioning):
     """Per parameter: mean and std within 5% of the rule (≥ 8k draws each: the sample std's own spread is < 1%)."""
     k = 3
     config = tiny_loopformer_config(
-        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_hidden_layers=k, num_loops=4,
-        vocab_size=128, max_position_embeddings=64, pad_token_id=None, attention_bias=True, mlp_bias=True,
-        loop_conditioning=conditioning, block_norm_weight=conditioning == "none", initializer_scheme=scheme,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_hidden_layers=k,
+        num_loops=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+        pad_token_id=None,
+        attention_bias=True,
+        mlp_bias=True,
+        loop_conditioning=conditioning,
+        block_norm_weight=conditioning == "none",
+        initializer_scheme=scheme,
     )
     torch.manual_seed(0)
     model = LoopFormerForCausalLM(config)
@@ -172,7 +209,7 @@ def test_weighted_block_norms_in_cached_adaptive_decode(conditioning):
         out = model(ids[:, :8], halt_eps=eps)
         logits, cache = [out.logits], cache_of(out)
         for i in range(8, ids.shape[1]):
-            out = model(ids[:, i:i + 1], cache=cache, halt_eps=eps)
+            out = model(ids[:, i : i + 1], cache=cache, halt_eps=eps)
             logits.append(out.logits)
             cache = cache_of(out)
     torch.testing.assert_close(torch.cat(logits, 1), full.logits, atol=1e-5, rtol=0)
@@ -209,6 +246,7 @@ def test_conditioning_depends_on_t_and_delta(tiny_model):
 
 # ---- baselines are configurations ------------------------------------------------------------------------------
 
+
 def test_baselines_are_configurations_of_one_model():
     base_loop = LoopFormerModel(tiny_loopformer_config(loop_conditioning="none"))
     assert not hasattr(base_loop.loop_conditioning, "time_embedder")
@@ -230,6 +268,7 @@ def test_timestep_conditioning_ignores_delta_but_rejects_nonuniform_schedules():
 
 
 # ---- elastic inference -----------------------------------------------------------------------------------------
+
 
 def test_budget_changes_the_number_of_loop_steps(tiny_model):
     ids = torch.randint(3, 97, (1, 6))
@@ -283,8 +322,19 @@ def test_bad_budgets_raise_value_error_naming_the_value(tiny_model, budget):
     assert repr(budget) in str(info.value)
 
 
-BAD_SCHEDULES = [[], [0.5, 0.6], [1.0, 0.0], [1.5, -0.5], [float("nan"), 1.0], [True], "zigzag", 0.5, ["a", 1],
-                 [0.5, float("inf")], {"a": 1}]
+BAD_SCHEDULES = [
+    [],
+    [0.5, 0.6],
+    [1.0, 0.0],
+    [1.5, -0.5],
+    [float("nan"), 1.0],
+    [True],
+    "zigzag",
+    0.5,
+    ["a", 1],
+    [0.5, float("inf")],
+    {"a": 1},
+]
 
 
 @pytest.mark.parametrize("schedule", BAD_SCHEDULES)
@@ -338,6 +388,7 @@ def test_out_of_vocabulary_ids_raise(tiny_model):
 
 # ---- standard transformers behaviour -----------------------------------------------------------------------------
 
+
 def test_auto_classes_are_registered(tiny_config, tmp_path):
     assert type(AutoModelForCausalLM.from_config(tiny_config)) is LoopFormerForCausalLM
     assert type(AutoModel.from_config(tiny_config)) is LoopFormerModel
@@ -354,8 +405,17 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
     loads from them where the package cannot be imported."""
     tiny_model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [
-        "cache_loopformer.py", "configuration_loopformer.py", "generation_loopformer.py", "halting_loopformer.py", "hub.py",
-        "layers_loopformer.py", "loss_loopformer.py", "masks_loopformer.py", "modeling_loopformer.py", "trajectory_loopformer.py"]
+        "cache_loopformer.py",
+        "configuration_loopformer.py",
+        "generation_loopformer.py",
+        "halting_loopformer.py",
+        "hub.py",
+        "layers_loopformer.py",
+        "loss_loopformer.py",
+        "masks_loopformer.py",
+        "modeling_loopformer.py",
+        "trajectory_loopformer.py",
+    ]
     ids = torch.randint(3, 97, (1, 6))
     expected = tiny_model(ids, loop_budget=3, step_schedule=[0.5, 0.25, 0.25]).logits
     torch.save({"ids": ids, "expected": expected}, tmp_path / "check.pt")
@@ -366,7 +426,7 @@ import torch
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-data = torch.load({str(tmp_path / 'check.pt')!r})
+data = torch.load({str(tmp_path / "check.pt")!r})
 got = model(data["ids"], loop_budget=3, step_schedule=[0.5, 0.25, 0.25]).logits
 torch.testing.assert_close(got, data["expected"])
 out = model.generate(data["ids"], max_new_tokens=4, do_sample=False, loop_budget=2)
@@ -379,7 +439,9 @@ print("OK", tuple(out.shape))
 
 def test_sdpa_and_eager_agree_with_padding(tiny_config):
     torch.manual_seed(0)
-    sdpa = randomize_modulation(LoopFormerForCausalLM._from_config(copy.deepcopy(tiny_config), attn_implementation="sdpa")).eval()
+    sdpa = randomize_modulation(
+        LoopFormerForCausalLM._from_config(copy.deepcopy(tiny_config), attn_implementation="sdpa")
+    ).eval()
     eager = LoopFormerForCausalLM._from_config(copy.deepcopy(tiny_config), attn_implementation="eager").eval()
     eager.load_state_dict(sdpa.state_dict())
     assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
@@ -511,8 +573,10 @@ def test_the_untrained_trajectory_warning_says_what_is_true_for_the_variant(monk
                 model(ids, loop_budget=budget)
                 model(ids, loop_budget=budget)
             said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-            assert said == [f"{variant} was trained at exactly num_loops=8 loop steps and has no step-size "
-                            f"conditioning to interpolate: loop_budget={budget} is a loop count it never ran."], said
+            assert said == [
+                f"{variant} was trained at exactly num_loops=8 loop steps and has no step-size "
+                f"conditioning to interpolate: loop_budget={budget} is a loop count it never ran."
+            ], said
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             model(ids, loop_budget=8)

@@ -36,7 +36,7 @@ def check_rows_match_solo(model, knobs, **kw):
     with torch.no_grad():
         batched = model(ids, attention_mask=mask, **knobs, **kw)
         for b in range(ids.shape[0]):
-            solo = model(ids[b:b + 1], attention_mask=mask[b:b + 1], **solo_knobs(b, knobs), **kw)
+            solo = model(ids[b : b + 1], attention_mask=mask[b : b + 1], **solo_knobs(b, knobs), **kw)
             real = mask[b].bool()
             torch.testing.assert_close(batched.logits[b, real], solo.logits[0, real], atol=1e-5, rtol=0)
             if kw.get("halt_eps") is not None:
@@ -44,12 +44,16 @@ def check_rows_match_solo(model, knobs, **kw):
     return batched
 
 
-@pytest.mark.parametrize("knobs", [
-    {"loop_budget": BUDGETS},
-    {"loop_budget": torch.tensor(BUDGETS)},
-    {"step_schedule": SCHEDULES},
-    {"loop_budget": [2, 3, L], "step_schedule": ["fine_to_coarse", [0.5, 0.25, 0.25], None]},
-], ids=["list", "tensor", "schedules", "budgets_and_schedules"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"loop_budget": BUDGETS},
+        {"loop_budget": torch.tensor(BUDGETS)},
+        {"step_schedule": SCHEDULES},
+        {"loop_budget": [2, 3, L], "step_schedule": ["fine_to_coarse", [0.5, 0.25, 0.25], None]},
+    ],
+    ids=["list", "tensor", "schedules", "budgets_and_schedules"],
+)
 def test_each_row_computes_its_solo_call(tiny_model, knobs):
     check_rows_match_solo(tiny_model, knobs)
 
@@ -64,8 +68,11 @@ def test_frozen_rows_left_out_of_the_later_steps(tiny_model, monkeypatch, budget
     monkeypatch.setattr(halting_loopformer, "GATHER_ACTIVE_FRACTION", 1.0)
     monkeypatch.setattr(halting_loopformer, "GATHER_MIN_GRID", 0)
     built = []
-    monkeypatch.setattr(halting_loopformer.LoopFormerActiveTokens, "__init__", record(built, (
-        halting_loopformer.LoopFormerActiveTokens.__init__)))
+    monkeypatch.setattr(
+        halting_loopformer.LoopFormerActiveTokens,
+        "__init__",
+        record(built, (halting_loopformer.LoopFormerActiveTokens.__init__)),
+    )
     check_rows_match_solo(tiny_model, {"loop_budget": budgets}, halt_eps=halt_eps)
     if halt_eps is None:
         assert any(plan.whole_rows for plan in built)
@@ -74,15 +81,17 @@ def test_frozen_rows_left_out_of_the_later_steps(tiny_model, monkeypatch, budget
     with torch.no_grad():
         batched = tiny_model.generate(ids, loop_budget=torch.tensor(budgets), halt_eps=halt_eps, **kw)
         for b, budget in enumerate(budgets):
-            kw["attention_mask"] = mask[b:b + 1]
-            assert torch.equal(batched[b], tiny_model.generate(ids[b:b + 1], loop_budget=budget, halt_eps=halt_eps,
-                                                               **kw)[0])
+            kw["attention_mask"] = mask[b : b + 1]
+            assert torch.equal(
+                batched[b], tiny_model.generate(ids[b : b + 1], loop_budget=budget, halt_eps=halt_eps, **kw)[0]
+            )
 
 
 def record(built, init):
     def recording_init(self, *args):
         init(self, *args)
         built.append(self)
+
     return recording_init
 
 
@@ -94,8 +103,11 @@ def test_each_row_computes_its_solo_call_with_halting(tiny_model, fill, criterio
     assert out.loop_counts[2].min() < L and out.loop_counts[0].max() == 1  # halting acts inside the row of budget L
 
 
-@pytest.mark.parametrize("variant", [
-    dict(loop_conditioning="timestep"), dict(loop_conditioning="none", block_norm_weight=True)], ids=["TMLT", "Base-Loop"])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(loop_conditioning="timestep"), dict(loop_conditioning="none", block_norm_weight=True)],
+    ids=["TMLT", "Base-Loop"],
+)
 def test_baselines_run_per_row_budgets(variant):
     torch.manual_seed(0)
     model = randomize_modulation(loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(**variant))).eval()
@@ -108,10 +120,13 @@ def test_rows_sharing_one_budget_compute_what_one_budget_computes(tiny_model):
     with torch.no_grad():
         one = tiny_model(ids, attention_mask=mask, loop_budget=2).logits
         assert torch.equal(tiny_model(ids, attention_mask=mask, loop_budget=[2, 2, 2]).logits, one)
-        assert torch.equal(tiny_model(ids, attention_mask=mask, step_schedule=[None, "uniform", [0.5, 0.5]],
-                                      loop_budget=2).logits, one)
-        torch.testing.assert_close(tiny_model(ids, attention_mask=mask, loop_budget=torch.tensor([2, 2, 2])).logits,
-                                   one, atol=1e-6, rtol=0)
+        assert torch.equal(
+            tiny_model(ids, attention_mask=mask, step_schedule=[None, "uniform", [0.5, 0.5]], loop_budget=2).logits,
+            one,
+        )
+        torch.testing.assert_close(
+            tiny_model(ids, attention_mask=mask, loop_budget=torch.tensor([2, 2, 2])).logits, one, atol=1e-6, rtol=0
+        )
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
@@ -120,13 +135,19 @@ def test_generate_gives_each_row_its_solo_tokens(tiny_model, cache_implementatio
     """Greedy tokens of each row of a left-padded batch equal that row's own `generate`, with the dynamic and the
     static cache, with and without halting; the cache serves the largest budget's slots."""
     ids, mask = ids_and_left_padding()
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, cache_implementation=cache_implementation,
-              halt_eps=halt_eps, return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        cache_implementation=cache_implementation,
+        halt_eps=halt_eps,
+        return_dict_in_generate=True,
+    )
     knobs = {"loop_budget": torch.tensor([1, 3, L]), "step_schedule": SCHEDULES}
     with torch.no_grad():
         batched = tiny_model.generate(ids, attention_mask=mask, **knobs, **kw)
         for b in range(ids.shape[0]):
-            solo = tiny_model.generate(ids[b:b + 1], attention_mask=mask[b:b + 1], **solo_knobs(b, knobs), **kw)
+            solo = tiny_model.generate(ids[b : b + 1], attention_mask=mask[b : b + 1], **solo_knobs(b, knobs), **kw)
             assert torch.equal(batched.sequences[b], solo.sequences[0]), f"row {b}"
             if halt_eps is not None:
                 real = mask[b].bool().tolist() + [True] * 5  # the prompt's real positions, then the generated ones
@@ -142,7 +163,7 @@ def test_cached_decode_equals_uncached_forward(tiny_model):
         out = tiny_model(ids[:, :4], attention_mask=mask[:, :4], **knobs)
         steps = [out.logits]
         for i in range(4, ids.shape[1]):
-            out = tiny_model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache_of(out), **knobs)
+            out = tiny_model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache_of(out), **knobs)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
 
@@ -163,8 +184,13 @@ def test_compiled_decode_does_not_recompile_when_the_mix_of_budgets_changes(tiny
     graph per largest budget, whatever the mix of rows; eager's tokens."""
     ids, mask = ids_and_left_padding()
     mixes = [[1, 2, 4], [4, 1, 1], [2, 4, 2], [4, 4, 4], [1, 2, 2], [2, 1, 2]]
-    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, attention_mask=mask,
-              cache_implementation=cache_implementation)
+    kw = dict(
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        attention_mask=mask,
+        cache_implementation=cache_implementation,
+    )
     dynamo.reset()
     try:
         with torch.no_grad():
@@ -194,9 +220,12 @@ def test_compiled_forward_without_cache_guards_on_the_largest_budget_only(tiny_m
             frames = []
             for mix in ([1, 2, 4], [4, 1, 2], [4, 4, 4], [2, 1, 1], [1, 1, 2]):
                 budgets = torch.tensor(mix)
-                torch.testing.assert_close(compiled(ids, loop_budget=budgets, use_cache=False).logits,
-                                           tiny_model(ids, loop_budget=budgets, use_cache=False).logits,
-                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    compiled(ids, loop_budget=budgets, use_cache=False).logits,
+                    tiny_model(ids, loop_budget=budgets, use_cache=False).logits,
+                    atol=1e-5,
+                    rtol=0,
+                )
                 frames.append(counter.frame_count)
     finally:
         dynamo.reset()
@@ -219,6 +248,7 @@ def test_a_per_row_budget_in_generation_config_saves_and_reloads(tmp_path):
     with torch.no_grad():
         rows = again.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         for row, budget in enumerate((1, 4)):
-            alone = again.generate(ids[row:row + 1], max_new_tokens=4, do_sample=False, pad_token_id=0,
-                                   loop_budget=budget)
-            assert torch.equal(rows[row:row + 1], alone), row
+            alone = again.generate(
+                ids[row : row + 1], max_new_tokens=4, do_sample=False, pad_token_id=0, loop_budget=budget
+            )
+            assert torch.equal(rows[row : row + 1], alone), row

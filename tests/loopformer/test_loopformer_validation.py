@@ -32,8 +32,16 @@ BAD_VALUES = [(*case.setting, case.message) for case in CASES if case.area == "L
 
 @pytest.mark.parametrize("field,value,message", BAD_VALUES)
 def test_bad_config_value_refused_however_it_arrives(checkpoint, tmp_path, field, value, message):
-    assert_refused_however_it_arrives(tiny_loopformer_config, LoopFormerForCausalLM, AutoModelForCausalLM, checkpoint,
-                                      tmp_path, field, value, message)
+    assert_refused_however_it_arrives(
+        tiny_loopformer_config,
+        LoopFormerForCausalLM,
+        AutoModelForCausalLM,
+        checkpoint,
+        tmp_path,
+        field,
+        value,
+        message,
+    )
 
 
 def test_from_pretrained_good_kwarg_is_used(checkpoint):
@@ -50,13 +58,16 @@ def test_setting_num_loops_below_default_budget_bound_is_refused():
     kwargs, `save_pretrained`), and the default budget again where a forward would use it."""
     config = tiny_loopformer_config(num_loops=4, default_loop_budget=32)  # 32 = 8 x 4, the default bound
     config.num_loops = 2
-    with pytest.raises(StrictDataclassClassValidationError, match=r"default_loop_budget`=32 exceeds.*max_loop_budget=16"):
+    with pytest.raises(
+        StrictDataclassClassValidationError, match=r"default_loop_budget`=32 exceeds.*max_loop_budget=16"
+    ):
         config.validate()
     with pytest.raises(ValueError, match=r"default_loop_budget`=32 exceeds.*max_loop_budget=16"):
         config.resolve_trajectory()
 
 
 # ---- 2. an upper bound on the loop budget, checked before anything is allocated ---------------------------------
+
 
 @pytest.mark.parametrize("budget", [10**6, 10**20])
 def test_huge_loop_budget_refused_before_allocation(budget):
@@ -93,6 +104,7 @@ def test_max_loop_budget_factor_validated(value):
 
 # ---- 3. empty inputs --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(1, 0), (0, 3), (0, 0)])
 def test_empty_inputs_are_a_clear_error(tiny_model, shape):
     ids = torch.zeros(shape, dtype=torch.long)
@@ -105,6 +117,7 @@ def test_empty_inputs_are_a_clear_error(tiny_model, shape):
 
 # ---- 4. loop knobs read from generation_config ------------------------------------------------------------------
 
+
 def _loop_steps_of_generate(model, ids, **kwargs):
     """Number of loop steps each forward of a greedy generate ran (from output_hidden_states of the spied forward)."""
     seen = []
@@ -114,8 +127,9 @@ def _loop_steps_of_generate(model, ids, **kwargs):
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
     try:
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, output_hidden_states=True,
-                             return_dict_in_generate=True, **kwargs)
+        out = model.generate(
+            ids, max_new_tokens=3, do_sample=False, output_hidden_states=True, return_dict_in_generate=True, **kwargs
+        )
     finally:
         handle.remove()
     return set(seen), out
@@ -150,24 +164,44 @@ def test_call_kwarg_overrides_generation_config(generating_model):
 def test_generation_config_step_schedule_and_halt_eps(generating_model):
     ids = torch.tensor([[3, 4, 5]])
     schedule = [0.5, 0.25, 0.25]
-    by_kwarg = generating_model.generate(ids, max_new_tokens=4, do_sample=False, step_schedule=schedule,
-                                         output_scores=True, return_dict_in_generate=True)
-    by_config = generating_model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
-                                          return_dict_in_generate=True,
-                                          generation_config=GenerationConfig(step_schedule=schedule))
-    default = generating_model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True,
-                                        return_dict_in_generate=True)
+    by_kwarg = generating_model.generate(
+        ids,
+        max_new_tokens=4,
+        do_sample=False,
+        step_schedule=schedule,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    by_config = generating_model.generate(
+        ids,
+        max_new_tokens=4,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        generation_config=GenerationConfig(step_schedule=schedule),
+    )
+    default = generating_model.generate(
+        ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True
+    )
     torch.testing.assert_close(torch.stack(by_config.scores), torch.stack(by_kwarg.scores))
     assert not torch.allclose(torch.stack(default.scores), torch.stack(by_kwarg.scores))
-    out = generating_model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                                    generation_config=GenerationConfig(halt_eps=1e9))
+    out = generating_model.generate(
+        ids,
+        max_new_tokens=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        generation_config=GenerationConfig(halt_eps=1e9),
+    )
     assert out.loop_counts is not None and bool((out.loop_counts == 1).all())  # every token halts after one step
 
 
 def test_generation_config_halt_eps_with_chunked_prefill_is_refused(generating_model):
     with pytest.raises(ValueError, match="halt_eps.*chunked prefill"):
-        generating_model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2,
-                                  generation_config=GenerationConfig(halt_eps=0.1, prefill_chunk_size=2))
+        generating_model.generate(
+            torch.tensor([[3, 4, 5]]),
+            max_new_tokens=2,
+            generation_config=GenerationConfig(halt_eps=0.1, prefill_chunk_size=2),
+        )
 
 
 def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):

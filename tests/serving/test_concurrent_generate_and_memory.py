@@ -9,8 +9,14 @@ import torch
 from support.bad_input_table import loopformer
 
 THREADS, CALLS = 4, 4
-KNOBS = [dict(loop_budget=1), dict(loop_budget=3), dict(halt_eps=1e-2), dict(loop_budget=2, halt_eps=5e-2),
-         dict(step_schedule=[0.5, 0.25, 0.25]), dict()]
+KNOBS = [
+    dict(loop_budget=1),
+    dict(loop_budget=3),
+    dict(halt_eps=1e-2),
+    dict(loop_budget=2, halt_eps=5e-2),
+    dict(step_schedule=[0.5, 0.25, 0.25]),
+    dict(),
+]
 
 
 def call(i):

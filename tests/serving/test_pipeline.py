@@ -89,9 +89,26 @@ def test_pipeline_without_package_with_trust_remote_code(folder, tmp_path):
         assert text == local(PROMPT, max_new_tokens=6, do_sample=False, **kwargs)[0]["generated_text"]
 
 
-TRAIN_TINY = ["--preset", "synthetic-tiny", "--hidden_size", "32", "--num_attention_heads", "2",
-              "--num_train_problems", "64", "--num_eval_problems", "24", "--per_device_train_batch_size", "8",
-              "--max_steps", "2", "--save_strategy", "no", "--disable_tqdm", "true"]
+TRAIN_TINY = [
+    "--preset",
+    "synthetic-tiny",
+    "--hidden_size",
+    "32",
+    "--num_attention_heads",
+    "2",
+    "--num_train_problems",
+    "64",
+    "--num_eval_problems",
+    "24",
+    "--per_device_train_batch_size",
+    "8",
+    "--max_steps",
+    "2",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +138,7 @@ def test_a_trained_run_generates_through_the_pipeline_with_no_extra_argument(tra
     for prompt in (longest, record["prompt"]):
         ids = pipe(prompt, return_tensors=True)[0]["generated_token_ids"]
         prompt_ids = tokenizer(prompt)["input_ids"]
-        assert list(ids[:len(prompt_ids)]) == prompt_ids and len(prompt_ids) < len(ids) <= context
+        assert list(ids[: len(prompt_ids)]) == prompt_ids and len(prompt_ids) < len(ids) <= context
 
 
 def test_generation_stops_at_the_answers_newline(trained):
@@ -151,7 +168,9 @@ def test_pipeline_with_a_budget_per_input(folder):
     together = pipe(prompts, max_new_tokens=4, do_sample=False, loop_budget=budgets, batch_size=2)
     alone = [pipe(p, max_new_tokens=4, do_sample=False, loop_budget=b) for p, b in zip(prompts, budgets)]
     assert [t[0]["generated_text"] for t in together] == [a[0]["generated_text"] for a in alone]
-    with pytest.raises(ValueError, match=r"`loop_budget` gives 2 values.*batch has 1 rows.*pass batch_size=len\(inputs\)"):
+    with pytest.raises(
+        ValueError, match=r"`loop_budget` gives 2 values.*batch has 1 rows.*pass batch_size=len\(inputs\)"
+    ):
         pipe(prompts, max_new_tokens=2, loop_budget=budgets)
 
 
@@ -162,9 +181,13 @@ def test_a_folder_without_a_tokenizer_says_so(tmp_path):
     from support.hub_helpers import make_model
 
     make_model(seed=0).save_pretrained(tmp_path / "m")
-    for load in (lambda: AutoTokenizer.from_pretrained(tmp_path / "m"),
-                 lambda: pipeline("text-generation", model=str(tmp_path / "m"))):
-        with pytest.raises(OSError, match=r"holds no tokenizer \(none of tokenizer\.json, .*tokenizer\.save_pretrained"):
+    for load in (
+        lambda: AutoTokenizer.from_pretrained(tmp_path / "m"),
+        lambda: pipeline("text-generation", model=str(tmp_path / "m")),
+    ):
+        with pytest.raises(
+            OSError, match=r"holds no tokenizer \(none of tokenizer\.json, .*tokenizer\.save_pretrained"
+        ):
             load()
 
 

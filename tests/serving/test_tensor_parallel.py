@@ -22,8 +22,13 @@ BUDGETS = (1, 2, 4)  # on the 1/4 grid of num_loops=4
 GENERATE = dict(max_new_tokens=8, do_sample=False)
 VARIANTS = {
     "loopformer": {},
-    "base_loop": dict(loop_conditioning="none", block_norm_weight=True, position_embedding_type="rope",
-                      hidden_act="swiglu", num_key_value_heads=2),
+    "base_loop": dict(
+        loop_conditioning="none",
+        block_norm_weight=True,
+        position_embedding_type="rope",
+        hidden_act="swiglu",
+        num_key_value_heads=2,
+    ),
 }
 
 
@@ -32,9 +37,11 @@ def run(model):
     ids = torch.tensor(IDS)
     with torch.no_grad():
         logits = {budget: model(ids, loop_budget=budget).logits.tolist() for budget in BUDGETS}
-    return {"logits": logits,
-            "greedy": model.generate(ids, loop_budget=2, **GENERATE).tolist(),
-            "halting": model.generate(ids, halt_eps=0.3, **GENERATE).tolist()}
+    return {
+        "logits": logits,
+        "greedy": model.generate(ids, loop_budget=2, **GENERATE).tolist(),
+        "halting": model.generate(ids, halt_eps=0.3, **GENERATE).tolist(),
+    }
 
 
 def worker(checkpoint, out):
@@ -60,19 +67,38 @@ def test_two_ranks_with_tp_plan_auto_compute_what_one_process_computes(tmp_path,
     torch.manual_seed(0)
     model = randomize_modulation(LoopFormerForCausalLM(tiny_loopformer_config(**VARIANTS[variant]))).eval()
     model.save_pretrained(tmp_path / "ckpt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         __file__, str(tmp_path / "ckpt"), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     expected = run(model)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"out.{rank}.json").read_text())
         assert got["q_proj_local_rows"] == model.config.hidden_size // 2  # each rank holds half of the heads
         for budget in BUDGETS:
-            torch.testing.assert_close(torch.tensor(got["logits"][str(budget)]),
-                                       torch.tensor(expected["logits"][budget]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(got["logits"][str(budget)]), torch.tensor(expected["logits"][budget]), atol=1e-5, rtol=0
+            )
         assert got["greedy"] == expected["greedy"] and got["halting"] == expected["halting"]
 
 

@@ -26,7 +26,9 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 if __name__ != "__main__":
-    pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vllm.sh runs these tests in .venv-vllm")
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here: scripts/test_vllm.sh runs these tests in .venv-vllm"
+    )
 
 import torch  # noqa: E402
 
@@ -39,13 +41,24 @@ VARIANTS = {
     "loopformer": dict(loop_conditioning="shortcut", num_hidden_layers=2, num_loops=3),
     "tmlt": dict(loop_conditioning="timestep", num_hidden_layers=2, num_loops=3, position_embedding_type="rope"),
     # transformers' `rope_parameters` reach vLLM's own RoPE: linear scaling of half of each head
-    "tmlt_scaled_rope": dict(loop_conditioning="timestep", num_hidden_layers=2, num_loops=3,
-                             position_embedding_type="rope",
-                             rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
-    "base_loop": dict(loop_conditioning="none", block_norm_weight=True, num_hidden_layers=2, num_loops=3,
-                      hidden_act="swiglu"),
-    "base": dict(loop_conditioning="none", block_norm_weight=True, num_hidden_layers=6, num_loops=1,
-                 num_attention_heads=2, num_key_value_heads=1),
+    "tmlt_scaled_rope": dict(
+        loop_conditioning="timestep",
+        num_hidden_layers=2,
+        num_loops=3,
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+    ),
+    "base_loop": dict(
+        loop_conditioning="none", block_norm_weight=True, num_hidden_layers=2, num_loops=3, hidden_act="swiglu"
+    ),
+    "base": dict(
+        loop_conditioning="none",
+        block_norm_weight=True,
+        num_hidden_layers=6,
+        num_loops=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
 }
 # name -> (checkpoint, --hf-overrides, (loop_budget, step_schedule) that `generate` gets). The loopformer checkpoint's
 # generation_config.json says loop_budget=2, step_schedule="coarse_to_fine": job "lf_c2f" uses it as saved.
@@ -66,9 +79,11 @@ JOBS = {
 PER_REQUEST_JOB = "lf_per_request"
 # (prompt, loop_budget, step_schedule, engine step at which it arrives): budgets {1, 2, 4, L=3} under two schedules,
 # arriving while the earlier ones decode; None: no extra_args, the server's trajectory
-PER_REQUEST = [(p, budget, schedule, arrival)
-               for arrival, schedule in ((0, "uniform"), (3, "coarse_to_fine"), (6, "fine_to_coarse"))
-               for p, budget in enumerate((1, 2, 4, 3))] + [(0, None, None, 3), (2, None, None, 6)]
+PER_REQUEST = [
+    (p, budget, schedule, arrival)
+    for arrival, schedule in ((0, "uniform"), (3, "coarse_to_fine"), (6, "fine_to_coarse"))
+    for p, budget in enumerate((1, 2, 4, 3))
+] + [(0, None, None, 3), (2, None, None, 6)]
 # the same long prompt (more than a cache block) in turn under trajectories that differ, each after the previous ended
 PREFIX_SEQUENCE = [(2, "uniform"), (3, "uniform"), (2, "coarse_to_fine"), (2, "uniform")]
 PREFIX_BLOCK_SIZE = 32  # vLLM's CPU default, 128, is longer than any prompt here: no block would be reused
@@ -80,13 +95,19 @@ BAD_REQUESTS = [  # extra_args -> what the refusal must say (each names the valu
     ({"halt_eps": 0.1}, "halt_eps=0.1 (per-token halting) is not supported"),
 ]
 SAMPLING_JOB = "lf_M3"  # also runs seeded sampling
-LLM_KWARGS = dict(dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-                  # the engine and its worker in this process: no ~30 s import of vLLM in two spawned processes
-                  distributed_executor_backend="uni")
+LLM_KWARGS = dict(
+    dtype="float32",
+    max_model_len=128,
+    enforce_eager=True,
+    seed=0,
+    # the engine and its worker in this process: no ~30 s import of vLLM in two spawned processes
+    distributed_executor_backend="uni",
+)
 LOGPROB_ATOL = 1e-4
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
+
 
 def _corpus(n=400, seed=0):
     import random
@@ -108,12 +129,20 @@ def build_checkpoint(path, variant, steps=0, lr=1e-3, initializer_range=0.1, see
     from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
     text = _corpus()
-    tokenizer = train_bpe_tokenizer([text[i:i + 2000] for i in range(0, len(text), 2000)], 300)
+    tokenizer = train_bpe_tokenizer([text[i : i + 2000] for i in range(0, len(text), 2000)], 300)
     overrides = dict(VARIANTS[variant])
     config = loopformer_hf.LoopFormerConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, num_attention_heads=overrides.pop("num_attention_heads", HEADS),
-        intermediate_size=2 * HIDDEN, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=None, bos_token_id=None, initializer_range=initializer_range, **overrides)
+        vocab_size=len(tokenizer),
+        hidden_size=HIDDEN,
+        num_attention_heads=overrides.pop("num_attention_heads", HEADS),
+        intermediate_size=2 * HIDDEN,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=None,
+        bos_token_id=None,
+        initializer_range=initializer_range,
+        **overrides,
+    )
     torch.manual_seed(seed)
     model = loopformer_hf.LoopFormerForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
@@ -128,7 +157,7 @@ def build_checkpoint(path, variant, steps=0, lr=1e-3, initializer_range=0.1, see
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(ids) - window, (batch,), generator=g)
-        rows = torch.stack([ids[s:s + window] for s in starts.tolist()])
+        rows = torch.stack([ids[s : s + window] for s in starts.tolist()])
         loss = model(input_ids=rows, labels=rows, use_cache=False).loss
         optimizer.zero_grad()
         loss.backward()
@@ -167,6 +196,7 @@ def build_authors_checkpoint(path, tokenizer_from):
 
 # ---- the vLLM side: one subprocess, one LLM per job -----------------------------------------------------------------
 
+
 def drive(spec_path, out_path):
     """Build one `LLM` per job of the spec in turn; write greedy tokens and logprobs (and seeded samples)."""
     from vllm import LLM, SamplingParams
@@ -184,22 +214,36 @@ def drive(spec_path, out_path):
         prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_ids"]]
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=1, ignore_eos=True)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        result = {"setup_s": setup, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                  "logprobs": [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                               for o in outs]}
+        result = {
+            "setup_s": setup,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [
+                [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs
+            ],
+        }
         if name == spec["sampling_job"]:
+
             def sample(seed):
-                params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-                          for i in range(len(prompts))]
+                params = [
+                    SamplingParams(temperature=1.0, seed=seed + i, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+                    for i in range(len(prompts))
+                ]
                 return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
             result["sampled"] = [sample(1234), sample(1234), sample(99)]
             # the same seeded requests in another batch: each alone, in reverse order
             result["sampled_alone"] = [
-                list(llm.generate([prompts[i]], SamplingParams(temperature=1.0, seed=1234 + i,
-                                                                max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
-                                  use_tqdm=False)[0].outputs[0].token_ids)
-                for i in reversed(range(len(prompts)))][::-1]
+                list(
+                    llm.generate(
+                        [prompts[i]],
+                        SamplingParams(temperature=1.0, seed=1234 + i, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False,
+                    )[0]
+                    .outputs[0]
+                    .token_ids
+                )
+                for i in reversed(range(len(prompts)))
+            ][::-1]
         if name == PER_REQUEST_JOB:
             result.update(drive_per_request(llm, spec))
         results[name] = result
@@ -217,8 +261,13 @@ def drive_per_request(llm, spec):
 
     def params(budget=None, schedule=None, **extra):
         knobs = {k: v for k, v in (("loop_budget", budget), ("step_schedule", schedule)) if v is not None}
-        return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=1, ignore_eos=True,
-                              extra_args={**knobs, **extra} or None)
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_NEW_TOKENS,
+            logprobs=1,
+            ignore_eos=True,
+            extra_args={**knobs, **extra} or None,
+        )
 
     def tokens_and_logprobs(output):
         out = output.outputs[0]
@@ -234,19 +283,28 @@ def drive_per_request(llm, spec):
         finished.update((o.request_id, tokens_and_logprobs(o)) for o in engine.step() if o.finished)
         step += 1
     prefix_prompt = {"prompt_token_ids": spec["long_prompt_ids"]}
-    prefix = [tokens_and_logprobs(llm.generate([prefix_prompt], params(b, s), use_tqdm=False)[0])
-              for b, s in PREFIX_SEQUENCE]
+    prefix = [
+        tokens_and_logprobs(llm.generate([prefix_prompt], params(b, s), use_tqdm=False)[0]) for b, s in PREFIX_SEQUENCE
+    ]
     refused = []
     for extra_args, _ in BAD_REQUESTS:
         try:
             llm.generate([prompts[0]], SamplingParams(max_tokens=2, extra_args=extra_args), use_tqdm=False)
             refused.append([None, None])
         except Exception as error:  # noqa: BLE001 -- the message is the result
-            refused.append([f"{type(error).__name__}: {error}",
-                            tokens_and_logprobs(llm.generate([prompts[0]], params(1, "uniform"), use_tqdm=False)[0])])
-    return {"per_request": [finished[str(i)] for i in range(len(PER_REQUEST))],
-            "in_flight_at_arrival": in_flight_at_arrival, "prefix": prefix, "refused": refused,
-            "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
+            refused.append(
+                [
+                    f"{type(error).__name__}: {error}",
+                    tokens_and_logprobs(llm.generate([prompts[0]], params(1, "uniform"), use_tqdm=False)[0]),
+                ]
+            )
+    return {
+        "per_request": [finished[str(i)] for i in range(len(PER_REQUEST))],
+        "in_flight_at_arrival": in_flight_at_arrival,
+        "prefix": prefix,
+        "refused": refused,
+        "prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
+    }
 
 
 def _prompt_ids(checkpoint):
@@ -261,7 +319,7 @@ def _long_prompt_ids(checkpoint):
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(checkpoint)(_corpus(seed=1))["input_ids"]
-    return ids[:2 * PREFIX_BLOCK_SIZE + 8]
+    return ids[: 2 * PREFIX_BLOCK_SIZE + 8]
 
 
 @pytest.fixture(scope="session")
@@ -280,19 +338,34 @@ def halting_checkpoint(checkpoints, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_results(checkpoints, halting_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_run")
-    jobs = {name: {"checkpoint": checkpoints[ckpt], "overrides": overrides}
-            for name, (ckpt, overrides, _) in JOBS.items()}
+    jobs = {
+        name: {"checkpoint": checkpoints[ckpt], "overrides": overrides} for name, (ckpt, overrides, _) in JOBS.items()
+    }
     jobs["halt_eps_refused"] = {"checkpoint": halting_checkpoint, "overrides": {}}
     jobs["bad_budget_refused"] = {"checkpoint": checkpoints["loopformer"], "overrides": {"loop_budget": 0}}
     jobs[PER_REQUEST_JOB]["llm"] = {"block_size": PREFIX_BLOCK_SIZE}
-    spec = {"jobs": jobs, "prompt_ids": _prompt_ids(checkpoints["loopformer"]), "sampling_job": SAMPLING_JOB,
-            "long_prompt_ids": _long_prompt_ids(checkpoints["loopformer"])}
+    spec = {
+        "jobs": jobs,
+        "prompt_ids": _prompt_ids(checkpoints["loopformer"]),
+        "sampling_job": SAMPLING_JOB,
+        "long_prompt_ids": _long_prompt_ids(checkpoints["loopformer"]),
+    }
     (root / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env.pop("PYTHONPATH", None)  # the subprocess finds loopformer_hf only as vLLM does: through the installed plugin
-    proc = subprocess.run([sys.executable, __file__, "drive", str(root / "spec.json"), str(root / "out.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, __file__, "drive", str(root / "spec.json"), str(root / "out.json")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     (root / "drive.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return json.loads((root / "out.json").read_text())
@@ -313,10 +386,17 @@ def reference(checkpoint, loop_budget, step_schedule):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, loop_budget=loop_budget,
-                             step_schedule=step_schedule, return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=tokenizer.pad_token_id)
-        new = out.sequences[:, enc["input_ids"].shape[1]:]
+        out = model.generate(
+            **enc,
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            loop_budget=loop_budget,
+            step_schedule=step_schedule,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = out.sequences[:, enc["input_ids"].shape[1] :]
         logprobs = torch.stack([torch.log_softmax(step.float(), -1) for step in out.logits], 1)
         chosen = logprobs.gather(-1, new[..., None])[..., 0]
         _REFERENCE[key] = (new.tolist(), chosen.tolist())
@@ -332,16 +412,24 @@ def reference_solo(checkpoint, prompt_ids, loop_budget, step_schedule):
 
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, loop_budget=loop_budget,
-                             step_schedule=step_schedule, return_dict_in_generate=True, output_logits=True,
-                             pad_token_id=model.config.pad_token_id)
-        new = out.sequences[0, ids.shape[1]:]
+        out = model.generate(
+            ids,
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            loop_budget=loop_budget,
+            step_schedule=step_schedule,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=model.config.pad_token_id,
+        )
+        new = out.sequences[0, ids.shape[1] :]
         logprobs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
         _REFERENCE[key] = (new.tolist(), logprobs.gather(-1, new[:, None])[:, 0].tolist())
     return _REFERENCE[key]
 
 
 # ---- tests -------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("job", list(JOBS))
 def test_greedy_tokens_equal_generate(job, vllm_results, checkpoints):
@@ -364,7 +452,7 @@ def test_budgets_and_schedules_change_the_outputs(vllm_results):
     tests tell the budgets and schedules apart (a model whose loop did nothing would fail here)."""
     jobs = ("lf_M1", "lf_M2", "lf_M3", "lf_c2f")
     for i, a in enumerate(jobs):
-        for b in jobs[i + 1:]:
+        for b in jobs[i + 1 :]:
             gap = (torch.tensor(vllm_results[a]["logprobs"]) - torch.tensor(vllm_results[b]["logprobs"])).abs().max()
             assert gap > 100 * LOGPROB_ATOL, (a, b, float(gap))
 
@@ -385,8 +473,12 @@ def test_halt_eps_and_bad_budgets_are_refused_with_a_message(vllm_results):
 
 def _assert_matches(got, expected):
     assert got[0] == expected[0]
-    torch.testing.assert_close(torch.tensor(got[1], dtype=torch.float64),
-                               torch.tensor(expected[1], dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(got[1], dtype=torch.float64),
+        torch.tensor(expected[1], dtype=torch.float64),
+        atol=LOGPROB_ATOL,
+        rtol=0,
+    )
 
 
 def test_per_request_trajectories_equal_generate(vllm_results, checkpoints):
@@ -394,7 +486,7 @@ def test_per_request_trajectories_equal_generate(vllm_results, checkpoints):
     others decode: each one's greedy tokens and log-probabilities are `generate`'s for its prompt alone."""
     result, ckpt = vllm_results[PER_REQUEST_JOB], checkpoints["loopformer"]
     prompt_ids = _prompt_ids(ckpt)
-    assert min(result["in_flight_at_arrival"][len(PROMPTS):]) > 0  # later arrivals joined a running batch
+    assert min(result["in_flight_at_arrival"][len(PROMPTS) :]) > 0  # later arrivals joined a running batch
     for (p, budget, schedule, _), got in zip(PER_REQUEST, result["per_request"]):
         budget, schedule = budget or 2, schedule or "coarse_to_fine"
         _assert_matches(got, reference_solo(ckpt, prompt_ids[p], budget, schedule))
@@ -423,13 +515,16 @@ def test_bad_request_knobs_fail_that_request_at_admission(vllm_results, checkpoi
         _assert_matches(after, expected)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"loop_budget": 0}, "`loop_budget` must be an integer >= 1, got 0"),
-    ({"loop_budget": 99}, "`loop_budget`=99 exceeds the largest loop budget"),
-    ({"loop_budget": "two"}, "`loop_budget` must be an integer >= 1, got 'two'"),
-    ({"step_schedule": [0.3, 0.3]}, "`step_schedule` must sum to 1"),
-    ({"halt_eps": 0.1}, "halt_eps=0.1 (per-token halting) is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"loop_budget": 0}, "`loop_budget` must be an integer >= 1, got 0"),
+        ({"loop_budget": 99}, "`loop_budget`=99 exceeds the largest loop budget"),
+        ({"loop_budget": "two"}, "`loop_budget` must be an integer >= 1, got 'two'"),
+        ({"step_schedule": [0.3, 0.3]}, "`step_schedule` must sum to 1"),
+        ({"halt_eps": 0.1}, "halt_eps=0.1 (per-token halting) is not supported"),
+    ],
+)
 def test_bad_overrides_are_refused_where_the_model_config_is_built(checkpoints, overrides, message):
     """The plugin's config hook runs where vLLM builds its ModelConfig: in the user's process (API server, `LLM`),
     so the message reaches the user, not only the engine core's log."""
@@ -438,8 +533,9 @@ def test_bad_overrides_are_refused_where_the_model_config_is_built(checkpoints, 
     args = EngineArgs(model=checkpoints["loopformer"], hf_overrides=overrides, dtype="float32", max_model_len=128)
     with pytest.raises(Exception, match=re.escape(message)):
         args.create_model_config()
-    EngineArgs(model=checkpoints["loopformer"], hf_overrides={"loop_budget": 2}, dtype="float32",
-               max_model_len=128).create_model_config()  # a good one passes
+    EngineArgs(
+        model=checkpoints["loopformer"], hf_overrides={"loop_budget": 2}, dtype="float32", max_model_len=128
+    ).create_model_config()  # a good one passes
 
 
 def test_server_trajectory_reads_overrides_then_generation_config_then_config(checkpoints):
@@ -497,8 +593,9 @@ def test_per_request_knobs_are_refused_where_the_server_cannot_run_them(checkpoi
 
     from loopformer_hf.vllm_plugin import REFUSING_LOGITS_PROCESSOR, SERVED_MODEL_CONFIGS
 
-    model_config = EngineArgs(model=checkpoints["loopformer"], dtype="float32",
-                              max_model_len=128).create_model_config()
+    model_config = EngineArgs(
+        model=checkpoints["loopformer"], dtype="float32", max_model_len=128
+    ).create_model_config()
     saved = list(SERVED_MODEL_CONFIGS)
     SERVED_MODEL_CONFIGS[:] = [(model_config, "start it with VLLM_USE_V2_MODEL_RUNNER=0")]
     try:
@@ -533,8 +630,14 @@ def serve_command():
         importlib.metadata.version("vllm")
         return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve"]
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-                "--model"]
+        return [
+            sys.executable,
+            "-W",
+            "ignore::DeprecationWarning",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+        ]
 
 
 def _free_port():
@@ -561,10 +664,27 @@ def test_openai_server_answers_completions(checkpoints, tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("PYTHONPATH", None)
     server = subprocess.Popen(
-        [*serve_command(), ckpt, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "128", "--enforce-eager", "--served-model-name", "loopformer",
-         "--hf-overrides", json.dumps({"loop_budget": 3, "step_schedule": "uniform"})],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        [
+            *serve_command(),
+            ckpt,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--enforce-eager",
+            "--served-model-name",
+            "loopformer",
+            "--hf-overrides",
+            json.dumps({"loop_budget": 3, "step_schedule": "uniform"}),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -576,9 +696,17 @@ def test_openai_server_answers_completions(checkpoints, tmp_path):
                         break
             except OSError:
                 time.sleep(2)
-        answer = _post(f"http://127.0.0.1:{port}/v1/completions",
-                       {"model": "loopformer", "prompt": PROMPTS[:2], "max_tokens": MAX_NEW_TOKENS,
-                        "temperature": 0, "ignore_eos": True}, timeout=60)
+        answer = _post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {
+                "model": "loopformer",
+                "prompt": PROMPTS[:2],
+                "max_tokens": MAX_NEW_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=60,
+        )
         per_request = _per_request_over_http(port)
     finally:
         server.terminate()
@@ -612,16 +740,22 @@ def _per_request_over_http(port):
     from openai import OpenAI
 
     try:
-        _post(f"http://127.0.0.1:{port}/v1/completions",
-              {"model": "loopformer", "prompt": PROMPTS[0], "max_tokens": 2, "vllm_xargs": {"loop_budget": 0}},
-              timeout=60)
+        _post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"model": "loopformer", "prompt": PROMPTS[0], "max_tokens": 2, "vllm_xargs": {"loop_budget": 0}},
+            timeout=60,
+        )
         refused = (200, "")
     except urllib.error.HTTPError as error:
         refused = (error.code, error.read().decode())
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60)
     completion = client.completions.create(
-        model="loopformer", prompt=PROMPTS[0], max_tokens=MAX_NEW_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, "vllm_xargs": dict(zip(("loop_budget", "step_schedule"), SERVED_REQUEST))})
+        model="loopformer",
+        prompt=PROMPTS[0],
+        max_tokens=MAX_NEW_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True, "vllm_xargs": dict(zip(("loop_budget", "step_schedule"), SERVED_REQUEST))},
+    )
     return {"refused": refused, "text": completion.choices[0].text}
 
 

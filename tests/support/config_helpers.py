@@ -7,8 +7,9 @@ import pytest
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassError
 
 
-def assert_refused_however_it_arrives(make_config, model_class, auto_class, checkpoint, tmp_path, field, value,
-                                      message):
+def assert_refused_however_it_arrives(
+    make_config, model_class, auto_class, checkpoint, tmp_path, field, value, message
+):
     """Constructor, attribute set, `from_pretrained` kwargs (set by transformers after `__init__`) on the model class
     and its Auto class, and config.json: each raises huggingface_hub's strict-dataclass error matching `message`. An
     attribute set breaking a field's own rule is refused at once (the old value kept); one breaking a rule between

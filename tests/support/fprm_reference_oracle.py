@@ -16,14 +16,48 @@ HIDDEN, HEADS, SEQ_LEN, BATCH, VOCAB = 32, 4, 16, 3, 9
 # ---- their arch settings (their field names) ------------------------------------------------------------------------
 
 BASE = dict(
-    vocab_size=VOCAB, seq_len=SEQ_LEN, num_puzzle_identifiers=3, batch_size=8, H_cycles=3, L_cycles=4, H_layers=0,
-    L_layers=2, n_backwards_L=4, hidden_size=HIDDEN, num_heads=HEADS, expansion=2, pos_encodings="rope",
-    puzzle_emb_ndim=0, puzzle_emb_len=0, causal=False, norm_type="pre-norm", norm_placement="none",
-    conv_type="conv1d", conv_kernel_size=4, conv_bias=False, residual_scale="input-independent",
-    alpha_1_init=0.5, alpha_2_init=0.5, outer_only=False, normalize_input_injection=False, softmax_temp=1.0,
-    fp_thresh=1e-6, stepsize=1.0, stepsize_decay_train=0.7, stepsize_decay_eval=0.5, decay_patience=2,
-    eps=1e-8, init_std=6.0, fixed_init=False, max_iter=16, max_iter_eval=40, max_iter_dist="det",
-    forward_dtype="bfloat16", mlp_t=False, weight_dropout=0.0, variational_dropout=0.0,
+    vocab_size=VOCAB,
+    seq_len=SEQ_LEN,
+    num_puzzle_identifiers=3,
+    batch_size=8,
+    H_cycles=3,
+    L_cycles=4,
+    H_layers=0,
+    L_layers=2,
+    n_backwards_L=4,
+    hidden_size=HIDDEN,
+    num_heads=HEADS,
+    expansion=2,
+    pos_encodings="rope",
+    puzzle_emb_ndim=0,
+    puzzle_emb_len=0,
+    causal=False,
+    norm_type="pre-norm",
+    norm_placement="none",
+    conv_type="conv1d",
+    conv_kernel_size=4,
+    conv_bias=False,
+    residual_scale="input-independent",
+    alpha_1_init=0.5,
+    alpha_2_init=0.5,
+    outer_only=False,
+    normalize_input_injection=False,
+    softmax_temp=1.0,
+    fp_thresh=1e-6,
+    stepsize=1.0,
+    stepsize_decay_train=0.7,
+    stepsize_decay_eval=0.5,
+    decay_patience=2,
+    eps=1e-8,
+    init_std=6.0,
+    fixed_init=False,
+    max_iter=16,
+    max_iter_eval=40,
+    max_iter_dist="det",
+    forward_dtype="bfloat16",
+    mlp_t=False,
+    weight_dropout=0.0,
+    variational_dropout=0.0,
 )
 
 
@@ -99,7 +133,7 @@ class Reference:
     """Their FixedPointReasoningModel_Inner + FixedPointTransformer + FixedPointOptimizer, on a state dict."""
 
     def __init__(self, sd, s):
-        self.w = {k[len("model.inner."):]: v for k, v in sd.items()}
+        self.w = {k[len("model.inner.") :]: v for k, v in sd.items()}
         self.s = s
         d = s["hidden_size"]
         self.prefix = -(s["puzzle_emb_ndim"] // -d) if s["puzzle_emb_len"] == 0 else s["puzzle_emb_len"]
@@ -136,8 +170,9 @@ class Reference:
             half = lambda t: torch.cat((-t[..., hd // 2 :], t[..., : hd // 2]), dim=-1)  # noqa: E731
             q, k = q * cos + half(q) * sin, k * cos + half(k) * sin
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=s["causal"],
-                                             scale=1.0 / (math.sqrt(hd) * s["softmax_temp"]))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=s["causal"], scale=1.0 / (math.sqrt(hd) * s["softmax_temp"])
+        )
         return ref_linear(self.w, f"L_level.layers.{i}.self_attn.o_proj", out.transpose(1, 2).reshape(B, L, d))
 
     def swiglu(self, i, h):
@@ -154,8 +189,9 @@ class Reference:
             grid = y[:, p:]
             k = s["conv_kernel_size"]
             if s["conv_type"] == "conv1d":
-                grid = F.conv1d(grid.transpose(1, 2), w["L_level.conv.weight"], w.get("L_level.conv.bias"),
-                                padding=k - 1, groups=d).transpose(1, 2)[:, : total - p]
+                grid = F.conv1d(
+                    grid.transpose(1, 2), w["L_level.conv.weight"], w.get("L_level.conv.bias"), padding=k - 1, groups=d
+                ).transpose(1, 2)[:, : total - p]
             else:
                 hw = int(math.sqrt(total - p))
                 g = grid.reshape(B, hw, hw, d).permute(0, 3, 1, 2)
@@ -177,8 +213,8 @@ class Reference:
                 a1, b1, b2 = 1.0, 1.0, 1 - a2
             else:
                 a1 = get("1")
-                b2 = 1 - a2 * a1 ** self.n
-                b1 = b2 * (1 - a1) / (1 - a1 ** self.n + 1e-5)
+                b2 = 1 - a2 * a1**self.n
+                b1 = b2 * (1 - a1) / (1 - a1**self.n + 1e-5)
         if s["norm_placement"] == "input":
             y = ref_rms_norm(y, eps)
         h = a2 * y + b2 * x
@@ -198,8 +234,13 @@ class Reference:
 
     def reset(self, z0):
         B = z0.shape[0]
-        return dict(y=z0.clone(), residues=torch.full((B,), math.inf), stepsize=torch.full((B, 1, 1), 1.0),
-                    patience=torch.full((B,), float(self.s["decay_patience"])), best=torch.full((B,), math.inf))
+        return dict(
+            y=z0.clone(),
+            residues=torch.full((B,), math.inf),
+            stepsize=torch.full((B, 1, 1), 1.0),
+            patience=torch.full((B,), float(self.s["decay_patience"])),
+            best=torch.full((B,), math.inf),
+        )
 
     def step(self, state, z, training):
         s = self.s
@@ -227,34 +268,138 @@ class Reference:
 
 FPRM_YAML = dict(
     name="fixed_point_reasoning.fprm@FixedPointReasoningModel_ACTV1",
-    loss=dict(name="losses@ACTLossHead", loss_type="stablemax_cross_entropy", q_loss_coeff=0.5, deep_supervision=True,
-              jacobian_reg_lambda=0.0),
-    H_cycles=3, L_cycles=6, H_layers=0, L_layers=2, max_iter=1000, max_iter_eval=None, n_backwards_L=6,
-    hidden_size=512, num_heads=8, expansion=4, puzzle_emb_ndim=512, pos_encodings="rope", forward_dtype="bfloat16",
-    mlp_t=False, puzzle_emb_len=16, no_ACT_continue=True, fp_thresh=0.1, outlier_quantile=0.25, stepsize=1.0,
-    stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1.0e-8, init_std=1.0,
-    additive_noise_std=0.0, fixed_init=False, max_iter_dist="expon", gamma_alpha=4.0, gamma_scale=16.6666666667,
-    expon_scale=72.1347520444, conv_type="conv1d", conv_kernel_size=4, conv_bias=False,
-    residual_scale="input-independent", alpha_1_init=0.5, alpha_2_init=0.5, outer_only=False, norm_placement="none",
-    norm_type="pre-norm", normalize_input_injection=False, softmax_temp=1.0, n_decode_steps=0, weight_dropout=0.0,
-    variational_dropout=0.0, jacobian_reg="fda", n_jacobian_samples=0, jacobian_eps=1.0e-3,
+    loss=dict(
+        name="losses@ACTLossHead",
+        loss_type="stablemax_cross_entropy",
+        q_loss_coeff=0.5,
+        deep_supervision=True,
+        jacobian_reg_lambda=0.0,
+    ),
+    H_cycles=3,
+    L_cycles=6,
+    H_layers=0,
+    L_layers=2,
+    max_iter=1000,
+    max_iter_eval=None,
+    n_backwards_L=6,
+    hidden_size=512,
+    num_heads=8,
+    expansion=4,
+    puzzle_emb_ndim=512,
+    pos_encodings="rope",
+    forward_dtype="bfloat16",
+    mlp_t=False,
+    puzzle_emb_len=16,
+    no_ACT_continue=True,
+    fp_thresh=0.1,
+    outlier_quantile=0.25,
+    stepsize=1.0,
+    stepsize_decay_train=0.9,
+    stepsize_decay_eval=0.99,
+    decay_patience=5,
+    eps=1.0e-8,
+    init_std=1.0,
+    additive_noise_std=0.0,
+    fixed_init=False,
+    max_iter_dist="expon",
+    gamma_alpha=4.0,
+    gamma_scale=16.6666666667,
+    expon_scale=72.1347520444,
+    conv_type="conv1d",
+    conv_kernel_size=4,
+    conv_bias=False,
+    residual_scale="input-independent",
+    alpha_1_init=0.5,
+    alpha_2_init=0.5,
+    outer_only=False,
+    norm_placement="none",
+    norm_type="pre-norm",
+    normalize_input_injection=False,
+    softmax_temp=1.0,
+    n_decode_steps=0,
+    weight_dropout=0.0,
+    variational_dropout=0.0,
+    jacobian_reg="fda",
+    n_jacobian_samples=0,
+    jacobian_eps=1.0e-3,
 )
 TASK_ARCH = {
-    "sudoku": dict(H_cycles=3, L_cycles=6, H_layers=0, L_layers=2, n_backwards_L=6, hidden_size=512, num_heads=8,
-                   expansion=4, puzzle_emb_len=16, pos_encodings="rope", max_iter=12, max_iter_dist="det",
-                   max_iter_eval=1000, alpha_1_init=0.75, alpha_2_init=0.25, residual_scale="input-independent",
-                   outer_only=False, norm_type="pre-norm", norm_placement="none", conv_type="conv2d",
-                   conv_kernel_size=3, conv_bias=False, fp_thresh=0.1, stepsize=1.0, stepsize_decay_train=0.9,
-                   stepsize_decay_eval=0.99, decay_patience=5, init_std=6.0, softmax_temp=1.0, mlp_t=False,
-                   no_ACT_continue=True, normalize_input_injection=False, variational_dropout=0.0, weight_dropout=0.0),
-    "maze": dict(H_cycles=3, H_layers=0, L_cycles=6, L_layers=2, n_backwards_L=6, hidden_size=512, num_heads=8,
-                 expansion=4, puzzle_emb_len=16, puzzle_emb_ndim=512, pos_encodings="rope", forward_dtype="bfloat16",
-                 max_iter=24, max_iter_dist="det", max_iter_eval=1000, alpha_1_init=0.75, alpha_2_init=0.25,
-                 residual_scale="input-independent", outer_only=False, norm_type="pre-norm", norm_placement="output",
-                 conv_type="conv1d", conv_kernel_size=4, conv_bias=False, fp_thresh=0.1, outlier_quantile=0.25,
-                 stepsize=1.0, stepsize_decay_train=0.9, stepsize_decay_eval=0.99, decay_patience=5, eps=1.0e-8,
-                 init_std=6.0, additive_noise_std=0.0, n_decode_steps=0, softmax_temp=1.0, mlp_t=False,
-                 no_ACT_continue=True, normalize_input_injection=False),
+    "sudoku": dict(
+        H_cycles=3,
+        L_cycles=6,
+        H_layers=0,
+        L_layers=2,
+        n_backwards_L=6,
+        hidden_size=512,
+        num_heads=8,
+        expansion=4,
+        puzzle_emb_len=16,
+        pos_encodings="rope",
+        max_iter=12,
+        max_iter_dist="det",
+        max_iter_eval=1000,
+        alpha_1_init=0.75,
+        alpha_2_init=0.25,
+        residual_scale="input-independent",
+        outer_only=False,
+        norm_type="pre-norm",
+        norm_placement="none",
+        conv_type="conv2d",
+        conv_kernel_size=3,
+        conv_bias=False,
+        fp_thresh=0.1,
+        stepsize=1.0,
+        stepsize_decay_train=0.9,
+        stepsize_decay_eval=0.99,
+        decay_patience=5,
+        init_std=6.0,
+        softmax_temp=1.0,
+        mlp_t=False,
+        no_ACT_continue=True,
+        normalize_input_injection=False,
+        variational_dropout=0.0,
+        weight_dropout=0.0,
+    ),
+    "maze": dict(
+        H_cycles=3,
+        H_layers=0,
+        L_cycles=6,
+        L_layers=2,
+        n_backwards_L=6,
+        hidden_size=512,
+        num_heads=8,
+        expansion=4,
+        puzzle_emb_len=16,
+        puzzle_emb_ndim=512,
+        pos_encodings="rope",
+        forward_dtype="bfloat16",
+        max_iter=24,
+        max_iter_dist="det",
+        max_iter_eval=1000,
+        alpha_1_init=0.75,
+        alpha_2_init=0.25,
+        residual_scale="input-independent",
+        outer_only=False,
+        norm_type="pre-norm",
+        norm_placement="output",
+        conv_type="conv1d",
+        conv_kernel_size=4,
+        conv_bias=False,
+        fp_thresh=0.1,
+        outlier_quantile=0.25,
+        stepsize=1.0,
+        stepsize_decay_train=0.9,
+        stepsize_decay_eval=0.99,
+        decay_patience=5,
+        eps=1.0e-8,
+        init_std=6.0,
+        additive_noise_std=0.0,
+        n_decode_steps=0,
+        softmax_temp=1.0,
+        mlp_t=False,
+        no_ACT_continue=True,
+        normalize_input_injection=False,
+    ),
 }
 TASK_DATA = {  # data_paths of the task file, and what the builder writes: (seq_len, vocab_size, grid side)
     "sudoku": (["data/sudoku-extreme-1k-aug-1000"], 81, 11, 9),
@@ -267,8 +412,16 @@ def published_settings(task, **arch):
     """Their model settings of a published task folder (their field names), as their pretrain.py builds them;
     `arch` overrides fields of its arch (smaller stand-ins)."""
     paths, seq_len, vocab, _ = TASK_DATA[task]
-    return {**FPRM_YAML, **TASK_ARCH[task], **arch, "seq_len": seq_len, "vocab_size": vocab,
-            "num_puzzle_identifiers": 1, "batch_size": 768, "causal": False}
+    return {
+        **FPRM_YAML,
+        **TASK_ARCH[task],
+        **arch,
+        "seq_len": seq_len,
+        "vocab_size": vocab,
+        "num_puzzle_identifiers": 1,
+        "batch_size": 768,
+        "causal": False,
+    }
 
 
 def write_published_folder(folder, task, steps=PUBLISHED_STEPS, with_yaml=True, model_source=None, **arch):
@@ -287,12 +440,34 @@ def write_published_folder(folder, task, steps=PUBLISHED_STEPS, with_yaml=True, 
         torch.save({f"_orig_mod.{k}": v for k, v in sd.items()}, folder / f"step_{step}")
         written[step] = sd
     if with_yaml:
-        dump = dict(arch={**FPRM_YAML, **TASK_ARCH[task], **arch, "loss": {**FPRM_YAML["loss"]}}, data_paths=TASK_DATA[task][0], data_paths_test=[], evaluators=[],
-                    global_batch_size=768, epochs=60000, lr=1e-3, lr_min_ratio=1.0, lr_warmup_steps=2000,
-                    weight_decay=0.001, beta1=0.9, beta2=0.95, optimizer="adamw", puzzle_emb_lr=1e-3,
-                    puzzle_emb_weight_decay=0.001, project_name=f"fprm-{task}", run_name="run", seed=0,
-                    checkpoint_path=f"checkpoints/fprm-{task}", checkpoint_every_eval=True, eval_interval=5000,
-                    min_eval_interval=0, ema=True, ema_rate=0.999, freeze_weights=False, profile_flops=False)
+        dump = dict(
+            arch={**FPRM_YAML, **TASK_ARCH[task], **arch, "loss": {**FPRM_YAML["loss"]}},
+            data_paths=TASK_DATA[task][0],
+            data_paths_test=[],
+            evaluators=[],
+            global_batch_size=768,
+            epochs=60000,
+            lr=1e-3,
+            lr_min_ratio=1.0,
+            lr_warmup_steps=2000,
+            weight_decay=0.001,
+            beta1=0.9,
+            beta2=0.95,
+            optimizer="adamw",
+            puzzle_emb_lr=1e-3,
+            puzzle_emb_weight_decay=0.001,
+            project_name=f"fprm-{task}",
+            run_name="run",
+            seed=0,
+            checkpoint_path=f"checkpoints/fprm-{task}",
+            checkpoint_every_eval=True,
+            eval_interval=5000,
+            min_eval_interval=0,
+            ema=True,
+            ema_rate=0.999,
+            freeze_weights=False,
+            profile_flops=False,
+        )
         (folder / "all_config.yaml").write_text(yaml.dump(dump))
     if model_source is not None:
         (folder / "fp_trm_singlez.py").write_text(model_source)

@@ -41,12 +41,17 @@ def make_tokenizer(vocab_size=300):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
     )
 
 
@@ -56,8 +61,14 @@ def tiny_config(tokenizer=None, **overrides):
 
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     kwargs = dict(
-        vocab_size=len(tokenizer) if tokenizer is not None else 300, hidden_size=32, num_attention_heads=2,
-        intermediate_size=64, frequency_embedding_size=16, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=len(tokenizer) if tokenizer is not None else 300,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        frequency_embedding_size=16,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
         tie_word_embeddings=False,
     )
     return tiny_loopformer_config(**{**kwargs, **overrides})
@@ -93,8 +104,12 @@ def run_python(code, env=None, timeout=240, block_packages=True, cwd=None):
     full_env.update(env or {})
     prelude = BLOCK_PACKAGES if block_packages else ""
     proc = subprocess.run(
-        [PYTHON, "-c", prelude + textwrap.dedent(code)], env=full_env, capture_output=True, text=True,
-        timeout=timeout, cwd=cwd or REPO_ROOT,
+        [PYTHON, "-c", prelude + textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO_ROOT,
     )
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")

@@ -77,7 +77,7 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def _authorised(self):
         header = self.headers.get("Authorization", "")
-        return header.startswith("Bearer ") and header[len("Bearer "):] in self.state.tokens
+        return header.startswith("Bearer ") and header[len("Bearer ") :] in self.state.tokens
 
     def _send(self, status, body=b"", headers=None, head=False):
         if isinstance(body, (dict, list)):
@@ -133,8 +133,9 @@ class HubHandler(BaseHTTPRequestHandler):
             if parts[:2] == ["api", "whoami-v2"]:
                 if not self._authorised():
                     return self._error(401, "Invalid credentials in Authorization header", head=head)
-                return self._send(200, {"type": "user", "name": self.state.user, "auth": {"type": "access_token"}},
-                                  head=head)
+                return self._send(
+                    200, {"type": "user", "name": self.state.user, "auth": {"type": "access_token"}}, head=head
+                )
             if len(parts) >= 4 and parts[0] == "api" and parts[1] in ("models", "datasets", "spaces"):
                 repo_type, repo_id, rest = self._split_api_path(parts[1:])
                 repo = self._repo(repo_type, repo_id, head=head)
@@ -143,11 +144,14 @@ class HubHandler(BaseHTTPRequestHandler):
                 if not rest or rest[0] == "revision":
                     return self._repo_info(repo, rest[1] if len(rest) > 1 else "main", head)
                 if rest[0] == "tree":
-                    return self._tree(repo, rest[1] if len(rest) > 1 else "main", "/".join(rest[2:]),
-                                      parse_qs(url.query), head)
+                    return self._tree(
+                        repo, rest[1] if len(rest) > 1 else "main", "/".join(rest[2:]), parse_qs(url.query), head
+                    )
                 if rest[0] == "commits":
-                    commits = [{"id": sha, "title": msg, "message": msg, "authors": [], "date": formatdate()}
-                               for sha, msg, _ in reversed(repo.commits)]
+                    commits = [
+                        {"id": sha, "title": msg, "message": msg, "authors": [], "date": formatdate()}
+                        for sha, msg, _ in reversed(repo.commits)
+                    ]
                     return self._send(200, commits, head=head)
                 return self._error(404, f"Unknown endpoint {url.path}", head=head)
             # /{repo}/resolve/{rev}/{path} (models), /datasets/{repo}/resolve/... (datasets)
@@ -190,10 +194,15 @@ class HubHandler(BaseHTTPRequestHandler):
                     return
                 if rest[0] == "preupload":
                     files = json.loads(body)["files"]
-                    return self._send(200, {
-                        "files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files],
-                        "commitOid": repo.commits[-1][0],
-                    })
+                    return self._send(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                            ],
+                            "commitOid": repo.commits[-1][0],
+                        },
+                    )
                 if rest[0] == "commit":
                     return self._commit(repo, body)
             return self._error(404, f"Unknown endpoint {url.path}")
@@ -204,12 +213,24 @@ class HubHandler(BaseHTTPRequestHandler):
         sha, files = repo.files_at(revision)
         if sha is None:
             return self._error(404, f"Invalid rev id: {revision}", "RevisionNotFound", head=head)
-        return self._send(200, {
-            "id": repo.repo_id, "modelId": repo.repo_id, "sha": sha, "private": repo.private,
-            "disabled": False, "gated": False, "tags": [], "downloads": 0, "likes": 0,
-            "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z",
-            "siblings": [{"rfilename": path, "size": len(data)} for path, data in sorted(files.items())],
-        }, head=head)
+        return self._send(
+            200,
+            {
+                "id": repo.repo_id,
+                "modelId": repo.repo_id,
+                "sha": sha,
+                "private": repo.private,
+                "disabled": False,
+                "gated": False,
+                "tags": [],
+                "downloads": 0,
+                "likes": 0,
+                "lastModified": "2026-01-01T00:00:00.000Z",
+                "createdAt": "2026-01-01T00:00:00.000Z",
+                "siblings": [{"rfilename": path, "size": len(data)} for path, data in sorted(files.items())],
+            },
+            head=head,
+        )
 
     def _tree(self, repo, revision, prefix, query, head):
         sha, files = repo.files_at(revision)
@@ -221,14 +242,16 @@ class HubHandler(BaseHTTPRequestHandler):
         for path, data in sorted(files.items()):
             if prefix and not path.startswith(prefix + "/"):
                 continue
-            relative = path[len(prefix) + 1:] if prefix else path
+            relative = path[len(prefix) + 1 :] if prefix else path
             if "/" in relative:  # folders on the way
                 segments = relative.split("/")[:-1]
                 for depth in range(1, len(segments) + 1 if recursive else 2):
                     folder = "/".join(([prefix] if prefix else []) + segments[:depth])
                     if folder not in folders:
                         folders.add(folder)
-                        entries.append({"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest()})
+                        entries.append(
+                            {"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest()}
+                        )
                 if not recursive:
                     continue
             entries.append({"type": "file", "path": path, "size": len(data), "oid": hashlib.sha1(data).hexdigest()})
@@ -244,8 +267,9 @@ class HubHandler(BaseHTTPRequestHandler):
             return self._error(404, f"Entry not found: {path}", "EntryNotFound", head=head)
         data = files[path]
         etag = '"' + hashlib.sha1(data).hexdigest() + '"'
-        self._send(200, data, {"X-Repo-Commit": sha, "ETag": etag, "Content-Type": "application/octet-stream"},
-                   head=head)
+        self._send(
+            200, data, {"X-Repo-Commit": sha, "ETag": etag, "Content-Type": "application/octet-stream"}, head=head
+        )
 
     def _commit(self, repo, body):
         _, current = repo.files_at("main")
@@ -271,11 +295,14 @@ class HubHandler(BaseHTTPRequestHandler):
                 return self._error(400, f"This test server does not support {key!r} operations (LFS/xet uploads)")
         sha = repo._commit(files, message)
         url_prefix = "" if repo.repo_type == "model" else f"{repo.repo_type}s/"
-        self._send(200, {
-            "commitUrl": f"http://{self.headers.get('Host')}/{url_prefix}{repo.repo_id}/commit/{sha}",
-            "commitOid": sha,
-            "pullRequestUrl": None,
-        })
+        self._send(
+            200,
+            {
+                "commitUrl": f"http://{self.headers.get('Host')}/{url_prefix}{repo.repo_id}/commit/{sha}",
+                "commitOid": sha,
+                "pullRequestUrl": None,
+            },
+        )
 
 
 class HubServer:

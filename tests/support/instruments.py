@@ -78,19 +78,36 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
     if mode == "truncated" and loops % n_backward:
         raise ValueError(f"`loops` ({loops}) must be a multiple of n_backward ({n_backward}) for truncated BPTT.")
     torch.manual_seed(seed)
-    config = FPRMConfig(vocab_size=8, hidden_size=hidden, num_attention_heads=4, intermediate_size=2 * hidden,
-                        grid_size=size, num_prefix_tokens=2, init_std=1.0)
+    config = FPRMConfig(
+        vocab_size=8,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        grid_size=size,
+        num_prefix_tokens=2,
+        init_std=1.0,
+    )
     model = FPRMForReasoning(config)
     segment = n_backward if mode == "truncated" else loops
     args = FPRMTrainingArguments(
-        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no",
-        per_device_train_batch_size=batch, max_steps=loops // segment, n_backward=segment,
-        max_segments=loops // segment, train_halt_eps=1e-12, learning_rate=1e-4, disable_tqdm=True,
-        logging_strategy="no", dataloader_drop_last=True,
+        output_dir=output_dir,
+        use_cpu=not torch.cuda.is_available(),
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=batch,
+        max_steps=loops // segment,
+        n_backward=segment,
+        max_segments=loops // segment,
+        train_halt_eps=1e-12,
+        learning_rate=1e-4,
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_drop_last=True,
     )
     meter = SavedActivations()
-    trainer = FPRMTrainer(model=model, args=args, train_dataset=tiny_sudoku_like(batch, seed, size),
-                          callbacks=[StepBoundary(meter)])
+    trainer = FPRMTrainer(
+        model=model, args=args, train_dataset=tiny_sudoku_like(batch, seed, size), callbacks=[StepBoundary(meter)]
+    )
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -100,7 +117,10 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
     meter.new_step()
     iterations = int(trainer.carry.state.iterations.max())
     return {
-        "loops": loops, "mode": mode, "segments": loops // segment, "iterations_per_sample": iterations,
+        "loops": loops,
+        "mode": mode,
+        "segments": loops // segment,
+        "iterations_per_sample": iterations,
         "saved_activation_bytes": meter.peak,
         "rss_peak_increase_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,

@@ -43,7 +43,7 @@ def main():
     def killing(original):
         def write(obj, path, *args, **kwargs):
             result = original(obj, path, *args, **kwargs)
-            if os.path.normpath(str(path)).split(os.sep)[-len(target_parts):] == target_parts:
+            if os.path.normpath(str(path)).split(os.sep)[-len(target_parts) :] == target_parts:
                 with open(path, "r+b") as f:
                     f.truncate(os.path.getsize(path) // 2)
                 os._exit(KILLED)

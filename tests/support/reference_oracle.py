@@ -22,8 +22,17 @@ ARCHITECTURE = {"loopformer": "loopformer", "tmlt": "tmlt", "base_loop": "base_l
 # ---- a random checkpoint in the reference layout ---------------------------------------------------------------------
 
 
-def reference_state_dict(seed=0, d=N_EMBD, n_layer=N_LAYER, vocab=VOCAB, block=BLOCK, mlp=None, freq=256,
-                         model_type="loopformer", bias=False):
+def reference_state_dict(
+    seed=0,
+    d=N_EMBD,
+    n_layer=N_LAYER,
+    vocab=VOCAB,
+    block=BLOCK,
+    mlp=None,
+    freq=256,
+    model_type="loopformer",
+    bias=False,
+):
     g = torch.Generator().manual_seed(seed)
     mlp = 4 * d if mlp is None else mlp
     embedders = {"loopformer": ("time_embedder", "dt_embedder"), "tmlt": ("time_embedder",)}.get(model_type, ())
@@ -34,8 +43,10 @@ def reference_state_dict(seed=0, d=N_EMBD, n_layer=N_LAYER, vocab=VOCAB, block=B
     def vec(n, std):
         return torch.randn(n, generator=g) * std
 
-    sd = {"transformer.wte.weight": torch.randn(vocab, d, generator=g),
-          "transformer.wpe.weight": torch.randn(block, d, generator=g) * 0.5}
+    sd = {
+        "transformer.wte.weight": torch.randn(vocab, d, generator=g),
+        "transformer.wpe.weight": torch.randn(block, d, generator=g) * 0.5,
+    }
     for j in range(n_layer):
         p = f"transformer.h.{j}." if model_type == "base" else f"transformer.h.blocks.{j}."
         sd[p + "attn.c_attn.weight"] = lin(3 * d, d)
@@ -96,8 +107,11 @@ def _reference_block(sd, p, x, c, n_head):
     y = (att @ v).transpose(1, 2).reshape(B, T, d)
     x = x + gate_attn * F.linear(y, sd[p + "attn.c_proj.weight"], sd.get(p + "attn.c_proj.bias"))
     h = F.rms_norm(x, (d,)) * (1 + scale_mlp) if c is not None else F.rms_norm(x, (d,), sd[p + "norm_2.weight"])
-    return x + gate_mlp * F.linear(F.gelu(F.linear(h, sd[p + "mlp.c_fc.weight"], sd.get(p + "mlp.c_fc.bias"))),
-                                 sd[p + "mlp.c_proj.weight"], sd.get(p + "mlp.c_proj.bias"))
+    return x + gate_mlp * F.linear(
+        F.gelu(F.linear(h, sd[p + "mlp.c_fc.weight"], sd.get(p + "mlp.c_fc.bias"))),
+        sd[p + "mlp.c_proj.weight"],
+        sd.get(p + "mlp.c_proj.bias"),
+    )
 
 
 def reference_forward(sd, idx, trajectory, n_head=N_HEAD, model_type="loopformer"):
@@ -106,7 +120,7 @@ def reference_forward(sd, idx, trajectory, n_head=N_HEAD, model_type="loopformer
     T = idx.shape[1]
     d = sd["transformer.wte.weight"].shape[1]
     prefix = "transformer.h." if model_type == "base" else "transformer.h.blocks."
-    n_layer = len({k[len(prefix):].split(".")[0] for k in sd if k.startswith(prefix)})
+    n_layer = len({k[len(prefix) :].split(".")[0] for k in sd if k.startswith(prefix)})
     blocks = [f"{prefix}{j}." for j in range(n_layer)]
     x = sd["transformer.wte.weight"][idx] + sd["transformer.wpe.weight"][:T][None]
     if model_type == "base":
@@ -148,9 +162,27 @@ class LoopFormerGPTConfig(LoopFormerGPTBaseConfig):
 """
 
 
-def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=torch.float32, aliases=False,
-                       bias=False, steps=None, tokenizer=None, seed=0, extra=None, drop=(), d=N_EMBD, n_head=N_HEAD,
-                       n_layer=N_LAYER, block=BLOCK, loops=N_LOOPS, stated=None, code=None, vocab=None):
+def write_authors_repo(
+    folder,
+    model_type="loopformer",
+    prefix="gpt.",
+    dtype=torch.float32,
+    aliases=False,
+    bias=False,
+    steps=None,
+    tokenizer=None,
+    seed=0,
+    extra=None,
+    drop=(),
+    d=N_EMBD,
+    n_head=N_HEAD,
+    n_layer=N_LAYER,
+    block=BLOCK,
+    loops=N_LOOPS,
+    stated=None,
+    code=None,
+    vocab=None,
+):
     """A repo in the authors' Hub layout, as their GitHub `GPT.from_pretrained` reads it: config.json with their model
     type and nanoGPT keys (or the GPT-2 aliases their loader also accepts) and `steps`, weights named as their `GPT`'s
     state dict under a wrapper `prefix`, the tied head stored once as `transformer.wte.weight`, their
@@ -162,32 +194,53 @@ def write_authors_repo(folder, model_type="loopformer", prefix="gpt.", dtype=tor
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = vocab or (len(tokenizer) if tokenizer is not None else VOCAB)
-    sd = reference_state_dict(seed=seed, model_type=ARCHITECTURE[model_type], vocab=vocab, bias=bias, d=d,
-                              n_layer=n_layer, block=block)
+    sd = reference_state_dict(
+        seed=seed, model_type=ARCHITECTURE[model_type], vocab=vocab, bias=bias, d=d, n_layer=n_layer, block=block
+    )
     sd = {k: v.to(dtype) for k, v in sd.items()}
     stored = {prefix + k: v.clone() for k, v in sd.items() if k != "lm_head.weight" and k not in drop}
     stored.update(extra or {})
     save_file(stored, str(folder / "model.safetensors"))
     if steps is None:
         steps = [1 / loops] * loops if model_type == "loopformer" else loops
-    keys = (dict(hidden_size=d, num_hidden_layers=n_layer, num_attention_heads=n_head, n_positions=block,
-                 n_inner=4 * d, resid_pdrop=0.0) if aliases else
-            dict(n_embd=d, n_layer=n_layer, n_head=n_head, block_size=block, intermediate_dim=4 * d, dropout=0.0))
-    config = dict(model_type=model_type, vocab_size=vocab, bias=bias, steps=steps, **keys,
-                  architectures=["LoopFormerGPTForCausalLM"],  # theirs: the translation names our class
-                  auto_map={"AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
-                            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM"},
-                  torch_dtype=str(dtype).replace("torch.", ""), transformers_version="4.57.0")
+    keys = (
+        dict(
+            hidden_size=d,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            n_positions=block,
+            n_inner=4 * d,
+            resid_pdrop=0.0,
+        )
+        if aliases
+        else dict(n_embd=d, n_layer=n_layer, n_head=n_head, block_size=block, intermediate_dim=4 * d, dropout=0.0)
+    )
+    config = dict(
+        model_type=model_type,
+        vocab_size=vocab,
+        bias=bias,
+        steps=steps,
+        **keys,
+        architectures=["LoopFormerGPTForCausalLM"],  # theirs: the translation names our class
+        auto_map={
+            "AutoConfig": "configuration_loopformer.LoopFormerGPTConfig",
+            "AutoModelForCausalLM": "modeling_loopformer.LoopFormerGPTForCausalLM",
+        },
+        torch_dtype=str(dtype).replace("torch.", ""),
+        transformers_version="4.57.0",
+    )
     if stated is not None:  # as published: transformers 4.57 writes `dtype`, and no size the class defaults give
         config["dtype"] = config.pop("torch_dtype")
         config = {key: config[key] for key in config if key in PUBLISHED_KEYS or key in stated}
     if code is not None:
         defaults = ", ".join(f"{name}={value}" for name, value in code.items())
-        (folder / "configuration_loopformer.py").write_text(CODE_TEMPLATE.format(model_type=model_type,
-                                                                                 defaults=defaults))
+        (folder / "configuration_loopformer.py").write_text(
+            CODE_TEMPLATE.format(model_type=model_type, defaults=defaults)
+        )
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "generation_config.json").write_text(json.dumps({"_from_model_config": True,
-                                                               "transformers_version": "4.57.0"}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({"_from_model_config": True, "transformers_version": "4.57.0"})
+    )
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     sd["lm_head.weight"] = sd["transformer.wte.weight"]

@@ -19,8 +19,8 @@ def left_padded(prompts, pad_token_id=0):
     ids = torch.full((len(prompts), width), pad_token_id)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = p
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = p
+        mask[row, width - len(p) :] = 1
     return ids, mask
 
 

@@ -13,8 +13,16 @@ from fprm_hf import FPRMConfig, FPRMForReasoning
 def tiny_loopformer_config(**overrides):
     """k=2 blocks looped L=4 times, d=64, 4 heads, a 97-token vocabulary, 128 positions."""
     kwargs = dict(
-        vocab_size=97, hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
-        num_loops=4, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_loops=4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     kwargs.update(overrides)
     return loopformer_hf.LoopFormerConfig(**kwargs)
@@ -44,8 +52,15 @@ def cache_of(output):
 def tiny_fprm_config(**overrides):
     """A 4x4 grid FPRM (2-D conv, two prefix tokens), d=32, two layers, cap 30."""
     kwargs = dict(
-        vocab_size=7, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
-        grid_size=4, conv_type="2d", num_prefix_tokens=2, max_loops=30,
+        vocab_size=7,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        grid_size=4,
+        conv_type="2d",
+        num_prefix_tokens=2,
+        max_loops=30,
     )
     kwargs.update(overrides)
     return FPRMConfig(**kwargs)
@@ -53,8 +68,9 @@ def tiny_fprm_config(**overrides):
 
 def sequence_fprm_config(**overrides):
     """The state-tracking layout: causal, 1-D causal conv, no positions, no prefix tokens."""
-    kwargs = dict(grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none",
-                  num_prefix_tokens=0)
+    kwargs = dict(
+        grid_size=None, conv_type="causal_1d", causal=True, position_embedding_type="none", num_prefix_tokens=0
+    )
     kwargs.update(overrides)
     return tiny_fprm_config(**kwargs)
 

@@ -11,8 +11,11 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 import loopformer_hf
 from loopformer_hf import ShortcutConsistency
 from support.tiny_models import randomize_modulation, tiny_loopformer_config
-from looped_training.loopformer.objective import (ShortcutConsistencyCallback, sample_early_exit_trajectory,
-                                                  sample_shortcut_trajectory)
+from looped_training.loopformer.objective import (
+    ShortcutConsistencyCallback,
+    sample_early_exit_trajectory,
+    sample_shortcut_trajectory,
+)
 
 
 def test_shortcut_sampler_follows_the_spec():
@@ -57,14 +60,17 @@ def test_sampler_is_a_function_of_seed_and_index():
     assert seq_a != [c.sample_trajectory(i, 8, "shortcut") for i in range(50)]
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"lambda_short": -1}, "lambda_short"),
-    ({"lambda_consistency": float("inf")}, "lambda_consistency"),
-    ({"consistency": "l1"}, "'l1'"),
-    ({"trajectory": "random"}, "'random'"),
-    ({"warmup_steps": -2}, "-2"),
-    ({"seed": 1.5}, "1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"lambda_short": -1}, "lambda_short"),
+        ({"lambda_consistency": float("inf")}, "lambda_consistency"),
+        ({"consistency": "l1"}, "'l1'"),
+        ({"trajectory": "random"}, "'random'"),
+        ({"warmup_steps": -2}, "-2"),
+        ({"seed": 1.5}, "1.5"),
+    ],
+)
 def test_bad_arguments_raise_value_error(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         ShortcutConsistencyCallback(**kwargs)
@@ -121,8 +127,9 @@ def test_kl_option_matches_manual_kl_on_labelled_positions():
         short = model(input_ids=ids, step_schedule=trajectory).logits[:, :-1]
         full = model(input_ids=ids).logits[:, :-1]
         mask = labels[:, 1:] != -100
-        kl = F.kl_div(F.log_softmax(short[mask], -1), F.log_softmax(full[mask], -1), log_target=True,
-                      reduction="batchmean")
+        kl = F.kl_div(
+            F.log_softmax(short[mask], -1), F.log_softmax(full[mask], -1), log_target=True, reduction="batchmean"
+        )
     assert kl > 0
     torch.testing.assert_close(loss.detach(), ce_full + kl, rtol=1e-5, atol=1e-6)
 
@@ -167,9 +174,22 @@ def _trainer(tmp_path, callback=None, steps=3, evaluate=False, others=(), **args
         extra_datasets = {"eval_dataset": ds}
     else:
         extra_datasets = {}
-    targs = TrainingArguments(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=steps,
-                                        per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
-                                        disable_tqdm=True, learning_rate=1e-3), **args})
+    targs = TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(tmp_path),
+                use_cpu=True,
+                report_to="none",
+                max_steps=steps,
+                per_device_train_batch_size=4,
+                logging_steps=1,
+                save_strategy="no",
+                disable_tqdm=True,
+                learning_rate=1e-3,
+            ),
+            **args,
+        }
+    )
     callbacks = [callback, *others] if callback else list(others)
     return Trainer(model=model, args=targs, train_dataset=ds, **extra_datasets, callbacks=callbacks), model
 
@@ -185,8 +205,9 @@ def _inner_calls(model):
     """(training?, step_schedule) of each LoopFormerModel forward: a shortcut training forward runs the full
     trajectory (None) and then the short one."""
     calls = []
-    model.model.register_forward_pre_hook(lambda m, a, kw: calls.append((m.training, kw.get("step_schedule"))),
-                                          with_kwargs=True)
+    model.model.register_forward_pre_hook(
+        lambda m, a, kw: calls.append((m.training, kw.get("step_schedule"))), with_kwargs=True
+    )
     return calls
 
 
@@ -229,8 +250,9 @@ def test_an_epoch_end_evaluation_gets_no_trajectory_and_draws_none(tmp_path):
     """`eval_strategy="epoch"`: the evaluation batches used to carry a short trajectory (eval_loss was the training
     objective's) and to use up sampler indices, shifting every later training trajectory."""
     cb = ShortcutConsistencyCallback(lambda_short=5.0, lambda_consistency=0.0)
-    trainer, model = _trainer(tmp_path, cb, steps=-1, evaluate=True, num_train_epochs=2, eval_strategy="epoch",
-                              learning_rate=0.0)
+    trainer, model = _trainer(
+        tmp_path, cb, steps=-1, evaluate=True, num_train_epochs=2, eval_strategy="epoch", learning_rate=0.0
+    )
     calls = _inner_calls(model)
     trainer.train()
     training = [s for is_training, s in calls if is_training]
@@ -244,10 +266,12 @@ def test_an_epoch_end_evaluation_gets_no_trajectory_and_draws_none(tmp_path):
 def test_resuming_with_restored_callback_states_keeps_the_trajectories(tmp_path):
     """`restore_callback_states_from_checkpoint=True` makes the Trainer replace the callback by a new instance: the
     new one is the one the model asks."""
+
     def run(out, resume=None, **args):
         cb = ShortcutConsistencyCallback(seed=3)
-        trainer, _ = _trainer(out, cb, steps=4, save_strategy="steps", save_steps=2,
-                              restore_callback_states_from_checkpoint=True, **args)
+        trainer, _ = _trainer(
+            out, cb, steps=4, save_strategy="steps", save_steps=2, restore_callback_states_from_checkpoint=True, **args
+        )
         trainer.train(resume_from_checkpoint=resume)
         return [cb_ for cb_ in trainer.callback_handler.callbacks if isinstance(cb_, ShortcutConsistencyCallback)][0]
 
@@ -273,6 +297,10 @@ def test_kl_consistency_of_a_batch_without_labelled_tokens_is_zero_not_nan():
     ids, _ = _batch()
     labels = torch.full_like(ids, -100)
     for consistency in ("kl", "mse"):
-        out = model(ids, labels=labels, shortcut_consistency=ShortcutConsistency([0.5, 0.5], consistency_loss=consistency),
-                    num_items_in_batch=torch.tensor(10))
+        out = model(
+            ids,
+            labels=labels,
+            shortcut_consistency=ShortcutConsistency([0.5, 0.5], consistency_loss=consistency),
+            num_items_in_batch=torch.tensor(10),
+        )
         assert out.loss.item() == 0.0 and torch.isfinite(out.consistency), consistency

@@ -9,8 +9,10 @@ from looped_training.loopformer import train as train_loopformer
 
 from support.tiny_runs import TINY
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 MESSAGES = [{"role": "user", "content": "1+2"}]
 
 
@@ -18,12 +20,14 @@ def test_train_saves_the_chat_template_with_the_tokenizer(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     out = tmp_path / "run"
-    train_loopformer.main(["--output_dir", str(out), "--variant", "loopformer", "--chat_template", str(template),
-                           *TINY])
+    train_loopformer.main(
+        ["--output_dir", str(out), "--variant", "loopformer", "--chat_template", str(template), *TINY]
+    )
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template == TEMPLATE
-    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
-        "user: 1+2\nassistant: "
+    assert (
+        tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == "user: 1+2\nassistant: "
+    )
 
 
 def test_chat_pipeline_on_a_checkpoint_with_a_template(tmp_path):
@@ -42,8 +46,13 @@ def test_chat_pipeline_on_a_checkpoint_with_a_template(tmp_path):
     assert seen[0][0].tolist() == list(prompt)  # the model read the rendered conversation
 
 
-@pytest.mark.parametrize("content, message", [(None, r"--chat_template .*missing\.jinja.* is not a file"),
-                                              ("{% for %}", r"--chat_template .*bad\.jinja.* does not render")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, r"--chat_template .*missing\.jinja.* is not a file"),
+        ("{% for %}", r"--chat_template .*bad\.jinja.* does not render"),
+    ],
+)
 def test_bad_chat_template_is_refused_before_training(tmp_path, content, message):
     path = tmp_path / ("missing.jinja" if content is None else "bad.jinja")
     if content is not None:

@@ -32,8 +32,22 @@ def test_convert_reference_refuses_an_existing_file_as_output(tmp_path, capsys):
     target.write_bytes(b"keep me")
     missing_ckpt = tmp_path / "never-read.pt"  # the check must come before any work, so the checkpoint is not needed
     with pytest.raises(SystemExit) as exit_info:
-        convert_main(["--checkpoint", str(missing_ckpt), "--output", str(target), "--n-layer", "1", "--n-loops", "2",
-                      "--n-embd", "8", "--n-head", "2"])
+        convert_main(
+            [
+                "--checkpoint",
+                str(missing_ckpt),
+                "--output",
+                str(target),
+                "--n-layer",
+                "1",
+                "--n-loops",
+                "2",
+                "--n-embd",
+                "8",
+                "--n-head",
+                "2",
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert str(target) in err and "not a folder" in err and "saved" not in err
@@ -43,8 +57,9 @@ def test_convert_reference_refuses_an_existing_file_as_output(tmp_path, capsys):
 def test_evaluate_without_uniform_schedule_still_scores_and_summarises(checkpoints, tmp_path, capsys):
     # the tables and the Base comparison are at the uniform schedule; without it the summary ended in IndexError
     paths = [str(checkpoints / "loopformer"), str(checkpoints / "base")]
-    records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--max_rows", "8", "--repr_rows", "4",
-                                     "--schedules", "coarse_to_fine"])
+    records = evaluate_elastic.main(
+        [*paths, "--output_dir", str(tmp_path), "--max_rows", "8", "--repr_rows", "4", "--schedules", "coarse_to_fine"]
+    )
     loop = {(r["schedule"], r["budget"]) for r in records[0]["results"]}
     assert {("coarse_to_fine", m) for m in range(1, 5)} <= loop
     assert {("uniform", m) for m in range(1, 5)} <= loop  # added as the reference the tables are read against
@@ -57,16 +72,27 @@ def test_evaluate_without_uniform_schedule_still_scores_and_summarises(checkpoin
 def test_evaluate_rejects_a_generate_budget_below_one_before_any_work(tmp_path, budget):
     # it failed only after the whole evaluation; a checkpoint that does not exist shows the check comes first
     with pytest.raises(ValueError, match=rf"--generate_budgets.*{budget}.*>= 1"):
-        evaluate_elastic.main([str(tmp_path / "no-such-checkpoint"), "--output_dir", str(tmp_path / "out"),
-                               "--generate_budgets", "2", budget])
+        evaluate_elastic.main(
+            [
+                str(tmp_path / "no-such-checkpoint"),
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--generate_budgets",
+                "2",
+                budget,
+            ]
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_evaluate_rejects_a_generate_budget_above_num_loops_before_any_work(checkpoints, tmp_path, capsys):
     # a budget above L was silently dropped from the generations
     paths = [str(checkpoints / "loopformer"), str(checkpoints / "base")]
-    with pytest.raises(ValueError, match=r"--generate_budgets \[9\]: .*loopformer.* num_loops L=4, so the allowed "
-                                         r"budgets are 1\.\.4"):
+    with pytest.raises(
+        ValueError,
+        match=r"--generate_budgets \[9\]: .*loopformer.* num_loops L=4, so the allowed "
+        r"budgets are 1\.\.4",
+    ):
         evaluate_elastic.main([*paths, "--output_dir", str(tmp_path / "out"), "--generate_budgets", "2", "9"])
     assert not (tmp_path / "out").exists() and "evaluating" not in capsys.readouterr().err
 
@@ -132,8 +158,9 @@ def test_fprm_train_without_matplotlib_says_that_plots_need_the_train_extra(tmp_
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed: import raises ImportError
     _fprm_train(tmp_path)
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == (f"wrote {tmp_path}/results.json, model/ (no plots: they need matplotlib, the package's [train] "
-                    f"extra)")
+    assert last == (
+        f"wrote {tmp_path}/results.json, model/ (no plots: they need matplotlib, the package's [train] extra)"
+    )
     assert not list(tmp_path.glob("*.png"))
 
 
@@ -155,26 +182,39 @@ def lora_inputs(tmp_path_factory):
     make_fprm(seed=0).save_pretrained(root / "fprm")
     (root / "corpus.txt").write_text("\n".join(CORPUS))
     (root / "task.jsonl").write_text("\n".join(json.dumps(r) for r in fprm_task_rows()))
-    return {"loopformer": ["--model", str(root / "loopformer"), "--train_files", str(root / "corpus.txt"),
-                           "--block_size", "16"],
-            "fprm": ["--model", str(root / "fprm"), "--task_data", str(root / "task.jsonl")]}
+    return {
+        "loopformer": [
+            "--model",
+            str(root / "loopformer"),
+            "--train_files",
+            str(root / "corpus.txt"),
+            "--block_size",
+            "16",
+        ],
+        "fprm": ["--model", str(root / "fprm"), "--task_data", str(root / "task.jsonl")],
+    }
 
 
 def _finetune(lora_inputs, model_type, out, *flags):
     from looped_training.finetune_lora import main as finetune_main
 
-    return finetune_main([*lora_inputs[model_type], "--output", str(out), "--batch_size", "4", "--max_steps", "1",
-                          *flags])
+    return finetune_main(
+        [*lora_inputs[model_type], "--output", str(out), "--batch_size", "4", "--max_steps", "1", *flags]
+    )
 
 
-@pytest.mark.parametrize("model_type, flag, value", [
-    ("fprm", "--max_loops", "0"),  # 0 was read as "not given": the config's cap
-    ("fprm", "--max_loops", "-1"),  # failed at the first training step
-    ("fprm", "--loop_budgets", "0,x"),  # ignored on FPRM
-    ("loopformer", "--loop_budgets", "2,0"),
-])
-def test_finetune_lora_rejects_a_loop_count_below_one_before_any_work(lora_inputs, tmp_path, capsys, model_type,
-                                                                       flag, value):
+@pytest.mark.parametrize(
+    "model_type, flag, value",
+    [
+        ("fprm", "--max_loops", "0"),  # 0 was read as "not given": the config's cap
+        ("fprm", "--max_loops", "-1"),  # failed at the first training step
+        ("fprm", "--loop_budgets", "0,x"),  # ignored on FPRM
+        ("loopformer", "--loop_budgets", "2,0"),
+    ],
+)
+def test_finetune_lora_rejects_a_loop_count_below_one_before_any_work(
+    lora_inputs, tmp_path, capsys, model_type, flag, value
+):
     with pytest.raises(SystemExit) as exit_info:
         _finetune(lora_inputs, model_type, tmp_path / "out", flag, value)
     assert exit_info.value.code == 2
@@ -183,11 +223,14 @@ def test_finetune_lora_rejects_a_loop_count_below_one_before_any_work(lora_input
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("model_type, flags, message", [
-    ("fprm", ["--loop_budgets", "2,4"], r"--loop_budgets: only for LoopFormer models, .* model_type 'fprm'"),
-    ("loopformer", ["--max_loops", "3"], r"--max_loops: only for FPRM models, .* model_type 'loopformer'"),
-    ("fprm", ["--dataset", "some/name"], r"--dataset: only for LoopFormer models, .* model_type 'fprm'"),
-])
+@pytest.mark.parametrize(
+    "model_type, flags, message",
+    [
+        ("fprm", ["--loop_budgets", "2,4"], r"--loop_budgets: only for LoopFormer models, .* model_type 'fprm'"),
+        ("loopformer", ["--max_loops", "3"], r"--max_loops: only for FPRM models, .* model_type 'loopformer'"),
+        ("fprm", ["--dataset", "some/name"], r"--dataset: only for LoopFormer models, .* model_type 'fprm'"),
+    ],
+)
 def test_finetune_lora_refuses_a_flag_of_the_other_model_type(lora_inputs, tmp_path, model_type, flags, message):
     # the flag was silently ignored and the fine-tuning reported success
     with pytest.raises(ValueError, match=message):
@@ -212,27 +255,50 @@ def fprm_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("fprm_run")
     threads = torch.get_num_threads()
     try:
-        train_fprm.main([*FPRM_TINY, "--output_dir", str(root), "--save_strategy", "steps", "--save_steps", "2",
-                         "--eval_max_loops", "4", "--compare_cap", "false"])
+        train_fprm.main(
+            [
+                *FPRM_TINY,
+                "--output_dir",
+                str(root),
+                "--save_strategy",
+                "steps",
+                "--save_steps",
+                "2",
+                "--eval_max_loops",
+                "4",
+                "--compare_cap",
+                "false",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     return root / "checkpoint-2"
 
 
-@pytest.mark.parametrize("flags, keys", [
-    (["--hidden_size", "64"], r"\['hidden_size'\] \(e\.g\. hidden_size: 32 there, 64 here\)"),  # was a size mismatch
-    (["--sudoku_size", "6"], r"\['grid_size', 'vocab_size'\]"),  # another grid: deep in load_state_dict
-    (["--task", "maze", "--maze_size", "5"], r"\['conv_kernel_size', 'conv_type', 'grid_size'\]"),
-    (["--residual_scaling", "fixed"], r"\['residual_scaling'\]"),  # dropped the α weights, then an optimizer error
-    (["--halt_eps", "0.05"], r"\['halt_eps'\] \(e\.g\. halt_eps: 0\.1 there, 0\.05 here\)"),  # trained on silently
-])
+@pytest.mark.parametrize(
+    "flags, keys",
+    [
+        (
+            ["--hidden_size", "64"],
+            r"\['hidden_size'\] \(e\.g\. hidden_size: 32 there, 64 here\)",
+        ),  # was a size mismatch
+        (["--sudoku_size", "6"], r"\['grid_size', 'vocab_size'\]"),  # another grid: deep in load_state_dict
+        (["--task", "maze", "--maze_size", "5"], r"\['conv_kernel_size', 'conv_type', 'grid_size'\]"),
+        (["--residual_scaling", "fixed"], r"\['residual_scaling'\]"),  # dropped the α weights, then an optimizer error
+        (["--halt_eps", "0.05"], r"\['halt_eps'\] \(e\.g\. halt_eps: 0\.1 there, 0\.05 here\)"),  # trained on silently
+    ],
+)
 def test_fprm_train_refuses_to_resume_with_flags_that_build_another_model(fprm_checkpoint, tmp_path, flags, keys):
     from looped_training.fprm import train as train_fprm
 
-    with pytest.raises(ValueError, match=rf"model config that differs from .*checkpoint-2's in {keys}.*resume with "
-                                         r"the model and data flags of the run that wrote it"):
-        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path), "--resume_from_checkpoint", str(fprm_checkpoint),
-                         *flags])
+    with pytest.raises(
+        ValueError,
+        match=rf"model config that differs from .*checkpoint-2's in {keys}.*resume with "
+        r"the model and data flags of the run that wrote it",
+    ):
+        train_fprm.main(
+            [*FPRM_TINY, "--output_dir", str(tmp_path), "--resume_from_checkpoint", str(fprm_checkpoint), *flags]
+        )
 
 
 def test_fprm_train_resumes_with_another_evaluation_cap(fprm_checkpoint, tmp_path):
@@ -240,9 +306,21 @@ def test_fprm_train_resumes_with_another_evaluation_cap(fprm_checkpoint, tmp_pat
 
     threads = torch.get_num_threads()
     try:  # --eval_max_loops is the config's max_loops, which only the evaluation reads
-        results = train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path), "--resume_from_checkpoint",
-                                   str(fprm_checkpoint), "--max_steps", "3", "--eval_max_loops", "3",
-                                   "--compare_cap", "false"])
+        results = train_fprm.main(
+            [
+                *FPRM_TINY,
+                "--output_dir",
+                str(tmp_path),
+                "--resume_from_checkpoint",
+                str(fprm_checkpoint),
+                "--max_steps",
+                "3",
+                "--eval_max_loops",
+                "3",
+                "--compare_cap",
+                "false",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     assert results["train_steps"] == 3 and results["halting"]["mean_iterations"] <= 3
@@ -257,17 +335,28 @@ def test_fprm_results_are_strict_json():
     json.dumps(_strict_json(value), allow_nan=False)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["looped_training.loopformer.train", "--variant", "nope", "--output_dir", "{tmp}/run", "--use_cpu"],
-     "`variant` must be one of"),
-    (["looped_training.fprm.train", "--task", "nope", "--output_dir", "{tmp}/run", "--use_cpu"], "nope"),
-    (["looped_training.loopformer.evaluate", "{tmp}/missing", "--output_dir", "{tmp}/eval"], "missing"),
-], ids=["loopformer.train", "fprm.train", "loopformer.evaluate"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["looped_training.loopformer.train", "--variant", "nope", "--output_dir", "{tmp}/run", "--use_cpu"],
+            "`variant` must be one of",
+        ),
+        (["looped_training.fprm.train", "--task", "nope", "--output_dir", "{tmp}/run", "--use_cpu"], "nope"),
+        (["looped_training.loopformer.evaluate", "{tmp}/missing", "--output_dir", "{tmp}/eval"], "missing"),
+    ],
+    ids=["loopformer.train", "fprm.train", "loopformer.evaluate"],
+)
 def test_a_user_error_is_one_line_and_exit_2(tmp_path, argv, message):
     """As argparse does for a bad flag: no traceback from inside the package for a bad value."""
     env = dict(os.environ, LOOPED_TRAINING_TRACEBACK="0")
-    proc = subprocess.run([sys.executable, "-m", *[a.format(tmp=tmp_path) for a in argv]], capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", *[a.format(tmp=tmp_path) for a in argv]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and message in lines[-1] and lines[-1].startswith("python -m "), lines

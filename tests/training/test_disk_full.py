@@ -61,8 +61,13 @@ def small_disk(tmp_path):
     """A 4 MiB tmpfs (root only): the real disk-full path, through torch, safetensors and shutil."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if shutil.which("mount") is None or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         yield mount
@@ -84,8 +89,9 @@ def test_a_training_run_that_fills_the_disk_says_so_in_one_line_and_resumes_afte
     line = run.stderr.strip().splitlines()[-1]
     assert "No space left on device while writing" in line and str(out / "checkpoint-2") in line, line
     ballast.unlink()
-    resumed = subprocess.run([*cmd, "--resume_from_checkpoint", "last"], capture_output=True, text=True, env=env,
-                             timeout=300)
+    resumed = subprocess.run(
+        [*cmd, "--resume_from_checkpoint", "last"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(out / "checkpoint-4" / "rng_state.pth", weights_only=False) is not None
     assert (out / "model.safetensors").exists()

@@ -74,7 +74,11 @@ def _fully_shard_as_configured(model):
     names = plugin.transformer_cls_names_to_wrap or list(model._no_split_modules)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     units = [m for m in model.modules() if type(m).__name__ in names]
-    kwargs = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+    }
     for module in units:
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
@@ -108,10 +112,20 @@ def worker(out_dir):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    torch.save({"params": _flat_params(inner), "grads": grads, "losses": losses, "world": accelerator.num_processes,
-                "backend": dist.get_backend(), "type": str(accelerator.distributed_type), "fsdp_units": fsdp_units,
-                "local_numel": local_numel, "wrapper": type(model).__name__},
-               Path(out_dir) / f"rank{accelerator.process_index}.pt")
+    torch.save(
+        {
+            "params": _flat_params(inner),
+            "grads": grads,
+            "losses": losses,
+            "world": accelerator.num_processes,
+            "backend": dist.get_backend(),
+            "type": str(accelerator.distributed_type),
+            "fsdp_units": fsdp_units,
+            "local_numel": local_numel,
+            "wrapper": type(model).__name__,
+        },
+        Path(out_dir) / f"rank{accelerator.process_index}.pt",
+    )
 
 
 def test_configs_are_valid_and_fsdp_wraps_the_shared_blocks():
@@ -130,7 +144,8 @@ def test_configs_are_valid_and_fsdp_wraps_the_shared_blocks():
     from accelerate.utils.dataclasses import get_module_class_from_name
 
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=[fsdp["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]],
     )
     assert plugin.transformer_cls_names_to_wrap == ["LoopFormerBlock"]
@@ -139,8 +154,19 @@ def test_configs_are_valid_and_fsdp_wraps_the_shared_blocks():
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp"])
 def test_two_process_run_on_cpu_matches_one_process(tmp_path, config):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config}.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()), __file__, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / f"{config}.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        __file__,
+        str(tmp_path),
+    ]
     # Both configs make `accelerate launch` start one process per rank through torchrun; ACCELERATE_USE_CPU makes
     # each rank join a gloo group on CPU (accelerate's `--cpu` flag would run one process).
     # the ranks import this checkout's packages (not an installed copy) and this file's helpers
@@ -183,13 +209,15 @@ def test_two_process_run_on_cpu_matches_one_process(tmp_path, config):
             worst = max(worst, (r["grads"][step] - expected).abs().max().item())
         offset = 0
         for p in model.parameters():
-            p.grad = expected[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = expected[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         optimizer.step()
     final = _flat_params(model)
     torch.testing.assert_close(r0["params"], final, rtol=1e-4, atol=1e-5)
-    print(f"{config}: max |gradient difference| to one process over {len(BUDGETS)} steps: {worst:.3g}; "
-          f"max |parameter difference| after them: {(r0['params'] - final).abs().max().item():.3g}")
+    print(
+        f"{config}: max |gradient difference| to one process over {len(BUDGETS)} steps: {worst:.3g}; "
+        f"max |parameter difference| after them: {(r0['params'] - final).abs().max().item():.3g}"
+    )
 
 
 @pytest.mark.parametrize("variant", ["loopformer", "base_loop", "tmlt", "naive_loop_ee", "tmlt_ee", "base"])
@@ -232,13 +260,51 @@ def _training_args(corpus, output_dir, per_device_batch):
     """A tiny LoopFormer text run with the consistency objective: full blocks of text make every row carry the same
     number of labelled tokens, so two ranks' batches weigh as their union does in one process; plain SGD, a constant
     learning rate keep the parameters a simple function of the (clipped) gradients."""
-    return ["--output_dir", str(output_dir), "--variant", "loopformer", "--task", "text", "--train_files", str(corpus),
-            "--block_size", "16", "--tokenizer_vocab_size", "300", "--hidden_size", "32", "--num_attention_heads", "2",
-            "--num_loops", "4", "--per_device_train_batch_size", str(per_device_batch),
-            "--gradient_accumulation_steps", "2", "--max_steps", "2", "--optim", "sgd", "--learning_rate", "0.5",
-            "--lr_scheduler_type", "constant", "--eval_strategy", "no", "--report_to", "none",
-            "--disable_tqdm", "true", "--logging_steps", "1", "--save_strategy", "no", "--log_trajectories", "true",
-            "--use_cpu"]
+    return [
+        "--output_dir",
+        str(output_dir),
+        "--variant",
+        "loopformer",
+        "--task",
+        "text",
+        "--train_files",
+        str(corpus),
+        "--block_size",
+        "16",
+        "--tokenizer_vocab_size",
+        "300",
+        "--hidden_size",
+        "32",
+        "--num_attention_heads",
+        "2",
+        "--num_loops",
+        "4",
+        "--per_device_train_batch_size",
+        str(per_device_batch),
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_steps",
+        "2",
+        "--optim",
+        "sgd",
+        "--learning_rate",
+        "0.5",
+        "--lr_scheduler_type",
+        "constant",
+        "--eval_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--log_trajectories",
+        "true",
+        "--use_cpu",
+    ]
 
 
 def _trajectories(run, rank):
@@ -254,9 +320,20 @@ def test_training_script_under_ddp_yaml_matches_one_process_without_unused_param
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(CORPUS * 3))
     two, one = tmp_path / "two", tmp_path / "one"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()),
-           "-m", "looped_training.loopformer.train", *_training_args(corpus, two, per_device_batch=2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / "ddp.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "looped_training.loopformer.train",
+        *_training_args(corpus, two, per_device_batch=2),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     output = proc.stdout + proc.stderr
@@ -275,8 +352,14 @@ def test_training_script_under_ddp_yaml_matches_one_process_without_unused_param
     # taking every other batch of it) with the same trajectories: the trained parameters agree.
     main(_training_args(corpus, one, per_device_batch=4))
     assert _trajectories(one, 0) == per_rank[0]
-    logged = [[(h["loss"], h["grad_norm"]) for h in json.loads((run / "trainer_state.json").read_text())["log_history"]
-               if "grad_norm" in h] for run in (two, one)]
+    logged = [
+        [
+            (h["loss"], h["grad_norm"])
+            for h in json.loads((run / "trainer_state.json").read_text())["log_history"]
+            if "grad_norm" in h
+        ]
+        for run in (two, one)
+    ]
     assert len(logged[1]) == 2 and min(g for _, g in logged[1]) > 1e-3  # the steps did move the parameters
     torch.testing.assert_close(torch.tensor(logged[0]), torch.tensor(logged[1]), rtol=1e-4, atol=1e-6)
     distributed, single = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
@@ -287,15 +370,44 @@ def test_training_script_under_ddp_yaml_matches_one_process_without_unused_param
     print(f"train.py under ddp.yaml: max |parameter difference| to one process after 2 steps: {worst:.3g}")
 
 
-
 def test_fprm_training_script_under_ddp_yaml_saves_evaluates_and_writes_once(tmp_path):
     # every rank saved model/, ran the whole evaluation and wrote results.json and the plots, at the same time
     out = tmp_path / "fprm"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "looped_training.fprm.train",
-           "--task", "sudoku", "--sudoku_size", "4", "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
-           "--intermediate_size", "64", "--max_steps", "2", "--per_device_train_batch_size", "16",
-           "--disable_tqdm", "true", "--torch_threads", "1", "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / "ddp.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "looped_training.fprm.train",
+        "--task",
+        "sudoku",
+        "--sudoku_size",
+        "4",
+        "--num_train",
+        "64",
+        "--num_test",
+        "8",
+        "--hidden_size",
+        "32",
+        "--intermediate_size",
+        "64",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "16",
+        "--disable_tqdm",
+        "true",
+        "--torch_threads",
+        "1",
+        "--output_dir",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
     output = proc.stdout + proc.stderr

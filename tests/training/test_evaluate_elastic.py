@@ -33,7 +33,8 @@ def test_every_budget_and_schedule_is_scored_and_written(checkpoints, tmp_path, 
     lf, bl, base = saved
     for rec in (lf, bl):
         assert sorted({(r["budget"], r["schedule"]) for r in rec["results"]}) == sorted(
-            (m, s) for m in range(1, 5) for s in evaluate_elastic.SCHEDULES)
+            (m, s) for m in range(1, 5) for s in evaluate_elastic.SCHEDULES
+        )
     for r in lf["results"]:
         assert r["em"] is not None and 0 <= r["em"] <= 1 and r["ppl"] > 1 and abs(sum(r["trajectory"]) - 1) < 1e-9
         assert set(r["em_by_depth"]) <= {"1", "2", "3"}
@@ -60,8 +61,9 @@ def test_every_budget_and_schedule_is_scored_and_written(checkpoints, tmp_path, 
 def test_halt_eps_sweep_reports_quality_against_mean_loops(checkpoints, tmp_path, capsys):
     """Adaptive depth (halt_eps): quality against mean loop steps per token, next to the fixed budgets, and its plot."""
     paths = [str(checkpoints / v) for v in ("loopformer", "base")]
-    records = evaluate_elastic.main([*paths, "--output_dir", str(tmp_path), "--schedules", "uniform",
-                                     "--halt_eps", "1e-9", "1e9"])
+    records = evaluate_elastic.main(
+        [*paths, "--output_dir", str(tmp_path), "--schedules", "uniform", "--halt_eps", "1e-9", "1e9"]
+    )
     lf, base = records
     assert "halting" not in base  # the iso-FLOP Base does not loop
     tiny, huge = lf["halting"]
@@ -88,12 +90,15 @@ def test_truncated_checkpoint_is_a_clear_error(checkpoints, tmp_path):
 
 def test_bad_cli_values_raise_value_error(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="'zigzag'"):
-        evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--schedules", "zigzag"])
+        evaluate_elastic.main(
+            [str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--schedules", "zigzag"]
+        )
     with pytest.raises(ValueError, match="2 names for 1"):
         evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--names", "a", "b"])
 
 
 # ---- the metrics -----------------------------------------------------------------------------------------------------
+
 
 def test_linear_cka_is_one_for_rotations_and_scalings_and_low_for_independent_data():
     g = torch.Generator().manual_seed(0)
@@ -120,12 +125,25 @@ def test_anisotropy_curvature_and_entropy_on_known_geometry():
 
 
 @pytest.mark.parametrize("flag, shown", [(None, False), ("false", True)])
-def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(checkpoints, tmp_path, capsys, flag,
-                                                                               shown):
+def test_progress_bars_over_models_and_budgets_only_on_a_terminal_or_when_asked(
+    checkpoints, tmp_path, capsys, flag, shown
+):
     # by default tqdm shows them only when stderr is a terminal (here it is captured), which keeps test output quiet
     extra = [] if flag is None else ["--disable_tqdm", flag]
-    evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--max_rows", "4",
-                           "--repr_rows", "2", "--schedules", "uniform", *extra])
+    evaluate_elastic.main(
+        [
+            str(checkpoints / "loopformer"),
+            "--output_dir",
+            str(tmp_path),
+            "--max_rows",
+            "4",
+            "--repr_rows",
+            "2",
+            "--schedules",
+            "uniform",
+            *extra,
+        ]
+    )
     err = capsys.readouterr().err
     # the budgets bar is cleared when done (leave=False): its final count shows only if it refreshed, so only its
     # name is checked
@@ -173,11 +191,23 @@ def test_budget_claims_hold_and_fail_at_their_thresholds():
     assert not claims([0.2, 390 / 500], [0.1, 416 / 500])["c_elastic_for_free"]["not_behind"]
 
 
-def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plots(checkpoints, tmp_path, capsys,
-                                                                                 monkeypatch):
+def test_without_matplotlib_the_evaluation_writes_its_numbers_and_skips_the_plots(
+    checkpoints, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # a plain install: the `train` extra is not there
-    records = evaluate_elastic.main([str(checkpoints / "loopformer"), "--output_dir", str(tmp_path), "--max_rows", "8",
-                                     "--repr_rows", "4", "--schedules", "uniform"])
+    records = evaluate_elastic.main(
+        [
+            str(checkpoints / "loopformer"),
+            "--output_dir",
+            str(tmp_path),
+            "--max_rows",
+            "8",
+            "--repr_rows",
+            "4",
+            "--schedules",
+            "uniform",
+        ]
+    )
     captured = capsys.readouterr()
     assert "matplotlib is not installed: no plots" in captured.err and "| loopformer |" in captured.out
     saved = json.loads((tmp_path / "elastic_eval.json").read_text())["models"]
@@ -214,20 +244,39 @@ def test_a_plot_legend_of_many_models_sits_beside_the_axes_not_over_the_curves(t
 
 def record(task, fixed, halting):
     metric = "em" if task == "synthetic" else "ppl"
-    return {"task": task, "num_loops": len(fixed), "variant": "loopformer", "name": "LoopFormer",
-            "results": [{"budget": m, "schedule": "uniform", metric: v, "ppl" if metric == "em" else "em": None}
-                        for m, v in enumerate(fixed, 1)],
-            "halting": [dict(criterion=c, halt_eps=e, mean_loops=m, em=q if metric == "em" else None,
-                             ppl=q if metric == "ppl" else 1.5) for c, e, m, q in halting]}
+    return {
+        "task": task,
+        "num_loops": len(fixed),
+        "variant": "loopformer",
+        "name": "LoopFormer",
+        "results": [
+            {"budget": m, "schedule": "uniform", metric: v, "ppl" if metric == "em" else "em": None}
+            for m, v in enumerate(fixed, 1)
+        ],
+        "halting": [
+            dict(
+                criterion=c,
+                halt_eps=e,
+                mean_loops=m,
+                em=q if metric == "em" else None,
+                ppl=q if metric == "ppl" else 1.5,
+            )
+            for c, e, m, q in halting
+        ],
+    }
 
 
 def test_exact_match_target_needs_half_a_loop_saved_within_0_01_and_not_below_the_fixed_curve():
-    rec = record("synthetic", [0.6, 0.99, 1.0], [
-        ("kl_shortcut", 0.1, 2.4, 0.995),   # fixed at 2.4: 0.994 -> pays
-        ("kl_shortcut", 0.2, 2.0, 0.985),   # within 0.01 of 1.0 fails
-        ("kl", 0.1, 2.2, 0.991),            # below the fixed curve (0.992)
-        ("entropy", 0.1, 2.6, 1.0),         # saves less than half a loop
-    ])
+    rec = record(
+        "synthetic",
+        [0.6, 0.99, 1.0],
+        [
+            ("kl_shortcut", 0.1, 2.4, 0.995),  # fixed at 2.4: 0.994 -> pays
+            ("kl_shortcut", 0.2, 2.0, 0.985),  # within 0.01 of 1.0 fails
+            ("kl", 0.1, 2.2, 0.991),  # below the fixed curve (0.992)
+            ("entropy", 0.1, 2.6, 1.0),  # saves less than half a loop
+        ],
+    )
     assert abs(fixed_at_equal_compute(rec, 2.4, "em") - 0.994) < 1e-9
     assert halting_verdict(rec) == {"kl_shortcut": (True, [0.1]), "kl": (False, []), "entropy": (False, [])}
     text = "\n".join(halting_table(rec))
@@ -237,12 +286,16 @@ def test_exact_match_target_needs_half_a_loop_saved_within_0_01_and_not_below_th
 
 
 def test_perplexity_target_needs_two_settings_below_the_fixed_curve():
-    rec = record("text", [100.0, 80.0, 70.0, 66.0], [
-        ("entropy_shortcut", 0.5, 2.5, 74.0),   # fixed 75 -> better
-        ("entropy_shortcut", 1.0, 3.5, 67.5),   # fixed 68 -> better
-        ("state_change", 0.2, 2.0, 81.0),       # worse
-        ("state_change", 0.4, 3.0, 69.0),       # better, once only
-    ])
+    rec = record(
+        "text",
+        [100.0, 80.0, 70.0, 66.0],
+        [
+            ("entropy_shortcut", 0.5, 2.5, 74.0),  # fixed 75 -> better
+            ("entropy_shortcut", 1.0, 3.5, 67.5),  # fixed 68 -> better
+            ("state_change", 0.2, 2.0, 81.0),  # worse
+            ("state_change", 0.4, 3.0, 69.0),  # better, once only
+        ],
+    )
     assert halting_verdict(rec) == {"entropy_shortcut": (True, [0.5, 1.0]), "state_change": (False, [0.4])}
 
 

@@ -24,7 +24,8 @@ def _valid_solution(grid):
     cols = all({grid[r][c] for r in range(n)} == target for c in range(n))
     boxes = all(
         {grid[r][c] for r in range(R, R + br) for c in range(C, C + bc)} == target
-        for R in range(0, n, br) for C in range(0, n, bc)
+        for R in range(0, n, br)
+        for C in range(0, n, bc)
     )
     return rows and cols and boxes
 
@@ -69,7 +70,9 @@ def test_sudoku_rating_counts_search_nodes_and_grows_with_blanks():
 def test_sudoku_bad_arguments():
     with pytest.raises(ValueError, match=r"Sudoku `size` must be one of \[4, 6, 9\], got 5"):
         sudoku.build_sudoku_dataset(5)
-    with pytest.raises(ValueError, match=r"`blanks_range` must be \(low, high\) with 0 <= low <= high < 16, got \(3, 20\)"):
+    with pytest.raises(
+        ValueError, match=r"`blanks_range` must be \(low, high\) with 0 <= low <= high < 16, got \(3, 20\)"
+    ):
         sudoku.build_sudoku_dataset(4, 2, 2, blanks_range=(3, 20))
 
 
@@ -119,8 +122,9 @@ def test_groups_and_running_products():
 
 
 def test_state_tracking_dataset_lengths_padding_and_labels():
-    ds = state_tracking.build_state_tracking_dataset("S5", num_train=50, num_test=5, train_length=32,
-                                                     min_train_length=8, pad_train_to=40, test_length=128)
+    ds = state_tracking.build_state_tracking_dataset(
+        "S5", num_train=50, num_test=5, train_length=32, min_train_length=8, pad_train_to=40, test_length=128
+    )
     table = state_tracking.multiplication_table("S5")
     for row in ds["train"]:
         n = row["length"]
@@ -157,8 +161,9 @@ def test_state_tracking_stream_draws_fresh_rows_at_the_current_max_length():
     assert lengths == {2, 3, 4}
     for r in rows:
         n = sum(t != 0 for t in r["input_ids"])
-        assert r["labels"][:n] == [p + 1 for p in state_tracking.running_products([t - 1 for t in r["input_ids"][:n]],
-                                                                                   table)]
+        assert r["labels"][:n] == [
+            p + 1 for p in state_tracking.running_products([t - 1 for t in r["input_ids"][:n]], table)
+        ]
         assert r["labels"][n:] == [-100] * (4 - n)
     assert len({tuple(r["input_ids"]) for r in rows}) > 250  # fresh samples, not a small fixed set
     it = iter(stream)

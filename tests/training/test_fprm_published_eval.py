@@ -66,11 +66,16 @@ def _expected(model, halt_scope=None, batch_size=64):
     ids = torch.tensor(np.stack([their_encoding(q) for q, _, _ in ROWS]))
     labels = torch.tensor(np.stack([their_encoding(a) for _, a, _ in ROWS]))
     generator = torch.Generator().manual_seed(0)
-    outs = [model(ids[i:i + batch_size], halt_scope=halt_scope, generator=generator, max_loops=40)
-            for i in range(0, len(ids), batch_size)]
+    outs = [
+        model(ids[i : i + batch_size], halt_scope=halt_scope, generator=generator, max_loops=40)
+        for i in range(0, len(ids), batch_size)
+    ]
     preds = torch.cat([o.logits.argmax(-1) for o in outs])
-    return dict(cell=float((preds == labels).float().mean()), exact=float((preds == labels).all(-1).float().mean()),
-                iterations=torch.cat([o.iterations for o in outs]).tolist())
+    return dict(
+        cell=float((preds == labels).float().mean()),
+        exact=float((preds == labels).all(-1).float().mean()),
+        iterations=torch.cat([o.iterations for o in outs]).tolist(),
+    )
 
 
 def test_the_built_folder_and_the_source_csv_give_the_report_of_the_models_forward(checkpoint, data, tmp_path, capsys):
@@ -96,8 +101,23 @@ def test_halt_scope_batch_runs_their_protocol(checkpoint, data, tmp_path):
     with torch.no_grad():
         want = _expected(model, halt_scope="batch", batch_size=2)
     out = tmp_path / "batch.json"
-    assert main([str(checkpoint / "sudoku"), "--data", str(built / "test"), "--halt_scope", "batch",
-                 "--batch_size", "2", *CAP, "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(checkpoint / "sudoku"),
+                "--data",
+                str(built / "test"),
+                "--halt_scope",
+                "batch",
+                "--batch_size",
+                "2",
+                *CAP,
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["halt_scope"] == "batch" and report["mean_iterations"] == pytest.approx(np.mean(want["iterations"]))
     assert want["iterations"][0] == want["iterations"][1] and want["iterations"][2] == want["iterations"][3]
@@ -112,19 +132,35 @@ def test_solve_a_puzzle_string_and_the_cli(checkpoint):
     assert grid == TASKS["sudoku"].decode(out.logits.argmax(-1)[0].tolist())
     assert (iterations, converged) == (int(out.iterations[0]), bool(out.converged[0]))
     assert len(grid) == 9 and all(len(row) == 9 for row in grid)
-    done = subprocess.run([sys.executable, "-m", "looped_training.fprm.published", str(checkpoint / "sudoku"),
-                           "--puzzle", ROWS[0][0], *CAP], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "looped_training.fprm.published",
+            str(checkpoint / "sudoku"),
+            "--puzzle",
+            ROWS[0][0],
+            *CAP,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[:9] == grid and f"iterations {iterations}, converged {converged}" in done.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--puzzle", "123"], r"a sudoku puzzle has 81 cells \(9x9\), got 3 in '123'"),
-    (["--puzzle", "x" * 81], r"a sudoku puzzle uses the characters '0123456789', got \['x'\]"),
-    (["--data", "{tmp}/nowhere"], r"--data .*nowhere: no .*all__inputs.npy"),
-    (["--data", "{built}", "--num_test", "0"], r"--num_test must be >= 1, got 0"),
-    (["--data", "{built}", "--step", "99"], r"has no step_99; its steps: \[10\]"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--puzzle", "123"], r"a sudoku puzzle has 81 cells \(9x9\), got 3 in '123'"),
+        (["--puzzle", "x" * 81], r"a sudoku puzzle uses the characters '0123456789', got \['x'\]"),
+        (["--data", "{tmp}/nowhere"], r"--data .*nowhere: no .*all__inputs.npy"),
+        (["--data", "{built}", "--num_test", "0"], r"--num_test must be >= 1, got 0"),
+        (["--data", "{built}", "--step", "99"], r"has no step_99; its steps: \[10\]"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(checkpoint, data, tmp_path, capsys, args, message):
     import re
 

@@ -27,14 +27,29 @@ def numbered_dataset(rows=64):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 7, (rows, 16), generator=g)
     ids[:, 0] = torch.arange(rows) % 5 + 2
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": torch.randint(2, 7, (rows, 16), generator=g).tolist()})
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "labels": torch.randint(2, 7, (rows, 16), generator=g).tolist()}
+    )
 
 
 def make_trainer(tmp_path, model, steps, **overrides):
-    kwargs = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                  per_device_train_batch_size=8, max_steps=steps, n_backward=3, max_segments=2,
-                  train_halt_eps=1e-12, learning_rate=1e-3, weight_decay=0.1, disable_tqdm=True,
-                  logging_strategy="no", dataloader_drop_last=True, seed=0)
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        n_backward=3,
+        max_segments=2,
+        train_halt_eps=1e-12,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_drop_last=True,
+        seed=0,
+    )
     kwargs.update(overrides)
     return FPRMTrainer(model=model, args=FPRMTrainingArguments(**kwargs), train_dataset=numbered_dataset())
 
@@ -129,22 +144,54 @@ def test_training_arguments_are_validated(tmp_path):
 @pytest.mark.parametrize(
     "task_flags, expected_keys, plots",
     [
-        (["--task", "sudoku", "--sudoku_size", "4", "--num_prefix_tokens", "2", "--eval_iterations_curve", "2,4"],
-         ["iterations_vs_num_blanks", "iterations_vs_rating", "accuracy_vs_iterations"],
-         ["iterations_vs_num_blanks.png"]),
-        (["--task", "s5", "--train_length", "8", "--test_length", "16"],
-         ["per_prefix_accuracy", "iterations_vs_length", "accuracy_at_length"], ["per_prefix_accuracy.png"]),
+        (
+            ["--task", "sudoku", "--sudoku_size", "4", "--num_prefix_tokens", "2", "--eval_iterations_curve", "2,4"],
+            ["iterations_vs_num_blanks", "iterations_vs_rating", "accuracy_vs_iterations"],
+            ["iterations_vs_num_blanks.png"],
+        ),
+        (
+            ["--task", "s5", "--train_length", "8", "--test_length", "16"],
+            ["per_prefix_accuracy", "iterations_vs_length", "accuracy_at_length"],
+            ["per_prefix_accuracy.png"],
+        ),
     ],
 )
 def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
     from looped_training.fprm.train import main
 
-    results = main(task_flags + [
-        "--output_dir", str(tmp_path), "--num_train", "64", "--num_test", "8", "--hidden_size", "32",
-        "--num_attention_heads", "4", "--intermediate_size", "64", "--max_steps", "4", "--n_backward", "2",
-        "--max_segments", "2", "--per_device_train_batch_size", "8", "--eval_max_loops", "6",
-        "--use_cpu", "true", "--disable_tqdm", "true", "--logging_steps", "2",
-    ])
+    results = main(
+        task_flags
+        + [
+            "--output_dir",
+            str(tmp_path),
+            "--num_train",
+            "64",
+            "--num_test",
+            "8",
+            "--hidden_size",
+            "32",
+            "--num_attention_heads",
+            "4",
+            "--intermediate_size",
+            "64",
+            "--max_steps",
+            "4",
+            "--n_backward",
+            "2",
+            "--max_segments",
+            "2",
+            "--per_device_train_batch_size",
+            "8",
+            "--eval_max_loops",
+            "6",
+            "--use_cpu",
+            "true",
+            "--disable_tqdm",
+            "true",
+            "--logging_steps",
+            "2",
+        ]
+    )
     saved = json.loads((tmp_path / "results.json").read_text())
     for key in ["halting", "always_cap", "halting_vs_cap"] + expected_keys:
         assert key in saved, key
@@ -163,8 +210,9 @@ def test_train_script_end_to_end(tmp_path, task_flags, expected_keys, plots):
 def test_presets_are_defaults_that_flags_override():
     from looped_training.fprm.train import parse_args
 
-    model_args, data_args, eval_args, train_args = parse_args(["--preset", "s5-cpu", "--max_steps", "7",
-                                                               "--n_backward", "2"])
+    model_args, data_args, eval_args, train_args = parse_args(
+        ["--preset", "s5-cpu", "--max_steps", "7", "--n_backward", "2"]
+    )
     assert data_args.task == "s5" and train_args.max_steps == 7 and train_args.n_backward == 2
     assert model_args.init_std == 6.0 and train_args.max_segments == 16  # the file's values where no flag is given
     assert train_args.output_dir.endswith("fprm-s5-cpu")
@@ -174,8 +222,22 @@ def test_train_script_passes_min_train_length_to_state_tracking():
     from looped_training.fprm.tasks import build_task
     from looped_training.fprm.train import parse_args
 
-    _, data_args, _, _ = parse_args(["--task", "s5", "--train_length", "8", "--min_train_length", "2",
-                                     "--num_train", "200", "--num_test", "2", "--test_length", "16"])
+    _, data_args, _, _ = parse_args(
+        [
+            "--task",
+            "s5",
+            "--train_length",
+            "8",
+            "--min_train_length",
+            "2",
+            "--num_train",
+            "200",
+            "--num_test",
+            "2",
+            "--test_length",
+            "16",
+        ]
+    )
     ds, _, _ = build_task(data_args, seed=0)
     lengths = set(ds["train"]["length"])
     assert min(lengths) == 2 and max(lengths) == 8 and len(lengths) == 7
@@ -184,9 +246,24 @@ def test_train_script_passes_min_train_length_to_state_tracking():
     for ids, labels, length in zip(ds["train"]["input_ids"], ds["train"]["labels"], ds["train"]["length"]):
         assert ids[length:] == [0] * (16 - length) and labels[length:] == [-100] * (16 - length)
         assert -100 not in labels[:length]
-    _, unpadded, _, _ = parse_args(["--task", "s5", "--train_length", "8", "--min_train_length", "2",
-                                    "--num_train", "20", "--num_test", "2", "--test_length", "16",
-                                    "--pad_train_to_test_length", "false"])
+    _, unpadded, _, _ = parse_args(
+        [
+            "--task",
+            "s5",
+            "--train_length",
+            "8",
+            "--min_train_length",
+            "2",
+            "--num_train",
+            "20",
+            "--num_test",
+            "2",
+            "--test_length",
+            "16",
+            "--pad_train_to_test_length",
+            "false",
+        ]
+    )
     ds, _, _ = build_task(unpadded, seed=0)
     assert all(len(row) == 8 for row in ds["train"]["input_ids"])  # padded to train_length only
 
@@ -198,8 +275,9 @@ def test_length_curriculum_grows_by_half_when_accuracy_reaches_the_threshold(tmp
     from looped_training.fprm.callbacks import LengthCurriculumCallback
 
     stream = StateTrackingStream("S3", min_length=2, max_length=4)
-    args = FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2,
-                                 max_segments=3)
+    args = FPRMTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", n_backward=2, max_segments=3
+    )
     cb = LengthCurriculumCallback(stream, 9, threshold=0.9, check_steps=10, trainer_args=args)
     accuracies = [0.5, 0.95, 0.91, 0.99, 1.0]
     cb.accuracy_at_max_length = lambda model: accuracies.pop(0)  # scripted: the growth rule is what is tested
@@ -221,12 +299,54 @@ def test_curriculum_and_time_budget_resume_where_the_checkpoint_left_them(tmp_pa
     from looped_training.fprm.train import main
 
     flags = [
-        "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
-        "--curriculum_threshold", "0.01", "--curriculum_check_steps", "2", "--num_train", "0", "--num_test", "4",
-        "--test_length", "6", "--hidden_size", "16", "--num_attention_heads", "2", "--intermediate_size", "32",
-        "--n_backward", "2", "--max_segments", "1", "--per_device_train_batch_size", "8", "--eval_max_loops", "8",
-        "--output_dir", str(tmp_path), "--use_cpu", "true", "--disable_tqdm", "true", "--conv_kernel_size", "2",
-        "--save_strategy", "steps", "--save_steps", "4", "--time_budget_minutes", "60", "--report_to", "none",
+        "--task",
+        "s3",
+        "--train_length",
+        "6",
+        "--min_train_length",
+        "2",
+        "--curriculum_start_length",
+        "2",
+        "--curriculum_threshold",
+        "0.01",
+        "--curriculum_check_steps",
+        "2",
+        "--num_train",
+        "0",
+        "--num_test",
+        "4",
+        "--test_length",
+        "6",
+        "--hidden_size",
+        "16",
+        "--num_attention_heads",
+        "2",
+        "--intermediate_size",
+        "32",
+        "--n_backward",
+        "2",
+        "--max_segments",
+        "1",
+        "--per_device_train_batch_size",
+        "8",
+        "--eval_max_loops",
+        "8",
+        "--output_dir",
+        str(tmp_path),
+        "--use_cpu",
+        "true",
+        "--disable_tqdm",
+        "true",
+        "--conv_kernel_size",
+        "2",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "4",
+        "--time_budget_minutes",
+        "60",
+        "--report_to",
+        "none",
     ]
     first = main([*flags, "--max_steps", "4"])
     saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["stateful_callbacks"]
@@ -247,14 +367,52 @@ def test_train_script_length_curriculum_end_to_end(tmp_path):
     Trainer's own max_segments and is recorded in results.json."""
     from looped_training.fprm.train import main
 
-    results = main([
-        "--task", "s3", "--train_length", "6", "--min_train_length", "2", "--curriculum_start_length", "2",
-        "--curriculum_threshold", "0.01", "--curriculum_check_steps", "2", "--num_train", "0", "--num_test", "4",
-        "--test_length", "8", "--hidden_size", "32", "--num_attention_heads", "4", "--intermediate_size", "64",
-        "--max_steps", "8", "--n_backward", "2", "--max_segments", "1", "--per_device_train_batch_size", "16",
-        "--eval_max_loops", "10", "--output_dir", str(tmp_path), "--use_cpu", "true", "--disable_tqdm", "true",
-        "--conv_kernel_size", "2",
-    ])
+    results = main(
+        [
+            "--task",
+            "s3",
+            "--train_length",
+            "6",
+            "--min_train_length",
+            "2",
+            "--curriculum_start_length",
+            "2",
+            "--curriculum_threshold",
+            "0.01",
+            "--curriculum_check_steps",
+            "2",
+            "--num_train",
+            "0",
+            "--num_test",
+            "4",
+            "--test_length",
+            "8",
+            "--hidden_size",
+            "32",
+            "--num_attention_heads",
+            "4",
+            "--intermediate_size",
+            "64",
+            "--max_steps",
+            "8",
+            "--n_backward",
+            "2",
+            "--max_segments",
+            "1",
+            "--per_device_train_batch_size",
+            "16",
+            "--eval_max_loops",
+            "10",
+            "--output_dir",
+            str(tmp_path),
+            "--use_cpu",
+            "true",
+            "--disable_tqdm",
+            "true",
+            "--conv_kernel_size",
+            "2",
+        ]
+    )
     lengths = [h["max_length"] for h in results["curriculum"]]
     assert lengths[0] == 2 and lengths == sorted(lengths) and len(set(lengths)) > 1
     assert results["max_train_length"] >= lengths[-1] > 2  # the plot's "longest training length" line
@@ -266,12 +424,18 @@ def test_train_script_length_curriculum_end_to_end(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--task", "sudoku", "--curriculum_start_length", "4", "--max_steps", "5"],
-         r"`--curriculum_start_length` is for state tracking .*, got task 'sudoku'"),
-        (["--task", "s5", "--train_length", "8", "--curriculum_start_length", "12", "--max_steps", "5"],
-         r"`--curriculum_start_length` must lie in \[min_train_length=1, train_length=8\], got 12"),
-        (["--task", "s5", "--curriculum_start_length", "4", "--curriculum_threshold", "1.5", "--max_steps", "5"],
-         r"`--curriculum_threshold` must lie in \(0, 1\], got 1.5"),
+        (
+            ["--task", "sudoku", "--curriculum_start_length", "4", "--max_steps", "5"],
+            r"`--curriculum_start_length` is for state tracking .*, got task 'sudoku'",
+        ),
+        (
+            ["--task", "s5", "--train_length", "8", "--curriculum_start_length", "12", "--max_steps", "5"],
+            r"`--curriculum_start_length` must lie in \[min_train_length=1, train_length=8\], got 12",
+        ),
+        (
+            ["--task", "s5", "--curriculum_start_length", "4", "--curriculum_threshold", "1.5", "--max_steps", "5"],
+            r"`--curriculum_threshold` must lie in \(0, 1\], got 1.5",
+        ),
         (["--task", "s5", "--curriculum_start_length", "4"], r"set `--max_steps`"),
     ],
 )
@@ -286,8 +450,15 @@ def _s3_rows(count, min_length, max_length, pad_to, seed):
     """S3 running products in the state-tracking format (token = element + 1, pad 0, padded labels -100)."""
     from looped_training.fprm.tasks.state_tracking import build_state_tracking_dataset
 
-    ds = build_state_tracking_dataset("S3", num_train=count, num_test=0, train_length=max_length,
-                                      min_train_length=min_length, pad_train_to=pad_to, seed=seed)["train"]
+    ds = build_state_tracking_dataset(
+        "S3",
+        num_train=count,
+        num_test=0,
+        train_length=max_length,
+        min_train_length=min_length,
+        pad_train_to=pad_to,
+        seed=seed,
+    )["train"]
     return ds["input_ids"], ds["labels"]
 
 
@@ -300,12 +471,30 @@ def test_state_tracking_config_learns_s3_running_products(tmp_path):
     sample with α 0.5/0.5: 1.0, 0.985, 0.58)."""
     ids, labels = _s3_rows(4096, 2, 6, 6, seed=0)
     # one stored z0 (fixed_init) and α 0.75/0.25, on the authors' step (the conv on the state, no final norm)
-    model = tiny_fprm(0, config=sequence_fprm_config(
-        init_std=1.0, patience=10, gamma_train=0.95, max_loops=64, fixed_init=True, alpha1=0.75, alpha2=0.25)).train()
+    model = tiny_fprm(
+        0,
+        config=sequence_fprm_config(
+            init_std=1.0, patience=10, gamma_train=0.95, max_loops=64, fixed_init=True, alpha1=0.75, alpha2=0.25
+        ),
+    ).train()
     args = FPRMTrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=32,
-        max_steps=600, n_backward=4, max_segments=3, train_halt_eps=1e-6, learning_rate=3e-3, weight_decay=0.01,
-        adam_beta2=0.95, warmup_steps=20, disable_tqdm=True, logging_strategy="no", dataloader_drop_last=True, seed=0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=32,
+        max_steps=600,
+        n_backward=4,
+        max_segments=3,
+        train_halt_eps=1e-6,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        adam_beta2=0.95,
+        warmup_steps=20,
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_drop_last=True,
+        seed=0,
     )
     FPRMTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": labels})).train()
     model.eval()
@@ -353,6 +542,7 @@ def test_time_budget_decays_the_learning_rate_over_its_last_fraction_and_stops()
 def test_after_segment_halting_runs_every_iteration_then_halts_per_sample(tmp_path):
     """The authors' training halting: a segment always runs its n_backward iterations (no freezing inside it); after
     it, a sample halts where its last residual < τ (or η < min_eta) and is then replaced."""
+
     def segment(tau, **kw):
         model = training_fprm()
         calls = []
@@ -404,7 +594,12 @@ def test_state_tracking_presets_read_like_the_authors_configs(name, tmp_path):
     # train on length exactly 32, test 1000 sequences of length 128
     assert (data_args.train_length, data_args.min_train_length, data_args.curriculum_start_length) == (32, None, None)
     assert (data_args.num_test, data_args.test_length) == (1000, 128)
-    assert (model_args.init_std, model_args.alpha1, model_args.alpha2, model_args.conv_kernel_size) == (6.0, 0.5, 0.5, 4)
+    assert (model_args.init_std, model_args.alpha1, model_args.alpha2, model_args.conv_kernel_size) == (
+        6.0,
+        0.5,
+        0.5,
+        4,
+    )
     assert model_args.fixed_init is False
     assert (train_args.n_backward, train_args.loss_type) == (4, "stablemax")
     assert (model_args.patience, model_args.gamma_train) == ((10, 0.95) if name.startswith("s5") else (5, 0.9))
@@ -452,8 +647,11 @@ def test_time_budget_decay_resumes_at_the_learning_rate_the_uninterrupted_run_us
             used.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
             scheduler.step()
-        saved = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "callbacks": {"TimeBudgetCallback": cb.state()}}
+        saved = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "callbacks": {"TimeBudgetCallback": cb.state()},
+        }
         return used, saved
 
     uninterrupted, _ = run([0, 400, 450])
@@ -468,9 +666,12 @@ def test_label_smoothing_and_compute_loss_func_which_fprm_trainer_does_not_apply
     with pytest.raises(ValueError, match=r"`label_smoothing_factor` .*got 0\.1.* use 0"):
         FPRMTrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"`compute_loss_func` .*got <lambda>.*loss_type"):
-        FPRMTrainer(model=training_fprm(), args=FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True,
-                                                                    report_to="none"),
-                    train_dataset=numbered_dataset(), compute_loss_func=lambda outputs, labels, **kw: outputs.loss)
+        FPRMTrainer(
+            model=training_fprm(),
+            args=FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+            train_dataset=numbered_dataset(),
+            compute_loss_func=lambda outputs, labels, **kw: outputs.loss,
+        )
 
 
 def test_a_training_batch_without_labels_is_a_clear_error(tmp_path):
@@ -495,8 +696,14 @@ def test_eval_gamma_applies_to_the_iterations_curve_too(tmp_path):
     model.register_forward_pre_hook(lambda mod, args, kwargs: gammas.append(kwargs.get("gamma")), with_kwargs=True)
     test = numbered_dataset(4).add_column("num_blanks", [1, 2, 3, 4])
     data_args = SimpleNamespace(task="sudoku", test_length=0, arc_max_grid=0)
-    eval_args = SimpleNamespace(eval_max_loops=4, eval_halt_eps=None, eval_gamma=0.5, eval_batch_size=2,
-                                compare_cap=False, eval_iterations_curve="2,4")
+    eval_args = SimpleNamespace(
+        eval_max_loops=4,
+        eval_halt_eps=None,
+        eval_gamma=0.5,
+        eval_batch_size=2,
+        compare_cap=False,
+        eval_iterations_curve="2,4",
+    )
     results = evaluate(model, DatasetDict({"test": test}), data_args, eval_args, ["num_blanks"])
     assert results["accuracy_vs_iterations"]["gamma"] == 0.5
     assert gammas[1:] == [0.5] * (len(gammas) - 1)  # every call after the warm-up
@@ -525,13 +732,42 @@ def test_train_script_evaluates_during_training_when_asked(tmp_path):
 
     threads = torch.get_num_threads()
     try:
-        results = main([
-            "--task", "sudoku", "--sudoku_size", "4", "--output_dir", str(tmp_path), "--num_train", "32",
-            "--num_test", "10", "--hidden_size", "32", "--intermediate_size", "64", "--max_steps", "2",
-            "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "4", "--eval_max_loops", "4",
-            "--use_cpu", "true", "--disable_tqdm", "true", "--compare_cap", "false", "--eval_strategy", "steps",
-            "--eval_steps", "1",
-        ])
+        results = main(
+            [
+                "--task",
+                "sudoku",
+                "--sudoku_size",
+                "4",
+                "--output_dir",
+                str(tmp_path),
+                "--num_train",
+                "32",
+                "--num_test",
+                "10",
+                "--hidden_size",
+                "32",
+                "--intermediate_size",
+                "64",
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "8",
+                "--per_device_eval_batch_size",
+                "4",
+                "--eval_max_loops",
+                "4",
+                "--use_cpu",
+                "true",
+                "--disable_tqdm",
+                "true",
+                "--compare_cap",
+                "false",
+                "--eval_strategy",
+                "steps",
+                "--eval_steps",
+                "1",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     evals = [e for e in results["log_history"] if "eval_loss" in e]
@@ -543,14 +779,17 @@ def test_train_script_evaluates_during_training_when_asked(tmp_path):
     assert last["eval_mean_iterations"] == pytest.approx(results["halting"]["mean_iterations"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(lr_schedule="cosine"), r"`lr_schedule` must be one of \('trainer', 'authors'\), got 'cosine'"),
-    (dict(loss_normalization="batch"), r"`loss_normalization` must be one of \('sample', 'token'\), got 'batch'"),
-    (dict(puzzle_emb_optimizer="sgd"), r"`puzzle_emb_optimizer` must be one of \('adamw', 'signsgd'\), got 'sgd'"),
-    (dict(ema_decay=1.0), r"`ema_decay` must be None \(off\) or a number in \(0, 1\).*got 1.0"),
-    (dict(puzzle_emb_lr=-1e-3), r"`puzzle_emb_lr` must be None or a finite number >= 0, got -0.001"),
-    (dict(q_loss_coefficient=float("nan")), r"`q_loss_coefficient` must be None or a finite number >= 0, got nan"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(lr_schedule="cosine"), r"`lr_schedule` must be one of \('trainer', 'authors'\), got 'cosine'"),
+        (dict(loss_normalization="batch"), r"`loss_normalization` must be one of \('sample', 'token'\), got 'batch'"),
+        (dict(puzzle_emb_optimizer="sgd"), r"`puzzle_emb_optimizer` must be one of \('adamw', 'signsgd'\), got 'sgd'"),
+        (dict(ema_decay=1.0), r"`ema_decay` must be None \(off\) or a number in \(0, 1\).*got 1.0"),
+        (dict(puzzle_emb_lr=-1e-3), r"`puzzle_emb_lr` must be None or a finite number >= 0, got -0.001"),
+        (dict(q_loss_coefficient=float("nan")), r"`q_loss_coefficient` must be None or a finite number >= 0, got nan"),
+    ],
+)
 def test_authors_recipe_arguments_are_validated(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         FPRMTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
@@ -562,7 +801,9 @@ def test_authors_recipe_options_that_the_model_cannot_follow_are_refused(tmp_pat
     no_prefix = tiny_fprm(0, num_prefix_tokens=0).train()
     with pytest.raises(ValueError, match=r"`puzzle_emb_optimizer='signsgd'` trains the prefix rows"):
         make_trainer(tmp_path, no_prefix, 1, puzzle_emb_optimizer="signsgd")
-    with pytest.raises(StrictDataclassError, match=r"`puzzle_emb_ndim` \(65\) must be at most num_prefix_tokens × hidden_size"):
+    with pytest.raises(
+        StrictDataclassError, match=r"`puzzle_emb_ndim` \(65\) must be at most num_prefix_tokens × hidden_size"
+    ):
         tiny_fprm(0, puzzle_emb_ndim=65)
     with pytest.raises(StrictDataclassError, match=r"(?s)field .puzzle_emb_ndim.*positive integer, got 0"):
         tiny_fprm(0, puzzle_emb_ndim=0)
@@ -572,17 +813,26 @@ def test_defaults_do_not_clip_and_the_authors_lr_rule_starts_at_lr_over_w(tmp_pa
     trainer = make_trainer(tmp_path, training_fprm(), 3, lr_schedule="authors", warmup_steps=4)
     assert trainer.args.max_grad_norm == 0
     lrs = []
-    trainer.add_callback(type("LR", (TransformersCallback,), {
-        "on_pre_optimizer_step": lambda self, args, state, control, optimizer=None, **k: lrs.append(
-            optimizer.param_groups[0]["lr"])})())
+    trainer.add_callback(
+        type(
+            "LR",
+            (TransformersCallback,),
+            {
+                "on_pre_optimizer_step": lambda self, args, state, control, optimizer=None, **k: lrs.append(
+                    optimizer.param_groups[0]["lr"]
+                )
+            },
+        )()
+    )
     trainer.train()
     assert lrs == pytest.approx([1e-3 / 4, 2e-3 / 4, 3e-3 / 4])
 
 
 def test_ema_is_what_evaluation_and_the_saved_model_use_and_survives_a_resume(tmp_path):
     model = tiny_fprm(0, puzzle_emb_ndim=40, use_q_head=True).train()
-    trainer = make_trainer(tmp_path, model, 2, ema_decay=0.5, puzzle_emb_optimizer="signsgd",
-                           save_strategy="steps", save_steps=2)
+    trainer = make_trainer(
+        tmp_path, model, 2, ema_decay=0.5, puzzle_emb_optimizer="signsgd", save_strategy="steps", save_steps=2
+    )
     start = {n: p.detach().clone() for n, p in trainer.ema_parameters()}
     trainer.train()
     assert {n for n, _ in trainer.ema_parameters()} == set(trainer.ema) and "model.prefix" not in trainer.ema
@@ -597,15 +847,26 @@ def test_ema_is_what_evaluation_and_the_saved_model_use_and_survives_a_resume(tm
     trainer.swap_ema()
     torch.testing.assert_close(dict(trainer.ema_parameters())[name], trained)
     # a resumed run starts from the checkpoint's shadow, not from its own weights
-    resumed = make_trainer(tmp_path, tiny_fprm(0, puzzle_emb_ndim=40, use_q_head=True).train(), 2, ema_decay=0.5,
-                           puzzle_emb_optimizer="signsgd")
+    resumed = make_trainer(
+        tmp_path,
+        tiny_fprm(0, puzzle_emb_ndim=40, use_q_head=True).train(),
+        2,
+        ema_decay=0.5,
+        puzzle_emb_optimizer="signsgd",
+    )
     seen = []
-    resumed.add_callback(type("Seen", (TransformersCallback,), {
-        "on_train_begin": lambda self, args, state, control, **k: seen.append(resumed.ema[name].clone())})())
+    resumed.add_callback(
+        type(
+            "Seen",
+            (TransformersCallback,),
+            {"on_train_begin": lambda self, args, state, control, **k: seen.append(resumed.ema[name].clone())},
+        )()
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     torch.testing.assert_close(seen[0], ema)
     with pytest.raises(ValueError, match=r"has no fprm_ema.safetensors"):
         plain = make_trainer(tmp_path / "plain", training_fprm(), 1, save_strategy="steps", save_steps=1)
         plain.train()
         make_trainer(tmp_path / "plain", training_fprm(), 1, ema_decay=0.9).train(
-            resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1"))
+            resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1")
+        )

@@ -51,17 +51,24 @@ class TheirTraining:
         self.s, self.recipe = s, recipe
         self.ref = Reference(sd, s)
         w = self.ref.w
-        self.trainable = [k for k in w if not k.endswith(".mask")
-                          and not (s["residual_scale"] == "fixed" and "alpha" in k)]
+        self.trainable = [
+            k for k in w if not k.endswith(".mask") and not (s["residual_scale"] == "fixed" and "alpha" in k)
+        ]
         for k in self.trainable:
             w[k] = w[k].clone().requires_grad_(True)
         self.sparse = "puzzle_emb.weights" if "puzzle_emb.weights" in w else None
         dense = [k for k in self.trainable if k != self.sparse]
         no_decay = [k for k in dense if re_alpha_param(k)]
         self.adamw = torch.optim.AdamW(
-            [{"params": [w[k] for k in dense if k not in no_decay], "weight_decay": recipe["weight_decay"]},
-             {"params": [w[k] for k in no_decay], "weight_decay": 0.0}],
-            lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=recipe["weight_decay"])
+            [
+                {"params": [w[k] for k in dense if k not in no_decay], "weight_decay": recipe["weight_decay"]},
+                {"params": [w[k] for k in no_decay], "weight_decay": 0.0},
+            ],
+            lr=0.0,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=recipe["weight_decay"],
+        )
         self.ema = {k: w[k].detach().clone() for k in dense} if recipe.get("ema") else None
         self.step_count = 0
         self.halted = None
@@ -118,8 +125,11 @@ class TheirTraining:
                     self.ema[k] = (1.0 - mu) * w[k].detach() + mu * self.ema[k]
             self.state = {k: v.detach() for k, v in state.items()}
             self.steps = self.steps + 1
-            self.halted = ((self.steps >= s["max_iter"]) | (self.state["residues"] < s["fp_thresh"])
-                           | (self.state["stepsize"].view(-1) < 1e-3))
+            self.halted = (
+                (self.steps >= s["max_iter"])
+                | (self.state["residues"] < s["fp_thresh"])
+                | (self.state["stepsize"].view(-1) < 1e-3)
+            )
         return float(loss.detach()), grads
 
 
@@ -146,9 +156,21 @@ class Recorder(TrainerCallback):
 
 
 def run_package(model, dataset, steps, **args):
-    kwargs = dict(output_dir="unused", use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-                  logging_strategy="no", dataloader_drop_last=True, seed=0, max_steps=steps, learning_rate=LR,
-                  adam_beta2=0.95, loss_type="stablemax", lr_schedule="authors")
+    kwargs = dict(
+        output_dir="unused",
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_strategy="no",
+        dataloader_drop_last=True,
+        seed=0,
+        max_steps=steps,
+        learning_rate=LR,
+        adam_beta2=0.95,
+        loss_type="stablemax",
+        lr_schedule="authors",
+    )
     kwargs.update(args)
     trainer = FPRMTrainer(model=model, args=FPRMTrainingArguments(**kwargs), train_dataset=dataset)
     recorder = Recorder()
@@ -176,8 +198,17 @@ def run_package(model, dataset, steps, **args):
 
     trainer.compute_loss = spy
     trainer.train()
-    return dict(trainer=trainer, draws=draws, batches=batches, losses=losses, states=states, done=done,
-                segments=segments, grads=recorder.grads, params=recorder.params)
+    return dict(
+        trainer=trainer,
+        draws=draws,
+        batches=batches,
+        losses=losses,
+        states=states,
+        done=done,
+        segments=segments,
+        grads=recorder.grads,
+        params=recorder.params,
+    )
 
 
 def ours_of(key, tensor, config):
@@ -195,8 +226,9 @@ def compare(ours, theirs, config, lr_of_step):
     """The per-step checks; returns the largest discrepancies seen (loss, gradient, parameter / lr)."""
     worst = dict(loss=0.0, grad=0.0, param=0.0)
     assert len(ours["losses"]) == len(theirs) > 0
-    for step, (loss, grads, params, state, done, ref) in enumerate(zip(
-            ours["losses"], ours["grads"], ours["params"], ours["states"], ours["done"], theirs)):
+    for step, (loss, grads, params, state, done, ref) in enumerate(
+        zip(ours["losses"], ours["grads"], ours["params"], ours["states"], ours["done"], theirs)
+    ):
         rel = abs(loss - ref["loss"]) / abs(ref["loss"])
         worst["loss"] = max(worst["loss"], rel)
         assert rel <= 1e-5, f"step {step}: loss {loss} vs theirs {ref['loss']}"
@@ -227,22 +259,45 @@ def replay(theirs, ours):
     out = []
     for batch, z0 in zip(ours["batches"], ours["draws"]):
         B = batch["input_ids"].shape[0]
-        data = {"inputs": batch["input_ids"], "labels": batch["labels"],
-                "puzzle_identifiers": batch.get("puzzle_identifiers", torch.zeros(B, dtype=torch.long))}
+        data = {
+            "inputs": batch["input_ids"],
+            "labels": batch["labels"],
+            "puzzle_identifiers": batch.get("puzzle_identifiers", torch.zeros(B, dtype=torch.long)),
+        }
         loss, grads = theirs.train_batch(data, z0)
         w = theirs.ref.w
-        out.append(dict(loss=loss, grads=grads, params={k: w[k].detach().clone() for k in theirs.trainable},
-                        residues=theirs.state["residues"].clone(), stepsize=theirs.state["stepsize"].view(-1).clone(),
-                        halted=theirs.halted.clone()))
+        out.append(
+            dict(
+                loss=loss,
+                grads=grads,
+                params={k: w[k].detach().clone() for k in theirs.trainable},
+                residues=theirs.state["residues"].clone(),
+                stepsize=theirs.state["stepsize"].view(-1).clone(),
+                halted=theirs.halted.clone(),
+            )
+        )
     return out
 
 
 # ---- state tracking: halting active over several steps -------------------------------------------------------------
 
-STATE_TRACKING = {**BASE, "vocab_size": 7, "seq_len": 12, "num_puzzle_identifiers": 1, "causal": True,
-                  "pos_encodings": "none", "puzzle_emb_ndim": 0, "puzzle_emb_len": 0, "conv_type": "conv1d",
-                  "conv_kernel_size": 4, "n_backwards_L": 2, "max_iter": 3, "fp_thresh": 0.25, "decay_patience": 1,
-                  "stepsize_decay_train": 0.6}
+STATE_TRACKING = {
+    **BASE,
+    "vocab_size": 7,
+    "seq_len": 12,
+    "num_puzzle_identifiers": 1,
+    "causal": True,
+    "pos_encodings": "none",
+    "puzzle_emb_ndim": 0,
+    "puzzle_emb_len": 0,
+    "conv_type": "conv1d",
+    "conv_kernel_size": 4,
+    "n_backwards_L": 2,
+    "max_iter": 3,
+    "fp_thresh": 0.25,
+    "decay_patience": 1,
+    "stepsize_decay_train": 0.6,
+}
 ST_RECIPE = dict(warmup=3, weight_decay=0.1, q_loss_coeff=0.0)
 ST_STEPS = 6
 
@@ -262,8 +317,13 @@ def state_tracking_runs(tmp_path, **ours_overrides):
     s = dict(STATE_TRACKING)
     sd = reference_state_dict(s, seed=21)
     model = convert(sd, [s], tmp_path / "st").train()
-    args = dict(per_device_train_batch_size=4, n_backward=s["n_backwards_L"], max_segments=s["max_iter"],
-                weight_decay=ST_RECIPE["weight_decay"], warmup_steps=ST_RECIPE["warmup"])
+    args = dict(
+        per_device_train_batch_size=4,
+        n_backward=s["n_backwards_L"],
+        max_segments=s["max_iter"],
+        weight_decay=ST_RECIPE["weight_decay"],
+        warmup_steps=ST_RECIPE["warmup"],
+    )
     args.update(ours_overrides)
     torch.manual_seed(0)
     ours = run_package(model, state_tracking_rows(), ST_STEPS, **args)
@@ -297,11 +357,25 @@ def test_state_tracking_oracle_sees_gradient_clipping(tmp_path):
 
 # ---- Sudoku: Q-head, EMA and SignSGD on the puzzle embedding, one step ---------------------------------------------
 
-SUDOKU = {**BASE, "vocab_size": 9, "seq_len": 16, "num_puzzle_identifiers": 3, "conv_type": "conv2d",
-          "conv_kernel_size": 3, "pos_encodings": "rope", "puzzle_emb_ndim": HIDDEN + 7, "puzzle_emb_len": 2,
-          "alpha_1_init": 0.75, "alpha_2_init": 0.25, "n_backwards_L": 3, "max_iter": 12, "fp_thresh": 0.1}
-SUDOKU_RECIPE = dict(warmup=4, weight_decay=0.05, q_loss_coeff=0.5, ema=0.999, puzzle_emb_lr=1e-2,
-                     puzzle_emb_weight_decay=0.5)
+SUDOKU = {
+    **BASE,
+    "vocab_size": 9,
+    "seq_len": 16,
+    "num_puzzle_identifiers": 3,
+    "conv_type": "conv2d",
+    "conv_kernel_size": 3,
+    "pos_encodings": "rope",
+    "puzzle_emb_ndim": HIDDEN + 7,
+    "puzzle_emb_len": 2,
+    "alpha_1_init": 0.75,
+    "alpha_2_init": 0.25,
+    "n_backwards_L": 3,
+    "max_iter": 12,
+    "fp_thresh": 0.1,
+}
+SUDOKU_RECIPE = dict(
+    warmup=4, weight_decay=0.05, q_loss_coeff=0.5, ema=0.999, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.5
+)
 
 
 def sudoku_rows(n=8, seed=3):
@@ -311,8 +385,9 @@ def sudoku_rows(n=8, seed=3):
     labels[torch.rand(n, 16, generator=g) < 0.4] = -100  # different label counts per sample
     labels[1] = -100  # a sample without labels: "correct" for the Q-head, 0 for the token loss
     puzzles = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])  # row 2 of the table is never in a batch: SignSGD leaves it
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist(),
-                              "puzzle_identifiers": puzzles[:n].tolist()})
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "labels": labels.tolist(), "puzzle_identifiers": puzzles[:n].tolist()}
+    )
 
 
 def sudoku_runs(tmp_path, **ours_overrides):
@@ -320,14 +395,22 @@ def sudoku_runs(tmp_path, **ours_overrides):
     sd = reference_state_dict(s, seed=22)
     model = convert(sd, [s], tmp_path / "sudoku", keep_q_head=True).train()
     r = SUDOKU_RECIPE
-    args = dict(per_device_train_batch_size=4, n_backward=s["n_backwards_L"], max_segments=s["max_iter"],
-                weight_decay=r["weight_decay"], warmup_steps=r["warmup"], q_loss_coefficient=r["q_loss_coeff"],
-                ema_decay=r["ema"], puzzle_emb_optimizer="signsgd", puzzle_emb_lr=r["puzzle_emb_lr"],
-                puzzle_emb_weight_decay=r["puzzle_emb_weight_decay"])
+    args = dict(
+        per_device_train_batch_size=4,
+        n_backward=s["n_backwards_L"],
+        max_segments=s["max_iter"],
+        weight_decay=r["weight_decay"],
+        warmup_steps=r["warmup"],
+        q_loss_coefficient=r["q_loss_coeff"],
+        ema_decay=r["ema"],
+        puzzle_emb_optimizer="signsgd",
+        puzzle_emb_lr=r["puzzle_emb_lr"],
+        puzzle_emb_weight_decay=r["puzzle_emb_weight_decay"],
+    )
     args.update(ours_overrides)
     torch.manual_seed(0)
     ours = run_package(model, sudoku_rows(), 1, **args)
-    initial = {k[len("model.inner."):]: v.clone() for k, v in sd.items()}
+    initial = {k[len("model.inner.") :]: v.clone() for k, v in sd.items()}
     their = TheirTraining(sd, s, r)
     theirs = replay(their, ours)
     return ours, theirs, their, model.config, initial
@@ -343,8 +426,10 @@ def check_sudoku(ours, theirs, their, config, initial):
         name, value = ours_of(key, value, config)
         assert float((shadow[name] - value).abs().max()) <= 1e-2 * lr, f"EMA of {name}"
         _, p0 = ours_of(key, initial[key], config)
-        for side, ema, p1 in (("ours", shadow[name], ours["params"][0][name]),
-                              ("theirs", value, ours_of(key, theirs[0]["params"][key], config)[1])):
+        for side, ema, p1 in (
+            ("ours", shadow[name], ours["params"][0][name]),
+            ("theirs", value, ours_of(key, theirs[0]["params"][key], config)[1]),
+        ):
             moved[side][0] += float(((ema - p0) * (p1 - p0)).sum())
             moved[side][1] += float(((p1 - p0) ** 2).sum())
     # the EMA's share of the step, 1 − μ, from thousands of entries (one entry's is below float32 resolution)
@@ -363,18 +448,25 @@ def test_sudoku_step_with_q_head_ema_and_signsgd_matches_their_training(tmp_path
     assert float(ours["grads"][0]["q_head.weight"].abs().max()) > 0
     assert float(ours["grads"][0]["model.prefix"].abs().max()) > 0
     assert 2 not in batch["puzzle_identifiers"].tolist()
-    torch.testing.assert_close(model.model.prefix[2].flatten()[: SUDOKU["puzzle_emb_ndim"]],
-                               their.ref.w["puzzle_emb.weights"][2].detach(), rtol=0, atol=0)
-    assert float(model.model.prefix.detach().flatten(1)[:, SUDOKU["puzzle_emb_ndim"]:].abs().max()) == 0
+    torch.testing.assert_close(
+        model.model.prefix[2].flatten()[: SUDOKU["puzzle_emb_ndim"]],
+        their.ref.w["puzzle_emb.weights"][2].detach(),
+        rtol=0,
+        atol=0,
+    )
+    assert float(model.model.prefix.detach().flatten(1)[:, SUDOKU["puzzle_emb_ndim"] :].abs().max()) == 0
 
 
-@pytest.mark.parametrize("perturbation", [
-    dict(puzzle_emb_optimizer="adamw"),  # the puzzle embedding trained by the dense AdamW
-    dict(puzzle_emb_weight_decay=0.0),  # no weight decay on the puzzle embedding
-    dict(q_loss_coefficient=0.0),  # no Q-halt loss
-    dict(loss_normalization="token"),  # the per-token mean of earlier versions
-    dict(ema_decay=0.99),
-])
+@pytest.mark.parametrize(
+    "perturbation",
+    [
+        dict(puzzle_emb_optimizer="adamw"),  # the puzzle embedding trained by the dense AdamW
+        dict(puzzle_emb_weight_decay=0.0),  # no weight decay on the puzzle embedding
+        dict(q_loss_coefficient=0.0),  # no Q-halt loss
+        dict(loss_normalization="token"),  # the per-token mean of earlier versions
+        dict(ema_decay=0.99),
+    ],
+)
 def test_sudoku_oracle_sees_each_perturbation(tmp_path, perturbation):
     ours, theirs, their, config, initial = sudoku_runs(tmp_path, **perturbation)
     with pytest.raises(AssertionError):

@@ -24,8 +24,13 @@ def start_long_run(name, out, ready):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     stderr = out.with_name(out.name + ".stderr")
     with open(stderr, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", module, "--output_dir", str(out), *args], cwd=REPO, env=env,
-                                stdout=subprocess.DEVNULL, stderr=f)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--output_dir", str(out), *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
     deadline = time.time() + 300
     while not ready.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
@@ -65,7 +70,8 @@ def test_ctrl_c_ends_a_run_in_one_line_that_names_its_last_checkpoint_with_exit_
     saved = last_complete_checkpoint(str(out))
     assert err.strip().splitlines()[-1] == (
         f"python -m {MODULES[name][0]}: interrupted (Ctrl-C): the last complete checkpoint is {saved}. Run the same "
-        f"command with --resume_from_checkpoint last to go on from it.")
+        f"command with --resume_from_checkpoint last to go on from it."
+    )
     assert not (out / LOCK_FILE).exists()
 
 
@@ -74,8 +80,11 @@ def test_an_empty_or_garbage_lock_is_refused_while_fresh_and_taken_over_when_old
     lock = tmp_path / LOCK_FILE
     lock.write_bytes(content)
     # just written: its writer may be filling it in right now
-    with pytest.raises(ValueError, match=rf"a lock that is empty or unreadable, written just now, {lock}\): .*If it "
-                                         rf"is gone .*delete {lock} to take the output_dir over"):
+    with pytest.raises(
+        ValueError,
+        match=rf"a lock that is empty or unreadable, written just now, {lock}\): .*If it "
+        rf"is gone .*delete {lock} to take the output_dir over",
+    ):
         with output_dir_lock(str(tmp_path)):
             pass
     assert lock.read_bytes() == content
@@ -90,8 +99,11 @@ def test_an_empty_or_garbage_lock_is_refused_while_fresh_and_taken_over_when_old
 def test_a_lock_of_another_host_says_how_to_take_it_over(tmp_path):
     lock = tmp_path / LOCK_FILE
     lock.write_text(json.dumps({"pid": 1, "host": "another-host"}))
-    with pytest.raises(ValueError, match=rf"process 1 on another-host, {lock}\): give another --output_dir, or wait "
-                                         rf"for that run to end\. If it is gone .*delete {lock} to take the "
-                                         rf"output_dir over"):
+    with pytest.raises(
+        ValueError,
+        match=rf"process 1 on another-host, {lock}\): give another --output_dir, or wait "
+        rf"for that run to end\. If it is gone .*delete {lock} to take the "
+        rf"output_dir over",
+    ):
         with output_dir_lock(str(tmp_path)):
             pass

@@ -26,23 +26,33 @@ def _reference(model, ids, labels, short, lambda_short, lambda_consistency, kind
     """The objective from separate forwards: CE sums over labelled tokens / num_items (default: this batch's),
     D = mean MSE of the final normed states (or KL on labelled positions) weighed by this batch's token share."""
     full, small = model(input_ids=ids), model(input_ids=ids, step_schedule=short)
-    h_full, h_short = model.model(input_ids=ids).last_hidden_state, model.model(
-        input_ids=ids, step_schedule=short).last_hidden_state
+    h_full, h_short = (
+        model.model(input_ids=ids).last_hidden_state,
+        model.model(input_ids=ids, step_schedule=short).last_hidden_state,
+    )
     n = int((labels[:, 1:] != -100).sum())
     denom = n if num_items is None else num_items
 
     def ce_sum(logits):
-        return F.cross_entropy(logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100,
-                               reduction="sum")
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
 
     if kind == "mse":
         d = F.mse_loss(h_short, h_full.detach())
     else:
         mask = labels[:, 1:] != -100
-        d = F.kl_div(F.log_softmax(small.logits[:, :-1][mask], -1), F.log_softmax(full.logits[:, :-1][mask], -1),
-                     log_target=True, reduction="batchmean")
-    return (ce_sum(full.logits) + lambda_short * ce_sum(small.logits)) / denom + lambda_consistency * d * n / denom, \
-        {"ce_full": ce_sum(full.logits) / n, "ce_short": ce_sum(small.logits) / n, "consistency": d}
+        d = F.kl_div(
+            F.log_softmax(small.logits[:, :-1][mask], -1),
+            F.log_softmax(full.logits[:, :-1][mask], -1),
+            log_target=True,
+            reduction="batchmean",
+        )
+    return (ce_sum(full.logits) + lambda_short * ce_sum(small.logits)) / denom + lambda_consistency * d * n / denom, {
+        "ce_full": ce_sum(full.logits) / n,
+        "ce_short": ce_sum(small.logits) / n,
+        "consistency": d,
+    }
 
 
 @pytest.mark.parametrize("kind", ["mse", "kl"])
@@ -50,7 +60,9 @@ def _reference(model, ids, labels, short, lambda_short, lambda_consistency, kind
 def test_forward_returns_the_combined_loss_and_its_terms(model, kind, num_items):
     ids, labels = _batch()
     kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
-    out = model(input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(SHORT, 0.3, 0.7, kind), **kwargs)
+    out = model(
+        input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(SHORT, 0.3, 0.7, kind), **kwargs
+    )
     with torch.no_grad():
         expected, terms = _reference(model, ids, labels, SHORT, 0.3, 0.7, kind, num_items)
     torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
@@ -80,21 +92,31 @@ def test_consistency_gradient_stops_at_the_full_trajectory(model):
     finally:
         hook.remove()
     h_full["h"].retain_grad()
-    ce_full = model.loss_function(logits=out.logits, labels=labels, vocab_size=97)  # with its graph, unlike out.ce_full
+    ce_full = model.loss_function(
+        logits=out.logits, labels=labels, vocab_size=97
+    )  # with its graph, unlike out.ce_full
     (out.loss - ce_full).backward()
     assert torch.count_nonzero(model.model.layers[0].self_attn.q_proj.weight.grad) > 0  # the short branch does
     assert h_full["h"].grad is None or torch.count_nonzero(h_full["h"].grad) == 0
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"lambda_short": -1}, "lambda_short"), ({"lambda_consistency": float("inf")}, "lambda_consistency"),
-    ({"consistency_loss": "l1"}, "'l1'"), ({"short_step_schedule": [0.5, 0.4]}, "sum to 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"lambda_short": -1}, "lambda_short"),
+        ({"lambda_consistency": float("inf")}, "lambda_consistency"),
+        ({"consistency_loss": "l1"}, "'l1'"),
+        ({"short_step_schedule": [0.5, 0.4]}, "sum to 1"),
+    ],
+)
 def test_bad_objective_arguments_raise(model, kwargs, needle):
     ids, labels = _batch()
     with pytest.raises(ValueError, match=needle):
-        model(input_ids=ids, labels=labels, shortcut_consistency=ShortcutConsistency(**{"short_step_schedule": SHORT,
-                                                                                         **kwargs}))
+        model(
+            input_ids=ids,
+            labels=labels,
+            shortcut_consistency=ShortcutConsistency(**{"short_step_schedule": SHORT, **kwargs}),
+        )
 
 
 @pytest.mark.parametrize("name", ["short_step_schedule", "lambda_short", "lambda_consistency", "consistency_loss"])

@@ -73,8 +73,11 @@ def authors_train(state_dict, batches, model_type):
     params = {k: v.clone().requires_grad_(True) for k, v in state_dict.items() if k != "lm_head.weight"}
     decay = [p for p in params.values() if p.dim() >= 2]
     no_decay = [p for p in params.values() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=PEAK_LR, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=PEAK_LR,
+        betas=(0.9, 0.95),
+    )
     full = [1 / N_LOOPS] * N_LOOPS
     terms, snapshots = [], []
     for it, (x, y, short) in enumerate(batches):
@@ -125,18 +128,47 @@ class WordIds:
 
 def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_targets=True, max_grad_norm=CLIP):
     torch.save(state_dict, tmp_path / "ckpt.pt")
-    model = convert(tmp_path / "ckpt.pt", tmp_path / "hf", n_layer=N_LAYER, n_loops=N_LOOPS, n_embd=D, n_head=N_HEAD,
-                    vocab_size=VOCAB, block_size=T, model_type=MODEL_TYPES[variant]).train()
+    model = convert(
+        tmp_path / "ckpt.pt",
+        tmp_path / "hf",
+        n_layer=N_LAYER,
+        n_loops=N_LOOPS,
+        n_embd=D,
+        n_head=N_HEAD,
+        vocab_size=VOCAB,
+        block_size=T,
+        model_type=MODEL_TYPES[variant],
+    ).train()
     stream = token_stream()
     rows = chunk_text(" ".join(map(str, stream)), WordIds(), T, window_targets=window_targets)
     args = TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=PEAK_LR,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATE},
-        warmup_steps=WARMUP, weight_decay=WEIGHT_DECAY, adam_beta2=0.95, max_grad_norm=max_grad_norm, use_cpu=True,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+        output_dir=str(tmp_path / "run"),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=PEAK_LR,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATE},
+        warmup_steps=WARMUP,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta2=0.95,
+        max_grad_norm=max_grad_norm,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = build_trainer(model, None, Dataset.from_dict(rows), None, ModelArguments(variant=variant),
-                            ShortcutArguments(), ScheduleArguments(lr_warmup=lr_warmup), args)
+    trainer = build_trainer(
+        model,
+        None,
+        Dataset.from_dict(rows),
+        None,
+        ModelArguments(variant=variant),
+        ShortcutArguments(),
+        ScheduleArguments(lr_warmup=lr_warmup),
+        args,
+    )
     snapshots = Snapshots()
     trainer.add_callback(snapshots)
     seen, terms = [], []
@@ -150,8 +182,10 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
             step.update(ce_full=out.ce_full.item(), ce_short=out.ce_short.item(), consistency=out.consistency.item())
         terms.append(step)
 
-    hooks = [model.register_forward_pre_hook(record_inputs, with_kwargs=True),
-             model.register_forward_hook(record_terms, with_kwargs=True)]
+    hooks = [
+        model.register_forward_pre_hook(record_inputs, with_kwargs=True),
+        model.register_forward_hook(record_terms, with_kwargs=True),
+    ]
     trainer.train()
     for hook in hooks:
         hook.remove()
@@ -160,7 +194,9 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
     shorts = [list(t) for _, t in sampler[0].sampled] if sampler else [None] * len(seen)
     seen = list(zip(seen, shorts, strict=True))
     # the authors' targets of each window the model saw: the T tokens after its first (their y)
-    next_tokens = {tuple(stream[i * T:(i + 1) * T]): stream[i * T + 1:(i + 1) * T + 1] for i in range(len(stream) // T)}
+    next_tokens = {
+        tuple(stream[i * T : (i + 1) * T]): stream[i * T + 1 : (i + 1) * T + 1] for i in range(len(stream) // T)
+    }
     batches = [(ids, torch.tensor([next_tokens[tuple(r.tolist())] for r in ids]), short) for ids, short in seen]
     return terms, snapshots.params, batches, model.config
 
@@ -194,8 +230,11 @@ def test_training_matches_the_authors_step_for_step(tmp_path, variant):
     assert worst_param < 1e-5, f"a parameter differs from the authors' by {worst_param:.2e}"
 
 
-@pytest.mark.parametrize("perturbation", [{"lr_warmup": "trainer"}, {"window_targets": False}, {"max_grad_norm": 0}],
-                         ids=["trainer-warmup", "run_clm-windows", "no-clipping"])
+@pytest.mark.parametrize(
+    "perturbation",
+    [{"lr_warmup": "trainer"}, {"window_targets": False}, {"max_grad_norm": 0}],
+    ids=["trainer-warmup", "run_clm-windows", "no-clipping"],
+)
 def test_the_oracle_sees_one_changed_recipe_knob(tmp_path, perturbation):
     """Guards the oracle: each knob that differs from the authors' recipe moves the run beyond its tolerance."""
     worst_term, worst_param = run_oracle(tmp_path, "loopformer", **perturbation)

@@ -15,8 +15,16 @@ from looped_training.arguments import run_command
 from looped_training.checkpoints import LOCK_FILE, check_checkpoint
 
 from support.bad_input_table import FPRM_TRAIN, TRAIN, made_read_only_mid_run, train_unwritable
-from test_resume import (FPRM_TINY, REPO, TINY, folder_bytes, run, run_fprm, trained_steps,  # noqa: F401 (fixtures)
-                         uninterrupted)
+from test_resume import (
+    FPRM_TINY,
+    REPO,
+    TINY,
+    folder_bytes,
+    run,
+    run_fprm,
+    trained_steps,  # noqa: F401 (fixtures)
+    uninterrupted,
+)
 
 BOTH_FLAGS = r"--resume_from_checkpoint last to continue it .*--overwrite_output_dir to delete it"
 
@@ -27,9 +35,12 @@ def test_rerunning_a_finished_runs_command_is_refused_naming_both_flags(uninterr
     out = shutil.copytree(uninterrupted[0], tmp_path / "run")
     before = folder_bytes(out)
     for flags in (["--learning_rate", "1e-3"], ["--max_steps", "3"]):
-        with pytest.raises(ValueError, match=rf"--output_dir '{out}' already holds a run \(trainer_state\.json, "
-                                             rf"config\.json, model\.safetensors, checkpoint-3, checkpoint-6\): a new "
-                                             rf"run would train over it\. Give {BOTH_FLAGS}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"--output_dir '{out}' already holds a run \(trainer_state\.json, "
+            rf"config\.json, model\.safetensors, checkpoint-3, checkpoint-6\): a new "
+            rf"run would train over it\. Give {BOTH_FLAGS}",
+        ):
             run(out, *flags)
     assert trained_steps == [] and folder_bytes(out) == before
 
@@ -59,8 +70,10 @@ def test_overwrite_output_dir_deletes_the_old_run_and_trains_a_new_one(uninterru
     out = shutil.copytree(uninterrupted[0], tmp_path / "run")
     with caplog.at_level("WARNING", logger="looped_training.checkpoints"):
         run(out, "--overwrite_output_dir", "--max_steps", "3")
-    assert f"--overwrite_output_dir: deleting the run in {out} (trainer_state.json, config.json, model.safetensors, " \
-           f"checkpoint-3, checkpoint-6)" in caplog.text
+    assert (
+        f"--overwrite_output_dir: deleting the run in {out} (trainer_state.json, config.json, model.safetensors, "
+        f"checkpoint-3, checkpoint-6)" in caplog.text
+    )
     assert trained_steps == [0, 1, 2]
     # the old run's checkpoint-6 is gone: a later `--resume_from_checkpoint last` takes this run's checkpoint-3
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
@@ -78,19 +91,27 @@ def _one_line_exit_2(run, capsys):
     return err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("where, train, argv", [("parent", TRAIN, ()), ("folder", FPRM_TRAIN, FPRM_TINY)],
-                         ids=["loopformer, in a read-only folder", "fprm, a read-only folder"])
-def test_an_output_dir_the_run_may_not_write_is_one_line_and_exit_2(tmp_path, capsys, trained_steps, where, train,
-                                                                    argv):
+@pytest.mark.parametrize(
+    "where, train, argv",
+    [("parent", TRAIN, ()), ("folder", FPRM_TRAIN, FPRM_TINY)],
+    ids=["loopformer, in a read-only folder", "fprm, a read-only folder"],
+)
+def test_an_output_dir_the_run_may_not_write_is_one_line_and_exit_2(
+    tmp_path, capsys, trained_steps, where, train, argv
+):
     # a PermissionError traceback from checkpoints.output_dir_lock
     line = _one_line_exit_2(lambda: train_unwritable(train, where, *argv)(tmp_path), capsys)
     folder = tmp_path / "read-only"
     if where == "parent":
-        assert line == (f"prog: error: --output_dir {folder / 'run'} cannot be created: {folder} is not writable "
-                        f"(Permission denied); give an --output_dir in a folder you can write")
+        assert line == (
+            f"prog: error: --output_dir {folder / 'run'} cannot be created: {folder} is not writable "
+            f"(Permission denied); give an --output_dir in a folder you can write"
+        )
     else:
-        assert line == (f"prog: error: --output_dir {folder} is not writable (Permission denied: {folder / LOCK_FILE}); "
-                        f"make it writable (chmod u+w {folder}) or give another --output_dir")
+        assert line == (
+            f"prog: error: --output_dir {folder} is not writable (Permission denied: {folder / LOCK_FILE}); "
+            f"make it writable (chmod u+w {folder}) or give another --output_dir"
+        )
     assert trained_steps == [] and os.listdir(folder) == []
 
 
@@ -98,9 +119,11 @@ def test_an_output_dir_made_read_only_mid_run_names_the_last_whole_checkpoint(tm
     # a PermissionError traceback from Trainer._save
     line = _one_line_exit_2(lambda: made_read_only_mid_run(tmp_path), capsys)
     out = tmp_path / "run"
-    assert line == (f"prog: error: A write in --output_dir {out} was refused during the run (Permission denied: "
-                    f"{out / 'checkpoint-6'}): the last complete checkpoint is {out / 'checkpoint-3'}. Make it "
-                    f"writable and run the same command with --resume_from_checkpoint last")
+    assert line == (
+        f"prog: error: A write in --output_dir {out} was refused during the run (Permission denied: "
+        f"{out / 'checkpoint-6'}): the last complete checkpoint is {out / 'checkpoint-3'}. Make it "
+        f"writable and run the same command with --resume_from_checkpoint last"
+    )
     check_checkpoint(str(out / "checkpoint-3"), for_resume=True)
     # the read-only folder kept this process's lock; a run's process has ended by now, and an ended one's lock is taken
     # over (tests/training/test_resume.py)
@@ -122,14 +145,29 @@ def test_a_read_only_output_dir_on_the_command_line_is_one_line_and_exit_2(tmp_p
     folder.chmod(0o555)
     prefix = SETPRIV if os.geteuid() == 0 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LOOPED_TRAINING_TRACEBACK": "0"}
-    proc = subprocess.run([*prefix, sys.executable, "-m", "looped_training.loopformer.train", "--output_dir",
-                           str(folder / "run"), *TINY], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "looped_training.loopformer.train",
+            "--output_dir",
+            str(folder / "run"),
+            *TINY,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     folder.chmod(0o755)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         f"python -m looped_training.loopformer.train: error: --output_dir {folder / 'run'} cannot be created: {folder} "
-        f"is not writable (Permission denied); give an --output_dir in a folder you can write")
+        f"is not writable (Permission denied); give an --output_dir in a folder you can write"
+    )
 
 
 def test_a_finished_run_resumed_in_a_read_only_output_dir_says_it_is_finished(tmp_path, caplog, trained_steps):

@@ -40,7 +40,10 @@ def _bad_config_value(path):
     config = json.loads((path / "config.json").read_text())
     config["num_loops"] = -1
     (path / "config.json").write_text(json.dumps(config))
-    return path / "config.json", "Validation error for field 'num_loops': ValueError: Value must be a positive integer, got -1"
+    return (
+        path / "config.json",
+        "Validation error for field 'num_loops': ValueError: Value must be a positive integer, got -1",
+    )
 
 
 def _config_weights_disagree(path):
@@ -70,8 +73,15 @@ def _corrupt_tokenizer(path):
     return path, "tokenizer"  # fails after the weights were staged: the case that used to leave a half-filled folder
 
 
-FAULTS = [_truncate_weights, _invalid_json_config, _bad_config_value, _config_weights_disagree,
-          _weights_lack_a_tensor, _no_weights, _corrupt_tokenizer]
+FAULTS = [
+    _truncate_weights,
+    _invalid_json_config,
+    _bad_config_value,
+    _config_weights_disagree,
+    _weights_lack_a_tensor,
+    _no_weights,
+    _corrupt_tokenizer,
+]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.__name__.strip("_") for f in FAULTS])
@@ -98,9 +108,22 @@ def test_command_line_prints_no_traceback(good, tmp_path):
     shutil.copytree(good, checkpoint)
     weights, _ = _truncate_weights(checkpoint)
     proc = subprocess.run(
-        [PYTHON, "-m", "looped_training.publish", "--checkpoint", str(checkpoint), "--repo_id", REPO, "--dry_run",
-         "--stage_dir", str(tmp_path / "stage")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        [
+            PYTHON,
+            "-m",
+            "looped_training.publish",
+            "--checkpoint",
+            str(checkpoint),
+            "--repo_id",
+            REPO,
+            "--dry_run",
+            "--stage_dir",
+            str(tmp_path / "stage"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -150,14 +173,42 @@ def test_card_snippets_run_on_a_12_token_context(tmp_path, capsys):
     _, tokenizer = save_checkpoint(checkpoint, max_position_embeddings=12)
     room = 12 - len(tokenizer("the cat sat")["input_ids"])
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/ctx12", "--dry_run",
-                         "--stage_dir", str(stage), "--prompt", "the cat sat"]) == 0
+    assert (
+        publish_main(
+            [
+                "--checkpoint",
+                str(checkpoint),
+                "--repo_id",
+                "org/ctx12",
+                "--dry_run",
+                "--stage_dir",
+                str(stage),
+                "--prompt",
+                "the cat sat",
+            ]
+        )
+        == 0
+    )
     card = _run_card_snippets(stage, "org/ctx12")
     assert f"max_new_tokens={room}," in card and "max_new_tokens=16" not in card
     capsys.readouterr()
     long_prompt = " ".join(["the cat sat on the mat"] * 3)
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/ctx12", "--dry_run",
-                         "--stage_dir", str(tmp_path / "stage2"), "--prompt", long_prompt]) == 2
+    assert (
+        publish_main(
+            [
+                "--checkpoint",
+                str(checkpoint),
+                "--repo_id",
+                "org/ctx12",
+                "--dry_run",
+                "--stage_dir",
+                str(tmp_path / "stage2"),
+                "--prompt",
+                long_prompt,
+            ]
+        )
+        == 2
+    )
     assert "leaves no room in the model's context of 12 tokens" in capsys.readouterr().err
 
 
@@ -166,16 +217,23 @@ def test_fprm_card_snippet_fits_a_short_learned_position_table(tmp_path):
 
     checkpoint = tmp_path / "fprm"
     make_fprm(position_embedding_type="learned", max_position_embeddings=12, num_prefix_tokens=2).save_pretrained(
-        checkpoint)
+        checkpoint
+    )
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/fprm12", "--dry_run",
-                         "--stage_dir", str(stage)]) == 0
+    assert (
+        publish_main(
+            ["--checkpoint", str(checkpoint), "--repo_id", "org/fprm12", "--dry_run", "--stage_dir", str(stage)]
+        )
+        == 0
+    )
     card = _run_card_snippets(stage, "org/fprm12")
     assert "(2, 10))" in card  # 12 rows - 2 prefix rows
 
 
-@pytest.mark.parametrize("conditioning,cache", [("shortcut", {}), ("timestep", {}), ("none", {}),
-                                                ("shortcut", {"cache_sharing": "modulo", "cache_share_n": 2})])
+@pytest.mark.parametrize(
+    "conditioning,cache",
+    [("shortcut", {}), ("timestep", {}), ("none", {}), ("shortcut", {"cache_sharing": "modulo", "cache_share_n": 2})],
+)
 def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, conditioning, cache):
     # With L=8 the card's example budget 4 makes "coarse_to_fine" a non-uniform schedule, which a model with
     # loop_conditioning "timestep" or "none" refuses: the card's second snippet raised ValueError, and its first line
@@ -183,12 +241,19 @@ def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, cond
     checkpoint = tmp_path / "ckpt"
     save_checkpoint(checkpoint, num_loops=8, loop_conditioning=conditioning, **cache)
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/variant", "--dry_run",
-                         "--stage_dir", str(stage)]) == 0
+    assert (
+        publish_main(
+            ["--checkpoint", str(checkpoint), "--repo_id", "org/variant", "--dry_run", "--stage_dir", str(stage)]
+        )
+        == 0
+    )
     card = _run_card_snippets(stage, "org/variant")
     body = card.split("---", 2)[2]
-    assert {"shortcut": "(shortcut-conditioned;", "timestep": "(TMLT, timestep-conditioned;",
-            "none": "(Base-Loop, unconditioned;"}[conditioning] in body
+    assert {
+        "shortcut": "(shortcut-conditioned;",
+        "timestep": "(TMLT, timestep-conditioned;",
+        "none": "(Base-Loop, unconditioned;",
+    }[conditioning] in body
     if conditioning == "shortcut":
         assert "conditioned on its normalised time t and step size Δ" in body
         assert 'step_schedule="coarse_to_fine"' in body
@@ -208,8 +273,12 @@ def test_the_card_of_the_unlooped_base_variant_does_not_call_it_base_loop(tmp_pa
     checkpoint = tmp_path / "ckpt"
     save_checkpoint(checkpoint, num_loops=1, loop_conditioning="none")
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/base", "--dry_run",
-                         "--stage_dir", str(stage)]) == 0
+    assert (
+        publish_main(
+            ["--checkpoint", str(checkpoint), "--repo_id", "org/base", "--dry_run", "--stage_dir", str(stage)]
+        )
+        == 0
+    )
     body = _run_card_snippets(stage, "org/base").split("---", 2)[2]
     assert "(Base, not looped: one pass of its blocks;" in body and "Base-Loop" not in body
 
@@ -223,10 +292,26 @@ def test_card_snippets_hold_the_prompt_exactly_whatever_its_characters(tmp_path)
     save_checkpoint(checkpoint)
     prompt = 'the "cat"\\sat\non\tthe mat'
     stage = tmp_path / "stage"
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/prompt", "--dry_run",
-                         "--stage_dir", str(stage), "--prompt", prompt]) == 0
+    assert (
+        publish_main(
+            [
+                "--checkpoint",
+                str(checkpoint),
+                "--repo_id",
+                "org/prompt",
+                "--dry_run",
+                "--stage_dir",
+                str(stage),
+                "--prompt",
+                prompt,
+            ]
+        )
+        == 0
+    )
     card = _run_card_snippets(stage, "org/prompt")
-    literals = re.findall(r'tokenizer\(\[("(?:[^"\\\n]|\\.)*")\]', card) + re.findall(r'generator\(("(?:[^"\\\n]|\\.)*")', card)
+    literals = re.findall(r'tokenizer\(\[("(?:[^"\\\n]|\\.)*")\]', card) + re.findall(
+        r'generator\(("(?:[^"\\\n]|\\.)*")', card
+    )
     assert len(literals) == 3 and {ast.literal_eval(x) for x in literals} == {prompt}
 
 
@@ -234,8 +319,22 @@ def test_an_empty_prompt_is_refused(tmp_path, capsys):
     # the card was published with snippets that fail: generate() refuses a prompt of zero tokens
     checkpoint = tmp_path / "ckpt"
     save_checkpoint(checkpoint)
-    assert publish_main(["--checkpoint", str(checkpoint), "--repo_id", "org/empty", "--dry_run",
-                         "--stage_dir", str(tmp_path / "stage"), "--prompt", ""]) == 2
+    assert (
+        publish_main(
+            [
+                "--checkpoint",
+                str(checkpoint),
+                "--repo_id",
+                "org/empty",
+                "--dry_run",
+                "--stage_dir",
+                str(tmp_path / "stage"),
+                "--prompt",
+                "",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "error: --prompt '' is 0 tokens" in err and "at least one token" in err
     assert not (tmp_path / "stage").exists()

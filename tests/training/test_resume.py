@@ -15,8 +15,13 @@ import pytest
 import torch
 import transformers
 
-from looped_training.checkpoints import (LOCK_FILE, CheckpointError, check_checkpoint, last_complete_checkpoint,
-                                         output_dir_lock)
+from looped_training.checkpoints import (
+    LOCK_FILE,
+    CheckpointError,
+    check_checkpoint,
+    last_complete_checkpoint,
+    output_dir_lock,
+)
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from support import REPO_ROOT, TESTS_DIR
@@ -88,8 +93,11 @@ def test_resuming_with_other_model_flags_is_refused(uninterrupted, tmp_path):
     ref_dir, _ = uninterrupted
     shutil.copytree(ref_dir / "checkpoint-3", tmp_path / "checkpoint-3")
     # another width failed deep in load_state_dict; intermediate_size follows the width
-    with pytest.raises(ValueError, match=r"model config that differs .* in \['hidden_size', 'intermediate_size'\] "
-                                         r"\(e\.g\. hidden_size: 32 there, 64 here\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model config that differs .* in \['hidden_size', 'intermediate_size'\] "
+        r"\(e\.g\. hidden_size: 32 there, 64 here\)",
+    ):
         run(tmp_path, "--resume_from_checkpoint", "last", "--hidden_size", "64")
 
 
@@ -145,8 +153,10 @@ def test_corrupt_optimizer_state_and_missing_files_are_clear_errors(checkpoint_c
 
 REPO = REPO_ROOT
 FPRM_TERMS = ("loss", "grad_norm", "learning_rate", "segment_iterations")
-MODULES = {"loopformer": ("looped_training.loopformer.train", TINY, TERMS),
-           "fprm": ("looped_training.fprm.train", FPRM_TINY, FPRM_TERMS)}
+MODULES = {
+    "loopformer": ("looped_training.loopformer.train", TINY, TERMS),
+    "fprm": ("looped_training.fprm.train", FPRM_TINY, FPRM_TERMS),
+}
 
 
 @pytest.fixture
@@ -171,7 +181,8 @@ def test_fprm_resume_last_goes_on_from_the_newest_checkpoint(tmp_path, trained_s
     results = run_fprm(tmp_path, "--resume_from_checkpoint", "last")
     assert trained_steps == [3, 4, 5]
     assert results["train_steps"] == 6 and [h["step"] for h in results["log_history"] if "loss" in h] == list(
-        range(1, 7))
+        range(1, 7)
+    )
     assert (tmp_path / "checkpoint-3" / "trainer_state.json").read_text() == first
 
 
@@ -180,23 +191,45 @@ def train_and_kill(name, killed_file, output_dir):
     curve {step: log entry} it logged before dying."""
     module, args, _ = MODULES[name]
     log = output_dir.with_name(output_dir.name + "-log.jsonl")
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(TESTS_DIR / "support" / "kill_during_save.py"), killed_file, str(log), module,
-                           "--output_dir", str(output_dir), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS_DIR / "support" / "kill_during_save.py"),
+            killed_file,
+            str(log),
+            module,
+            "--output_dir",
+            str(output_dir),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 137, proc.stderr[-3000:]
     return {h["step"]: h for h in map(json.loads, log.read_text().splitlines()) if "loss" in h}
 
 
-@pytest.mark.parametrize("name, killed_file", [
-    ("loopformer", "checkpoint-6/rng_state.pth"),
-    pytest.param("loopformer", "checkpoint-6/model.safetensors", marks=pytest.mark.slow),
-    ("fprm", "checkpoint-6/trainer_state.json"),
-    pytest.param("fprm", "checkpoint-3/optimizer.pt", marks=pytest.mark.slow),  # the first save: nothing to resume
-])
-def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(name, killed_file, tmp_path,
-                                                                            trained_steps, caplog):
+@pytest.mark.parametrize(
+    "name, killed_file",
+    [
+        ("loopformer", "checkpoint-6/rng_state.pth"),
+        pytest.param("loopformer", "checkpoint-6/model.safetensors", marks=pytest.mark.slow),
+        ("fprm", "checkpoint-6/trainer_state.json"),
+        pytest.param("fprm", "checkpoint-3/optimizer.pt", marks=pytest.mark.slow),  # the first save: nothing to resume
+    ],
+)
+def test_a_run_killed_while_saving_resumes_from_the_last_complete_checkpoint(
+    name, killed_file, tmp_path, trained_steps, caplog
+):
     out = tmp_path / "run"
     killed = train_and_kill(name, killed_file, out)
     partial = out / killed_file.split("/")[0]
@@ -234,11 +267,13 @@ def test_a_truncated_rng_state_is_a_clear_error_or_skipped(checkpoint_copy, capl
     with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
         assert last_complete_checkpoint(str(checkpoint_copy.parent)) is None
     assert "rng_state.pth is truncated" in caplog.text and f"Skipping incomplete checkpoint {checkpoint_copy}" in (
-        caplog.text)
+        caplog.text
+    )
 
 
-def test_a_truncated_run_record_in_the_last_checkpoint_is_skipped_with_a_warning_naming_it(uninterrupted, tmp_path,
-                                                                                            trained_steps, caplog):
+def test_a_truncated_run_record_in_the_last_checkpoint_is_skipped_with_a_warning_naming_it(
+    uninterrupted, tmp_path, trained_steps, caplog
+):
     # `error: Unterminated string ...`, printed twice and naming no file, where a truncated model, optimizer, rng,
     # scheduler or trainer_state file makes `last` skip the checkpoint
     out = shutil.copytree(uninterrupted[0], tmp_path / "run")
@@ -249,12 +284,14 @@ def test_a_truncated_run_record_in_the_last_checkpoint_is_skipped_with_a_warning
     with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
         run(out, "--resume_from_checkpoint", "last")
     assert f"Skipping incomplete checkpoint {damaged.parent} (a save that did not finish?): {damaged} is corrupt" in (
-        caplog.text)
+        caplog.text
+    )
     assert trained_steps == [3, 4, 5]  # from checkpoint-3, which is whole
     check_checkpoint(str(damaged.parent), for_resume=True)  # written again, whole
 
 
 # --- a finished run resumed, and two runs on one output_dir ----------------------------------------------------------
+
 
 def folder_bytes(folder):
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -267,7 +304,8 @@ def test_a_finished_run_resumed_is_a_no_op_that_says_so(uninterrupted, tmp_path,
     with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
         assert run(out, "--resume_from_checkpoint", "last", "--save_total_limit", "1") is None
     assert f"{out / 'checkpoint-6'} is the end of a finished run (step 6" in caplog.text and "--max_steps 6" in (
-        caplog.text)
+        caplog.text
+    )
     assert trained_steps == [] and folder_bytes(out) == before
 
 
@@ -312,8 +350,11 @@ def test_a_dead_runs_lock_is_taken_over_with_a_warning_and_an_exception_releases
 def test_resuming_a_checkpoint_of_the_other_model_says_which_model_it_is(uninterrupted, tmp_path):
     # it listed 20 differing config fields (or failed on the missing tokenizer), never the model type
     loopformer_ckpt = uninterrupted[0] / "checkpoint-6"
-    with pytest.raises(ValueError, match=r"checkpoint-6 is a 'loopformer' checkpoint \(config.json model_type\), not "
-                                         r"a 'fprm' one"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint-6 is a 'loopformer' checkpoint \(config.json model_type\), not "
+        r"a 'fprm' one",
+    ):
         run_fprm(tmp_path / "fprm", "--resume_from_checkpoint", str(loopformer_ckpt))
     fprm_ckpt = shutil.copytree(loopformer_ckpt, tmp_path / "checkpoint-6")
     config = json.loads((fprm_ckpt / "config.json").read_text())

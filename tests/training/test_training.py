@@ -12,10 +12,35 @@ from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data import synthetic, text
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
-TINY = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "4", "--num_blocks", "1",
-        "--num_train_problems", "256", "--num_eval_problems", "32", "--max_depth", "3",
-        "--per_device_train_batch_size", "8", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-        "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "0"]
+TINY = [
+    "--hidden_size",
+    "32",
+    "--num_attention_heads",
+    "2",
+    "--num_loops",
+    "4",
+    "--num_blocks",
+    "1",
+    "--num_train_problems",
+    "256",
+    "--num_eval_problems",
+    "32",
+    "--max_depth",
+    "3",
+    "--per_device_train_batch_size",
+    "8",
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--disable_tqdm",
+    "true",
+    "--logging_steps",
+    "1",
+    "--learning_rate",
+    "1e-3",
+    "--seed",
+    "0",
+]
 
 
 def tiny_run(output_dir, *extra):
@@ -23,6 +48,7 @@ def tiny_run(output_dir, *extra):
 
 
 # ---- data ----------------------------------------------------------------------------------------------------------
+
 
 def _evaluate_chain(prompt):
     expr = prompt[:-1]  # drop "="
@@ -61,12 +87,15 @@ def test_problems_are_reproducible_from_the_seed():
     assert a != synthetic.make_problems(50, seed=8)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"min_depth": 0}, "min_depth"),
-    ({"min_depth": 5, "max_depth": 2}, "<= `max_depth`"),
-    ({"kind": "sudoku"}, "'sudoku'"),
-    ({"kind": "binding", "max_depth": 20}, "num_chains \\* max_depth"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"min_depth": 0}, "min_depth"),
+        ({"min_depth": 5, "max_depth": 2}, "<= `max_depth`"),
+        ({"kind": "sudoku"}, "'sudoku'"),
+        ({"kind": "binding", "max_depth": 20}, "num_chains \\* max_depth"),
+    ],
+)
 def test_bad_corpus_arguments_raise_value_error(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         synthetic.make_problems(10, **kwargs)
@@ -81,7 +110,12 @@ def test_answer_only_labels_cover_answer_and_newline():
         assert tok.decode(kept) == p.answer + "\n"
     with pytest.raises(ValueError, match="block_size=4"):
         synthetic.tokenize_problems(problems, tok, 4)
-    assert synthetic.tokenize_problems([], tok, 16) == {"input_ids": [], "attention_mask": [], "labels": [], "depth": []}
+    assert synthetic.tokenize_problems([], tok, 16) == {
+        "input_ids": [],
+        "attention_mask": [],
+        "labels": [],
+        "depth": [],
+    }
 
 
 def test_tokenizer_round_trips_and_saves_as_fast_tokenizer(tmp_path):
@@ -115,14 +149,18 @@ def test_text_files_are_read_split_and_chunked(tmp_path):
 
 # ---- variants ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant, conditioning, layers, loops, callback", [
-    ("loopformer", "shortcut", 2, 3, "shortcut"),
-    ("base_loop", "none", 2, 3, None),
-    ("tmlt", "timestep", 2, 3, None),
-    ("naive_loop_ee", "none", 2, 3, "early_exit"),
-    ("tmlt_ee", "timestep", 2, 3, "early_exit"),
-    ("base", "none", 6, 1, None),
-])
+
+@pytest.mark.parametrize(
+    "variant, conditioning, layers, loops, callback",
+    [
+        ("loopformer", "shortcut", 2, 3, "shortcut"),
+        ("base_loop", "none", 2, 3, None),
+        ("tmlt", "timestep", 2, 3, None),
+        ("naive_loop_ee", "none", 2, 3, "early_exit"),
+        ("tmlt_ee", "timestep", 2, 3, "early_exit"),
+        ("base", "none", 6, 1, None),
+    ],
+)
 def test_variants_are_configurations_of_one_model(variant, conditioning, layers, loops, callback):
     model_args = train_loopformer.ModelArguments(variant=variant, hidden_size=32, num_blocks=2, num_loops=3)
     config = train_loopformer.build_config(model_args, vocab_size=300, block_size=32)
@@ -131,8 +169,9 @@ def test_variants_are_configurations_of_one_model(variant, conditioning, layers,
     # as the authors' models/*.py: learnable block-norm weights in base_loop.py (Base-Loop, Naive-Loop-EE), base.py
     assert config.block_norm_weight == (variant in ("base_loop", "naive_loop_ee", "base"))
     assert config.initializer_scheme == "reference"
-    cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
-                                         train_loopformer.TrainingArguments(output_dir="unused"))
+    cb = train_loopformer.build_callback(
+        model_args, train_loopformer.ShortcutArguments(), train_loopformer.TrainingArguments(output_dir="unused")
+    )
     assert (cb.trajectory if cb else None) == callback
     if cb is not None:  # their train.py: CE_full + 0.1·CE_short + 0.1·MSE for LoopFormer and the -EE baselines
         assert (cb.lambda_short, cb.lambda_consistency, cb.consistency) == (0.1, 0.1, "mse")
@@ -140,8 +179,9 @@ def test_variants_are_configurations_of_one_model(variant, conditioning, layers,
 
 def test_early_exit_variants_draw_an_integer_loop_count_in_1_to_L_minus_1():
     model_args = train_loopformer.ModelArguments(variant="tmlt_ee", hidden_size=32, num_loops=5)
-    cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
-                                         train_loopformer.TrainingArguments(output_dir="unused"))
+    cb = train_loopformer.build_callback(
+        model_args, train_loopformer.ShortcutArguments(), train_loopformer.TrainingArguments(output_dir="unused")
+    )
     lengths = set()
     for index in range(200):
         steps = cb.sample_trajectory(index, 5, cb.trajectory)
@@ -158,8 +198,9 @@ def test_early_exit_objective_is_the_reference_train_py(variant):
 
     model_args = train_loopformer.ModelArguments(variant=variant, hidden_size=32, num_blocks=2, num_loops=4)
     config = train_loopformer.build_config(model_args, vocab_size=97, block_size=32)
-    cb = train_loopformer.build_callback(model_args, train_loopformer.ShortcutArguments(),
-                                         train_loopformer.TrainingArguments(output_dir="unused"))
+    cb = train_loopformer.build_callback(
+        model_args, train_loopformer.ShortcutArguments(), train_loopformer.TrainingArguments(output_dir="unused")
+    )
     torch.manual_seed(0)
     model = loopformer_hf.LoopFormerForCausalLM(config).train()
     with torch.no_grad():  # large weights, so that 2 and 4 loops end far apart and the MSE term weighs
@@ -170,9 +211,13 @@ def test_early_exit_objective_is_the_reference_train_py(variant):
     index = next(i for i in range(100) if len(cb.sample_trajectory(i, 4, cb.trajectory)) == 2)
     short = list(cb.sample_trajectory(index, 4, cb.trajectory))
     lambda_short, lambda_consistency = cb.lambdas(0)
-    out = model(input_ids=ids, labels=ids,
-                shortcut_consistency=ShortcutConsistency(short, lambda_short, lambda_consistency, cb.consistency))
+    out = model(
+        input_ids=ids,
+        labels=ids,
+        shortcut_consistency=ShortcutConsistency(short, lambda_short, lambda_consistency, cb.consistency),
+    )
     with torch.no_grad():
+
         def ce_and_x(loops):
             h = model.model(input_ids=ids, loop_budget=loops).last_hidden_state
             logits = model.lm_head(h)

@@ -14,7 +14,6 @@ from looped_training.loopformer.train import ModelArguments, ShortcutArguments
 from support import REPO_ROOT
 
 
-
 def loopformer_parser():
     return HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
 
@@ -47,7 +46,9 @@ def test_config_file_errors_name_the_file_and_the_problem(tmp_path):
         parse_args_with_config(loopformer_parser(), [str(listing)])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "configs", "loopformer", "*.yaml"))))
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(REPO_ROOT, "training", "configs", "loopformer", "*.yaml")))
+)
 def test_every_loopformer_config_parses(path):
     (model, data, _, train), _ = parse_args_with_config(loopformer_parser(), [path, "--output_dir", "unused"])
     assert model.num_loops in (4, 8) and data.task in ("synthetic", "text") and train.max_steps > 0
@@ -69,6 +70,13 @@ def test_help_names_the_command_as_users_type_it(command):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", f"looped_training.{command}", "--help"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m looped_training.{command} "), proc.stdout[:200]
+    proc = subprocess.run(
+        [sys.executable, "-m", f"looped_training.{command}", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m looped_training.{command} "), (
+        proc.stdout[:200]
+    )

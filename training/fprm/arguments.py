@@ -12,8 +12,12 @@ from looped_training.fprm.tasks import TASKS
 @dataclass
 class DataArguments:
     preset: str | None = field(
-        default=None, metadata={"help": "a file of training/configs/fprm/ by name: `--preset s5-cpu` reads "
-                                        "training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"})
+        default=None,
+        metadata={
+            "help": "a file of training/configs/fprm/ by name: `--preset s5-cpu` reads "
+            "training/configs/fprm/s5-cpu.yaml (the same as `--config` with that file)"
+        },
+    )
     task: str = field(default="sudoku", metadata={"help": f"one of {TASKS}"})
     num_train: int = field(default=2000)
     num_test: int = field(default=200)
@@ -21,17 +25,29 @@ class DataArguments:
     maze_size: int = field(default=15)
     train_length: int = field(default=32)
     min_train_length: int | None = field(
-        default=None, metadata={"help": "state tracking: train lengths uniform in [min_train_length, train_length] "
-                                        "(default: all exactly train_length)"})
+        default=None,
+        metadata={
+            "help": "state tracking: train lengths uniform in [min_train_length, train_length] "
+            "(default: all exactly train_length)"
+        },
+    )
     test_length: int = field(default=128)
     pad_train_to_test_length: bool = field(
-        default=True, metadata={"help": "state tracking: pad the training rows to --test_length with ignored labels, "
-                                        "as the authors' build_state_tracking_dataset (false: to the longest training "
-                                        "length, cheaper per step; the halting residual then reads fewer positions)"})
+        default=True,
+        metadata={
+            "help": "state tracking: pad the training rows to --test_length with ignored labels, "
+            "as the authors' build_state_tracking_dataset (false: to the longest training "
+            "length, cheaper per step; the halting residual then reads fewer positions)"
+        },
+    )
     curriculum_start_length: int | None = field(
-        default=None, metadata={"help": "state tracking: train on fresh sequences of length <= this first, then "
-                                        "raise the maximum by half (up to --train_length) each time accuracy at the "
-                                        "current maximum reaches --curriculum_threshold"})
+        default=None,
+        metadata={
+            "help": "state tracking: train on fresh sequences of length <= this first, then "
+            "raise the maximum by half (up to --train_length) each time accuracy at the "
+            "current maximum reaches --curriculum_threshold"
+        },
+    )
     curriculum_threshold: float = field(default=0.9)
     curriculum_check_steps: int = field(default=50, metadata={"help": "optimizer steps between curriculum checks"})
     arc_max_grid: int = field(default=10)
@@ -48,14 +64,24 @@ class EvalArguments:
     eval_batch_size: int = field(default=100)
     compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
     eval_iterations_curve: str | None = field(
-        default=None, metadata={"help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
-                                        "fraction converged with halting off after each (the stability test)"})
+        default=None,
+        metadata={
+            "help": "comma-separated iteration counts, e.g. '8,16,32,64,128,256': accuracy and "
+            "fraction converged with halting off after each (the stability test)"
+        },
+    )
     time_budget_minutes: float | None = field(
-        default=None, metadata={"help": "stop training after this long (0: no budget, e.g. to lift a preset's)"})
+        default=None, metadata={"help": "stop training after this long (0: no budget, e.g. to lift a preset's)"}
+    )
     time_budget_decay_fraction: float = field(
-        default=0.0, metadata={"help": "decay the learning rate linearly to 0 over this last fraction of the time "
-                                       "budget (0: no decay)"})
-    torch_threads: int | None = field(default=None, metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU)"})
+        default=0.0,
+        metadata={
+            "help": "decay the learning rate linearly to 0 over this last fraction of the time budget (0: no decay)"
+        },
+    )
+    torch_threads: int | None = field(
+        default=None, metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU)"}
+    )
 
 
 def _at_least_one(value, name):
@@ -65,8 +91,9 @@ def _at_least_one(value, name):
 
 def _time_budget(value, name):
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"`{name}` must be a finite number of minutes >= 0 (0: no budget, e.g. over a preset's), "
-                         f"got {value!r}.")
+        raise ValueError(
+            f"`{name}` must be a finite number of minutes >= 0 (0: no budget, e.g. over a preset's), got {value!r}."
+        )
 
 
 def _unless_none(check):

@@ -36,8 +36,14 @@ class LengthCurriculumCallback(TrainerCallback, ExportableState):
 
     def state(self):
         version, internal, gauss = self.rng.getstate()
-        return {"args": {}, "attributes": {"max_length": self.stream.max_length, "history": self.history,
-                                           "rng_state": [version, list(internal), gauss]}}
+        return {
+            "args": {},
+            "attributes": {
+                "max_length": self.stream.max_length,
+                "history": self.history,
+                "rng_state": [version, list(internal), gauss],
+            },
+        }
 
     def on_train_begin(self, args, state, control, **kwargs):
         saved = _saved_attributes(self, state)
@@ -75,8 +81,10 @@ class LengthCurriculumCallback(TrainerCallback, ExportableState):
             length = self.stream.max_length
             self.stream.set_max_length(min(self.final_length, length + max(1, length // 2)))
             self._set_segments()
-            print(f"curriculum: step {state.global_step}, accuracy {acc:.3f} at length {length} -> train up to "
-                  f"length {self.stream.max_length} ({self.trainer_args.max_segments} segments)")
+            print(
+                f"curriculum: step {state.global_step}, accuracy {acc:.3f} at length {length} -> train up to "
+                f"length {self.stream.max_length} ({self.trainer_args.max_segments} segments)"
+            )
 
 
 class TimeBudgetCallback(TrainerCallback, ExportableState):
@@ -102,8 +110,10 @@ class TimeBudgetCallback(TrainerCallback, ExportableState):
         self.start = self.clock() - saved.get("elapsed_s", 0.0)
         if self.decay_fraction:
             if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LambdaLR):
-                raise ValueError(f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
-                                 f"{type(lr_scheduler).__name__}.")
+                raise ValueError(
+                    f"A time-based decay needs a LambdaLR schedule (constant, linear, cosine, ...), got "
+                    f"{type(lr_scheduler).__name__}."
+                )
             # resumed: the scheduler restored from the checkpoint holds base values this callback had scaled
             base_lrs = saved.get("base_lrs")
             if base_lrs is None or len(base_lrs) != len(lr_scheduler.base_lrs):

@@ -70,21 +70,31 @@ def by_difficulty(values, iterations, correct_rows, bins=6):
     for lo, hi in zip(edges[:-1], edges[1:]):
         mask = (values >= lo) & (values < hi)
         if mask.any():
-            rows.append({"low": float(lo), "high": float(hi), "count": int(mask.sum()),
-                         "mean_value": float(values[mask].mean()),
-                         "mean_iterations": float(iterations.numpy()[mask].mean()),
-                         "exact_accuracy": float(correct_rows.numpy()[mask].mean())})
+            rows.append(
+                {
+                    "low": float(lo),
+                    "high": float(hi),
+                    "count": int(mask.sum()),
+                    "mean_value": float(values[mask].mean()),
+                    "mean_iterations": float(iterations.numpy()[mask].mean()),
+                    "exact_accuracy": float(correct_rows.numpy()[mask].mean()),
+                }
+            )
     return rows
 
 
 def check_iteration_counts(counts):
     """Iteration counts for `accuracy_vs_iterations`: a non-empty, strictly increasing sequence of positive ints."""
     counts = list(counts) if isinstance(counts, (list, tuple)) else counts
-    if (not isinstance(counts, list) or not counts
-            or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
-            or any(b <= a for a, b in zip(counts, counts[1:]))):
-        raise ValueError(f"iteration counts must be a non-empty, strictly increasing list of positive ints, got "
-                         f"{counts!r}.")
+    if (
+        not isinstance(counts, list)
+        or not counts
+        or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+        or any(b <= a for a, b in zip(counts, counts[1:]))
+    ):
+        raise ValueError(
+            f"iteration counts must be a non-empty, strictly increasing list of positive ints, got {counts!r}."
+        )
     return counts
 
 
@@ -93,14 +103,16 @@ def parse_iteration_counts(text):
     try:
         counts = [int(part) for part in str(text).split(",")]
     except ValueError:
-        raise ValueError(f"`--eval_iterations_curve` must be comma-separated positive ints such as '8,16,32', got "
-                         f"{text!r}.") from None
+        raise ValueError(
+            f"`--eval_iterations_curve` must be comma-separated positive ints such as '8,16,32', got {text!r}."
+        ) from None
     return check_iteration_counts(counts)
 
 
 @torch.no_grad()
-def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None,
-                           gamma=None):
+def accuracy_vs_iterations(
+    model, dataset, counts=(8, 16, 32, 64, 128, 256), batch_size=100, halt_eps=None, gamma=None
+):
     """Accuracy with halting off after each of `counts` iterations (the paper's stability test): every sample runs
     exactly that many solver iterations; one solver run per batch is continued from count to count
     (`solver_state`), so the total cost is max(counts) iterations. Returns, per count: cell/exact accuracy, the
@@ -108,8 +120,10 @@ def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), bat
     median relative residual. `halt_eps` (τ) and `gamma` (the decay of η) default to the config's (`gamma_eval`)."""
     counts = check_iteration_counts(counts)
     if "labels" not in dataset.column_names or len(dataset) == 0:
-        raise ValueError(f"`dataset` must be a non-empty dataset with a `labels` column, got columns "
-                         f"{dataset.column_names} and {len(dataset)} rows.")
+        raise ValueError(
+            f"`dataset` must be a non-empty dataset with a `labels` column, got columns "
+            f"{dataset.column_names} and {len(dataset)} rows."
+        )
     model.eval()
     device = next(model.parameters()).device
     tau = model.config.halt_eps if halt_eps is None else halt_eps
@@ -124,14 +138,21 @@ def accuracy_vs_iterations(model, dataset, counts=(8, 16, 32, 64, 128, 256), bat
             kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
         state, done = None, 0
         for j, count in enumerate(counts):
-            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, gamma=gamma,
-                        solver_state=state)
+            out = model(**kwargs, max_loops=count - done, halting=False, halt_eps=tau, gamma=gamma, solver_state=state)
             state, done = out.solver_state, count
             preds[j].append(out.logits.argmax(-1).cpu())
             residuals[j].append(out.residuals.cpu())
             diverged[j].append(out.diverged.cpu())
-    result = {"iterations": counts, "halt_eps": tau, "gamma": gamma, "cell_accuracy": [], "exact_accuracy": [],
-              "converged_fraction": [], "diverged_fraction": [], "median_residual": []}
+    result = {
+        "iterations": counts,
+        "halt_eps": tau,
+        "gamma": gamma,
+        "cell_accuracy": [],
+        "exact_accuracy": [],
+        "converged_fraction": [],
+        "diverged_fraction": [],
+        "median_residual": [],
+    }
     for j in range(len(counts)):
         cell, exact, _, _ = accuracy(torch.cat(preds[j]), dataset["labels"])
         r = torch.cat(residuals[j])
@@ -167,20 +188,27 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
     preds, iters, conv, seconds = run_solver(model, test, eval_args.eval_batch_size, "eval (halting)", **knobs)
     cell, exact, correct, valid = accuracy(preds, test["labels"])
     exact_rows = (correct | ~valid).all(-1).float()
-    results["halting"] = {"cell_accuracy": cell, "exact_accuracy": exact, "mean_iterations": float(iters.float().mean()),
-                          "converged_fraction": float(conv.float().mean()), "seconds": seconds}
+    results["halting"] = {
+        "cell_accuracy": cell,
+        "exact_accuracy": exact,
+        "mean_iterations": float(iters.float().mean()),
+        "converged_fraction": float(conv.float().mean()),
+        "seconds": seconds,
+    }
     for column in difficulty_columns:
         if column != "length":
             results[f"iterations_vs_{column}"] = by_difficulty(test[column], iters, exact_rows)
             solved = exact_rows.bool()
             if solved.any():  # the paper's plot: iterations against difficulty on the puzzles solved
                 results[f"iterations_vs_{column}_solved"] = by_difficulty(
-                    np.asarray(test[column])[solved.numpy()], iters[solved], exact_rows[solved])
+                    np.asarray(test[column])[solved.numpy()], iters[solved], exact_rows[solved]
+                )
     if data_args.task in STATE_TRACKING_TASKS:
         per_position = (correct.float().sum(0) / valid.float().sum(0).clamp(min=1)).tolist()
         results["per_prefix_accuracy"] = per_position  # index k-1: accuracy of the running product of k elements
-        results["accuracy_at_length"] = {str(k): per_position[k - 1] for k in (2, 8, 16, 32, 64, 128)
-                                         if k <= len(per_position)}
+        results["accuracy_at_length"] = {
+            str(k): per_position[k - 1] for k in (2, 8, 16, 32, 64, 128) if k <= len(per_position)
+        }
         results["length_generalisation"] = length_generalisation(correct, valid)
         results["iterations_vs_length"] = []
         for length in (8, 16, 32, 64, 128):
@@ -189,12 +217,22 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
             subset = test.select(range(min(len(test), 50))).select_columns(["input_ids"])
             prefix = subset.map(lambda r: {"input_ids": r["input_ids"][:length]})
             _, it, cv, _ = run_solver(model, prefix, eval_args.eval_batch_size, f"eval length {length}", **knobs)
-            results["iterations_vs_length"].append({"length": length, "mean_iterations": float(it.float().mean()),
-                                                    "converged_fraction": float(cv.float().mean())})
+            results["iterations_vs_length"].append(
+                {
+                    "length": length,
+                    "mean_iterations": float(it.float().mean()),
+                    "converged_fraction": float(cv.float().mean()),
+                }
+            )
     if eval_args.eval_iterations_curve:
         results["accuracy_vs_iterations"] = accuracy_vs_iterations(
-            model, test, parse_iteration_counts(eval_args.eval_iterations_curve), eval_args.eval_batch_size,
-            knobs.get("halt_eps"), knobs.get("gamma"))
+            model,
+            test,
+            parse_iteration_counts(eval_args.eval_iterations_curve),
+            eval_args.eval_batch_size,
+            knobs.get("halt_eps"),
+            knobs.get("gamma"),
+        )
     if data_args.task == "arc":
         from looped_training.fprm.tasks.arc import pass_at_2
 
@@ -205,8 +243,12 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
             model, test, eval_args.eval_batch_size, "eval (always cap)", halting=False, **knobs
         )
         cap_cell, cap_exact, _, _ = accuracy(cap_preds, test["labels"])
-        results["always_cap"] = {"cell_accuracy": cap_cell, "exact_accuracy": cap_exact,
-                                 "mean_iterations": float(cap_iters.float().mean()), "seconds": cap_seconds}
+        results["always_cap"] = {
+            "cell_accuracy": cap_cell,
+            "exact_accuracy": cap_exact,
+            "mean_iterations": float(cap_iters.float().mean()),
+            "seconds": cap_seconds,
+        }
         results["halting_vs_cap"] = {
             "iteration_ratio": results["halting"]["mean_iterations"] / results["always_cap"]["mean_iterations"],
             "wall_clock_ratio": seconds / cap_seconds,
@@ -218,12 +260,16 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
 def print_report(results, train_seconds):
     h = results["halting"]
     print(f"\n== FPRM evaluation (trained {train_seconds / 60:.1f} min) ==")
-    print(f"halting  (halt_eps):  cell acc {h['cell_accuracy']:.4f}  exact acc {h['exact_accuracy']:.4f}  "
-          f"mean iterations {h['mean_iterations']:.1f}  converged {h['converged_fraction']:.2%}  {h['seconds']:.1f}s")
+    print(
+        f"halting  (halt_eps):  cell acc {h['cell_accuracy']:.4f}  exact acc {h['exact_accuracy']:.4f}  "
+        f"mean iterations {h['mean_iterations']:.1f}  converged {h['converged_fraction']:.2%}  {h['seconds']:.1f}s"
+    )
     if "always_cap" in results:
         c, r = results["always_cap"], results["halting_vs_cap"]
-        print(f"always the cap:       cell acc {c['cell_accuracy']:.4f}  exact acc {c['exact_accuracy']:.4f}  "
-              f"mean iterations {c['mean_iterations']:.1f}  {c['seconds']:.1f}s")
+        print(
+            f"always the cap:       cell acc {c['cell_accuracy']:.4f}  exact acc {c['exact_accuracy']:.4f}  "
+            f"mean iterations {c['mean_iterations']:.1f}  {c['seconds']:.1f}s"
+        )
         print(f"halting / cap: iterations {r['iteration_ratio']:.3f}  wall-clock {r['wall_clock_ratio']:.3f}")
     for key, rows in results.items():
         if key.startswith("iterations_vs_") and rows:
@@ -237,16 +283,22 @@ def print_report(results, train_seconds):
         gamma = f", γ = {c['gamma']:g}" if c.get("gamma") is not None else ""
         print(f"halting off (τ = {c['halt_eps']:g}{gamma}):")
         for j, n in enumerate(c["iterations"]):
-            print(f"  {n:>5} iterations  cell acc {c['cell_accuracy'][j]:.4f}  exact acc {c['exact_accuracy'][j]:.4f}  "
-                  f"converged {c['converged_fraction'][j]:.2%}  median residual {c['median_residual'][j]:.3g}")
+            print(
+                f"  {n:>5} iterations  cell acc {c['cell_accuracy'][j]:.4f}  exact acc {c['exact_accuracy'][j]:.4f}  "
+                f"converged {c['converged_fraction'][j]:.2%}  median residual {c['median_residual'][j]:.3g}"
+            )
     if "length_generalisation" in results:
         lg = results["length_generalisation"]
         shown = [k for k in (2, 8, 16, 32, 64, 96, 128) if k <= len(lg["ks"])]
-        print("length generalisation (accuracy over positions 1..k / sequence accuracy at k): "
-              + "  ".join(f"k={k}: {lg['accuracy'][k - 1]:.3f}/{lg['sequence_accuracy'][k - 1]:.3f}" for k in shown))
+        print(
+            "length generalisation (accuracy over positions 1..k / sequence accuracy at k): "
+            + "  ".join(f"k={k}: {lg['accuracy'][k - 1]:.3f}/{lg['sequence_accuracy'][k - 1]:.3f}" for k in shown)
+        )
     if "accuracy_at_length" in results:
-        print(f"per-prefix accuracy (trained on lengths <= {results.get('max_train_length')}): "
-              + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items()))
+        print(
+            f"per-prefix accuracy (trained on lengths <= {results.get('max_train_length')}): "
+            + "  ".join(f"k={k}: {v:.4f}" for k, v in results["accuracy_at_length"].items())
+        )
     if "arc_pass_at_2" in results:
         a = results["arc_pass_at_2"]
         print(f"ARC pass@2 (vote over augmentations): {a['score']:.3f} on {a['test_inputs']} test inputs")
@@ -256,8 +308,9 @@ def write_plots(results, log_history, output_dir):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib, or `pip install '.[train]'` in a "
-              "checkout)")
+        print(
+            "matplotlib is not installed: no plots (pip install matplotlib, or `pip install '.[train]'` in a checkout)"
+        )
         return []
 
     matplotlib.use("Agg")
@@ -275,8 +328,11 @@ def write_plots(results, log_history, output_dir):
             x = [r.get("length", r.get("mean_value")) for r in rows]
             fig, ax = plt.subplots(figsize=(5, 3.5))
             ax.plot(x, [r["mean_iterations"] for r in rows], marker="o")
-            ax.set(xlabel=key.replace("iterations_vs_", ""), ylabel="mean iterations to halt",
-                   title=f"Iterations to halt vs {key.replace('iterations_vs_', '')}")
+            ax.set(
+                xlabel=key.replace("iterations_vs_", ""),
+                ylabel="mean iterations to halt",
+                title=f"Iterations to halt vs {key.replace('iterations_vs_', '')}",
+            )
             paths.append(_save(fig, output_dir, f"{key}.png"))
     if "length_generalisation" in results:
         lg = results["length_generalisation"]
@@ -323,12 +379,16 @@ def find_run(path):
     check_model_type(model_dir, "fprm")
     record_path = os.path.join(os.path.dirname(model_dir), RESULTS_FILE)
     if not os.path.isfile(record_path):
-        raise ValueError(f"{path!r} has no {RESULTS_FILE} beside its model/ folder (written by python -m "
-                         f"looped_training.fprm.train), so the test set it was trained for is unknown.")
+        raise ValueError(
+            f"{path!r} has no {RESULTS_FILE} beside its model/ folder (written by python -m "
+            f"looped_training.fprm.train), so the test set it was trained for is unknown."
+        )
     with open(record_path) as f:
         record = json.load(f)
     if not isinstance(record.get("args"), dict) or "data" not in record["args"]:
-        raise ValueError(f"{record_path} holds no data arguments ('args' -> 'data'): it is not a training run's record.")
+        raise ValueError(
+            f"{record_path} holds no data arguments ('args' -> 'data'): it is not a training run's record."
+        )
     return model_dir, record
 
 
@@ -348,8 +408,12 @@ def build_parser(argv):
     parser.add_argument("checkpoint", help="an FPRM training output folder (holding model/ and results.json)")
     parser.add_argument("--output_dir", default=None, help="where results.json and the plots go (default: <run>/eval)")
     parser.add_argument("--num_test", type=int, default=None, help="score the first N test samples (default: all)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="the training run's seed, which the test set is drawn with (default: the record's, else 42)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the training run's seed, which the test set is drawn with (default: the record's, else 42)",
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     run = find_run(parser.parse_known_args(argv)[0].checkpoint)  # argparse's usage error without one
     parser.set_defaults(**_known(EvalArguments, run[1]["args"].get("eval")))
@@ -372,10 +436,13 @@ def card_results(data, path, checkpoint, record, _):
     solver = [f"{k}={v}" for k, v in sorted((data.get("solver") or {}).items())]
     task = {"type": "token-classification", "name": "Puzzle solving"}
     dataset = {"name": name, "type": kind, "split": "test"}
-    return [eval_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
-            for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
-            if isinstance(block := data.get(key), dict)
-            for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations") if is_number(block.get(metric))]
+    return [
+        eval_result(task, dataset, metric, block[metric], ",".join([setting, *solver]))
+        for key, setting in (("halting", "halting"), ("always_cap", "halting=False"))
+        if isinstance(block := data.get(key), dict)
+        for metric in ("exact_accuracy", "cell_accuracy", "mean_iterations")
+        if is_number(block.get(metric))
+    ]
 
 
 def _strict_json(value):
@@ -418,11 +485,19 @@ def main(argv=None):
         ds["test"] = ds["test"].select(range(min(extra.num_test, len(ds["test"]))))
     model = load_model(FPRMForReasoning, model_dir).to(device).eval()
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
-    results.update({key: record.get(key) for key in ("preset", "task", "train_seconds", "train_steps", "parameters",
-                                                     "max_train_length") if key in record})
+    results.update(
+        {
+            key: record.get(key)
+            for key in ("preset", "task", "train_seconds", "train_steps", "parameters", "max_train_length")
+            if key in record
+        }
+    )
     results["args"] = {**record["args"], "eval": _known(EvalArguments, vars(eval_args))}
-    results["evaluated"] = {"checkpoint": os.path.basename(os.path.dirname(model_dir)), "seed": seed,
-                            "test_samples": len(ds["test"])}
+    results["evaluated"] = {
+        "checkpoint": os.path.basename(os.path.dirname(model_dir)),
+        "seed": seed,
+        "test_samples": len(ds["test"]),
+    }
     if data_args.task in STATE_TRACKING_TASKS and "max_train_length" not in results:
         results["max_train_length"] = data_args.train_length
     print_report(results, record.get("train_seconds") or 0.0)

@@ -52,8 +52,10 @@ class Task:
         else:
             text = puzzle.replace("\n", "")
         if len(text) != self.cells:
-            raise ValueError(f"a {self.name} puzzle has {self.cells} cells ({self.side}x{self.side}), got {len(text)}"
-                             f" in {puzzle[:40]!r}{'...' if len(puzzle) > 40 else ''}.")
+            raise ValueError(
+                f"a {self.name} puzzle has {self.cells} cells ({self.side}x{self.side}), got {len(text)}"
+                f" in {puzzle[:40]!r}{'...' if len(puzzle) > 40 else ''}."
+            )
         unknown = sorted(set(text) - set(self.alphabet))
         if unknown:
             raise ValueError(f"a {self.name} puzzle uses the characters {self.alphabet!r}, got {unknown}.")
@@ -62,7 +64,7 @@ class Task:
     def decode(self, ids):
         """The grid's rows as strings (token 0, pad, shown as '?')."""
         chars = [self.alphabet[i - 1] if 0 < i <= len(self.alphabet) else "?" for i in ids]
-        return ["".join(chars[r * self.side:(r + 1) * self.side]) for r in range(self.side)]
+        return ["".join(chars[r * self.side : (r + 1) * self.side]) for r in range(self.side)]
 
 
 TASKS = {"sudoku": Task("sudoku", 9, "0123456789", "0"), "maze": Task("maze", 30, "# SGo", " ")}
@@ -74,8 +76,10 @@ def task_of(config):
     for task in TASKS.values():
         if grid == [task.side, task.side] and config.vocab_size == len(task.alphabet) + 1:
             return task
-    raise ValueError(f"this model reads grid {config.grid_size} with vocab_size {config.vocab_size}; the published "
-                     f"tasks are sudoku (9x9, 11) and maze (30x30, 6).")
+    raise ValueError(
+        f"this model reads grid {config.grid_size} with vocab_size {config.vocab_size}; the published "
+        f"tasks are sudoku (9x9, 11) and maze (30x30, 6)."
+    )
 
 
 @torch.no_grad()
@@ -97,17 +101,23 @@ def read_built_folder(path):
     files = {k: os.path.join(split, f"all__{k}.npy") for k in ("inputs", "labels", "group_difficulties")}
     for key in ("inputs", "labels"):
         if not os.path.isfile(files[key]):
-            raise ValueError(f"--data {path}: no {files[key]} (give the folder their dataset/build_*_dataset.py wrote, "
-                             f"or its test/ split).")
+            raise ValueError(
+                f"--data {path}: no {files[key]} (give the folder their dataset/build_*_dataset.py wrote, "
+                f"or its test/ split)."
+            )
     try:
         inputs, labels = np.load(files["inputs"], allow_pickle=False), np.load(files["labels"], allow_pickle=False)
-        ratings = np.load(files["group_difficulties"], allow_pickle=False) if os.path.isfile(
-            files["group_difficulties"]) else None
+        ratings = (
+            np.load(files["group_difficulties"], allow_pickle=False)
+            if os.path.isfile(files["group_difficulties"])
+            else None
+        )
     except ValueError as error:  # allow_pickle=False: an object array is refused, never unpickled
         raise ValueError(f"--data {split}: {str(error).splitlines()[0]}") from None
     if inputs.ndim != 2 or inputs.shape != labels.shape:
-        raise ValueError(f"--data {split}: inputs {inputs.shape} and labels {labels.shape} must be the same "
-                         f"(puzzles, cells) shape.")
+        raise ValueError(
+            f"--data {split}: inputs {inputs.shape} and labels {labels.shape} must be the same (puzzles, cells) shape."
+        )
     if ratings is not None and len(ratings) != len(inputs):
         ratings = None  # one rating per group; groups of several puzzles (augmented splits) have no per-row rating
     return inputs.astype(np.int64), labels.astype(np.int64), ratings
@@ -124,8 +134,10 @@ def read_source_dataset(name, task, split="test"):
         data = load_dataset(name, split=split, **text)
     missing = {"question", "answer"} - set(data.column_names)
     if missing:
-        raise ValueError(f"--dataset {name}: no columns {sorted(missing)} (their CSVs hold source, question, answer, "
-                         f"rating), got {data.column_names}.")
+        raise ValueError(
+            f"--dataset {name}: no columns {sorted(missing)} (their CSVs hold source, question, answer, "
+            f"rating), got {data.column_names}."
+        )
     inputs = np.array([task.encode(q) for q in data["question"]], dtype=np.int64)
     labels = np.array([task.encode(a) for a in data["answer"]], dtype=np.int64)
     ratings = np.array(data["rating"], dtype=float) if "rating" in data.column_names else None
@@ -143,15 +155,16 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
     from looped_training.fprm.evaluate import accuracy, by_difficulty
 
     if inputs.shape[1] != task.cells:
-        raise ValueError(f"the data has {inputs.shape[1]} cells per puzzle, the model reads {task.cells} "
-                         f"({task.side}x{task.side}).")
+        raise ValueError(
+            f"the data has {inputs.shape[1]} cells per puzzle, the model reads {task.cells} ({task.side}x{task.side})."
+        )
     model.eval()
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     preds, iterations, converged = [], [], []
     start = time.perf_counter()
     for i in tqdm(range(0, len(inputs), batch_size), desc=f"{task.name} ({len(inputs)} puzzles)", unit="batch"):
-        ids = torch.as_tensor(inputs[i:i + batch_size], device=device)
+        ids = torch.as_tensor(inputs[i : i + batch_size], device=device)
         out = model(ids, halt_scope=halt_scope, generator=generator, **solver_kwargs)
         preds.append(out.logits.argmax(-1).cpu())
         iterations.append(out.iterations.cpu())
@@ -160,10 +173,18 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
     preds, iterations, converged = torch.cat(preds), torch.cat(iterations), torch.cat(converged)
     cell, exact, correct, valid = accuracy(preds, labels)
     rows = (correct | ~valid).all(-1)
-    report = {"task": task.name, "puzzles": len(inputs), "exact_accuracy": exact, "cell_accuracy": cell,
-              "mean_iterations": float(iterations.float().mean()), "max_iterations": int(iterations.max()),
-              "converged": float(converged.float().mean()), "seconds": seconds,
-              "halt_scope": halt_scope or model.config.halt_scope, "paper": PAPER[task.name]}
+    report = {
+        "task": task.name,
+        "puzzles": len(inputs),
+        "exact_accuracy": exact,
+        "cell_accuracy": cell,
+        "mean_iterations": float(iterations.float().mean()),
+        "max_iterations": int(iterations.max()),
+        "converged": float(converged.float().mean()),
+        "seconds": seconds,
+        "halt_scope": halt_scope or model.config.halt_scope,
+        "paper": PAPER[task.name],
+    }
     if ratings is not None:
         report["by_rating"] = by_difficulty(ratings, iterations, rows)
     if task.name == "sudoku":
@@ -173,16 +194,22 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
 
 def print_report(report, out=None):
     out = out or sys.stdout
-    print(f"{report['task']}: {report['puzzles']} puzzles, exact accuracy {report['exact_accuracy']:.4f}, cell "
-          f"accuracy {report['cell_accuracy']:.4f}, mean iterations {report['mean_iterations']:.1f} (max "
-          f"{report['max_iterations']}), converged {report['converged']:.3f}, halt_scope {report['halt_scope']}, "
-          f"{report['seconds']:.1f} s", file=out)
+    print(
+        f"{report['task']}: {report['puzzles']} puzzles, exact accuracy {report['exact_accuracy']:.4f}, cell "
+        f"accuracy {report['cell_accuracy']:.4f}, mean iterations {report['mean_iterations']:.1f} (max "
+        f"{report['max_iterations']}), converged {report['converged']:.3f}, halt_scope {report['halt_scope']}, "
+        f"{report['seconds']:.1f} s",
+        file=out,
+    )
     if report["paper"]:
         print(f"  compare: {report['paper']}", file=out)
     for key in ("by_rating", "by_blanks"):
         for row in report.get(key) or ():
-            print(f"  {key[3:]} {row['low']:g}..{row['high']:g}: {row['count']} puzzles, mean iterations "
-                  f"{row['mean_iterations']:.1f}, exact {row['exact_accuracy']:.3f}", file=out)
+            print(
+                f"  {key[3:]} {row['low']:g}..{row['high']:g}: {row['count']} puzzles, mean iterations "
+                f"{row['mean_iterations']:.1f}, exact {row['exact_accuracy']:.3f}",
+                file=out,
+            )
 
 
 def _parser():
@@ -197,8 +224,12 @@ def _parser():
     p.add_argument("--split", default="test", help="the split of --dataset (default: test)")
     p.add_argument("--num_test", type=int, default=None, help="the first N puzzles only")
     p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--halt_scope", choices=("sample", "batch"), default=None,
-                   help="batch: halt as their evaluation (every row at once); default: the model's (per sample)")
+    p.add_argument(
+        "--halt_scope",
+        choices=("sample", "batch"),
+        default=None,
+        help="batch: halt as their evaluation (every row at once); default: the model's (per sample)",
+    )
     p.add_argument("--max_loops", type=int, default=None, help="iteration cap (default: the model's, 1000 for theirs)")
     p.add_argument("--halt_eps", type=float, default=None, help="τ (default: the model's, 0.1 for theirs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-puzzle z0 draws")
@@ -236,8 +267,8 @@ def main(argv=None):
         else:
             inputs, labels, ratings = read_source_dataset(args.dataset, task, args.split)
         if args.num_test:
-            inputs, labels = inputs[:args.num_test], labels[:args.num_test]
-            ratings = None if ratings is None else ratings[:args.num_test]
+            inputs, labels = inputs[: args.num_test], labels[: args.num_test]
+            ratings = None if ratings is None else ratings[: args.num_test]
         report = evaluate(model, inputs, labels, ratings, task, args.batch_size, args.halt_scope, args.seed, **solver)
     except (ValueError, OSError, StrictDataclassError) as error:
         print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
@@ -245,8 +276,16 @@ def main(argv=None):
     print_report(report)
     if args.output:
         with open(args.output, "w") as handle:
-            json.dump({**report, "model": args.model, "subfolder": args.subfolder,
-                       "step": (getattr(model.config, "authors_checkpoint", None) or {}).get("step")}, handle, indent=2)
+            json.dump(
+                {
+                    **report,
+                    "model": args.model,
+                    "subfolder": args.subfolder,
+                    "step": (getattr(model.config, "authors_checkpoint", None) or {}).get("step"),
+                },
+                handle,
+                indent=2,
+            )
     return 0
 
 

@@ -35,15 +35,35 @@ from transformers import HfArgumentParser, TrainerState, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.checkpoints import (RESUME_FREE_CONFIG_KEYS, RUN_RECORD, RunRecordCallback, check_resume_config,
-                                         check_resume_data, check_run_length, claim_output_dir, finish_final_save,
-                                         finished_run, load_model, output_dir_lock, resolve_resume, run_record,
-                                         start_final_save, unfinished_records)
+from looped_training.checkpoints import (
+    RESUME_FREE_CONFIG_KEYS,
+    RUN_RECORD,
+    RunRecordCallback,
+    check_resume_config,
+    check_resume_data,
+    check_run_length,
+    claim_output_dir,
+    finish_final_save,
+    finished_run,
+    load_model,
+    output_dir_lock,
+    resolve_resume,
+    run_record,
+    start_final_save,
+    unfinished_records,
+)
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
-from looped_training.fprm.evaluate import (RESULTS_FILE, _strict_json, accuracy, evaluate, parse_iteration_counts,
-                                           print_report, write_plots)
+from looped_training.fprm.evaluate import (
+    RESULTS_FILE,
+    _strict_json,
+    accuracy,
+    evaluate,
+    parse_iteration_counts,
+    print_report,
+    write_plots,
+)
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
 
@@ -68,26 +88,41 @@ class ModelArguments:
     num_attention_heads: int = field(default=4)
     intermediate_size: int = field(default=256)
     num_hidden_layers: int = field(default=2)
-    residual_scaling: str = field(default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|none"})
+    residual_scaling: str = field(
+        default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|none"}
+    )
     outer_only: bool = field(default=False, metadata={"help": "β2 = 1 − α2, α1 = β1 = 1"})
     norm_type: str = field(default="pre", metadata={"help": "pre (FPRM), post (TRM style) or peri"})
     norm_placement: str = field(default="none", metadata={"help": "none, input or output (the authors' maze)"})
     alpha1: float = field(default=0.5, metadata={"help": "initial α1 (0.75 in the authors' Sudoku/maze configs)"})
     alpha2: float = field(default=0.5, metadata={"help": "initial α2 (0.25 in the authors' Sudoku/maze configs)"})
-    fixed_init: bool = field(default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"})
+    fixed_init: bool = field(
+        default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"}
+    )
     num_prefix_tokens: int = field(default=0)
-    init_std: float = field(default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"})
+    init_std: float = field(
+        default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"}
+    )
     conv_kernel_size: int | None = field(
-        default=None, metadata={"help": "depthwise conv kernel (default: 3 for grids, 4 for sequences, as the paper)"})
+        default=None, metadata={"help": "depthwise conv kernel (default: 3 for grids, 4 for sequences, as the paper)"}
+    )
     halt_eps: float = field(default=0.1)
     patience: int = field(default=5)
     gamma_train: float = field(default=0.9)
     gamma_eval: float = field(default=0.99)
-    use_q_head: bool = field(default=False, metadata={"help": "their Q-head on the first state row (trained by "
-                                                              "--q_loss_coefficient, theirs 0.5 on Sudoku/maze)"})
+    use_q_head: bool = field(
+        default=False,
+        metadata={
+            "help": "their Q-head on the first state row (trained by --q_loss_coefficient, theirs 0.5 on Sudoku/maze)"
+        },
+    )
     puzzle_emb_ndim: int | None = field(
-        default=None, metadata={"help": "values of the prefix rows that are learned (their puzzle_emb_ndim, = d in "
-                                        "their Sudoku/maze configs: the first of the 16 rows); default all"})
+        default=None,
+        metadata={
+            "help": "values of the prefix rows that are learned (their puzzle_emb_ndim, = d in "
+            "their Sudoku/maze configs: the first of the 16 rows); default all"
+        },
+    )
 
 
 def parse_args(argv=None):
@@ -97,20 +132,29 @@ def parse_args(argv=None):
     argv = with_preset(argv, "fprm")
     config_file, _ = split_config_file(argv)
     name = os.path.splitext(os.path.basename(config_file))[0] if config_file else None
-    defaults = {"report_to": "none", "save_strategy": "no", "dataloader_drop_last": True, "logging_steps": 50,
-                "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm"}
+    defaults = {
+        "report_to": "none",
+        "save_strategy": "no",
+        "dataloader_drop_last": True,
+        "logging_steps": 50,
+        "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm",
+    }
     (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     start = data_args.curriculum_start_length
     if start is not None:
         if data_args.task not in STATE_TRACKING_TASKS:
-            raise ValueError(f"`--curriculum_start_length` is for state tracking {STATE_TRACKING_TASKS}, got task "
-                             f"{data_args.task!r}.")
+            raise ValueError(
+                f"`--curriculum_start_length` is for state tracking {STATE_TRACKING_TASKS}, got task "
+                f"{data_args.task!r}."
+            )
         low = data_args.min_train_length or 1
         if not low <= start <= data_args.train_length:
-            raise ValueError(f"`--curriculum_start_length` must lie in [min_train_length={low}, train_length="
-                             f"{data_args.train_length}], got {start}.")
+            raise ValueError(
+                f"`--curriculum_start_length` must lie in [min_train_length={low}, train_length="
+                f"{data_args.train_length}], got {start}."
+            )
         if not 0 < data_args.curriculum_threshold <= 1:
             raise ValueError(f"`--curriculum_threshold` must lie in (0, 1], got {data_args.curriculum_threshold}.")
         if train_args.max_steps <= 0:
@@ -130,10 +174,15 @@ def check_train_size(parser, data_args, train_args):
     batch, processes = train_args.per_device_train_batch_size, train_args.world_size
     needed = batch * processes if train_args.dataloader_drop_last else 1
     if data_args.num_train < needed:
-        why = (f"--per_device_train_batch_size {batch} x {processes} process(es) with --dataloader_drop_last true"
-               if train_args.dataloader_drop_last else "a batch")
-        parser.error(f"`--num_train` must be >= {needed} ({why}: a smaller training set gives no batch), got "
-                     f"{data_args.num_train}.")
+        why = (
+            f"--per_device_train_batch_size {batch} x {processes} process(es) with --dataloader_drop_last true"
+            if train_args.dataloader_drop_last
+            else "a batch"
+        )
+        parser.error(
+            f"`--num_train` must be >= {needed} ({why}: a smaller training set gives no batch), got "
+            f"{data_args.num_train}."
+        )
 
 
 def predictions_and_iterations(outputs, labels):
@@ -169,16 +218,27 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
     ds, task_config, difficulty_columns = build_task(data_args, train_args.seed)
     print(f"data: {data_args.task} train {len(ds['train'])} test {len(ds['test'])} ({time.perf_counter() - t0:.1f}s)")
     config = FPRMConfig(
-        hidden_size=model_args.hidden_size, num_attention_heads=model_args.num_attention_heads,
-        intermediate_size=model_args.intermediate_size, num_hidden_layers=model_args.num_hidden_layers,
-        residual_scaling=model_args.residual_scaling, outer_only=model_args.outer_only, norm_type=model_args.norm_type,
-        norm_placement=model_args.norm_placement, alpha1=model_args.alpha1, alpha2=model_args.alpha2,
+        hidden_size=model_args.hidden_size,
+        num_attention_heads=model_args.num_attention_heads,
+        intermediate_size=model_args.intermediate_size,
+        num_hidden_layers=model_args.num_hidden_layers,
+        residual_scaling=model_args.residual_scaling,
+        outer_only=model_args.outer_only,
+        norm_type=model_args.norm_type,
+        norm_placement=model_args.norm_placement,
+        alpha1=model_args.alpha1,
+        alpha2=model_args.alpha2,
         fixed_init=model_args.fixed_init,
         num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
-        init_std=model_args.init_std, halt_eps=model_args.halt_eps, patience=model_args.patience,
-        conv_kernel_size=model_args.conv_kernel_size, use_q_head=model_args.use_q_head,
+        init_std=model_args.init_std,
+        halt_eps=model_args.halt_eps,
+        patience=model_args.patience,
+        conv_kernel_size=model_args.conv_kernel_size,
+        use_q_head=model_args.use_q_head,
         puzzle_emb_ndim=model_args.puzzle_emb_ndim,
-        gamma_train=model_args.gamma_train, gamma_eval=model_args.gamma_eval, max_loops=eval_args.eval_max_loops,
+        gamma_train=model_args.gamma_train,
+        gamma_eval=model_args.gamma_eval,
+        max_loops=eval_args.eval_max_loops,
         **task_config,
     )
     model_dir = os.path.join(train_args.output_dir, "model")
@@ -196,13 +256,25 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
                 return None
             if unwritable is not None:
                 raise unwritable
-            print(f"{train_args.output_dir} holds the final model but no {RESULTS_FILE} (a run stopped during its "
-                  f"final evaluation?): evaluating {model_dir}, without training.")
+            print(
+                f"{train_args.output_dir} holds the final model but no {RESULTS_FILE} (a run stopped during its "
+                f"final evaluation?): evaluating {model_dir}, without training."
+            )
             state = TrainerState.load_from_json(os.path.join(train_args.output_dir, RUN_RECORD))
-            train_seconds = next((h["train_runtime"] for h in reversed(state.log_history) if "train_runtime" in h),
-                                 None)  # the Trainer's, logged at the end of training
-            return record_results(load_model(FPRMForReasoning, model_dir), state, train_seconds, ds, data_args,
-                                  eval_args, model_args, train_args, difficulty_columns)
+            train_seconds = next(
+                (h["train_runtime"] for h in reversed(state.log_history) if "train_runtime" in h), None
+            )  # the Trainer's, logged at the end of training
+            return record_results(
+                load_model(FPRMForReasoning, model_dir),
+                state,
+                train_seconds,
+                ds,
+                data_args,
+                eval_args,
+                model_args,
+                train_args,
+                difficulty_columns,
+            )
         # after the config check: a finished run resumed with flags of another model is refused, not a no-op
         # killed during its final save, after its last checkpoint: the resume finishes that save (and the evaluation)
         incomplete = not own_record and train_args.should_save and run_record(train_args.output_dir) is None
@@ -230,31 +302,46 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
     if data_args.curriculum_start_length is not None:
         from looped_training.fprm.tasks.state_tracking import StateTrackingStream
 
-        train_dataset = StateTrackingStream(data_args.task.upper(), data_args.min_train_length or 1,
-                                            data_args.curriculum_start_length, seed=train_args.seed,
-                                            pad_to=data_args.test_length if data_args.pad_train_to_test_length
-                                            else None)
-        curriculum = LengthCurriculumCallback(train_dataset, data_args.train_length, data_args.curriculum_threshold,
-                                              data_args.curriculum_check_steps, train_args)
+        train_dataset = StateTrackingStream(
+            data_args.task.upper(),
+            data_args.min_train_length or 1,
+            data_args.curriculum_start_length,
+            seed=train_args.seed,
+            pad_to=data_args.test_length if data_args.pad_train_to_test_length else None,
+        )
+        curriculum = LengthCurriculumCallback(
+            train_dataset,
+            data_args.train_length,
+            data_args.curriculum_threshold,
+            data_args.curriculum_check_steps,
+            train_args,
+        )
         callbacks.append(curriculum)
     eval_kwargs = {}
     if train_args.eval_strategy != "no":  # evaluation during training: loss and accuracy on the test split
         test_columns = [c for c in train_columns if c in ds["test"].column_names]
-        eval_kwargs = dict(eval_dataset=ds["test"].select_columns(test_columns),
-                           compute_metrics=solver_metrics, preprocess_logits_for_metrics=predictions_and_iterations)
-    trainer = FPRMTrainer(model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks,
-                          **eval_kwargs)
+        eval_kwargs = dict(
+            eval_dataset=ds["test"].select_columns(test_columns),
+            compute_metrics=solver_metrics,
+            preprocess_logits_for_metrics=predictions_and_iterations,
+        )
+    trainer = FPRMTrainer(
+        model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks, **eval_kwargs
+    )
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
     if trainer.ema is not None:  # the authors save and evaluate the EMA weights
         trainer.swap_ema()
-    if not trainer.is_world_process_zero():  # one process saves, evaluates and writes (the ranks hold the same weights)
+    if (
+        not trainer.is_world_process_zero()
+    ):  # one process saves, evaluates and writes (the ranks hold the same weights)
         return None
     if curriculum is not None:  # its length and history as at the end, in the final trainer_state.json
         trainer.state.stateful_callbacks[type(curriculum).__name__] = curriculum.state()
-    return finish(model, trainer.state, train_seconds, ds, data_args, eval_args, model_args, train_args,
-                  difficulty_columns)
+    return finish(
+        model, trainer.state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns
+    )
 
 
 def run_data(data_args, train_args):
@@ -274,22 +361,35 @@ def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, tr
         json.dump({"data": run_data(data_args, train_args)}, f, indent=2)
     state.save_to_json(os.path.join(staging, RUN_RECORD))
     finish_final_save(train_args.output_dir)
-    return record_results(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args,
-                          difficulty_columns)
+    return record_results(
+        model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns
+    )
 
 
 def record_results(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns):
     """Evaluate the saved `model` of a run whose final `state` is `state` and write results.json and the plots: the
     end of a run, or of one stopped during this evaluation (`--resume_from_checkpoint last`)."""
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
-    results.update({
-        "preset": data_args.preset, "task": data_args.task, "train_seconds": train_seconds,
-        "train_steps": state.global_step, "parameters": sum(p.numel() for p in model.parameters()),
-        "args": {"model": asdict(model_args), "data": asdict(data_args), "eval": asdict(eval_args), "seed": train_args.seed,
-                 "n_backward": train_args.n_backward, "max_segments": train_args.max_segments,
-                 "batch_size": train_args.per_device_train_batch_size, "learning_rate": train_args.learning_rate},
-        "log_history": state.log_history,
-    })
+    results.update(
+        {
+            "preset": data_args.preset,
+            "task": data_args.task,
+            "train_seconds": train_seconds,
+            "train_steps": state.global_step,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "args": {
+                "model": asdict(model_args),
+                "data": asdict(data_args),
+                "eval": asdict(eval_args),
+                "seed": train_args.seed,
+                "n_backward": train_args.n_backward,
+                "max_segments": train_args.max_segments,
+                "batch_size": train_args.per_device_train_batch_size,
+                "learning_rate": train_args.learning_rate,
+            },
+            "log_history": state.log_history,
+        }
+    )
     # a curriculum's length and history: its state in trainer_state.json (the final one, or the last checkpoint's)
     saved = (state.stateful_callbacks or {}).get(LengthCurriculumCallback.__name__)
     curriculum = saved["attributes"] if saved and data_args.curriculum_start_length is not None else None
@@ -301,8 +401,11 @@ def record_results(model, state, train_seconds, ds, data_args, eval_args, model_
     plots = write_plots(results, state.log_history, train_args.output_dir)
     with open(os.path.join(train_args.output_dir, RESULTS_FILE), "w") as f:
         json.dump(_strict_json(results), f, indent=1, default=str, allow_nan=False)
-    plots = (f" and plots: {', '.join(os.path.basename(p) for p in plots)}" if plots else
-             " (no plots: they need matplotlib, the package's [train] extra)")
+    plots = (
+        f" and plots: {', '.join(os.path.basename(p) for p in plots)}"
+        if plots
+        else " (no plots: they need matplotlib, the package's [train] extra)"
+    )
     print(f"wrote {train_args.output_dir}/results.json, model/{plots}")
     return results
 

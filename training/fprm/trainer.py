@@ -56,29 +56,42 @@ class FPRMTrainingArguments(TrainingArguments):
         default="softmax", metadata={"help": f"Cross-entropy over {LOSS_TYPES}; the reference uses stablemax."}
     )
     max_grad_norm: float = _option(
-        0.0, "Gradient clipping; 0 (default) is off, as the authors' pretrain.py (Trainer's default is 1.0: pass it "
-             "to clip).")
+        0.0,
+        "Gradient clipping; 0 (default) is off, as the authors' pretrain.py (Trainer's default is 1.0: pass it "
+        "to clip).",
+    )
     lr_schedule: str = _option(
-        "trainer", f"{LR_SCHEDULES}: trainer = --lr_scheduler_type with --warmup_steps; authors = their pretrain.py: "
-                   "lr·(s+1)/W for steps s < W (their first step trains at lr/W), then constant (their lr_min_ratio "
-                   "1.0); --lr_scheduler_type is then not used.")
+        "trainer",
+        f"{LR_SCHEDULES}: trainer = --lr_scheduler_type with --warmup_steps; authors = their pretrain.py: "
+        "lr·(s+1)/W for steps s < W (their first step trains at lr/W), then constant (their lr_min_ratio "
+        "1.0); --lr_scheduler_type is then not used.",
+    )
     loss_normalization: str = _option(
-        "sample", f"{LOSS_NORMALIZATIONS}: sample (the authors') = each sample's mean over its labelled tokens, then "
-                  "the mean over the batch; token (earlier versions) = the mean over every labelled token of the "
-                  "batch. Equal when every sample has the same number of labels.")
+        "sample",
+        f"{LOSS_NORMALIZATIONS}: sample (the authors') = each sample's mean over its labelled tokens, then "
+        "the mean over the batch; token (earlier versions) = the mean over every labelled token of the "
+        "batch. Equal when every sample has the same number of labels.",
+    )
     q_loss_coefficient: float | None = _option(
-        None, "Weight of their Q-halt loss, BCE(q_halt_logits, sequence correct), for a model with use_q_head=True "
-              "(default then 0.5, theirs; 0 turns it off).")
+        None,
+        "Weight of their Q-halt loss, BCE(q_halt_logits, sequence correct), for a model with use_q_head=True "
+        "(default then 0.5, theirs; 0 turns it off).",
+    )
     ema_decay: float | None = _option(
-        None, "Keep an exponential moving average of the weights, updated after every optimizer step (the authors' "
-              "Sudoku/maze: 0.999), for evaluation and the saved model; None: off.")
+        None,
+        "Keep an exponential moving average of the weights, updated after every optimizer step (the authors' "
+        "Sudoku/maze: 0.999), for evaluation and the saved model; None: off.",
+    )
     puzzle_emb_optimizer: str = _option(
-        "adamw", f"{PUZZLE_EMB_OPTIMIZERS}: how the prefix rows (model.prefix) are trained. adamw: with the rest; "
-                 "signsgd (the authors'): sign of the gradient summed over the batch, with decoupled weight decay on "
-                 "the rows of the batch only, at --puzzle_emb_lr (scheduled as --learning_rate).")
+        "adamw",
+        f"{PUZZLE_EMB_OPTIMIZERS}: how the prefix rows (model.prefix) are trained. adamw: with the rest; "
+        "signsgd (the authors'): sign of the gradient summed over the batch, with decoupled weight decay on "
+        "the rows of the batch only, at --puzzle_emb_lr (scheduled as --learning_rate).",
+    )
     puzzle_emb_lr: float | None = _option(None, "SignSGD learning rate of the prefix rows (default: --learning_rate).")
     puzzle_emb_weight_decay: float | None = _option(
-        None, "SignSGD weight decay of the prefix rows (default: --weight_decay).")
+        None, "SignSGD weight decay of the prefix rows (default: --weight_decay)."
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,8 +101,11 @@ class FPRMTrainingArguments(TrainingArguments):
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
-        choices = (("lr_schedule", LR_SCHEDULES), ("loss_normalization", LOSS_NORMALIZATIONS),
-                   ("puzzle_emb_optimizer", PUZZLE_EMB_OPTIMIZERS))
+        choices = (
+            ("lr_schedule", LR_SCHEDULES),
+            ("loss_normalization", LOSS_NORMALIZATIONS),
+            ("puzzle_emb_optimizer", PUZZLE_EMB_OPTIMIZERS),
+        )
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
@@ -98,14 +114,17 @@ class FPRMTrainingArguments(TrainingArguments):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"`{name}` must be None or a finite number >= 0, got {value!r}.")
         if self.ema_decay is not None and not (isinstance(self.ema_decay, (int, float)) and 0 < self.ema_decay < 1):
-            raise ValueError(f"`ema_decay` must be None (off) or a number in (0, 1) (theirs: 0.999), got "
-                             f"{self.ema_decay!r}.")
+            raise ValueError(
+                f"`ema_decay` must be None (off) or a number in (0, 1) (theirs: 0.999), got {self.ema_decay!r}."
+            )
         if self.train_halt_eps is not None and not self.train_halt_eps > 0:
             raise ValueError(f"`train_halt_eps` must be a positive number or None, got {self.train_halt_eps!r}.")
         if self.label_smoothing_factor:
             # Trainer applies it only in its own compute_loss; FPRMTrainer's segment loss would train without it
-            raise ValueError(f"`label_smoothing_factor` is not applied by FPRMTrainer, whose segment loss is its own "
-                             f"(`loss_type` one of {LOSS_TYPES}); got {self.label_smoothing_factor!r}: use 0.")
+            raise ValueError(
+                f"`label_smoothing_factor` is not applied by FPRMTrainer, whose segment loss is its own "
+                f"(`loss_type` one of {LOSS_TYPES}); got {self.label_smoothing_factor!r}: use 0."
+            )
 
 
 def stablemax_token_losses(logits, labels, ignore_index=-100):
@@ -135,8 +154,9 @@ def token_loss(logits, labels, loss_type, normalization="token"):
     if loss_type == "stablemax":
         losses = stablemax_token_losses(logits, labels)
     else:
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                 reduction="none").view(labels.shape)
+        losses = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        ).view(labels.shape)
     counts = (labels != -100).sum(-1).clamp(min=1)
     return (losses.sum(-1) / counts).mean().float()
 
@@ -217,15 +237,20 @@ class Carry:
     def tensors(self):
         """The carry as named tensors, for a checkpoint."""
         named = {f"inputs.{k}": v for k, v in self.inputs.items()}
-        named.update({f"state.{f.name}": getattr(self.state, f.name) for f in fields(self.state)
-                      if getattr(self.state, f.name) is not None})
+        named.update(
+            {
+                f"state.{f.name}": getattr(self.state, f.name)
+                for f in fields(self.state)
+                if getattr(self.state, f.name) is not None
+            }
+        )
         named["segments"] = self.segments
         return {k: v.detach().contiguous() for k, v in named.items()}
 
     @classmethod
     def from_tensors(cls, named):
         def part(prefix):
-            return {k[len(prefix):]: v for k, v in named.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: v for k, v in named.items() if k.startswith(prefix)}
 
         return cls(part("inputs."), FPRMSolverState(**part("state.")), named["segments"])
 
@@ -283,11 +308,15 @@ class FPRMTrainer(Trainer):
         self.add_callback(CarryCheckpointCallback(self))
         core = self._core(self.model)
         if self.args.q_loss_coefficient and getattr(self.accelerator.unwrap_model(self.model), "q_head", None) is None:
-            raise ValueError(f"`q_loss_coefficient={self.args.q_loss_coefficient}` needs a model with a Q-head "
-                             f"(FPRMConfig(use_q_head=True)); this one has none. Use 0 or None.")
+            raise ValueError(
+                f"`q_loss_coefficient={self.args.q_loss_coefficient}` needs a model with a Q-head "
+                f"(FPRMConfig(use_q_head=True)); this one has none. Use 0 or None."
+            )
         if self.args.puzzle_emb_optimizer == "signsgd" and core.prefix is None:
-            raise ValueError("`puzzle_emb_optimizer='signsgd'` trains the prefix rows, and this model has none "
-                             "(num_prefix_tokens=0): use 'adamw'.")
+            raise ValueError(
+                "`puzzle_emb_optimizer='signsgd'` trains the prefix rows, and this model has none "
+                "(num_prefix_tokens=0): use 'adamw'."
+            )
         if self.args.ema_decay is not None:
             self.add_callback(EMACallback(self))
 
@@ -301,14 +330,17 @@ class FPRMTrainer(Trainer):
             if os.path.exists(path):
                 self.carry = Carry.from_tensors(load_file(path, device=str(self.args.device)))
             else:
-                logger.warning("%s has no %s: the samples in flight at that step start afresh.", checkpoint,
-                               carry_file(self.args))
+                logger.warning(
+                    "%s has no %s: the samples in flight at that step start afresh.", checkpoint, carry_file(self.args)
+                )
             path = os.path.join(checkpoint, ema_file(self.args))
             if self.args.ema_decay is not None:
                 if not os.path.exists(path):
-                    raise ValueError(f"--ema_decay {self.args.ema_decay} resumes from {checkpoint}, which has no "
-                                     f"{ema_file(self.args)} (it was written without EMA): resume without "
-                                     f"--ema_decay, or from a checkpoint of an EMA run.")
+                    raise ValueError(
+                        f"--ema_decay {self.args.ema_decay} resumes from {checkpoint}, which has no "
+                        f"{ema_file(self.args)} (it was written without EMA): resume without "
+                        f"--ema_decay, or from a checkpoint of an EMA run."
+                    )
                 self.ema = load_file(path, device=str(self.args.device))
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -333,8 +365,10 @@ class FPRMTrainer(Trainer):
         if self.args.puzzle_emb_optimizer != "signsgd" or self.optimizer is not None:
             return super().create_optimizer(model)
         if str(getattr(self.args.optim, "value", self.args.optim)) not in ("adamw_torch", "adamw_torch_fused"):
-            raise ValueError(f"`puzzle_emb_optimizer='signsgd'` goes with the authors' AdamW (--optim adamw_torch), "
-                             f"got --optim {self.args.optim!r}.")
+            raise ValueError(
+                f"`puzzle_emb_optimizer='signsgd'` goes with the authors' AdamW (--optim adamw_torch), "
+                f"got --optim {self.args.optim!r}."
+            )
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
         prefix = self._core(opt_model).prefix
@@ -343,13 +377,22 @@ class FPRMTrainer(Trainer):
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-            {"params": [prefix], "signsgd": True,
-             "lr": args.learning_rate if args.puzzle_emb_lr is None else args.puzzle_emb_lr,
-             "weight_decay": (args.weight_decay if args.puzzle_emb_weight_decay is None
-                              else args.puzzle_emb_weight_decay)},
+            {
+                "params": [prefix],
+                "signsgd": True,
+                "lr": args.learning_rate if args.puzzle_emb_lr is None else args.puzzle_emb_lr,
+                "weight_decay": (
+                    args.weight_decay if args.puzzle_emb_weight_decay is None else args.puzzle_emb_weight_decay
+                ),
+            },
         ]
-        self.optimizer = SignSGDAdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        self.optimizer = SignSGDAdamW(
+            groups,
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )
         return self.optimizer
 
     def ema_parameters(self):
@@ -426,15 +469,22 @@ class FPRMTrainer(Trainer):
             outputs = model(**inputs)
             return (outputs.loss, outputs) if return_outputs else outputs.loss
         if "labels" not in inputs:
-            raise ValueError(f"FPRMTrainer needs `labels` in every training batch (the answer token of every input "
-                             f"token, -100 ignored), got {sorted(inputs)}.")
+            raise ValueError(
+                f"FPRMTrainer needs `labels` in every training batch (the answer token of every input "
+                f"token, -100 ignored), got {sorted(inputs)}."
+            )
         self._refill(model, inputs)
         carry = self.carry
         labels = carry.inputs["labels"]
         model_inputs = {k: v for k, v in carry.inputs.items() if k != "labels"}
         # every segment runs its n_backward iterations; the halting rule judges each sample after it (below)
-        outputs = model(**model_inputs, max_loops=self.args.n_backward, halt_eps=self.args.train_halt_eps,
-                        halting=False, solver_state=carry.state)
+        outputs = model(
+            **model_inputs,
+            max_loops=self.args.n_backward,
+            halt_eps=self.args.train_halt_eps,
+            halting=False,
+            solver_state=carry.state,
+        )
         loss = token_loss(outputs.logits, labels, self.args.loss_type, self.args.loss_normalization)
         q_coefficient = self.args.q_loss_coefficient
         if outputs.q_halt_logits is not None:
@@ -444,14 +494,16 @@ class FPRMTrainer(Trainer):
         prefix = self._core(model).prefix
         if prefix is not None:  # the rows SignSGD updates: the samples in flight
             ids = carry.inputs.get("puzzle_identifiers")
-            prefix.signsgd_rows = (torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None
-                                   else ids.unique())
+            prefix.signsgd_rows = (
+                torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None else ids.unique()
+            )
             if self.args.world_size > 1:  # theirs: the rows of every rank's batch, i.e. those the reduced
                 prefix.signsgd_rows = None  # gradient reaches (the same on every rank)
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
         state = outputs.solver_state.detach()
-        settings = SolverSettings.from_config(self._core(model).config, training=True,
-                                              halt_eps=self.args.train_halt_eps)
+        settings = SolverSettings.from_config(
+            self._core(model).config, training=True, halt_eps=self.args.train_halt_eps
+        )
         converged, stops = settings.halts(state.residuals, state.eta)
         carry.state = replace(state, converged=converged, halted=state.halted | stops)
         carry.segments = carry.segments + 1
@@ -469,6 +521,16 @@ class FPRMTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["FPRMTrainer", "FPRMTrainingArguments", "stablemax_cross_entropy", "stablemax_token_losses", "token_loss",
-           "q_halt_loss", "SignSGDAdamW", "EMACallback", "LR_SCHEDULES", "LOSS_NORMALIZATIONS",
-           "PUZZLE_EMB_OPTIMIZERS"]
+__all__ = [
+    "FPRMTrainer",
+    "FPRMTrainingArguments",
+    "stablemax_cross_entropy",
+    "stablemax_token_losses",
+    "token_loss",
+    "q_halt_loss",
+    "SignSGDAdamW",
+    "EMACallback",
+    "LR_SCHEDULES",
+    "LOSS_NORMALIZATIONS",
+    "PUZZLE_EMB_OPTIMIZERS",
+]

@@ -33,7 +33,13 @@ import loopformer_hf  # noqa: F401
 from loopformer_hf.halting_loopformer import HALTING_RULES, halting_rule
 from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
-from looped_training.loopformer.data import TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text, synthetic
+from looped_training.loopformer.data import (
+    TRAINING_META_FILE,
+    DataArguments,
+    held_out_problems,
+    held_out_text,
+    synthetic,
+)
 from looped_training.loopformer.data.text import chunk_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
@@ -48,12 +54,22 @@ def load_checkpoint(path):
 
     check_checkpoint(path)
     check_model_type(path, "loopformer")
-    meta_path = next((p for p in (os.path.join(path, TRAINING_META_FILE),
-                                  os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE))
-                      if os.path.exists(p)), None)
+    meta_path = next(
+        (
+            p
+            for p in (
+                os.path.join(path, TRAINING_META_FILE),
+                os.path.join(os.path.dirname(os.path.abspath(path)), TRAINING_META_FILE),
+            )
+            if os.path.exists(p)
+        ),
+        None,
+    )
     if meta_path is None:
-        raise ValueError(f"{path!r} has no {TRAINING_META_FILE} (written by training/loopformer/train.py), so the "
-                         f"held-out data it was trained for is unknown.")
+        raise ValueError(
+            f"{path!r} has no {TRAINING_META_FILE} (written by training/loopformer/train.py), so the "
+            f"held-out data it was trained for is unknown."
+        )
     with open(meta_path) as f:
         meta = json.load(f)
     model = load_model(AutoModelForCausalLM, path).eval()
@@ -85,11 +101,16 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     ce_sum, count, correct, loops = 0.0, 0, [], []
     n = data["input_ids"].shape[0]
     for start in range(0, n, batch_size):
-        ids = data["input_ids"][start:start + batch_size].to(model.device)
-        mask = data["attention_mask"][start:start + batch_size].to(model.device)
-        labels = data["labels"][start:start + batch_size][:, 1:].to(model.device)
-        out = model(input_ids=ids, attention_mask=mask, step_schedule=list(trajectory), use_cache=False,
-                    **({} if halt_eps is None else {"halt_eps": halt_eps}))
+        ids = data["input_ids"][start : start + batch_size].to(model.device)
+        mask = data["attention_mask"][start : start + batch_size].to(model.device)
+        labels = data["labels"][start : start + batch_size][:, 1:].to(model.device)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            step_schedule=list(trajectory),
+            use_cache=False,
+            **({} if halt_eps is None else {"halt_eps": halt_eps}),
+        )
         logits = out.logits[:, :-1].float()
         valid = labels != -100
         ce_sum += float(F.cross_entropy(logits[valid], labels[valid], reduction="sum"))
@@ -122,7 +143,9 @@ def evaluate_halting(model, task, data, eps_values, criteria=None):
     try:
         for criterion in criteria:
             model.config.halt_criterion = criterion  # `quality` passes halt_eps; the rule comes from the config
-            results += [dict(criterion=criterion, **r) for r in _halting_sweep(model, task, data, trajectory, eps_values)]
+            results += [
+                dict(criterion=criterion, **r) for r in _halting_sweep(model, task, data, trajectory, eps_values)
+            ]
     finally:
         model.config.halt_criterion = kept
     return results
@@ -132,16 +155,23 @@ def _halting_sweep(model, task, data, trajectory, eps_values):
     results = []
     for eps in eps_values:
         ppl, correct, loops = quality(model, data, trajectory, halt_eps=eps)
-        record = {"halt_eps": eps, "mean_loops": sum(loops) / len(loops), "ppl": ppl, "em": None,
-                  "em_by_depth": None, "mean_loops_by_depth": None}
+        record = {
+            "halt_eps": eps,
+            "mean_loops": sum(loops) / len(loops),
+            "ppl": ppl,
+            "em": None,
+            "em_by_depth": None,
+            "mean_loops_by_depth": None,
+        }
         if task == "synthetic":
             record["em"] = sum(correct) / len(correct)
             per_depth = defaultdict(list)
             for d, c, l in zip(data["depth"].tolist(), correct, loops):
                 per_depth[d].append((c, l))
             record["em_by_depth"] = {str(d): sum(c for c, _ in v) / len(v) for d, v in sorted(per_depth.items())}
-            record["mean_loops_by_depth"] = {str(d): sum(l for _, l in v) / len(v)
-                                             for d, v in sorted(per_depth.items())}
+            record["mean_loops_by_depth"] = {
+                str(d): sum(l for _, l in v) / len(v) for d, v in sorted(per_depth.items())
+            }
         results.append(record)
     return results
 
@@ -151,8 +181,14 @@ def evaluate_quality(model, task, data, budgets, schedules, disable_tqdm=None):
     results, by_trajectory = [], {}
     for budget in tqdm(budgets, desc="budgets", unit="budget", leave=False, disable=disable_tqdm):
         for schedule in schedules:
-            record = {"budget": budget, "schedule": schedule, "trajectory": None, "ppl": None, "em": None,
-                      "em_by_depth": None}
+            record = {
+                "budget": budget,
+                "schedule": schedule,
+                "trajectory": None,
+                "ppl": None,
+                "em": None,
+                "em_by_depth": None,
+            }
             try:
                 trajectory = config.resolve_trajectory(budget, schedule)
             except ValueError:  # this model only knows uniform steps
@@ -179,13 +215,21 @@ def step_states(model, data, meta, max_rows):
     mask = data["attention_mask"][:max_rows].to(model.device)
     config = model.config
     if config.num_loops > 1:
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False,
-                    loop_budget=config.num_loops, step_schedule="uniform")
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            output_hidden_states=True,
+            use_cache=False,
+            loop_budget=config.num_loops,
+            step_schedule="uniform",
+        )
         return list(out.hidden_states), mask
     k = meta["model"]["num_blocks"]
     captured = []
-    hooks = [layer.register_forward_hook(lambda m, a, o: captured.append(o[0] if isinstance(o, tuple) else o))
-             for layer in model.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        for layer in model.model.layers
+    ]
     try:
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
     finally:
@@ -210,9 +254,10 @@ def generations(model, tokenizer, task, rows, budgets, num_prompts=3):
         for prompt, answer in zip(prompts, answers):
             enc = tokenizer(prompt, return_tensors="pt").to(model.device)
             kwargs = {"loop_budget": budget} if model.config.num_loops > 1 else {}
-            out = model.generate(**enc, max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, **kwargs)
-            text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                **enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs
+            )
+            text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             if task == "synthetic":
                 text = text.split(synthetic.END_OF_ANSWER)[0]
             samples.append({"budget": budget, "prompt": prompt, "generated": text, "answer": answer})
@@ -235,8 +280,18 @@ def check_generate_budgets(paths, budgets):
             )
 
 
-def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=SCHEDULES, generate_budgets=(),
-                        halt_eps=(), disable_tqdm=None, device="cpu", halt_criteria=None):
+def evaluate_checkpoint(
+    path,
+    name=None,
+    max_rows=400,
+    repr_rows=32,
+    schedules=SCHEDULES,
+    generate_budgets=(),
+    halt_eps=(),
+    disable_tqdm=None,
+    device="cpu",
+    halt_criteria=None,
+):
     model, tokenizer, meta = load_checkpoint(path)
     model.to(device)
     task, data, rows = build_eval_data(meta, tokenizer, max_rows)
@@ -267,6 +322,7 @@ def evaluate_checkpoint(path, name=None, max_rows=400, repr_rows=32, schedules=S
 
 
 # ---- tables and plots -------------------------------------------------------------------------------------------
+
 
 def _value(record, budget, schedule, metric):
     for r in record["results"]:
@@ -318,8 +374,11 @@ def halting_verdict(record):
     full = quality_by_budget(record, "uniform", metric)[L]
     verdicts = {}
     for h, ref, better in halting_rows(record):
-        holds = (better == "yes" and h["mean_loops"] <= L) if metric == "ppl" else (
-            h["mean_loops"] <= L - 0.5 and h["em"] >= full - 0.01 and better != "no")
+        holds = (
+            (better == "yes" and h["mean_loops"] <= L)
+            if metric == "ppl"
+            else (h["mean_loops"] <= L - 0.5 and h["em"] >= full - 0.01 and better != "no")
+        )
         settings = verdicts.setdefault(h.get("criterion", "state_change"), [])
         if holds:
             settings.append(h["halt_eps"])
@@ -331,23 +390,34 @@ def halting_table(record):
     compute and whether the adaptive depth beats them, then the rule's verdict (halting_verdict's targets)."""
     metric, _ = halting_metric(record["task"])
     L = record["num_loops"]
-    target = (f"≤ {L - 0.5:g} mean loops, exact match within 0.01 of M={L} and not below the fixed budgets at equal "
-              f"compute, at some halt_eps" if metric == "em" else
-              "perplexity below the fixed budgets at equal compute at ≥ 2 halt_eps")
+    target = (
+        f"≤ {L - 0.5:g} mean loops, exact match within 0.01 of M={L} and not below the fixed budgets at equal "
+        f"compute, at some halt_eps"
+        if metric == "em"
+        else "perplexity below the fixed budgets at equal compute at ≥ 2 halt_eps"
+    )
     rows, lines = halting_rows(record), []
     for rule, (met, eps) in halting_verdict(record).items():
-        lines += [f"halt_criterion={rule!r}:", "",
-                  "| halt_eps | mean loops/token | perplexity | exact match | fixed budget at equal compute "
-                  f"({'exact match' if metric == 'em' else 'perplexity'}) | adaptive better? |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"halt_criterion={rule!r}:",
+            "",
+            "| halt_eps | mean loops/token | perplexity | exact match | fixed budget at equal compute "
+            f"({'exact match' if metric == 'em' else 'perplexity'}) | adaptive better? |",
+            "|---|---|---|---|---|---|",
+        ]
         for h, ref, better in rows:
             if h.get("criterion", "state_change") == rule:
                 em = "–" if h["em"] is None else f"{h['em']:.3f}"
-                lines.append(f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h['ppl']:.2f} | {em} | {ref:.3f} | "
-                             f"{better} |")
-        lines += ["", f"Verdict: {'pays' if met else 'does not pay'} ({target}: "
-                      f"{'holds at halt_eps ' + ', '.join(f'{e:g}' for e in eps) if eps else 'holds nowhere'})"
-                      + ("." if met else "; at this compute a fixed loop_budget is the better knob."), ""]
+                lines.append(
+                    f"| {h['halt_eps']:g} | {h['mean_loops']:.2f} | {h['ppl']:.2f} | {em} | {ref:.3f} | {better} |"
+                )
+        lines += [
+            "",
+            f"Verdict: {'pays' if met else 'does not pay'} ({target}: "
+            f"{'holds at halt_eps ' + ', '.join(f'{e:g}' for e in eps) if eps else 'holds nowhere'})"
+            + ("." if met else "; at this compute a fixed loop_budget is the better knob."),
+            "",
+        ]
     return lines[:-1]
 
 
@@ -370,8 +440,9 @@ def _finish(fig, ax_rows, title, path, caption=None):
     """The first axes' legend beside the last axes (the report's nine models and their schedules give ~25 entries,
     which covered the curves inside the axes), title, a one-line caption under the plots, save, close."""
     handles, labels = ax_rows[0].get_legend_handles_labels()
-    ax_rows[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                       ncol=1 + len(labels) // 16)
+    ax_rows[-1].legend(
+        handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(labels) // 16
+    )
     fig.suptitle(title)
     fig.tight_layout()
     if caption:
@@ -410,26 +481,42 @@ def _plot_quality(records, metrics, task, path):
                 continue
             for schedule, style in styles.items():
                 values = {m: v for m, v in quality_by_budget(rec, schedule, metric).items() if v is not None}
-                if not values or (schedule != "uniform" and rec["variant"] != "loopformer"
-                                  and not rec["results"][0].get("trajectory")):
+                if not values or (
+                    schedule != "uniform"
+                    and rec["variant"] != "loopformer"
+                    and not rec["results"][0].get("trajectory")
+                ):
                     continue
                 label_s = rec["name"] if schedule == "uniform" else f"{rec['name']} {schedule}"
-                ax.plot(list(values), list(values.values()), style, marker="o", color=color, label=label_s,
-                        alpha=1.0 if schedule == "uniform" else 0.6)
+                ax.plot(
+                    list(values),
+                    list(values.values()),
+                    style,
+                    marker="o",
+                    color=color,
+                    label=label_s,
+                    alpha=1.0 if schedule == "uniform" else 0.6,
+                )
         chance = records[0].get("chance", {}).get(metric)
         if chance is not None:
             ax.axhline(chance, color="grey", linestyle=":", label="chance (guessing an answer)")
         _style_axes(ax, "loop budget M", label, metric)
-    caption = ("Each point: the model run with M loop steps (uniform Δ = 1/M) on held-out problems; a model that "
-               "uses its depth rises with M, one trained only at M = L falls off below it.")
+    caption = (
+        "Each point: the model run with M loop steps (uniform Δ = 1/M) on held-out problems; a model that "
+        "uses its depth rises with M, one trained only at M = L falls off below it."
+    )
     return _finish(fig, axes[0], f"Quality against loop budget ({task})", path, caption)
 
 
 def _plot_representations(records, task, path):
     import matplotlib.pyplot as plt
 
-    names = [("cka_to_previous", "CKA(step i, step i-1)"), ("anisotropy", "anisotropy"),
-             ("curvature", "curvature (rad)"), ("prompt_entropy", "prompt entropy (normalised)")]
+    names = [
+        ("cka_to_previous", "CKA(step i, step i-1)"),
+        ("anisotropy", "anisotropy"),
+        ("curvature", "curvature (rad)"),
+        ("prompt_entropy", "prompt entropy (normalised)"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for ax, (key, label) in zip(axes, names):
         for i, rec in enumerate(records):
@@ -437,8 +524,10 @@ def _plot_representations(records, task, path):
             ax.plot(range(len(values)), values, marker="o", color=f"C{i}", label=rec["name"])
         _style_axes(ax, "loop step (0 = embeddings)", None, None)
         ax.set_title(label)
-    caption = ("Hidden states after each loop step of the full trajectory: CKA near 1 means a step changed little; "
-               "curvature is the turn between successive steps' updates.")
+    caption = (
+        "Hidden states after each loop step of the full trajectory: CKA near 1 means a step changed little; "
+        "curvature is the turn between successive steps' updates."
+    )
     return _finish(fig, axes, f"Representations per loop step at M = L ({task})", path, caption)
 
 
@@ -455,13 +544,22 @@ def _plot_halting(records, metrics, task, path):
             ax.plot(list(fixed), list(fixed.values()), "-", marker="o", color=f"C{i}", label=f"{rec['name']} fixed M")
             rules = list(dict.fromkeys(h.get("criterion", "state_change") for h in rec["halting"]))
             for rule, marker in zip(rules, "x+^vsd"):
-                pts = sorted((h["mean_loops"], h[metric]) for h in rec["halting"]
-                             if h.get("criterion", "state_change") == rule)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "--", marker=marker, color=f"C{i}",
-                        label=f"{rec['name']} halt_eps ({rule})")
+                pts = sorted(
+                    (h["mean_loops"], h[metric]) for h in rec["halting"] if h.get("criterion", "state_change") == rule
+                )
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    "--",
+                    marker=marker,
+                    color=f"C{i}",
+                    label=f"{rec['name']} halt_eps ({rule})",
+                )
         _style_axes(ax, "mean loop steps per token", label, metric)
-    caption = ("Crosses: each token stops once its exit rule's score falls below halt_eps, plotted at the mean loop "
-               "steps spent; dots: every token runs M steps. Crosses above the dots: halting spends compute better.")
+    caption = (
+        "Crosses: each token stops once its exit rule's score falls below halt_eps, plotted at the mean loop "
+        "steps spent; dots: every token runs M steps. Crosses above the dots: halting spends compute better."
+    )
     return _finish(fig, axes[0], f"Adaptive depth (halt_eps) against fixed budgets ({task})", path, caption)
 
 
@@ -472,16 +570,21 @@ def plot(records, output_dir):
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed: no plots (pip install matplotlib, or the package's `train` extra); "
-              f"{EVAL_FILE} holds every number.", file=sys.stderr)
+        print(
+            f"matplotlib is not installed: no plots (pip install matplotlib, or the package's `train` extra); "
+            f"{EVAL_FILE} holds every number.",
+            file=sys.stderr,
+        )
         return []
 
     matplotlib.use("Agg")
     os.makedirs(output_dir, exist_ok=True)
     task = records[0]["task"]
     metrics = [("em", "exact match"), ("ppl", "answer perplexity")] if task == "synthetic" else [("ppl", "perplexity")]
-    paths = [_plot_quality(records, metrics, task, os.path.join(output_dir, "quality_vs_budget.png")),
-             _plot_representations(records, task, os.path.join(output_dir, "representations.png"))]
+    paths = [
+        _plot_quality(records, metrics, task, os.path.join(output_dir, "quality_vs_budget.png")),
+        _plot_representations(records, task, os.path.join(output_dir, "representations.png")),
+    ]
     if any(rec.get("halting") for rec in records):
         paths.append(_plot_halting(records, metrics, task, os.path.join(output_dir, "quality_vs_compute.png")))
     return paths
@@ -499,25 +602,33 @@ def budget_claims(loopformer, base_loop):
     gain, margin, gap = lf[-1] - lf[0], lf[0] - bl[0], lf[-1] - bl[-1]
     tol = 1e-9  # exact-match rates are k/n: 391/500 - 341/500 is 0.0999... in floats, and 0.10 must meet ">= 0.10"
     return {
-        "a_improves_with_budget": {"gain": gain, "worst_step_back": step_back,
-                                   "holds": gain >= 0.10 - tol and step_back <= 0.02 + tol},
+        "a_improves_with_budget": {
+            "gain": gain,
+            "worst_step_back": step_back,
+            "holds": gain >= 0.10 - tol and step_back <= 0.02 + tol,
+        },
         "b_no_collapse_at_M1": {"margin": margin, "holds": margin >= 0.10 - tol},
-        "c_elastic_for_free": {"gap": gap, "holds": abs(gap) <= 0.05 + tol, "ahead": gap > 0.05 + tol,
-                               "not_behind": gap >= -0.05 - tol},
+        "c_elastic_for_free": {
+            "gap": gap,
+            "holds": abs(gap) <= 0.05 + tol,
+            "ahead": gap > 0.05 + tol,
+            "not_behind": gap >= -0.05 - tol,
+        },
     }
 
 
 def claims_text(claims):
     word = {True: "HOLDS", False: "does not hold"}
     a, b, c = claims["a_improves_with_budget"], claims["b_no_collapse_at_M1"], claims["c_elastic_for_free"]
-    return [f"(a) LoopFormer improves with budget: em(M=L) - em(M=1) = {a['gain']:+.3f} (>= 0.10), worst step back "
-            f"{a['worst_step_back']:.3f} (<= 0.02): {word[a['holds']]}",
-            f"(b) no collapse at M=1: LoopFormer - Base-Loop = {b['margin']:+.3f} (>= 0.10): {word[b['holds']]}",
-            f"(c) elastic for free: LoopFormer - Base-Loop at M=L = {c['gap']:+.3f} (within 0.05): "
-            f"{word[c['holds']]}"
-            # the claim is two-sided as stated; a LoopFormer far ahead fails it, which a reader should not take
-            # for a LoopFormer behind
-            + (" (LoopFormer is ahead of Base-Loop, not behind)" if c["ahead"] else "")]
+    return [
+        f"(a) LoopFormer improves with budget: em(M=L) - em(M=1) = {a['gain']:+.3f} (>= 0.10), worst step back "
+        f"{a['worst_step_back']:.3f} (<= 0.02): {word[a['holds']]}",
+        f"(b) no collapse at M=1: LoopFormer - Base-Loop = {b['margin']:+.3f} (>= 0.10): {word[b['holds']]}",
+        f"(c) elastic for free: LoopFormer - Base-Loop at M=L = {c['gap']:+.3f} (within 0.05): "
+        f"{word[c['holds']]}" + (" (LoopFormer is ahead of Base-Loop, not behind)" if c["ahead"] else ""),
+        # the claim is two-sided as stated; a LoopFormer far ahead fails it, which a reader should not take
+        # for a LoopFormer behind
+    ]
 
 
 def records_claims(records):
@@ -536,13 +647,19 @@ def summary_text(records):
     out = []
     if task == "synthetic":
         out += ["Exact match (held-out problems, uniform schedule):", format_table(records, "em"), ""]
-        depths = sorted({d for rec in records for r in rec["results"] if r["em_by_depth"] for d in r["em_by_depth"]},
-                        key=int)
+        depths = sorted(
+            {d for rec in records for r in rec["results"] if r["em_by_depth"] for d in r["em_by_depth"]}, key=int
+        )
         for rec in records:
-            full = [r for r in rec["results"] if r["schedule"] == "uniform" and r["budget"] == max(
-                x["budget"] for x in rec["results"])][0]
-            out.append(f"  {rec['name']} at full budget, EM by depth: "
-                       + ", ".join(f"d{d}={full['em_by_depth'].get(d, float('nan')):.2f}" for d in depths))
+            full = [
+                r
+                for r in rec["results"]
+                if r["schedule"] == "uniform" and r["budget"] == max(x["budget"] for x in rec["results"])
+            ][0]
+            out.append(
+                f"  {rec['name']} at full budget, EM by depth: "
+                + ", ".join(f"d{d}={full['em_by_depth'].get(d, float('nan')):.2f}" for d in depths)
+            )
         out.append("")
         out += ["Answer perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
         claims = records_claims(records)
@@ -552,8 +669,12 @@ def summary_text(records):
         out += ["Held-out perplexity (uniform schedule):", format_table(records, "ppl", digits=2)]
     for rec in records:
         if rec.get("halting"):
-            out += ["", f"Adaptive depth, {rec['name']} (full budget M={rec['num_loops']}, uniform; the fixed budgets "
-                        "M = 1..L above, interpolated at the same mean loops per token):", *halting_table(rec)]
+            out += [
+                "",
+                f"Adaptive depth, {rec['name']} (full budget M={rec['num_loops']}, uniform; the fixed budgets "
+                "M = 1..L above, interpolated at the same mean loops per token):",
+                *halting_table(rec),
+            ]
     return "\n".join(out)
 
 
@@ -584,16 +705,24 @@ def card_results(data, path, checkpoint, record, _):
     here = Path(checkpoint).resolve() if checkpoint is not None else None
     models = [m for m in models if m.get("path") and Path(m["path"]).resolve() == here] or models
     if len(models) != 1:
-        raise ValueError(f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
-                         f"from {checkpoint}: give the {EVAL_FILE} of this checkpoint's evaluation.")
+        raise ValueError(
+            f"{path} evaluates {len(models)} models ({[m.get('name') for m in models]}), none of them "
+            f"from {checkpoint}: give the {EVAL_FILE} of this checkpoint's evaluation."
+        )
     (model,) = models
     name, kind = describe_dataset("loopformer", record) or (model.get("task", "held-out data"), model.get("task"))
-    task = {"type": "text-generation",
-            "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling"}
+    task = {
+        "type": "text-generation",
+        "name": "Answer exact match" if model.get("task") == "synthetic" else "Language modeling",
+    }
     dataset = {"name": name, "type": kind, "split": "held-out"}
-    return [eval_result(task, dataset, label, r[key], f"loop_budget={r['budget']}")
-            for r in model.get("results") or [] if r.get("schedule") == "uniform"
-            for key, label in (("em", "exact_match"), ("ppl", "perplexity")) if is_number(r.get(key))]
+    return [
+        eval_result(task, dataset, label, r[key], f"loop_budget={r['budget']}")
+        for r in model.get("results") or []
+        if r.get("schedule") == "uniform"
+        for key, label in (("em", "exact_match"), ("ppl", "perplexity"))
+        if is_number(r.get(key))
+    ]
 
 
 def main(argv=None):
@@ -603,28 +732,55 @@ def main(argv=None):
     parser.add_argument("--names", nargs="*", help="Display names, one per checkpoint (default: folder names).")
     parser.add_argument("--max_rows", type=int, default=400, help="Held-out problems / text blocks to score.")
     parser.add_argument("--repr_rows", type=int, default=32, help="Held-out rows for the representation metrics.")
-    parser.add_argument("--schedules", nargs="*", default=list(SCHEDULES),
-                        help=f"Subset of {SCHEDULES}; uniform is always added (the tables are read against it).")
-    parser.add_argument("--generate_budgets", nargs="*", type=int, default=[],
-                        help="Show generate(loop_budget=M) text for these M, each in 1..L of every looped checkpoint "
-                             "(Base, not looped, generates once).")
-    parser.add_argument("--halt_eps", nargs="*", type=float, default=[],
-                        help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).")
-    parser.add_argument("--halt_criteria", nargs="*", default=None,
-                        help="Exit rules (halt_criterion values) the --halt_eps sweep runs (default: each model's own; "
-                             "a rule only on the models it runs on). With the lab's rules: python -m "
-                             "benchmarks.halting_rules ARGS.")
-    parser.add_argument("--device", default=None,
-                        help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).")
-    parser.add_argument("--disable_tqdm", type=_bool, default=None,
-                        help="true: no progress bars; false: always show them (on stderr); default: only on a terminal.")
+    parser.add_argument(
+        "--schedules",
+        nargs="*",
+        default=list(SCHEDULES),
+        help=f"Subset of {SCHEDULES}; uniform is always added (the tables are read against it).",
+    )
+    parser.add_argument(
+        "--generate_budgets",
+        nargs="*",
+        type=int,
+        default=[],
+        help="Show generate(loop_budget=M) text for these M, each in 1..L of every looped checkpoint "
+        "(Base, not looped, generates once).",
+    )
+    parser.add_argument(
+        "--halt_eps",
+        nargs="*",
+        type=float,
+        default=[],
+        help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).",
+    )
+    parser.add_argument(
+        "--halt_criteria",
+        nargs="*",
+        default=None,
+        help="Exit rules (halt_criterion values) the --halt_eps sweep runs (default: each model's own; "
+        "a rule only on the models it runs on). With the lab's rules: python -m "
+        "benchmarks.halting_rules ARGS.",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).",
+    )
+    parser.add_argument(
+        "--disable_tqdm",
+        type=_bool,
+        default=None,
+        help="true: no progress bars; false: always show them (on stderr); default: only on a terminal.",
+    )
     args = parser.parse_args(argv)
     for eps in args.halt_eps:
         loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
     bad = [c for c in args.halt_criteria or [] if c not in HALTING_RULES]
     if bad:
-        raise ValueError(f"--halt_criteria {bad} unknown; allowed: {tuple(HALTING_RULES)} (with the lab's rules: "
-                         f"python -m benchmarks.halting_rules ARGS).")
+        raise ValueError(
+            f"--halt_criteria {bad} unknown; allowed: {tuple(HALTING_RULES)} (with the lab's rules: "
+            f"python -m benchmarks.halting_rules ARGS)."
+        )
     if args.names and len(args.names) != len(args.checkpoints):
         raise ValueError(f"--names gives {len(args.names)} names for {len(args.checkpoints)} checkpoints.")
     bad = [s for s in args.schedules if s not in SCHEDULES]
@@ -632,8 +788,10 @@ def main(argv=None):
         raise ValueError(f"--schedules {bad} unknown; allowed: {SCHEDULES}.")
     if "uniform" not in args.schedules:
         # the tables, the plots' Base point and the models without Δ conditioning all read the uniform schedule
-        print(f"--schedules {args.schedules}: adding 'uniform', the reference every table and plot is read against.",
-              file=sys.stderr)
+        print(
+            f"--schedules {args.schedules}: adding 'uniform', the reference every table and plot is read against.",
+            file=sys.stderr,
+        )
         args.schedules = ["uniform", *args.schedules]
     low = [b for b in args.generate_budgets if b < 1]
     if low:  # checked here, not after the whole evaluation when generate would refuse it
@@ -659,9 +817,20 @@ def main(argv=None):
         for i, path in enumerate(tqdm(args.checkpoints, desc="models", unit="model", disable=disable)):
             name = args.names[i] if args.names else None
             tqdm.write(f"evaluating {path} ...", file=sys.stderr)
-            records.append(evaluate_checkpoint(path, name, args.max_rows, args.repr_rows, args.schedules,
-                                               args.generate_budgets, args.halt_eps, disable, device,
-                                               args.halt_criteria))
+            records.append(
+                evaluate_checkpoint(
+                    path,
+                    name,
+                    args.max_rows,
+                    args.repr_rows,
+                    args.schedules,
+                    args.generate_budgets,
+                    args.halt_eps,
+                    disable,
+                    device,
+                    args.halt_criteria,
+                )
+            )
     finally:
         if hf_bars:
             transformers.utils.logging.enable_progress_bar()
@@ -675,9 +844,14 @@ def main(argv=None):
     print(summary_text(records))
     for rec in records:
         for g in rec.get("generations", []):
-            verdict = "" if g["answer"] is None else (
-                "   right" if g["generated"].strip() == g["answer"] else f"   wrong (answer {g['answer']})")
-            print(f"[{rec['name']}] generate(loop_budget={g['budget']}): {g['prompt']!r} -> {g['generated']!r}{verdict}")
+            verdict = (
+                ""
+                if g["answer"] is None
+                else ("   right" if g["generated"].strip() == g["answer"] else f"   wrong (answer {g['answer']})")
+            )
+            print(
+                f"[{rec['name']}] generate(loop_budget={g['budget']}): {g['prompt']!r} -> {g['generated']!r}{verdict}"
+            )
     print("wrote", os.path.join(args.output_dir, EVAL_FILE), *plots)
     return records
 

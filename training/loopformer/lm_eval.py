@@ -37,7 +37,9 @@ def parse_step_schedule(value):
             return [float(v) for v in text.split(":")]
         except ValueError:
             pass
-        raise ValueError(f"step_schedule must be a preset name or colon-separated numbers like 0.5:0.25:0.25, got {value!r}.")
+        raise ValueError(
+            f"step_schedule must be a preset name or colon-separated numbers like 0.5:0.25:0.25, got {value!r}."
+        )
     return text
 
 
@@ -48,8 +50,9 @@ class LoopFormerLM(HFLM):
     def __init__(self, pretrained, loop_budget=None, step_schedule=None, **kwargs):
         import loopformer_hf  # noqa: F401  (registers the Auto classes; trust_remote_code then is not needed)
 
-        if loop_budget is not None and (isinstance(loop_budget, bool) or not isinstance(loop_budget, int)
-                                        or loop_budget < 1):
+        if loop_budget is not None and (
+            isinstance(loop_budget, bool) or not isinstance(loop_budget, int) or loop_budget < 1
+        ):
             raise ValueError(f"loop_budget must be an integer >= 1, got {loop_budget!r}.")
         self.loop_budget = loop_budget
         self.step_schedule = parse_step_schedule(step_schedule)

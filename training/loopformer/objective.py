@@ -70,12 +70,12 @@ def sample_early_exit_trajectory(rng, num_loops):
     return tuple([1.0 / length] * length)
 
 
-
 def _objective_host(model):
     """The module of `model` (itself, or the causal LM inside a PEFT or other wrapper) whose forward computes the
     objective from a `shortcut_consistency` argument, or None."""
-    return next((m for m in model.modules()
-                 if "shortcut_consistency" in inspect.signature(type(m).forward).parameters), None)
+    return next(
+        (m for m in model.modules() if "shortcut_consistency" in inspect.signature(type(m).forward).parameters), None
+    )
 
 
 def _labelled_tokens(kwargs):
@@ -107,8 +107,16 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
             resumes the file holds every micro-batch of the run exactly once.
     """
 
-    def __init__(self, lambda_short=0.1, lambda_consistency=0.1, warmup_steps=0, consistency="mse",
-                 trajectory="auto", seed=0, log_trajectories_dir=None):
+    def __init__(
+        self,
+        lambda_short=0.1,
+        lambda_consistency=0.1,
+        warmup_steps=0,
+        consistency="mse",
+        trajectory="auto",
+        seed=0,
+        log_trajectories_dir=None,
+    ):
         check_lambdas(lambda_short, lambda_consistency)
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"`warmup_steps` must be an integer >= 0, got {warmup_steps!r}.")
@@ -218,8 +226,10 @@ class ShortcutConsistencyCallback(TrainerCallback, ExportableState):
         if self.log_trajectories_dir:
             self._open_trajectory_log(int(os.environ.get("RANK", args.process_index)))
         self._detach()
-        self._hooks = (model.register_forward_pre_hook(self._give, with_kwargs=True),
-                       model.register_forward_hook(self._read_terms, with_kwargs=True))
+        self._hooks = (
+            model.register_forward_pre_hook(self._give, with_kwargs=True),
+            model.register_forward_hook(self._read_terms, with_kwargs=True),
+        )
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._global_step = state.global_step

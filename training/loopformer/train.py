@@ -57,13 +57,34 @@ from transformers import AutoTokenizer, HfArgumentParser, Trainer, default_data_
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
 from looped_training.arguments import parse_args_with_config
-from looped_training.checkpoints import (FINAL_STAGING, RUN_RECORD, CheckpointError, RunRecordCallback,
-                                         TrainingArguments, check_checkpoint, check_resume_config, check_resume_data,
-                                         check_run_length, claim_output_dir, finish_final_save, finished_run,
-                                         load_model, output_dir_lock, resolve_resume, start_final_save)
+from looped_training.checkpoints import (
+    FINAL_STAGING,
+    RUN_RECORD,
+    CheckpointError,
+    RunRecordCallback,
+    TrainingArguments,
+    check_checkpoint,
+    check_resume_config,
+    check_resume_data,
+    check_run_length,
+    claim_output_dir,
+    finish_final_save,
+    finished_run,
+    load_model,
+    output_dir_lock,
+    resolve_resume,
+    start_final_save,
+)
 from looped_training.configs import find_preset, with_preset
-from looped_training.loopformer.data import (TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, held_out_text,
-                                      synthetic, text)
+from looped_training.loopformer.data import (
+    TASKS,
+    TRAINING_META_FILE,
+    DataArguments,
+    held_out_problems,
+    held_out_text,
+    synthetic,
+    text,
+)
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
@@ -87,9 +108,20 @@ VARIANTS = {
 
 
 # the training arguments the elastic report compares with the authors' run (written to loopformer_training.json)
-OPTIMIZER_FIELDS = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay",
-                    "adam_beta1", "adam_beta2", "max_grad_norm", "max_steps", "per_device_train_batch_size",
-                    "gradient_accumulation_steps", "seed")
+OPTIMIZER_FIELDS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "max_grad_norm",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+)
 
 
 @dataclass
@@ -101,16 +133,24 @@ class ModelArguments:
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
     intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
     position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
-    initializer_scheme: str = field(default="reference", metadata={
-        "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."})
+    initializer_scheme: str = field(
+        default="reference",
+        metadata={
+            "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."
+        },
+    )
 
 
 @dataclass
 class ScheduleArguments:
-    lr_warmup: str = field(default="reference", metadata={
-        "help": f"One of {LR_WARMUPS}: 'reference' warms up as the authors' get_lr, peak·(s+1)/(W+1) over the W "
-                f"warm-up steps, then the Trainer's --lr_scheduler_type (cosine_with_min_lr is then theirs); "
-                f"'trainer': the Trainer's own warm-up, peak·s/W (step 0 at lr 0)."})
+    lr_warmup: str = field(
+        default="reference",
+        metadata={
+            "help": f"One of {LR_WARMUPS}: 'reference' warms up as the authors' get_lr, peak·(s+1)/(W+1) over the W "
+            f"warm-up steps, then the Trainer's --lr_scheduler_type (cosine_with_min_lr is then theirs); "
+            f"'trainer': the Trainer's own warm-up, peak·s/W (step 0 at lr 0)."
+        },
+    )
 
 
 @dataclass
@@ -165,8 +205,13 @@ def build_data(data_args):
         raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
     if data_args.task == "synthetic":
         train_problems = synthetic.make_problems(
-            data_args.num_train_problems, data_args.min_depth, data_args.max_depth, data_args.num_chains,
-            seed=data_args.corpus_seed, kind=data_args.synthetic_kind)
+            data_args.num_train_problems,
+            data_args.min_depth,
+            data_args.max_depth,
+            data_args.num_chains,
+            seed=data_args.corpus_seed,
+            kind=data_args.synthetic_kind,
+        )
         eval_problems = held_out_problems(data_args)
         tokenizer = train_bpe_tokenizer([p.text for p in train_problems], data_args.tokenizer_vocab_size or 300)
         longest = max(map(len, tokenizer([p.text for p in train_problems + eval_problems])["input_ids"]))
@@ -176,8 +221,10 @@ def build_data(data_args):
         train.pop("depth"), evaluation.pop("depth")
     else:
         train_text, valid_text = held_out_text(data_args, with_train=True)
-        tokenizer = train_bpe_tokenizer([train_text[i:i + 10_000] for i in range(0, len(train_text), 10_000)],
-                                        data_args.tokenizer_vocab_size or 1024)
+        tokenizer = train_bpe_tokenizer(
+            [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
+            data_args.tokenizer_vocab_size or 1024,
+        )
         block_size = data_args.block_size or 128
         # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
         train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
@@ -185,8 +232,9 @@ def build_data(data_args):
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
-def build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
-                  training_args):
+def build_trainer(
+    model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args, training_args
+):
     """The stock Trainer of a run: the variant's objective callback (which feeds each training forward its short
     trajectory) and the learning-rate warm-up of `schedule_args`."""
     callback = build_callback(model_args, shortcut_args, training_args)
@@ -211,12 +259,16 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, sho
 def check_sharding(trainer):
     """Refuse a run whose launcher asked for FSDP or DeepSpeed that accelerate did not set up (accelerate 1.15): every
     rank would silently hold and train a full replica under plain DDP."""
-    wanted = {"FSDP": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp),
-              "DeepSpeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-              or bool(trainer.args.deepspeed)}
+    wanted = {
+        "FSDP": os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(trainer.args.fsdp),
+        "DeepSpeed": os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        or bool(trainer.args.deepspeed),
+    }
     enabled = {"FSDP": trainer.is_fsdp_enabled, "DeepSpeed": trainer.is_deepspeed_enabled}
-    needs = {"FSDP": "processes on GPUs (or other accelerators), not on CPU",
-             "DeepSpeed": "processes not forced onto the CPU by --use_cpu or ACCELERATE_USE_CPU"}
+    needs = {
+        "FSDP": "processes on GPUs (or other accelerators), not on CPU",
+        "DeepSpeed": "processes not forced onto the CPU by --use_cpu or ACCELERATE_USE_CPU",
+    }
     for name in wanted:
         if wanted[name] and not enabled[name]:
             raise ValueError(
@@ -258,19 +310,26 @@ def set_chat_template(tokenizer, template, path):
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja2 raises its own TemplateError subclasses
-        raise ValueError(f"--chat_template {path!r} does not render a conversation ({type(e).__name__}: {e}).") from None
+        raise ValueError(
+            f"--chat_template {path!r} does not render a conversation ({type(e).__name__}: {e})."
+        ) from None
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments),
-                              prog=PROG)
+    parser = HfArgumentParser(
+        (ModelArguments, DataArguments, ShortcutArguments, ScheduleArguments, TrainingArguments), prog=PROG
+    )
     argv = with_preset(sys.argv[1:] if argv is None else argv, "loopformer")
     preset = find_preset(argv)
     defaults = {"output_dir": f"outputs/loopformer-{preset}"} if preset else None
     (model_args, data_args, shortcut_args, schedule_args, training_args), _ = parse_args_with_config(
-        parser, argv, defaults)
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if training_args.should_log else logging.WARNING)
+        parser, argv, defaults
+    )
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO if training_args.should_log else logging.WARNING,
+    )
     transformers.utils.logging.set_verbosity_warning()
     if model_args.variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {tuple(VARIANTS)}, got {model_args.variant!r}.")
@@ -318,15 +377,25 @@ def final_save_complete(output_dir):
     return True
 
 
-def run_record(model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset,
-               block_size):
+def run_record(
+    model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset, block_size
+):
     """The run's record (`loopformer_training.json`): what the elastic evaluation, `publish` and a resume read."""
     prompt, generation = generation_defaults(data_args, tokenizer, eval_dataset, block_size)
-    return {"variant": model_args.variant, "model": asdict(model_args), "data": asdict(data_args),
-            "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None,
-            "block_size": block_size, "prompt": prompt, "generation": generation, "train_runtime_s": None,
-            "optimizer": {**{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
-                          "lr_warmup": schedule_args.lr_warmup}}
+    return {
+        "variant": model_args.variant,
+        "model": asdict(model_args),
+        "data": asdict(data_args),
+        "shortcut": asdict(shortcut_args) if VARIANTS[model_args.variant][2] is not None else None,
+        "block_size": block_size,
+        "prompt": prompt,
+        "generation": generation,
+        "train_runtime_s": None,
+        "optimizer": {
+            **{k: getattr(training_args, k) for k in OPTIMIZER_FIELDS},
+            "lr_warmup": schedule_args.lr_warmup,
+        },
+    }
 
 
 # data flags a resume may change: they name or decorate the data, not which rows are trained on
@@ -354,7 +423,9 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
     the run. `unwritable`: the `output_dir_lock`'s refusal of a folder the run may not write, raised unless the run
     is finished (nothing to write)."""
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type)
+    resume = resolve_resume(
+        training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type
+    )
     claim_output_dir(training_args, resume)
     chat_template = read_chat_template(data_args.chat_template)
 
@@ -364,8 +435,9 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
         set_chat_template(tokenizer, chat_template, data_args.chat_template)
     config = build_config(model_args, len(tokenizer), block_size)
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
-    record = run_record(model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset,
-                        block_size)
+    record = run_record(
+        model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset, block_size
+    )
     if resume is not None:
         check_resume_data(resume, TRAINING_META_FILE, record["data"], RESUME_FREE_DATA_FLAGS)
         check_resume_matches(resume, tokenizer, config)
@@ -376,18 +448,31 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
             if incomplete and unwritable is not None:
                 raise unwritable
             if incomplete:
-                save_final(training_args.output_dir, load_model(LoopFormerForCausalLM, resume), tokenizer, record,
-                           lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder))
+                save_final(
+                    training_args.output_dir,
+                    load_model(LoopFormerForCausalLM, resume),
+                    tokenizer,
+                    record,
+                    lambda folder: shutil.copy(os.path.join(resume, RUN_RECORD), folder),
+                )
             return None
     if unwritable is not None:
         raise unwritable
     model = LoopFormerForCausalLM(config)
-    logger.info("%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens", model_args.variant,
-                model.num_parameters(), config.num_hidden_layers, config.num_loops, config.loop_conditioning,
-                len(train_dataset), block_size)
+    logger.info(
+        "%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens",
+        model_args.variant,
+        model.num_parameters(),
+        config.num_hidden_layers,
+        config.num_loops,
+        config.loop_conditioning,
+        len(train_dataset),
+        block_size,
+    )
 
-    trainer = build_trainer(model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args,
-                            training_args)
+    trainer = build_trainer(
+        model, tokenizer, train_dataset, eval_dataset, model_args, shortcut_args, schedule_args, training_args
+    )
     trainer.add_callback(RunRecordCallback(TRAINING_META_FILE, record))
     check_sharding(trainer)
     result = trainer.train(resume_from_checkpoint=resume)
@@ -399,9 +484,14 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
     model.generation_config.update(**record["generation"])  # saved with the model as generation_config.json
     trainer.save_model(staging)  # writes on the main process only
     if trainer.is_world_process_zero():
-        save_final(training_args.output_dir, model, tokenizer,
-                   {**record, "train_runtime_s": result.metrics.get("train_runtime")},
-                   lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)), saved=True)
+        save_final(
+            training_args.output_dir,
+            model,
+            tokenizer,
+            {**record, "train_runtime_s": result.metrics.get("train_runtime")},
+            lambda folder: trainer.state.save_to_json(os.path.join(folder, RUN_RECORD)),
+            saved=True,
+        )
     return trainer
 
 

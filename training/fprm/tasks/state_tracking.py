@@ -64,8 +64,16 @@ def _rows(count, lengths, pad_to, table, rng):
     return rows
 
 
-def build_state_tracking_dataset(group="S5", num_train=10000, num_test=1000, train_length=32, min_train_length=None,
-                                 test_length=128, pad_train_to=None, seed=0):
+def build_state_tracking_dataset(
+    group="S5",
+    num_train=10000,
+    num_test=1000,
+    train_length=32,
+    min_train_length=None,
+    test_length=128,
+    pad_train_to=None,
+    seed=0,
+):
     """'train': sequences of length in [min_train_length, train_length] (default: exactly train_length), padded to
     `pad_train_to` (default train_length; the authors' build_state_tracking_dataset pads to the test length, 128:
     the loss and gradients are the same under causal attention and a causal conv, but the halting residual, a
@@ -112,8 +120,9 @@ class StateTrackingStream(torch.utils.data.IterableDataset):
     def sample(self, count, rng):
         """`count` rows at the current maximum length, as lists (input_ids, labels, length), padded to the
         current maximum length or to `pad_to` if that is longer."""
-        return _rows(count, (self.min_length, self.max_length), max(self.max_length, self.pad_to or 0), self.table,
-                     rng)
+        return _rows(
+            count, (self.min_length, self.max_length), max(self.max_length, self.pad_to or 0), self.table, rng
+        )
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

@@ -12,10 +12,14 @@ TASKS = ("synthetic", "text")
 
 @dataclass
 class DataArguments:
-    preset: str = field(default=None, metadata={
-        "help": "A shipped preset by name (`python -m looped_training.configs loopformer` lists them): "
-                "`--preset synthetic-tiny` reads training/configs/loopformer/synthetic-tiny.yaml, as "
-                "`--config` with that file would; flags given override its values."})
+    preset: str = field(
+        default=None,
+        metadata={
+            "help": "A shipped preset by name (`python -m looped_training.configs loopformer` lists them): "
+            "`--preset synthetic-tiny` reads training/configs/loopformer/synthetic-tiny.yaml, as "
+            "`--config` with that file would; flags given override its values."
+        },
+    )
     task: str = field(default="synthetic", metadata={"help": f"One of {TASKS}."})
     dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})
     dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
@@ -24,9 +28,13 @@ class DataArguments:
     validation_fraction: float = field(default=0.05, metadata={"help": "Tail of each document held out (text)."})
     max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
     block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
-    window_targets: bool = field(default=True, metadata={
-        "help": "Text training rows of T tokens train T next-token targets, the last one the token after the row "
-                "(the authors' get_batch: y = data[i+1:i+T+1]); False: T - 1 targets a row, as run_clm.py."})
+    window_targets: bool = field(
+        default=True,
+        metadata={
+            "help": "Text training rows of T tokens train T next-token targets, the last one the token after the row "
+            "(the authors' get_batch: y = data[i+1:i+T+1]); False: T - 1 targets a row, as run_clm.py."
+        },
+    )
     num_train_problems: int = field(default=20000, metadata={"help": "Synthetic training problems."})
     num_eval_problems: int = field(default=400, metadata={"help": "Synthetic held-out problems."})
     min_depth: int = field(default=1, metadata={"help": "Fewest hops of a synthetic problem."})
@@ -36,21 +44,32 @@ class DataArguments:
     answer_only_loss: bool = field(default=True, metadata={"help": "Synthetic: CE on the answer tokens only."})
     corpus_seed: int = field(default=0, metadata={"help": "Seed of the synthetic corpus and the text split."})
     tokenizer_vocab_size: int = field(default=None, metadata={"help": "BPE size (default 300 synthetic, 1024 text)."})
-    chat_template: str = field(default=None, metadata={
-        "help": "A Jinja chat template file; saved with the tokenizer (tokenizer.chat_template), so that "
-                "apply_chat_template and pipeline('text-generation') with chat messages work on the checkpoint."})
+    chat_template: str = field(
+        default=None,
+        metadata={
+            "help": "A Jinja chat template file; saved with the tokenizer (tokenizer.chat_template), so that "
+            "apply_chat_template and pipeline('text-generation') with chat messages work on the checkpoint."
+        },
+    )
 
 
 def held_out_problems(data_args):
     """The synthetic held-out problems (a seed the training corpus never uses)."""
-    return synthetic.make_problems(data_args.num_eval_problems, data_args.min_depth, data_args.max_depth,
-                                   data_args.num_chains, seed=f"{data_args.corpus_seed}-heldout",
-                                   kind=data_args.synthetic_kind)
+    return synthetic.make_problems(
+        data_args.num_eval_problems,
+        data_args.min_depth,
+        data_args.max_depth,
+        data_args.num_chains,
+        seed=f"{data_args.corpus_seed}-heldout",
+        kind=data_args.synthetic_kind,
+    )
 
 
 def held_out_text(data_args, with_train=False):
-    docs = text.read_text_documents(data_args.dataset_name, data_args.dataset_config_name, data_args.train_files,
-                                    data_args.text_column)
-    train_text, valid_text = text.split_documents(docs, data_args.validation_fraction, data_args.corpus_seed,
-                                                  data_args.max_train_chars)
+    docs = text.read_text_documents(
+        data_args.dataset_name, data_args.dataset_config_name, data_args.train_files, data_args.text_column
+    )
+    train_text, valid_text = text.split_documents(
+        docs, data_args.validation_fraction, data_args.corpus_seed, data_args.max_train_chars
+    )
     return (train_text, valid_text) if with_train else valid_text

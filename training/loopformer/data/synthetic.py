@@ -63,7 +63,7 @@ def make_problem(rng, depth, num_chains=2):  # kind "binding"
     names = rng.sample(VARIABLES, num_chains * depth)
     statements, target = [], None
     for c in range(num_chains):
-        chain = names[c * depth:(c + 1) * depth]
+        chain = names[c * depth : (c + 1) * depth]
         value = rng.choice(VALUES)
         statements.append(f"{chain[0]}={value};")
         statements += [f"{chain[i]}={chain[i - 1]};" for i in range(1, depth)]

@@ -19,7 +19,9 @@ def read_text_documents(dataset_name=None, dataset_config_name=None, train_files
 
         ds = datasets.load_dataset(dataset_name, dataset_config_name, split="train")
         if text_column not in ds.column_names:
-            raise ValueError(f"`text_column`={text_column!r} is not a column of {dataset_name}; it has {ds.column_names}.")
+            raise ValueError(
+                f"`text_column`={text_column!r} is not a column of {dataset_name}; it has {ds.column_names}."
+            )
         return [t for t in ds[text_column] if t and t.strip()]
     paths = []
     for entry in train_files:
@@ -65,13 +67,15 @@ def chunk_text(text, tokenizer, block_size, chunk_chars=100_000, window_targets=
     where run_clm's rows train T - 1."""
     ids = []
     for start in range(0, len(text), chunk_chars):
-        ids += tokenizer(text[start:start + chunk_chars], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
     n = (len(ids) - window_targets) // block_size
     if n == 0:
-        raise ValueError(f"The text holds {len(ids)} tokens, fewer than one block of block_size={block_size}"
-                         f"{' plus its next-token target' if window_targets else ''}.")
-    rows = [ids[i * block_size:(i + 1) * block_size] for i in range(n)]
+        raise ValueError(
+            f"The text holds {len(ids)} tokens, fewer than one block of block_size={block_size}"
+            f"{' plus its next-token target' if window_targets else ''}."
+        )
+    rows = [ids[i * block_size : (i + 1) * block_size] for i in range(n)]
     data = {"input_ids": rows, "attention_mask": [[1] * block_size for _ in rows], "labels": [list(r) for r in rows]}
     if window_targets:
-        data["shift_labels"] = [ids[i * block_size + 1:(i + 1) * block_size + 1] for i in range(n)]
+        data["shift_labels"] = [ids[i * block_size + 1 : (i + 1) * block_size + 1] for i in range(n)]
     return data
