@@ -12,15 +12,14 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 
 import numbers
 import warnings
-from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
-from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
-from .trajectory_loopformer import LoopFormerRows, per_row_budget, resolve_call
+from .plan_loopformer import LoopFormerPlan
+from .trajectory_loopformer import LoopFormerRows
 
 
 logger = logging.get_logger(__name__)
@@ -38,148 +37,6 @@ def cache_argument(cache, past_key_values, owner):
             f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
         )
     return cache if cache is not None else past_key_values
-
-
-class LoopFormerCacheSpec(NamedTuple):
-    """What a cache was filled under. A tuple of constants (no tensors, no custom `__eq__`), so that a compiled
-    forward can guard on it and a static cache can be sized from it (`num_slots`)."""
-
-    trajectory: tuple  # step sizes Δ_1..Δ_M
-    num_blocks: int  # k
-    halt_eps: float | None = None
-    halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
-    share_n: int | None = None  # cache_sharing="modulo": loop step i is stored in the slot of step i mod share_n
-    halt_criterion: str | None = None  # only recorded with halt_eps: another criterion halts other tokens
-    # Per-row trajectories (`LoopFormerRows`): the largest budget, and `trajectory` is (). Their values stay on the
-    # plan, out of the spec, so that a compiled forward guards on the largest budget alone, not on the mix of rows.
-    row_steps: int | None = None
-
-    @property
-    def loop_steps(self):
-        """Loop steps a call runs: M, or the largest budget of per-row trajectories."""
-        return len(self.trajectory) if self.row_steps is None else self.row_steps
-
-    @property
-    def num_steps(self):
-        """Loop-step slots per block that the cache stores."""
-        steps = self.loop_steps + extra_slots(self.halt_criterion)  # e.g. the lab's "probe_entropy" step
-        return steps if self.share_n is None else min(steps, self.share_n)
-
-    @property
-    def num_slots(self):
-        return self.num_steps * self.num_blocks
-
-    def describe(self):
-        if self.row_steps is not None:
-            return f"per-row trajectories (largest loop budget {self.row_steps})"
-        sharing = "" if self.share_n is None else f", cache shared modulo {self.share_n}"
-        return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
-
-
-def _plain(value):
-    """`value` as a plain value that a later call's can be compared with, or `NotImplemented` if it is none (compared
-    by identity: a compiled forward traces this). A 1-D integer tensor (per-row budgets) stands as its shape: a
-    compiled forward guards on that, and its values are compared in eager code (`LoopFormerPlan.for_call`)."""
-    if value is None or type(value) in (int, float, str):
-        return value
-    if isinstance(value, torch.Tensor) and value.ndim == 1 and per_row_budget(value):
-        return ("tensor", tuple(value.shape))
-    if isinstance(value, (list, tuple)):
-        items = tuple(_plain(v) for v in value)
-        return NotImplemented if any(item is NotImplemented for item in items) else items
-    return NotImplemented
-
-
-def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
-    """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
-    can be compared with (None when a knob is not such a value, e.g. a tensor schedule: that call resolves its own
-    plan)."""
-    loop_budget, step_schedule = _plain(loop_budget), _plain(step_schedule)
-    if loop_budget is NotImplemented or step_schedule is NotImplemented or isinstance(loop_budget, str):
-        return None
-    if not (halt_eps is None or type(halt_eps) in (int, float)) or (
-        halt_criterion is not None and not isinstance(halt_criterion, str)
-    ):
-        return None
-    return (
-        loop_budget,
-        step_schedule,
-        halt_eps,
-        halt_criterion,
-        config.num_loops,
-        config.default_loop_budget,
-        config.default_step_schedule,
-        config.halt_criterion,
-        config.halt_kv_fill,
-        config.cache_sharing,
-        config.cache_share_n,
-        config.loop_conditioning,
-        config.max_loop_budget_factor,
-    )
-
-
-class LoopFormerPlan(NamedTuple):
-    """One forward call's loop, resolved and validated once: the call's knobs as given (`request`) and what they
-    resolve to, the trajectory and halting rule in `spec` (and per-row trajectories in `rows`). A cache keeps the plan
-    of the calls that fill it (`bind`), so the decode steps of a `generate` call reuse it instead of resolving the
-    budget and schedule again."""
-
-    request: tuple | None  # None: knobs that cannot be compared as values (e.g. a tensor schedule), never reused
-    spec: LoopFormerCacheSpec
-    rows: LoopFormerRows | None = None  # per-row trajectories (`trajectory_loopformer.resolve_call`)
-
-    @classmethod
-    def for_call(
-        cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None, batch_size=None
-    ):
-        """The plan of a call with these knobs: the one `cache` holds if the call asks the same (a decode step of the
-        call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one, or the row
-        of a bad per-row value)."""
-        request = _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion)
-        kept = getattr(cache, "plan", None)
-        if (
-            request is not None
-            and kept is not None
-            and kept.request == request
-            and (torch.compiler.is_compiling() or _same_budgets(kept, loop_budget))
-        ):
-            return kept
-        halt_eps = check_halt_eps(halt_eps)
-        halt_criterion = check_halt_criterion(config.halt_criterion if halt_criterion is None else halt_criterion)
-        halting = halt_eps is not None
-        trajectory, rows = resolve_call(
-            config, loop_budget, step_schedule, halt_criterion if halting else None, batch_size
-        )
-        share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
-        spec = LoopFormerCacheSpec(
-            tuple(trajectory),
-            config.num_hidden_layers,
-            halt_eps,
-            config.halt_kv_fill if halting else None,
-            share_n,
-            halt_criterion if halting else None,
-            None if rows is None else rows.num_steps,
-        )
-        return cls(request, spec, rows)
-
-    @property
-    def trajectory(self):
-        return self.spec.trajectory
-
-    @property
-    def halt_eps(self):
-        return self.spec.halt_eps
-
-    @property
-    def halt_criterion(self):
-        return self.spec.halt_criterion
-
-
-def _same_budgets(kept, loop_budget):
-    """Whether per-row budgets given as a tensor hold the values of the plan `kept` (compared by `request` otherwise)."""
-    if not isinstance(loop_budget, torch.Tensor):
-        return True
-    return kept.rows is not None and torch.equal(kept.rows.budgets, loop_budget.detach().cpu().long())
 
 
 def _mismatch_message(was, now):
@@ -406,20 +263,23 @@ class LoopFormerCacheMixin:
         return LoopFormerCache(**_offloading_of(cache)).bind(spec if plan is None else plan)
 
     @staticmethod
-    def replace_generate_default(model_kwargs, config, num_steps):
+    def replace_generate_default(model_kwargs, config, plan):
         """`generate` puts a plain `DynamicCache` (or, with `cache_implementation="static"`, a `StaticCache`) in
         `model_kwargs` (under `cache`, or `past_key_values` before transformers 5.24). Swap an empty one it built for
-        the LoopFormer cache of the same kind, sized for `num_steps` loop steps; the first forward binds it."""
+        the LoopFormer cache of the same kind, sized for and bound to `plan` (this `generate` call's)."""
         for name in ("cache", "past_key_values"):
             cache = model_kwargs.get(name)
             if cache is None or getattr(cache, "_is_user_defined", False) or cache.get_seq_length() != 0:
                 continue
             if type(cache) is DynamicCache:  # e.g. cache_implementation="offloaded": its offloading is kept
-                model_kwargs[name] = LoopFormerCache(**_offloading_of(cache))
+                model_kwargs[name] = LoopFormerCache(**_offloading_of(cache)).bind(plan)
             elif type(cache) is StaticCache:
                 model_kwargs[name] = LoopFormerStaticCache(
-                    config, max_cache_len=cache.get_max_length(), max_loop_budget=num_steps, **_offloading_of(cache)
-                )
+                    config,
+                    max_cache_len=cache.get_max_length(),
+                    max_loop_budget=plan.spec.num_steps,
+                    **_offloading_of(cache),
+                ).bind(plan)
 
 
 class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
@@ -507,8 +367,6 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
 __all__ = [
     "LoopFormerCache",
     "LoopFormerCacheMixin",
-    "LoopFormerCacheSpec",
-    "LoopFormerPlan",
     "LoopFormerDynamicLayer",
     "LoopFormerStaticCache",
 ]

@@ -25,8 +25,7 @@ from transformers.generation import (
 )
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
-from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
-from .trajectory_loopformer import max_loop_steps, resolve_call
+from .plan_loopformer import LoopFormerPlan
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
@@ -55,11 +54,7 @@ def check_generation_knobs(config, knobs, source):
     """Raise `ValueError` (naming `source`) unless the loop knobs `knobs` ({name: value} of `GENERATION_LOOP_KNOBS`)
     are valid for a model of `config`, by the rules `forward` applies to them."""
     try:
-        if knobs.get("loop_budget") is not None or knobs.get("step_schedule") is not None:
-            resolve_call(config, knobs.get("loop_budget"), knobs.get("step_schedule"))  # per-row lists included
-        check_halt_eps(knobs.get("halt_eps"))
-        if knobs.get("halt_criterion") is not None:
-            check_halt_criterion(knobs["halt_criterion"])
+        LoopFormerPlan.for_call(config, None, **{name: knobs.get(name) for name in GENERATION_LOOP_KNOBS})
     except ValueError as e:
         raise ValueError(
             f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it there."
@@ -144,9 +139,13 @@ class LoopFormerGenerationMixin(GenerationMixin):
         `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
         (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        steps = max_loop_steps(self.config, model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule"))
-        rule = model_kwargs.get("halt_criterion") or self.config.halt_criterion  # a rule's extra slots
-        LoopFormerCache.replace_generate_default(model_kwargs, self.config, steps + extra_slots(rule))
+        # the batch the forwards will see: generate has repeated the rows for beams and num_return_sequences
+        batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        if batch_size is not None:
+            batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        knobs = {name: model_kwargs.get(name) for name in GENERATION_LOOP_KNOBS}
+        plan = LoopFormerPlan.for_call(self.config, None, **knobs, batch_size=batch_size)  # once per generate call
+        LoopFormerCache.replace_generate_default(model_kwargs, self.config, plan)
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has

@@ -22,13 +22,14 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .cache_loopformer import CACHE_FIELD, LoopFormerCache, LoopFormerPlan, cache_argument
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache, cache_argument
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
 from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
 from .hub import LoopFormerHubMixin
+from .plan_loopformer import LoopFormerPlan
 from .layers_loopformer import (
     LoopFormerBlock,
     LoopFormerLoopConditioning,
@@ -306,6 +307,13 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             hidden_states = halting.final_states(hidden_states)
         return hidden_states, all_hidden_states, all_attentions, halting
 
+    def _cache_for_call(self, cache, use_cache, plan):
+        """As Llama's: `use_cache` starts a cache, one passed in is filled; none under gradient checkpointing."""
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if (self.gradient_checkpointing and self.training) or not (use_cache or cache is not None):
+            return None
+        return LoopFormerCache.for_call(cache, plan)
+
     # ---- forward -------------------------------------------------------------------------------------------------
 
     def forward(
@@ -343,18 +351,12 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             kwargs.get(name) if kwargs.get(name) is not None else getattr(self.config, name)
             for name in ("output_attentions", "output_hidden_states")
         )
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
         cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         plan = LoopFormerPlan.for_call(
             self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion, batch_size=inputs_embeds.shape[0]
         )
-        # As Llama: `use_cache` decides whether to start a cache; one passed in is filled whatever it says (gradient
-        # checkpointing in training uses none: recomputed blocks would write it twice).
-        checkpointing = self.gradient_checkpointing and self.training
-        cache = (
-            None if checkpointing or not (use_cache or cache is not None) else LoopFormerCache.for_call(cache, plan)
-        )
+        cache = self._cache_for_call(cache, use_cache, plan)
         hidden_states, position_embeddings, mask = self._prepare_inputs(
             inputs_embeds, attention_mask, position_ids, cache
         )
@@ -411,16 +413,14 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
     ):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
-        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama): targets already aligned with the
-            positions (the authors' windows: T tokens train T targets); a keyword, so `label_names` stay `["labels"]`.
-        loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`]; also
-            `generate` kwargs. With `halt_eps`, the output's `loop_counts` holds the loop steps each token ran.
+        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama, so `label_names` stay `["labels"]`):
+            targets already aligned with the positions (the authors' windows: T tokens train T targets).
+        loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`], also as
+            `generate` kwargs; `output_attentions`, `output_hidden_states`, `return_dict`, `past_key_values` as Llama's.
         shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, train with LoopFormer's
             shortcut-consistency objective: the same inputs also run its short trajectory and
             `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency`. In a Trainer, looped_training's ShortcutConsistencyCallback passes one to each training
-            forward with labels.
-        `output_attentions`, `output_hidden_states`, `return_dict` and `past_key_values` are keywords, as for Llama.
+            `consistency` (in a Trainer, looped_training's ShortcutConsistencyCallback passes it).
         """
         shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
         model_inputs = {
@@ -441,7 +441,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             **{**kwargs, "return_dict": True},
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep  # as Llama
         logits = self.lm_head(hidden_states[:, keep, :])
         loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
         output = LoopFormerCausalLMOutput(

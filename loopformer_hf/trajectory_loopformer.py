@@ -7,8 +7,8 @@
   warning, once, for one the model was not trained for);
 - per-row trajectories (`LoopFormerRows`, `resolve_rows`) and `resolve_call`, what one forward call runs.
 
-`LoopFormerConfig` delegates its trajectory methods here; the cache's `LoopFormerPlan` resolves a call with
-`resolve_call`. Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code`
+`LoopFormerConfig` delegates its trajectory methods here; `LoopFormerPlan` (plan_loopformer.py) resolves a call
+with `resolve_call`. Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code`
 loading.
 """
 
@@ -271,15 +271,6 @@ def resolve_rows(config, loop_budget, step_schedule, batch_size=None):
     return LoopFormerRows.from_trajectories(trajectories)
 
 
-def max_loop_steps(config, loop_budget=None, step_schedule=None):
-    """Loop steps a call with these knobs runs (the largest per-row budget), for sizing a cache before the batch is
-    known."""
-    resolved = resolve_rows(config, loop_budget, step_schedule)
-    if resolved is None:
-        return len(config.resolve_trajectory(loop_budget, step_schedule))
-    return resolved.num_steps if isinstance(resolved, LoopFormerRows) else len(resolved)
-
-
 # Read outside a compiled graph: the per-row values become a plan whose spec holds only the largest budget, so a
 # compiled forward without a cache breaks its graph here once and guards on that budget, not on the rows' values.
 _resolve_rows_eagerly = torch.compiler.disable(resolve_rows)
@@ -332,7 +323,6 @@ __all__ = [
     "LoopFormerRows",
     "check_budget",
     "check_schedule",
-    "max_loop_steps",
     "resolve_call",
     "resolve_rows",
     "resolve_trajectory",

@@ -206,7 +206,7 @@ def test_a_cache_passed_in_is_filled_even_with_use_cache_false(tiny_model, where
 def test_an_offloading_cache_keeps_offloading_when_replaced():
     """`generate(cache_implementation="offloaded")` builds `DynamicCache(offloading=True)`; the LoopFormer cache that
     replaces it (and one replacing a user's empty offloading cache) offloads too, instead of silently not."""
-    from loopformer_hf.cache_loopformer import LoopFormerCacheSpec
+    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
 
     kwargs = {"cache": DynamicCache(offloading=True, offload_only_non_sliding=True)}
     LoopFormerCache.replace_generate_default(kwargs, None, 2)
@@ -218,8 +218,9 @@ def test_an_offloading_cache_keeps_offloading_when_replaced():
 
 
 def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_plan(tiny_model, monkeypatch):
-    """The plan (trajectory, cache spec, halting) is bound to the cache by the first forward: the decode steps of
-    the same call read it instead of validating the budget and schedule again."""
+    """The plan (trajectory, cache spec, halting) is built once per `generate` call (its cache hook) and bound to the
+    cache it makes: the prefill and the decode steps read it instead of validating the budget and schedule again
+    (before the plan was one object, generate's hook resolved the budget a second time to size the cache)."""
     resolved = []
     resolve = type(tiny_model.config).resolve_trajectory
     monkeypatch.setattr(
@@ -239,11 +240,24 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
     )
     cache = cache_of(out)
     assert cache.plan.trajectory == (0.75, 0.25) and cache.plan.halt_eps == 0.5 and cache.spec is cache.plan.spec
-    # one resolution to size the cache (generate's hook) and one by the prefill; none by the 5 decode steps
-    assert len(resolved) == 2
+    # one resolution, by generate's cache hook; none by the prefill or the 5 decode steps
+    assert len(resolved) == 1
     resolved.clear()
     tiny_model(ids[:, :1], cache=LoopFormerCache(), loop_budget=2)  # another call, another plan
     assert len(resolved) == 1
+    resolved.clear()
+    # per-row budgets for rows repeated by num_return_sequences, into a preallocated cache: still once, for 4 rows
+    out = tiny_model.generate(
+        ids,
+        max_new_tokens=3,
+        do_sample=True,
+        num_return_sequences=2,
+        loop_budget=[1, 2, 2, 1],
+        cache_implementation="static",
+        return_dict_in_generate=True,
+    )
+    assert len(resolved) == 4 and cache_of(out).plan.batch_size == 4  # one per row, by the hook alone
+    assert cache_of(out).plan.rows.budgets.tolist() == [1, 2, 2, 1]
 
 
 # ---- the preallocated cache ------------------------------------------------------------------------------------------

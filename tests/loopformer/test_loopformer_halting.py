@@ -330,7 +330,8 @@ def test_deferred_slot_writes_are_seen_by_every_cache_operation():
     by reading `keys`/`values`, and by transformers' cache methods (crop, beam reordering, length)."""
     import copy
 
-    from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+    from loopformer_hf.cache_loopformer import LoopFormerCache
+    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
 
     def kv(n, seed):
         g = torch.Generator().manual_seed(seed)
@@ -367,7 +368,8 @@ def test_a_slot_that_is_never_read_does_not_keep_one_tensor_per_token():
     """A slot whose tokens always halt before its step is only ever written: its pieces join every `max_pending`
     appends, so a long generation holds a bounded number of tensors, and the slot's keys are still every piece in
     order."""
-    from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheSpec
+    from loopformer_hf.cache_loopformer import LoopFormerCache
+    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
 
     cache = LoopFormerCache(LoopFormerCacheSpec((1.0,), num_blocks=1))
     g = torch.Generator().manual_seed(0)

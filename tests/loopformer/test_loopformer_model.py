@@ -414,6 +414,7 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
         "loss_loopformer.py",
         "masks_loopformer.py",
         "modeling_loopformer.py",
+        "plan_loopformer.py",
         "trajectory_loopformer.py",
     ]
     ids = torch.randint(3, 97, (1, 6))
