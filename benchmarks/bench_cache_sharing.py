@@ -1,4 +1,4 @@
-"""KV memory and quality of the shared loop cache (`cache_sharing="modulo"`, an approximation) against the exact one.
+"""KV memory and quality of the shared loop cache (benchmarks/cache_sharing.py, an approximation) against the exact one.
 
     python -m benchmarks.bench_cache_sharing [--steps 300] [--output benchmarks/results/cache_sharing.json]
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import loopformer_hf
 from benchmarks import write_json
+from benchmarks.cache_sharing import ModuloSharedCache
 from loopformer_hf import LoopFormerCache
 
 
@@ -49,10 +50,15 @@ def kv_bytes(cache):
     )
 
 
-def decode_nll(model, ids, prompt_len, loop_budget):
+def new_cache(share_n=None):
+    """The exact cache (`share_n=None`) or the shared one holding `share_n` loop-step slots per block."""
+    return LoopFormerCache() if share_n is None else ModuloSharedCache(share_n)
+
+
+def decode_nll(model, ids, prompt_len, loop_budget, share_n=None):
     """Mean next-token NLL of positions prompt_len.. when the sequence is fed as one prefill plus one-token steps."""
     with torch.no_grad():
-        out = model(ids[:, :prompt_len], cache=LoopFormerCache(), use_cache=True, loop_budget=loop_budget)
+        out = model(ids[:, :prompt_len], cache=new_cache(share_n), use_cache=True, loop_budget=loop_budget)
         cache, logits = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1:]]
         for i in range(prompt_len, ids.shape[1] - 1):
             out = model(ids[:, i : i + 1], cache=cache, use_cache=True, loop_budget=loop_budget)
@@ -94,11 +100,10 @@ def main(argv=None):
     memory = {}
     for budget in args.memory_budgets:
         row = {}
-        for sharing, n in [("none", None)] + [("modulo", n) for n in args.share_n]:
-            model.config.cache_sharing = sharing
-            model.config.cache_share_n = n or 4
+        for n in [None] + args.share_n:
             out = model.generate(
                 prompt,
+                cache=new_cache(n),
                 loop_budget=budget,
                 max_new_tokens=args.new_tokens,
                 do_sample=False,
@@ -108,7 +113,6 @@ def main(argv=None):
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
             row["exact" if n is None else f"shared n={n}"] = kv_bytes(cache)
         memory[f"M={budget}"] = row
-    model.config.cache_sharing = "none"
 
     # 2. train on the Markov language, then perplexity of cached decoding
     probs = markov_language(vocab)
@@ -131,9 +135,7 @@ def main(argv=None):
     for budget in (cfg.num_loops,):
         row = {"exact": math.exp(decode_nll(model, held_out, args.prompt_len, budget))}
         for n in args.share_n:
-            model.config.cache_sharing, model.config.cache_share_n = "modulo", n
-            row[f"shared n={n}"] = math.exp(decode_nll(model, held_out, args.prompt_len, budget))
-        model.config.cache_sharing = "none"
+            row[f"shared n={n}"] = math.exp(decode_nll(model, held_out, args.prompt_len, budget, n))
         quality[f"M={budget}"] = row
     report = {
         "config": vars(args),

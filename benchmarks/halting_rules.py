@@ -208,11 +208,6 @@ class ProbeEntropy(ReadoutHalting):
     def check_model(cls, config, readout, criterion):
         super().check_model(config, readout, criterion)
         _check_step_conditioning(config, criterion, "entropy")
-        if config.cache_sharing != "none":
-            raise ValueError(
-                f"halt_criterion={criterion!r} keeps the probe step in cache slots of its own, which "
-                f"cache_sharing={config.cache_sharing!r} does not have: use cache_sharing='none'."
-            )
 
     @classmethod
     def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion=PROBE_CRITERION):

@@ -71,7 +71,7 @@ def cache_rows(cfg, threads, repeats, log=print):
 
 
 def shared_cache_rows(cfg, threads, repeats, log=print):
-    """Keys/values held after cached generation at budgets L, 2L, 3L: the shared cache (`cache_sharing="modulo"`,
+    """Keys/values held after cached generation at budgets L, 2L, 3L: the lab's shared cache (benchmarks/cache_sharing.py,
     n = 1, 2) over the exact one (one slot per loop step and block). Bytes, so no spread; an approximation beyond
     one call (docs/compile.md)."""
     loopformer, _ = build_models(cfg, "rope")
@@ -80,17 +80,17 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
     n, L, rows = cfg["gen_vs_llama"], cfg["loops"], []
     log(f"shared cache memory at M = {L}, {2 * L}, {3 * L}: {n} new tokens")
 
-    def held(M, sharing, share_n=2):
-        loopformer.config.cache_sharing, loopformer.config.cache_share_n = sharing, share_n
-        fn = generate_fn(loopformer, prompt, n, loop_budget=M, return_dict_in_generate=True)
+    def held(M, share_n=None):
+        cache = bench_cache_sharing.new_cache(share_n)
+        fn = generate_fn(loopformer, prompt, n, loop_budget=M, cache=cache, return_dict_in_generate=True)
         fn()
         out = fn.result["tokens"]
         return bench_cache_sharing.kv_bytes(out.cache if hasattr(out, "cache") else out.past_key_values)
 
     for M in (L, 2 * L, 3 * L):
-        full = held(M, "none")
+        full = held(M)
         for share_n in (1, 2):
-            shared = held(M, "modulo", share_n)
+            shared = held(M, share_n)
             rows.append(
                 row(
                     f"KV bytes after {cfg['prompt']}+{n} tokens at M={M}: shared n={share_n} / exact",
@@ -101,7 +101,6 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
                     math.isclose(shared / full, share_n / M),
                 )
             )
-    loopformer.config.cache_sharing = "none"
     return rows
 
 

@@ -3,9 +3,8 @@ holds one slot per pair, at `slot(i, j) = i * k + j`. A cache records the trajec
 it; reusing it under another is an error instead of silently wrong logits.
 
 Two storages: [`LoopFormerCache`] (a `DynamicCache`, grows by concatenation) and [`LoopFormerStaticCache`] (a
-`StaticCache`: every slot preallocated for `max_cache_len` tokens, for `torch.compile`). With
-`config.cache_sharing="modulo"` both keep only n = `config.cache_share_n` loop-step slots per block (an
-approximation, see `LoopFormerCacheMixin.update`).
+`StaticCache`: every slot preallocated for `max_cache_len` tokens, for `torch.compile`). Subclasses may store a slot
+elsewhere (`storage_slot`): the lab's shared cache (benchmarks/cache_sharing.py) keeps n loop-step slots per block.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
@@ -45,7 +44,7 @@ def _mismatch_message(was, now):
         was_text, now_text = (f"per-row trajectories {[list(t) for t in rows.trajectories]}" for rows in (was, now))
     elif was is None:
         was_text, now_text = "an unknown trajectory", now.describe()
-    elif (was.trajectory, was.share_n, was.row_steps) == (now.trajectory, now.share_n, now.row_steps):
+    elif (was.trajectory, was.row_steps) == (now.trajectory, now.row_steps):
         was_text, now_text = (
             f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
             + ("" if spec.halt_criterion in (None, "state_change") else f"; halt_criterion={spec.halt_criterion}")
@@ -56,19 +55,9 @@ def _mismatch_message(was, now):
         was_text, now_text = was.describe(), now.describe()
     return (
         f"This cache was filled under {was_text}, but this call runs {now_text}. Every (loop step, block) has its own "
-        f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps/cache_sharing that built it: "
+        f"cache slot, so a cache only serves the loop_budget/step_schedule/halt_eps that built it: "
         f"start a new cache (or call without one)."
     )
-
-
-def _rewind(layer, tokens):
-    """Drop the last `tokens` tokens of a cache layer so the next update overwrites them. A static layer only moves
-    its write position back, in place (its tensors keep their addresses); transformers < 5.24 has no
-    `StaticLayer.crop`, so this does what 5.24's does."""
-    if isinstance(layer, StaticLayer):
-        layer.cumulative_length.sub_(tokens)
-    else:
-        layer.crop(-tokens)
 
 
 def _offloading_of(cache):
@@ -198,25 +187,13 @@ class LoopFormerCacheMixin:
             )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Store the keys/values of `layer_idx = slot(step, block)`.
-
-        Cache sharing ("modulo", Huginn's "latest-m{n}"): step i is stored in the slot of step i mod n. Steps run in
-        order, so from step n on that slot already holds this call's tokens (of step i - n): they are replaced, and
-        what earlier tokens left there (their latest step of that residue) stays. Exact within one call; a later
-        token at step i reads earlier tokens' step max{s < M: s = i mod n} instead of their step i.
-        """
-        layer_idx = self._storage_slot(layer_idx, key_states.shape[-2])
+        """Store the keys/values of `layer_idx = slot(step, block)` (in `storage_slot`'s slot) and return the slot's."""
+        layer_idx = self.storage_slot(layer_idx, key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _storage_slot(self, layer_idx, tokens):
-        """Where `layer_idx` is stored: itself, or under cache sharing the slot of its step's residue, rewound by the
-        `tokens` this call already wrote there (see `update`)."""
-        n = self.spec.share_n if self.spec is not None else None
-        if n is not None:
-            step, block = divmod(layer_idx, self.spec.num_blocks)
-            if step >= n:
-                layer_idx = self.slot(step % n, block)
-                _rewind(self.layers[layer_idx], tokens)
+    def storage_slot(self, layer_idx, tokens):
+        """Where slot `layer_idx` is stored, for a write of `tokens` tokens: itself (one slot per (loop step, block));
+        a subclass may store several steps in one (the lab's `ModuloSharedCache`)."""
         return layer_idx
 
     def write(self, key_states, value_states, layer_idx):
@@ -225,7 +202,7 @@ class LoopFormerCacheMixin:
         if self.offloading or self.layer_class_to_replicate is not LoopFormerDynamicLayer:
             self.update(key_states, value_states, layer_idx)
             return
-        layer_idx = self._storage_slot(layer_idx, key_states.shape[-2])
+        layer_idx = self.storage_slot(layer_idx, key_states.shape[-2])
         while len(self.layers) <= layer_idx:
             self.layers.append(LoopFormerDynamicLayer())
         self.layers[layer_idx].append(key_states, value_states)
@@ -305,8 +282,7 @@ class LoopFormerCache(LoopFormerCacheMixin, DynamicCache):
 
 
 class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
-    """A `StaticCache` for a looped model: `max_loop_budget x k` slots (`min(max_loop_budget, n) x k` with
-    `config.cache_sharing="modulo"`), each holding `max_cache_len` tokens, allocated at its first write (or by
+    """A `StaticCache` for a looped model: `max_loop_budget x k` slots, each holding `max_cache_len` tokens, allocated at its first write (or by
     `early_initialization`) and then written in place, so that `torch.compile` sees fixed shapes and addresses.
 
     `generate(..., cache_implementation="static")` builds one sized for the call's trajectory. Built by hand, it serves
@@ -328,8 +304,6 @@ class LoopFormerStaticCache(LoopFormerCacheMixin, StaticCache):
             raise ValueError(f"`max_loop_budget` must be None or an integer >= 1, got {max_loop_budget!r}.")
         if not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool) or max_cache_len < 1:
             raise ValueError(f"`max_cache_len` must be an integer >= 1, got {max_cache_len!r}.")
-        if config.cache_sharing == "modulo":
-            steps = min(steps, config.cache_share_n)
         layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(steps * config.num_hidden_layers)]
         # StaticCache's own __init__ makes one layer per block from the config; a looped model needs steps x blocks.
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)

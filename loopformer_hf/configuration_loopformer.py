@@ -34,7 +34,6 @@ HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 LOOP_CONDITIONING_MODES = ("shortcut", "timestep", "none")
 POSITION_EMBEDDING_TYPES = ("learned", "rope")
 HALT_KV_FILLS = ("recompute", "reuse")
-CACHE_SHARING_MODES = ("none", "modulo")
 INITIALIZER_SCHEMES = ("reference", "zero_adaln")
 
 # Llama's tensor-parallel plan (`from_pretrained(..., tp_plan="auto")` under torchrun): attention heads and MLP columns
@@ -112,6 +111,19 @@ def _generation_kwargs():
     return frozenset(GenerationConfig().to_dict())  # configs of older releases carry them; transformers drops them
 
 
+def _moved_cache_sharing(kwargs):
+    """`cache_sharing`/`cache_share_n`, fields of configs saved before the shared loop cache moved to the lab: the
+    exact cache ("none") is what every config now runs; "modulo" is a cache object, not a config value."""
+    sharing, share_n = kwargs.pop("cache_sharing", "none"), kwargs.pop("cache_share_n", None)
+    if sharing != "none":
+        raise ValueError(
+            f"cache_sharing={sharing!r} is no LoopFormerConfig field any more: the shared loop cache is a cache "
+            f"object in the lab, `benchmarks.cache_sharing.ModuloSharedCache(share_n={share_n or 4})`, passed as "
+            f"`cache=` to forward or generate. Remove cache_sharing from the config (every model runs the exact "
+            f"cache, one slot per (loop step, block))."
+        )
+
+
 def _warn_unknown_kwargs(name, kwargs):
     """A keyword that is no field (a typo: `num_loop=4`) was kept silently and changed nothing: warn, as transformers'
     GenerationConfig does for flags it does not know, naming the closest field."""
@@ -164,10 +176,6 @@ class LoopFormerConfig(PreTrainedConfig):
             `"uniform"`, `"coarse_to_fine"`, `"fine_to_coarse"`.
         halt_kv_fill (`str`, defaults to `"reuse"`): with `halt_eps`, how the cache slots a halted token skips are
             filled: `"reuse"` repeats its last computed step's keys/values; `"recompute"` projects its frozen state.
-        cache_sharing (`str`, defaults to `"none"`): `"none"`: one KV slot per (loop step, block), exact.
-            `"modulo"` (an approximation after Huginn's shared recurrent cache): step i writes the slot of step
-            i mod `cache_share_n`, min(M, n) x k slots whatever the budget M (docs/compile.md).
-        cache_share_n (`int`, defaults to 4): n, the loop-step slots per block with `cache_sharing="modulo"`.
         halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping:
             `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps; or a rule registered with
             `halting_loopformer.register_halting_rule` (the lab's research rules: benchmarks/halting_rules.py). A call
@@ -215,8 +223,6 @@ class LoopFormerConfig(PreTrainedConfig):
         trajectory.check_default_step_schedule, default="uniform"
     )
     halt_kv_fill: Literal[HALT_KV_FILLS] = "reuse"
-    cache_sharing: Literal[CACHE_SHARING_MODES] = "none"
-    cache_share_n: int = positive_int_field(default=4)
     halt_criterion: str = validated_field(check_halt_criterion, default="state_change")
     attention_dropout: int | float = probability(default=0.0)
     attention_bias: bool = False
@@ -231,6 +237,7 @@ class LoopFormerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        _moved_cache_sharing(kwargs)
         _warn_unknown_kwargs(type(self).__name__, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -354,4 +361,4 @@ def _setattr_numpy_integers_as_int(self, name, value):
 
 LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
-__all__ = ["LoopFormerConfig", "CACHE_SHARING_MODES", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]
+__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]

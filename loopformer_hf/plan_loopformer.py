@@ -23,7 +23,6 @@ class LoopFormerCacheSpec(NamedTuple):
     num_blocks: int  # k
     halt_eps: float | None = None
     halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
-    share_n: int | None = None  # cache_sharing="modulo": loop step i is stored in the slot of step i mod share_n
     halt_criterion: str | None = None  # only recorded with halt_eps: another criterion halts other tokens
     # Per-row trajectories (`LoopFormerRows`): the largest budget, and `trajectory` is (). Their values stay on the
     # plan, out of the spec, so that a compiled forward guards on the largest budget alone, not on the mix of rows.
@@ -37,8 +36,7 @@ class LoopFormerCacheSpec(NamedTuple):
     @property
     def num_steps(self):
         """Loop-step slots per block that the cache stores."""
-        steps = self.loop_steps + extra_slots(self.halt_criterion)  # e.g. the lab's "probe_entropy" step
-        return steps if self.share_n is None else min(steps, self.share_n)
+        return self.loop_steps + extra_slots(self.halt_criterion)  # e.g. the lab's "probe_entropy" step
 
     @property
     def num_slots(self):
@@ -47,8 +45,7 @@ class LoopFormerCacheSpec(NamedTuple):
     def describe(self):
         if self.row_steps is not None:
             return f"per-row trajectories (largest loop budget {self.row_steps})"
-        sharing = "" if self.share_n is None else f", cache shared modulo {self.share_n}"
-        return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)}{sharing})"
+        return f"trajectory {list(self.trajectory)} (loop budget {len(self.trajectory)})"
 
 
 def _plain(value):
@@ -86,8 +83,6 @@ def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
         config.default_step_schedule,
         config.halt_criterion,
         config.halt_kv_fill,
-        config.cache_sharing,
-        config.cache_share_n,
         config.loop_conditioning,
         config.max_loop_budget_factor,
     )
@@ -127,15 +122,13 @@ class LoopFormerPlan(NamedTuple):
         trajectory, rows = resolve_call(
             config, loop_budget, step_schedule, halt_criterion if halting else None, batch_size
         )
-        share_n = config.cache_share_n if config.cache_sharing == "modulo" else None
         spec = LoopFormerCacheSpec(
-            tuple(trajectory),
-            config.num_hidden_layers,
-            halt_eps,
-            config.halt_kv_fill if halting else None,
-            share_n,
-            halt_criterion if halting else None,
-            None if rows is None else rows.num_steps,
+            trajectory=tuple(trajectory),
+            num_blocks=config.num_hidden_layers,
+            halt_eps=halt_eps,
+            halt_kv_fill=config.halt_kv_fill if halting else None,
+            halt_criterion=halt_criterion if halting else None,
+            row_steps=None if rows is None else rows.num_steps,
         )
         return cls(request, spec, rows, batch_size)
 

@@ -285,15 +285,9 @@ def _gives_rows(loop_budget, step_schedule):
     )
 
 
-def _check_rows_supported(config, halt_criterion):
-    """Refuse what per-row trajectories cannot run exactly: a shared cache slot holds several steps of a row, and an
-    exit or probe step's conditioning comes from one trajectory."""
-    if config.cache_sharing != "none":
-        raise ValueError(
-            f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget "
-            f"ends early would overwrite its own shared slots (cache_sharing={config.cache_sharing!r}). "
-            f"Use cache_sharing='none', or one budget for the batch."
-        )
+def _check_rows_supported(halt_criterion):
+    """Refuse what per-row trajectories cannot run exactly: a rule whose exit or probe step's conditioning comes from
+    one trajectory."""
     if halt_criterion is not None and not halting_rule(halt_criterion).per_row:
         allowed = [name for name, rule in HALTING_RULES.items() if rule.per_row]
         raise ValueError(
@@ -314,7 +308,7 @@ def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=No
         return config.resolve_trajectory(loop_budget, step_schedule), None
     if not isinstance(rows, LoopFormerRows):
         return rows, None  # every row resolved to one trajectory
-    _check_rows_supported(config, halt_criterion)
+    _check_rows_supported(halt_criterion)
     return (), rows
 
 

@@ -317,9 +317,11 @@ def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
     model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).eval()
     with pytest.raises(ValueError, match=r"use halt_criterion='entropy'"):
         model(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
-    shared = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(cache_sharing="modulo")).eval()
-    with pytest.raises(ValueError, match="cache_sharing='none'"):
-        shared(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
+    from benchmarks.cache_sharing import ModuloSharedCache
+
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).eval()
+    with pytest.raises(ValueError, match="keeps its extra step in cache slots of its own.*use a LoopFormerCache"):
+        model(torch.randint(3, 97, (1, 6)), cache=ModuloSharedCache(2), halt_eps=0.1, halt_criterion="probe_entropy")
 
 
 def test_each_row_computes_its_solo_call_under_a_lab_rule(tiny_model):

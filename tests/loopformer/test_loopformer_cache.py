@@ -261,8 +261,8 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
 
 
 # ---- the preallocated cache ------------------------------------------------------------------------------------------
-# The preallocated loop cache (LoopFormerStaticCache) is exact against the dynamic one, and the opt-in
-# shared cache (cache_sharing="modulo") holds n step slots per block whatever the budget.
+# The preallocated loop cache (LoopFormerStaticCache) is exact against the dynamic one (the lab's shared cache:
+# tests/lab/test_cache_sharing.py).
 
 TRAJECTORIES = [{"loop_budget": M} for M in range(1, 5)] + [{"step_schedule": [0.5, 0.25, 0.125, 0.125]}]
 
@@ -397,64 +397,26 @@ def test_plain_static_cache_is_refused_with_the_looped_alternative(model):
         model(torch.randint(3, 97, (1, 4)), cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
 
 
-# ---- cache sharing (approximation) -----------------------------------------------------------------------------
+def test_a_saved_config_with_the_exact_cache_setting_loads_as_before_and_a_shared_one_names_the_lab(tmp_path):
+    """`cache_sharing`/`cache_share_n` were config fields until the shared cache moved to the lab: a config.json that
+    says "none" (every saved one but the lab's) loads silently to the same model; "modulo" is refused, naming the lab's
+    cache object, rather than loading a model that would silently run another cache."""
+    import json
+    import warnings
 
-
-@pytest.mark.parametrize("storage", ["dynamic", "static"])
-def test_shared_cache_holds_n_step_slots_and_is_exact_within_a_call(storage):
-    model = _model(cache_sharing="modulo", cache_share_n=2)
-    exact = _model()
-    ids = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(3))
-
-    def new_cache(m):
-        return LoopFormerCache() if storage == "dynamic" else LoopFormerStaticCache(m.config, max_cache_len=20)
-
-    # one call (the prompt) attends within itself: exact
-    prompt = model(ids, cache=new_cache(model), use_cache=True, loop_budget=4)
-    assert_logits_match(prompt.logits, exact(ids, use_cache=False, loop_budget=4).logits)
-    assert len(cache_of(prompt).layers) == 2 * 2  # n x k slots for budget 4 (the exact cache has 4 x 2)
-    # budget <= n never wraps: decoding is exact
-    shared_2, _ = _prefill_then_decode(model, ids, new_cache(model), loop_budget=2)
-    exact_2, _ = _prefill_then_decode(exact, ids, LoopFormerCache(), loop_budget=2)
-    assert_logits_match(shared_2, exact_2)
-    # budget 4 > n: decode steps read earlier tokens' later steps; an approximation, equal in both storages
-    shared_4, cache = _prefill_then_decode(model, ids, new_cache(model), loop_budget=4)
-    exact_4, _ = _prefill_then_decode(exact, ids, LoopFormerCache(), loop_budget=4)
-    assert not torch.allclose(shared_4[:, 10:], exact_4[:, 10:], atol=1e-3)
-    assert_logits_match(shared_4[:, :10], exact_4[:, :10])
-    assert int(cache.get_seq_length()) == 20 and cache.spec.share_n == 2
-    other, _ = _prefill_then_decode(
-        model,
-        ids,
-        LoopFormerCache() if storage == "static" else LoopFormerStaticCache(model.config, max_cache_len=20),
-        loop_budget=4,
-    )
-    assert_logits_match(other, shared_4)
-
-
-def test_shared_cache_from_generate_and_refused_under_exact_config():
-    model = _model(cache_sharing="modulo", cache_share_n=2)
-    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
-    out = model.generate(ids, max_new_tokens=4, do_sample=False, loop_budget=4, return_dict_in_generate=True)
-    assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 2 * 2
-    static = model.generate(
-        ids,
-        max_new_tokens=4,
-        do_sample=False,
-        loop_budget=4,
-        cache_implementation="static",
-        return_dict_in_generate=True,
-    )
-    assert len(cache_of(static).layers) == 2 * 2 and torch.equal(static.sequences, out.sequences)
-    model.config.cache_sharing = "none"  # the filled cache records its sharing: the exact model refuses it
-    with pytest.raises(ValueError, match="cache shared modulo 2.* but this call runs trajectory"):
-        model(ids[:, :1], cache=cache_of(out), use_cache=True, loop_budget=4)
-
-
-@pytest.mark.parametrize("field,value", [("cache_sharing", "latest"), ("cache_share_n", 0)])
-def test_cache_sharing_fields_are_validated(field, value):
-    with pytest.raises(StrictDataclassError, match=field):
-        tiny_loopformer_config(**{field: value})
+    config = tiny_loopformer_config()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for sharing in ("none", "modulo"):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "cache_sharing": sharing, "cache_share_n": 2}))
+        if sharing == "none":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                loaded = loopformer_hf.LoopFormerConfig.from_pretrained(tmp_path)
+            assert loaded.to_dict() == config.to_dict() and not hasattr(loaded, "cache_sharing")
+        else:
+            with pytest.raises(ValueError, match=r"benchmarks\.cache_sharing\.ModuloSharedCache\(share_n=2\)"):
+                loopformer_hf.LoopFormerConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("fill", ["reuse", "recompute"])

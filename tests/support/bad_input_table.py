@@ -109,12 +109,6 @@ IDS = torch.tensor([[3, 4, 5]])
 IDS2 = IDS.repeat(2, 1)  # a batch of two rows, for per-row knobs
 
 
-def modulo_loopformer():
-    from loopformer_hf import LoopFormerForCausalLM
-
-    return LoopFormerForCausalLM(loopformer_config(cache_sharing="modulo")).eval()
-
-
 GRID = torch.zeros(1, 16, dtype=torch.long)
 
 
@@ -448,6 +442,13 @@ CASES = [
     ),
     Case(
         f"{LF} config",
+        "cache_sharing='modulo' (a config saved before the shared cache moved to the lab)",
+        lambda t: loopformer_config(cache_sharing="modulo", cache_share_n=2),
+        ValueError,
+        r"cache_sharing='modulo' is no LoopFormerConfig field.*benchmarks.cache_sharing.ModuloSharedCache\(share_n=2\)",
+    ),
+    Case(
+        f"{LF} config",
         "hidden_size=30, num_attention_heads=4",
         lambda t: loopformer_config(hidden_size=30),
         StrictDataclassError,
@@ -545,13 +546,6 @@ CASES = [
         lambda t: loopformer()(IDS2, halt_eps=0.1, halt_criterion="kl_div"),
         ValueError,
         r"`halt_criterion` must be one of \('state_change'.*\), got 'kl_div'.*import benchmarks.halting_rules",
-    ),
-    Case(
-        f"{LF} forward",
-        "loop_budget=[1, 2] with cache_sharing='modulo'",
-        lambda t: modulo_loopformer()(IDS2, loop_budget=[1, 2]),
-        ValueError,
-        r"Per-row loop budgets or schedules need a slot per \(loop step, block\).*cache_sharing='modulo'",
     ),
     Case(
         f"{LF} forward",

@@ -230,16 +230,13 @@ def test_fprm_card_snippet_fits_a_short_learned_position_table(tmp_path):
     assert "(2, 10))" in card  # 12 rows - 2 prefix rows
 
 
-@pytest.mark.parametrize(
-    "conditioning,cache",
-    [("shortcut", {}), ("timestep", {}), ("none", {}), ("shortcut", {"cache_sharing": "modulo", "cache_share_n": 2})],
-)
-def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, conditioning, cache):
+@pytest.mark.parametrize("conditioning", ["shortcut", "timestep", "none"])
+def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, conditioning):
     # With L=8 the card's example budget 4 makes "coarse_to_fine" a non-uniform schedule, which a model with
     # loop_conditioning "timestep" or "none" refuses: the card's second snippet raised ValueError, and its first line
     # said every step is conditioned on t and Δ, which only the shortcut variant is.
     checkpoint = tmp_path / "ckpt"
-    save_checkpoint(checkpoint, num_loops=8, loop_conditioning=conditioning, **cache)
+    save_checkpoint(checkpoint, num_loops=8, loop_conditioning=conditioning)
     stage = tmp_path / "stage"
     assert (
         publish_main(
@@ -260,9 +257,7 @@ def test_loopformer_card_matches_the_variant_and_its_snippets_run(tmp_path, cond
     else:
         assert "step size Δ" not in body and "coarse_to_fine" not in body
         assert {"timestep": "conditioned on its loop index", "none": "no loop conditioning"}[conditioning] in body
-    # the KV cache sentence follows cache_sharing (it claimed one slot per loop step for a modulo cache too)
-    modulo = "The KV cache keeps 2 loop-step slots per block" in body
-    assert modulo == bool(cache) and ("one slot per (loop step, block)" in body) == (not cache)
+    assert "one slot per (loop step, block)" in body  # the shared cache is the lab's (benchmarks/cache_sharing.py)
     # the citation names the paper's full title and its three authors (it was "Jeddi and others")
     assert "LoopFormer: Elastic-Depth Looped Transformers for Latent Reasoning via Shortcut Modulation" in body
     assert "{Jeddi, Ahmadreza and Ciccone, Marco and Taati, Babak}" in body
