@@ -10,7 +10,6 @@ Relative imports only: `save_pretrained` copies this file next to the weights fo
 """
 
 import numbers
-import warnings
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
@@ -25,17 +24,6 @@ logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def cache_argument(cache, past_key_values, owner):
-    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
-    if past_key_values is None:
-        return cache
-    if CACHE_FIELD == "cache":
-        warnings.warn(
-            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
-        )
-    return cache if cache is not None else past_key_values
 
 
 def _mismatch_message(was, now):

@@ -1,11 +1,31 @@
 """What a LoopFormer forward call accepts as masks, positions and token inputs (transformers' conventions, refused
-with a `ValueError` that names the value otherwise), and the boolean attention mask built from them.
+with a `ValueError` that names the value otherwise), and what the forward makes of them in one call (`call_inputs`):
+the embeddings, the position ids and the attention mask, as Llama's forward makes them.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
 import torch
 from transformers.masking_utils import create_causal_mask
+
+
+def call_inputs(config, embed_tokens, input_ids, inputs_embeds, attention_mask, position_ids, cache):
+    """(embeddings, position ids (batch, q_len), attention mask) of one forward call, its inputs checked first (against
+    the tokens `cache` holds)."""
+    check_token_inputs(input_ids, inputs_embeds, config.vocab_size, config.hidden_size, embed_tokens.weight.dtype)
+    inputs_embeds = inputs_embeds if input_ids is None else embed_tokens(input_ids)
+    (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
+    if cache is not None and not torch.compiler.is_compiling():
+        cache.check_batch_size(batch)
+    past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
+    check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
+    if position_ids is None:
+        position_ids = default_position_ids(attention_mask, batch, q_len, past_len, device)
+    position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
+    mask = attention_mask_for(config, inputs_embeds, attention_mask, position_ids, cache, past_len)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
+    return inputs_embeds, position_ids, mask
 
 
 def attention_mask_for(config, inputs_embeds, attention_mask, position_ids, cache, past_len):
@@ -116,4 +136,10 @@ def check_token_inputs(input_ids, inputs_embeds, vocab_size, hidden_size, dtype)
             raise ValueError(f"`input_ids` must lie in [0, {vocab_size - 1}], got values in [{low}, {high}].")
 
 
-__all__ = ["attention_mask_for", "check_mask_and_positions", "check_token_inputs", "default_position_ids"]
+__all__ = [
+    "attention_mask_for",
+    "call_inputs",
+    "check_mask_and_positions",
+    "check_token_inputs",
+    "default_position_ids",
+]

@@ -10,6 +10,7 @@ than the one that filled it.
 import glob
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,11 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .cache_loopformer import CACHE_FIELD, LoopFormerCache, cache_argument
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
-from .masks_loopformer import attention_mask_for, check_mask_and_positions, check_token_inputs, default_position_ids
+from .masks_loopformer import call_inputs
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
 from .hub import LoopFormerHubMixin
 from .plan_loopformer import LoopFormerPlan
@@ -149,12 +150,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _embed(self, input_ids, inputs_embeds):
-        check_token_inputs(
-            input_ids, inputs_embeds, self.config.vocab_size, self.config.hidden_size, self.embed_tokens.weight.dtype
-        )
-        return inputs_embeds if input_ids is None else self.embed_tokens(input_ids)
-
     def _add_positions(self, inputs_embeds, position_ids):
         """(hidden states, rotary (cos, sin) or None): learned positions are added, RoPE is applied in attention."""
         if self.config.position_embedding_type != "learned":
@@ -238,28 +233,11 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             halting = halting.update(previous, hidden_states, final)
         return hidden_states, attentions, halting
 
-    def _prepare_inputs(self, inputs_embeds, attention_mask, position_ids, cache):
-        """(hidden states with learned positions added, rotary (cos, sin) or None, attention mask) of a call whose
-        inputs and mask are checked against the cache's length."""
-        (batch, q_len), device = inputs_embeds.shape[:2], inputs_embeds.device
-        if cache is not None and not torch.compiler.is_compiling():
-            cache.check_batch_size(batch)
-        past_len, kv_len = cache.mask_lengths(q_len) if cache is not None else (0, q_len)
-        check_mask_and_positions(attention_mask, position_ids, batch, q_len, kv_len)
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, batch, q_len, past_len, device)
-        position_ids = position_ids.expand(batch, q_len)  # (1, q_len) is shared by the batch, as in Llama
-        mask = attention_mask_for(self.config, inputs_embeds, attention_mask, position_ids, cache, past_len)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
-        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
-        return hidden_states, position_embeddings, mask
-
     def _loop(
         self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
     ):
         """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
-        the halting state or None)."""
+        the loop steps each token ran or None (without `halt_eps`))."""
         trajectory, num_steps, halting = plan.trajectory, plan.spec.loop_steps, None
         if plan.halt_eps is not None or plan.rows is not None:  # per-row budgets halt a row after its last step
             readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
@@ -305,7 +283,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 all_hidden_states += (hidden_states,)
         if halting is not None:  # a rule may keep other states for some tokens
             hidden_states = halting.final_states(hidden_states)
-        return hidden_states, all_hidden_states, all_attentions, halting
+        loop_counts = None if plan.halt_eps is None else halting.loop_counts
+        return hidden_states, all_hidden_states, all_attentions, loop_counts
 
     def _cache_for_call(self, cache, use_cache, plan):
         """As Llama's: `use_cache` starts a cache, one passed in is filled; none under gradient checkpointing."""
@@ -352,25 +331,38 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             for name in ("output_attentions", "output_hidden_states")
         )
         cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
-        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        given = input_ids if input_ids is not None else inputs_embeds  # checked in `call_inputs`
+        batch_size = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None
         plan = LoopFormerPlan.for_call(
-            self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion, batch_size=inputs_embeds.shape[0]
+            self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion, batch_size=batch_size
         )
         cache = self._cache_for_call(cache, use_cache, plan)
-        hidden_states, position_embeddings, mask = self._prepare_inputs(
-            inputs_embeds, attention_mask, position_ids, cache
+        inputs_embeds, position_ids, mask = call_inputs(
+            self.config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, position_ids, cache
         )
-        hidden_states, all_hidden_states, all_attentions, halting = self._loop(
+        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
+        hidden_states, all_hidden_states, all_attentions, loop_counts = self._loop(
             plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
         )
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states),
             hidden_states=all_hidden_states,
             attentions=all_attentions,
-            loop_counts=None if plan.halt_eps is None else halting.loop_counts,
+            loop_counts=loop_counts,
             **{CACHE_FIELD: cache},
         )
         return as_requested(output, kwargs.get("return_dict"), self.config)
+
+
+def cache_argument(cache, past_key_values, owner):
+    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
+    if past_key_values is None:
+        return cache
+    if CACHE_FIELD == "cache":
+        warnings.warn(
+            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
+        )
+    return cache if cache is not None else past_key_values
 
 
 def as_requested(output, return_dict, config):

@@ -581,3 +581,47 @@ def test_the_untrained_trajectory_warning_says_what_is_true_for_the_variant(monk
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             model(ids, loop_budget=8)
+
+
+def _files_the_forward_enters(model, **kwargs):
+    """The package files that `LoopFormerModel.forward`'s own calls enter, in order (consecutive calls into one file
+    merged; calls into its own file and what its callees call are left out): the trip of `input_ids` through it."""
+    import os
+    import sys
+
+    package = os.path.dirname(loopformer_hf.__file__)
+    trip = []
+
+    def is_forward(frame):
+        code = frame.f_code
+        return code.co_name == "forward" and type(frame.f_locals.get("self")) is loopformer_hf.LoopFormerModel
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(package):
+            return
+        caller = frame.f_back
+        while caller is not None and not caller.f_code.co_filename.startswith(package):
+            caller = caller.f_back  # through torch's Module.__call__
+        name = os.path.basename(frame.f_code.co_filename)
+        if caller is not None and is_forward(caller) and name != "modeling_loopformer.py" and trip[-1:] != [name]:
+            trip.append(name)
+
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad():
+            model.model(torch.randint(3, 97, (2, 6)), **kwargs)
+    finally:
+        sys.setprofile(None)
+    return trip
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"halt_eps": 0.1, "loop_budget": [1, 2]}, {"use_cache": False}])
+def test_the_forward_reads_top_to_bottom(tiny_model, kwargs):
+    """As Llama's: the call's plan, its cache and inputs (embeddings, positions, mask), the loop, the final norm; each
+    file it hands work to entered once (before the plan was one object, `input_ids` went cache → plan → … → halting,
+    returning to files already left)."""
+    assert _files_the_forward_enters(tiny_model, **kwargs) == [
+        "plan_loopformer.py",
+        "masks_loopformer.py",
+        "layers_loopformer.py",  # the final norm
+    ]
