@@ -7,10 +7,11 @@ block j) pair gets its own `Attention` layer, hence its own paged KV cache, name
 
 The number of cache layers is fixed when the model is built: one per (loop step, block) up to the largest budget a
 request may ask for (`max_request_loop_budget`). The server's trajectory (loop budget M, step sizes Δ_1..Δ_M) is
-resolved once by `server_trajectory`: vLLM's `--hf-overrides` (`loop_budget`, `step_schedule`), else the checkpoint's
+resolved once per engine, by the plugin's config hook (`LoopFormerServing`, through `server_trajectory`): vLLM's `--hf-overrides` (`loop_budget`, `step_schedule`), else the checkpoint's
 generation_config.json, else its config (`default_loop_budget`, `default_step_schedule`); what vLLM cannot express is
 refused there. A request may pick its own budget and schedule (`SamplingParams(extra_args=...)`, the OpenAI server's
-`vllm_xargs`; `vllm_requests.py`), a token running only the loop steps of its own request's trajectory.
+`vllm_xargs`; `vllm_requests.py`), resolved once when it joins the batch; a token runs only the loop steps of its
+own request's trajectory.
 
 Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_attn.q_proj.weight`, ...). This file
 takes the loop conditioning module (t, Δ → c_i) from `modeling_loopformer.py`; the rest is vLLM's layers.
@@ -44,8 +45,8 @@ from vllm.sequence import IntermediateTensors
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
 from .layers_loopformer import LoopFormerLoopConditioning, rms_norm
-from .vllm_plugin import max_request_loop_budget, server_trajectory
-from .vllm_requests import LoopPlan, requests_of
+from .vllm_plugin import server_trajectory, serving_of
+from .vllm_requests import LoopPlan, batch_request_loops
 
 
 class LoopFormerMLP(nn.Module):
@@ -226,11 +227,11 @@ class LoopFormerModel(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
-        generation_config = vllm_config.model_config.try_get_generation_config()
-        self.trajectory = server_trajectory(config, generation_config)
+        serving = serving_of(vllm_config)  # resolved once per engine, by the plugin's config hook
+        self.loop = serving.loop  # the server's RequestLoop: every request that asks for none runs it
+        self.trajectory = self.loop.trajectory
         # cache layers for the deepest trajectory a request may ask for; each request runs its own
-        self.num_steps = max_request_loop_budget(config, generation_config)
-        self.requests_key = id(vllm_config)  # where its requests' trajectories are (vllm_requests)
+        self.num_steps = serving.max_budget
         quant_config, cache_config = vllm_config.quant_config, vllm_config.cache_config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
@@ -266,14 +267,14 @@ class LoopFormerModel(nn.Module):
 
     def plan(self, num_tokens, device):
         """Which tokens run which trajectory in this forward (`LoopPlan`): the server's for every token, unless a
-        request in the batch asked for its own."""
-        requests = requests_of(self.requests_key)
-        metadata = get_forward_context().attn_metadata if requests is not None and requests.rows else None
+        request in the batch asked for its own (its `RequestLoop`, resolved when it joined the batch)."""
+        rows = batch_request_loops()  # this engine's, from the forward context
+        metadata = get_forward_context().attn_metadata if rows else None
         if isinstance(metadata, dict):  # one per cache layer, the same rows for all: take step 0's
             metadata = metadata.get(self.layers[0].self_attn.attn[0].layer_name)
         if metadata is None or isinstance(metadata, list):  # a profiling run; micro-batches (not on CPU)
-            return LoopPlan([self.trajectory], None, device)
-        return LoopPlan.build(self.trajectory, requests.rows, metadata.query_start_loc.tolist(), num_tokens, device)
+            return LoopPlan([self.loop], None, device)
+        return LoopPlan.build(self.loop, rows, metadata.query_start_loc.tolist(), num_tokens, device)
 
     def adaln(self, block, trajectories, hidden_states):
         """The block's adaLN tables: (M, d) for one trajectory, else (trajectories, deepest M, d), zero past a

@@ -591,23 +591,115 @@ def test_per_request_knobs_are_refused_where_the_server_cannot_run_them(checkpoi
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
 
-    from loopformer_hf.vllm_plugin import REFUSING_LOGITS_PROCESSOR, SERVED_MODEL_CONFIGS
+    from loopformer_hf.vllm_plugin import LoopFormerServing, bind_processor
+    from loopformer_hf.vllm_requests import LoopFormerRequestRefusal
 
     model_config = EngineArgs(
         model=checkpoints["loopformer"], dtype="float32", max_model_len=128
     ).create_model_config()
-    saved = list(SERVED_MODEL_CONFIGS)
-    SERVED_MODEL_CONFIGS[:] = [(model_config, "start it with VLLM_USE_V2_MODEL_RUNNER=0")]
-    try:
-        validate = build_custom_logits_processors_params_validator([REFUSING_LOGITS_PROCESSOR])
-        # VLLMValidationError: vLLM's front-end answers it with HTTP 400
-        with pytest.raises(VLLMValidationError, match="not served here: start it with VLLM_USE_V2_MODEL_RUNNER=0"):
-            validate(SamplingParams(extra_args={"loop_budget": 2}))
-        with pytest.raises(VLLMValidationError, match="got 0"):  # a bad value still names itself
-            validate(SamplingParams(extra_args={"loop_budget": 0}))
-        validate(SamplingParams())
-    finally:
-        SERVED_MODEL_CONFIGS[:] = saved
+    # what the config hook installs on such a server: the refusing processor, bound to the server it refuses for
+    serving = LoopFormerServing.build(
+        model_config.hf_config, model_config.try_get_generation_config(), "start it with VLLM_USE_V2_MODEL_RUNNER=0"
+    )
+    (processor,) = bind_processor(["loopformer_hf.vllm_requests:LoopFormerRequestTrajectories"], serving)
+    assert issubclass(processor, LoopFormerRequestRefusal) and processor.serving is serving
+    validate = build_custom_logits_processors_params_validator([processor])
+    # VLLMValidationError: vLLM's front-end answers it with HTTP 400
+    with pytest.raises(VLLMValidationError, match="not served here: start it with VLLM_USE_V2_MODEL_RUNNER=0"):
+        validate(SamplingParams(extra_args={"loop_budget": 2}))
+    with pytest.raises(VLLMValidationError, match="got 0"):  # a bad value still names itself
+        validate(SamplingParams(extra_args={"loop_budget": 0}))
+    validate(SamplingParams())
+
+
+def _engine_config(checkpoint, **overrides):
+    """The `VllmConfig` of an engine (the plugin's config hook has run on it), as `LLM(...)` builds it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=checkpoint, hf_overrides=overrides, dtype="float32", max_model_len=128, enforce_eager=True)
+    return args.create_engine_config()
+
+
+def test_each_engine_admits_requests_by_its_own_server(checkpoints):
+    """Two servers built in one process (largest per-request budgets 4 and 3): each admits by its own config, the
+    first after the second was built, as vLLM's front-end validates (`validate_logits_processors_parameters` on its
+    model config's processors); and the server travels with the engine's config to a spawned engine core (pickled)."""
+    import pickle
+
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+    deep = _engine_config(checkpoints["loopformer"], max_request_loop_budget=4)
+    shallow = _engine_config(checkpoints["loopformer"])
+    four = SamplingParams(extra_args={"loop_budget": 4})
+    validate_logits_processors_parameters(deep.model_config.logits_processors, four)
+    with pytest.raises(VLLMValidationError, match="largest per-request loop budget, 3"):
+        validate_logits_processors_parameters(shallow.model_config.logits_processors, four)
+    spawned = pickle.loads(pickle.dumps(deep))
+    (processor,) = spawned.model_config.logits_processors
+    assert (
+        processor.serving.max_budget == 4
+        and processor.serving.loop == deep.model_config.logits_processors[0].serving.loop
+    )
+    validate_logits_processors_parameters(spawned.model_config.logits_processors, four)
+
+
+def test_each_request_resolves_once_in_its_engines_worker(checkpoints, monkeypatch):
+    """In the worker a request's knobs resolve once, when it joins the batch, into an immutable `RequestLoop`; the
+    model finds its engine's rows through that engine's forward context (another engine in the process sees none),
+    and the per-forward `LoopPlan` maps tokens to those rows without resolving again."""
+    import loopformer_hf
+    from vllm import SamplingParams
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from loopformer_hf.vllm_plugin import RequestLoop
+    from loopformer_hf.vllm_requests import LoopPlan, batch_request_loops
+
+    engines = [_engine_config(checkpoints["loopformer"], max_request_loop_budget=4) for _ in range(2)]
+    processors = [config.model_config.logits_processors[0](config, torch.device("cpu"), False) for config in engines]
+    resolved = []
+    resolve = loopformer_hf.LoopFormerConfig.resolve_trajectory
+    monkeypatch.setattr(
+        loopformer_hf.LoopFormerConfig, "resolve_trajectory", lambda *a: resolved.append(a[1:]) or resolve(*a)
+    )
+    params = SamplingParams(extra_args={"loop_budget": 4, "step_schedule": "uniform"})
+    processors[0].update_state(BatchUpdate(batch_size=2, removed=[], added=[(1, params, [5, 6], [])], moved=[]))
+    expected = RequestLoop((0.25,) * 4, 4)
+    assert resolved == [(4, "uniform")] and processors[0].rows == {1: expected}
+    with set_forward_context(None, engines[1]):
+        assert batch_request_loops() == {}
+    server = processors[0].serving.loop
+    for _ in range(3):  # three forwards of the same batch
+        processors[0].update_state(None)
+        with set_forward_context(None, engines[0]):
+            rows = batch_request_loops()
+        plan = LoopPlan.build(server, rows, [0, 2, 4], 4, torch.device("cpu"))
+        assert plan.trajectories == [server.trajectory, expected.trajectory] and len(plan.steps) == 4
+    assert len(resolved) == 1
+
+
+def test_no_module_level_registry():
+    """What a request runs reaches the model through vLLM's per-engine objects only: no module of the vLLM side
+    defines a mutable container at its top level (a registry of configs, processors or requests that every engine of
+    the process would share)."""
+    import ast
+    import inspect
+    from collections.abc import MutableMapping, MutableSequence, MutableSet
+
+    from loopformer_hf import vllm_model, vllm_plugin, vllm_requests
+
+    for module in (vllm_plugin, vllm_requests, vllm_model):
+        tree = ast.parse(inspect.getsource(module))
+        assigned = [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+        assigned += [node.target.id for node in tree.body if isinstance(node, ast.AnnAssign)]
+        assert "logger" in assigned or module is vllm_model  # the check sees the module's own assignments
+        containers = (MutableMapping, MutableSequence, MutableSet)
+        mutable = [
+            name for name in assigned if not name.startswith("__") and isinstance(vars(module)[name], containers)
+        ]
+        assert mutable == [], (module.__name__, mutable)
 
 
 def test_plugin_registers_the_architectures_of_saved_checkpoints(checkpoints):
