@@ -68,8 +68,8 @@ def server_trajectory(hf_config, generation_config=None):
     Raises `ValueError` for what a vLLM server cannot run exactly:
     - `halt_eps` (per-token halting): a token's depth would depend on its values, while vLLM batches every request's
       tokens through one fixed stack of cache layers;
-    - `cache_sharing="modulo"`: the shared slots are overwritten across decode steps in `generate`'s order, which
-      paged attention does not reproduce.
+    - `cache_sharing` set by `--hf-overrides` (no config field: the shared cache is a cache object in the lab,
+      benchmarks/cache_sharing.py), which would otherwise be ignored.
     """
     knobs = server_knobs(hf_config, generation_config)
     if knobs["halt_eps"] is not None:
@@ -81,9 +81,9 @@ def server_trajectory(hf_config, generation_config=None):
         )
     if getattr(hf_config, "cache_sharing", "none") != "none":
         raise ValueError(
-            f"cache_sharing={hf_config.cache_sharing!r} is not supported by the vLLM LoopFormer model (its slots are "
-            f"shared across decode steps in generate's order); serve with --hf-overrides "
-            f'\'{{"cache_sharing": "none"}}\' (exact: one cache per loop step and block).'
+            f"cache_sharing={hf_config.cache_sharing!r} is no LoopFormer config field (the shared loop cache is the "
+            f"lab's, benchmarks/cache_sharing.py) and the vLLM LoopFormer model serves the exact cache, one per "
+            f"(loop step, block): drop it from --hf-overrides."
         )
     return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
 
