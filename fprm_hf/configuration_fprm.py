@@ -108,6 +108,10 @@ def check_patience(value, name="patience"):
 
 
 # ---- the other field rules transformers does not provide: check(value) raises ValueError ---------------------------
+# `_real`, `check_positive_number` and `check_rope_parameters` are also LoopFormer's (configuration_loopformer.py): a
+# saved FPRM loads its config without loopformer_hf (trust_remote_code copies this package's files alone), and
+# transformers' nearest rules are not these (`positive_any_number` takes 0 and inf, `interval` has no None and its own
+# message, `validate_rope` warns where these refuse), so each package has one home for them.
 
 
 def check_positive_number(value):

@@ -3,6 +3,9 @@ attention → SwiGLU → depthwise conv → residual scaling (α, β) → block.
 `FPRMModel.fixed_point_map` (modeling_fprm.py, whose docstring writes it out).
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
+That is also why `rms_norm`, `rotate_half` and `eager_attention_forward` have a home here and one in LoopFormer's
+layers_loopformer.py: a saved FPRM loads without loopformer_hf (tests/test_layout.py keeps the two packages apart and
+lists what both define), and torch and transformers have no public function that computes exactly these.
 """
 
 import math
@@ -18,11 +21,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
 
 
-def rms_norm(x, eps=None):
-    """Weightless RMSNorm in float32 (every norm of the loop has no weight, as the authors'); `eps=None` is torch's
-    default (machine epsilon of the input dtype), as the reference."""
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+def rms_norm(x, eps):
+    """Weightless RMSNorm in float32, returned in the dtype of `x` (every norm of the loop has no weight, as the
+    authors'); `eps` is `config.rms_norm_eps` (a number: the config refuses None).
+
+    Not torch's `F.rms_norm(x, ...)` alone, which equals this in float32, bfloat16 and float16 on CPU but computes a
+    float64 `x` in float64 (the authors' norm: in float32; up to 7e-7 apart) and, under CUDA autocast (where rms_norm
+    is a float32 op), returns a bfloat16 `x`'s norm in float32 instead of rounding it to bfloat16 as the authors do."""
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -72,7 +77,7 @@ class FPRMRotaryEmbedding(nn.Module):
         return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rotate_half(x):
+def rotate_half(x):  # Llama's (a module-level helper of its modeling file, not transformers' public API)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -90,6 +95,9 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The "eager" attention: FPRM's is causal by `module.is_causal` (no mask is passed: every token of a grid or a
+    sequence is an input) with one key per query head; LoopFormer's takes a mask and grouped keys. Llama's (the
+    nearest in transformers, not public API) softmaxes a float64 model in float32."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if module.is_causal:
         q_len, kv_len = scores.shape[-2:]

@@ -24,7 +24,7 @@ from transformers.utils.type_validators import interval, positive_int_field, pro
 
 from . import trajectory_loopformer as trajectory
 from .halting_loopformer import check_halt_criterion, check_halt_eps
-from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
+from .trajectory_loopformer import STEP_SCHEDULE_PRESETS, _is_real_number
 
 logger = logging.get_logger(__name__)
 
@@ -50,14 +50,14 @@ TP_PLAN = {
 
 
 # ---- the field rules transformers does not provide: check(value) raises ValueError ---------------------------------
-
-
-def _real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+# `check_positive_number` and `check_rope_parameters` are also FPRM's (fprm_hf/configuration_fprm.py): a saved
+# LoopFormer loads its config without fprm_hf (trust_remote_code copies this package's files alone), and transformers'
+# nearest rules are not these (`positive_any_number` takes 0 and inf, `interval` has no None and its own message,
+# `validate_rope` warns where these refuse), so each package has one home for them. A real number is trajectory's.
 
 
 def check_positive_number(value):  # None where the field's type allows it
-    if value is not None and not (_real(value) and 0 < value < math.inf):
+    if value is not None and not (_is_real_number(value) and 0 < value < math.inf):
         raise ValueError(f"Value must be a positive finite number, got {value!r}.")
 
 
@@ -71,9 +71,9 @@ def check_rope_parameters(value):
     if value.get("rope_type", "default") not in (kinds := ("default", *ROPE_INIT_FUNCTIONS)):
         raise ValueError(f"`rope_parameters['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
     for key in ("rope_theta", "factor"):
-        if key in value and not (_real(value[key]) and 0 < value[key] < math.inf):
+        if key in value and not (_is_real_number(value[key]) and 0 < value[key] < math.inf):
             raise ValueError(f"`rope_parameters['{key}']` must be a positive number, got {value[key]!r}.")
-    if not (_real(partial := value.get("partial_rotary_factor", 1.0)) and 0 < partial <= 1):
+    if not (_is_real_number(partial := value.get("partial_rotary_factor", 1.0)) and 0 < partial <= 1):
         raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
 
 

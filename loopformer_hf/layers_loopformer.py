@@ -2,6 +2,10 @@
 loop conditioning (t, Δ) → the modulated block. The model that loops them is modeling_loopformer.py.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
+That is also why `rms_norm`, `rotate_half` and `eager_attention_forward` have a home here and one in FPRM's
+layers_fprm.py: a saved LoopFormer loads without fprm_hf (tests/test_layout.py keeps the two packages apart and lists
+what both define), and torch and transformers have no public function that computes exactly these. The vLLM model
+(vllm_model.py) imports this `rms_norm`.
 """
 
 import math
@@ -22,7 +26,9 @@ DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
 
 
 def rms_norm(x, weight=None, eps=None):
-    """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`."""
+    """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`. Not torch's `F.rms_norm`
+    alone (equal to this in float32, bfloat16 and float16 on CPU): it takes no per-token weight, computes a float64 `x`
+    in float64 and, under CUDA autocast (where rms_norm is a float32 op), returns a bfloat16 `x`'s norm in float32."""
     eps = DEFAULT_RMS_NORM_EPS if eps is None else eps
     if weight is not None and weight.dim() > 1:  # one weight per token (a halting rule's exit step): norm, then weight
         return rms_norm(x, None, eps) * weight.to(x.dtype)
@@ -74,7 +80,7 @@ class LoopFormerRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-def rotate_half(x):
+def rotate_half(x):  # Llama's (a module-level helper of its modeling file, not transformers' public API)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -94,6 +100,8 @@ def repeat_kv(hidden_states, n_rep):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The "eager" attention: grouped keys, a boolean or additive mask (None: causal); FPRM's has neither. Llama's (the
+    nearest in transformers, not public API) softmaxes a float64 model in float32 and takes additive masks only."""
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling

@@ -50,6 +50,69 @@ def test_model_package_imports_no_other_package_of_this_project(package):
         assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
 
 
+# ---- one home per idea ----------------------------------------------------------------------------------------------
+
+# Functions both model packages define with the same body. Each package loads alone (`save_pretrained` copies its
+# files, with their relative imports, for trust_remote_code: the test above), and torch and transformers have no
+# public function that computes or refuses exactly the same, so each has one home per package (comments there say
+# why); any other body written twice is a copy to merge.
+SAME_BODY_IN_EACH_PACKAGE = {
+    "rotate_half": "RoPE's half turn (Llama's is its modeling file's, not transformers' API)",
+    "check_positive_number": "a config rule (transformers' `positive_any_number` takes 0 and inf)",
+    "check_rope_parameters": "a config rule (transformers' `validate_rope` warns where it refuses)",
+    "_real": "FPRM's number test of those rules",
+    "_is_real_number": "LoopFormer's number test (trajectory_loopformer.py), its config's rules included",
+    "validate_rope": "the configs' hook turning transformers' KeyError into a ValueError",
+    "head_dim": "a config property",
+    "rotary_dim": "a config property",
+}
+# The same idea with each package's own features (bodies differ): one home in each package, none elsewhere
+ONE_HOME_IN_EACH_PACKAGE = ("rms_norm", "eager_attention_forward", *SAME_BODY_IN_EACH_PACKAGE)
+
+
+def _functions(package):
+    """(file name, function name, body) of every function of `package`; the body is its arguments and statements,
+    the docstring left out."""
+    found = []
+    for path in _modules(package):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                found.append((path.name, node.name, ast.dump(node.args) + "".join(map(ast.dump, body))))
+    return found
+
+
+def _trivial(body_statements):  # `pass` or `return self.x`: alike by nature, not copies
+    return body_statements in ("Pass()",) or body_statements.startswith("Return(value=Attribute(value=Name(id='self'")
+
+
+def test_no_function_body_is_written_twice_in_the_model_packages():
+    """Fails on a copy: LoopFormer's config had `_real`, trajectory_loopformer.py's `_is_real_number` to the letter."""
+    by_body = {}
+    for package in MODEL_PACKAGES:
+        for file, name, body in _functions(package):
+            statements = body.partition(")")[2] if body.startswith("arguments(") else body
+            if not _trivial(statements.strip()):
+                by_body.setdefault(body, []).append((package, file, name))
+    copies = [homes for homes in by_body.values() if len(homes) > 1]
+    within = [h for h in copies if len({package for package, _, _ in h}) < len(h)]
+    assert not within, f"one body written twice in one package: {within}"
+    across = [h for h in copies if not {name for _, _, name in h} <= set(SAME_BODY_IN_EACH_PACKAGE)]
+    assert not across, f"one body in both packages, not a home trust_remote_code forces: {across}"
+
+
+@pytest.mark.parametrize("package", MODEL_PACKAGES)
+def test_each_idea_both_packages_need_is_defined_in_one_file_of_each(package):
+    """`rms_norm` and the eager attention of each package live in its layers file (vllm_model.py imports
+    LoopFormer's norm), the config rules in its configuration file: never a second copy inside one package."""
+    files = {}
+    for file, name, _ in _functions(package):
+        if name in ONE_HOME_IN_EACH_PACKAGE:
+            files.setdefault(name, set()).add(file)
+    assert not {name: sorted(f) for name, f in files.items() if len(f) > 1}
+    assert {"rms_norm", "eager_attention_forward", "check_positive_number", "check_rope_parameters"} <= set(files)
+
+
 @pytest.mark.parametrize("package", MODEL_PACKAGES)
 def test_no_function_of_a_model_package_is_longer_than_60_lines(package):
     long = []
