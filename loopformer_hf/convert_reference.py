@@ -258,45 +258,19 @@ def _expected_shapes(config):
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
-def convert(
-    checkpoint,
-    output,
-    n_layer,
-    n_loops,
-    n_embd,
-    n_head,
-    vocab_size=50304,
-    block_size=1024,
-    mlp_hidden=None,
-    model_type="loopformer",
-    frequency_embedding_size=256,
-    max_period=10000.0,
-    dtype="float32",
-    allow_pickle=False,
-    safe_serialization=True,
-):
+def convert(checkpoint, output, dtype="float32", allow_pickle=False, safe_serialization=True, **architecture):
     """Convert `checkpoint` (a model of the reference's `model_type`) and save it with `save_pretrained` into
-    `output`. Returns the converted model (eval)."""
+    `output`. `architecture`: `build_config`'s arguments (n_layer, n_loops, n_embd, n_head, ..., model_type). Returns
+    the converted model (eval)."""
     output = os.fspath(output)
     # checked before any work: save_pretrained only logs an error for a file path and writes nothing
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"--output {output!r} exists and is not a folder.")
     if dtype not in DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(DTYPES)}, got {dtype!r}.")
-    config = build_config(
-        n_layer,
-        n_loops,
-        n_embd,
-        n_head,
-        vocab_size=vocab_size,
-        block_size=block_size,
-        mlp_hidden=mlp_hidden,
-        model_type=model_type,
-        frequency_embedding_size=frequency_embedding_size,
-        max_period=max_period,
-    )
+    config = build_config(**architecture)
     reference = load_reference_state_dict(checkpoint, allow_pickle=allow_pickle)
-    state_dict = map_reference_state_dict(reference, config, model_type)
+    state_dict = map_reference_state_dict(reference, config, architecture.get("model_type", "loopformer"))
 
     model = LoopFormerForCausalLM(config)
     result = model.load_state_dict({k: v.to(torch.float32) for k, v in state_dict.items()}, strict=False)

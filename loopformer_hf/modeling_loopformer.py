@@ -12,6 +12,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,18 @@ class LoopFormerPreTrainedModel(
             super()._init_weights(module)
 
 
+class LoopInputs(NamedTuple):
+    """What every loop step of one call reads besides the state: the steps' conditioning (with gradients) or
+    per-block adaLN vectors, the attention mask, rotary (cos, sin), the cache and whether to return attention maps."""
+
+    conditioning: torch.Tensor | None
+    loop_adaln: list | None
+    mask: torch.Tensor | None
+    position_embeddings: tuple | None
+    cache: object
+    output_attentions: bool
+
+
 @dataclass
 class LoopFormerModelOutput(BaseModelOutputWithPast):
     """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`; otherwise every token runs M)."""
@@ -189,21 +202,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             cache.keep_adaln(key, loop_adaln)
         return loop_adaln
 
-    def _loop_step(
-        self,
-        step,
-        hidden_states,
-        conditioning,
-        loop_adaln,
-        mask,
-        position_embeddings,
-        cache,
-        halting,
-        output_attentions,
-        final=False,
-    ):
-        """Loop step `step` (the budget's last if `final`) through the k blocks: (new state, the step's attention maps,
-        halting state after it)."""
+    def _loop_step(self, step, hidden_states, halting, inputs, final=False):
+        """Loop step `step` (the budget's last if `final`) through the k blocks, with the call's `inputs` (a
+        `LoopInputs`): (new state, the step's attention maps, halting state after it)."""
+        conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions = inputs
         halted, active = (
             (None, None)
             if halting is None
@@ -259,6 +261,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             )
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
+        inputs = LoopInputs(conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions)
         for step in range(num_steps):
             if halting is not None and halting.all_halted():  # no block runs any more
                 halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
@@ -266,16 +269,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                     all_hidden_states += (hidden_states,) * (num_steps - step)
                 break
             hidden_states, attentions, halting = self._loop_step(
-                step,
-                hidden_states,
-                conditioning,
-                loop_adaln,
-                mask,
-                position_embeddings,
-                cache,
-                halting,
-                output_attentions,
-                final=step == num_steps - 1,
+                step, hidden_states, halting, inputs, final=step == num_steps - 1
             )
             if output_attentions:
                 all_attentions += attentions

@@ -54,33 +54,18 @@ class LoopFormerMLP(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix=""):
         super().__init__()
-        bias = config.mlp_bias
+        linear = dict(bias=config.mlp_bias, quant_config=quant_config)
+        hidden, inner = config.hidden_size, config.intermediate_size
         self.gated = config.hidden_act == "swiglu"
         if self.gated:
             self.gate_up_proj = MergedColumnParallelLinear(
-                config.hidden_size,
-                [config.intermediate_size] * 2,
-                bias=bias,
-                quant_config=quant_config,
-                prefix=f"{prefix}.gate_up_proj",
+                hidden, [inner] * 2, prefix=f"{prefix}.gate_up_proj", **linear
             )
             self.act_fn = SiluAndMul()
         else:
-            self.up_proj = ColumnParallelLinear(
-                config.hidden_size,
-                config.intermediate_size,
-                bias=bias,
-                quant_config=quant_config,
-                prefix=f"{prefix}.up_proj",
-            )
+            self.up_proj = ColumnParallelLinear(hidden, inner, prefix=f"{prefix}.up_proj", **linear)
             self.act_fn = ACT2FN[config.hidden_act]  # elementwise: exact on a column shard
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size,
-            config.hidden_size,
-            bias=bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.down_proj",
-        )
+        self.down_proj = RowParallelLinear(inner, hidden, prefix=f"{prefix}.down_proj", **linear)
 
     def forward(self, x):
         x, _ = (self.gate_up_proj if self.gated else self.up_proj)(x)
