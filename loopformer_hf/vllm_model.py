@@ -7,14 +7,14 @@ block j) pair gets its own `Attention` layer, hence its own paged KV cache, name
 
 The number of cache layers is fixed when the model is built: one per (loop step, block) up to the largest budget a
 request may ask for (`max_request_loop_budget`). The server's trajectory (loop budget M, step sizes Δ_1..Δ_M) is
-resolved once per engine, by the plugin's config hook (`LoopFormerServing`, through `server_trajectory`): vLLM's `--hf-overrides` (`loop_budget`, `step_schedule`), else the checkpoint's
-generation_config.json, else its config (`default_loop_budget`, `default_step_schedule`); what vLLM cannot express is
-refused there. A request may pick its own budget and schedule (`SamplingParams(extra_args=...)`, the OpenAI server's
+resolved once per engine, by the plugin's config hook (`LoopFormerServing`, through `server_trajectory`): vLLM's
+`--hf-overrides` (`loop_budget`, `step_schedule`), else the checkpoint's generation_config.json, else its config
+(`default_loop_budget`, `default_step_schedule`); what vLLM cannot express is refused there. A request may pick its own budget and schedule (`SamplingParams(extra_args=...)`, the OpenAI server's
 `vllm_xargs`; `vllm_requests.py`), resolved once when it joins the batch; a token runs only the loop steps of its
 own request's trajectory.
 
 Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_attn.q_proj.weight`, ...). This file
-takes the loop conditioning module (t, Δ → c_i) from `modeling_loopformer.py`; the rest is vLLM's layers.
+takes the loop conditioning module (t, Δ → c_i) and `rms_norm` from `layers_loopformer.py`; the rest is vLLM's layers.
 """
 
 import itertools
