@@ -228,14 +228,16 @@ class LoopFormerCacheMixin:
         return LoopFormerCache(**_offloading_of(cache)).bind(spec if plan is None else plan)
 
     @staticmethod
-    def replace_generate_default(model_kwargs, config, plan):
+    def replace_generate_default(model_kwargs, config, make_plan):
         """`generate` puts a plain `DynamicCache` (or, with `cache_implementation="static"`, a `StaticCache`) in
         `model_kwargs` (under `cache`, or `past_key_values` before transformers 5.24). Swap an empty one it built for
-        the LoopFormer cache of the same kind, sized for and bound to `plan` (this `generate` call's)."""
+        the LoopFormer cache of the same kind, sized for and bound to `make_plan()` (this `generate` call's plan, made
+        only when there is such a cache: a cache the user passed gets its plan from the first forward)."""
         for name in ("cache", "past_key_values"):
             cache = model_kwargs.get(name)
             if cache is None or getattr(cache, "_is_user_defined", False) or cache.get_seq_length() != 0:
                 continue
+            plan = make_plan()
             if type(cache) is DynamicCache:  # e.g. cache_implementation="offloaded": its offloading is kept
                 model_kwargs[name] = LoopFormerCache(**_offloading_of(cache)).bind(plan)
             elif type(cache) is StaticCache:

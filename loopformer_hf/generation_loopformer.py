@@ -144,8 +144,11 @@ class LoopFormerGenerationMixin(GenerationMixin):
         if batch_size is not None:
             batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         knobs = {name: model_kwargs.get(name) for name in GENERATION_LOOP_KNOBS}
-        plan = LoopFormerPlan.for_call(self.config, None, **knobs, batch_size=batch_size)  # once per generate call
-        LoopFormerCache.replace_generate_default(model_kwargs, self.config, plan)
+        LoopFormerCache.replace_generate_default(  # the plan: once per generate call
+            model_kwargs,
+            self.config,
+            lambda: LoopFormerPlan.for_call(self.config, None, **knobs, batch_size=batch_size),
+        )
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has

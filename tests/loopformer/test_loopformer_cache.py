@@ -209,7 +209,7 @@ def test_an_offloading_cache_keeps_offloading_when_replaced():
     from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
 
     kwargs = {"cache": DynamicCache(offloading=True, offload_only_non_sliding=True)}
-    LoopFormerCache.replace_generate_default(kwargs, None, 2)
+    LoopFormerCache.replace_generate_default(kwargs, None, lambda: LoopFormerCacheSpec((0.5, 0.5), 1))
     assert type(kwargs["cache"]) is LoopFormerCache
     assert kwargs["cache"].offloading and kwargs["cache"].only_non_sliding
     replaced = LoopFormerCache.for_call(DynamicCache(offloading=True), LoopFormerCacheSpec((0.5, 0.5), 1))
@@ -258,6 +258,10 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
     )
     assert len(resolved) == 4 and cache_of(out).plan.batch_size == 4  # one per row, by the hook alone
     assert cache_of(out).plan.rows.budgets.tolist() == [1, 2, 2, 1]
+    resolved.clear()
+    # a cache the user passes: generate's hook makes no plan, the prefill does, once
+    tiny_model.generate(ids, max_new_tokens=3, do_sample=False, loop_budget=2, cache=LoopFormerCache())
+    assert len(resolved) == 1
 
 
 # ---- the preallocated cache ------------------------------------------------------------------------------------------
