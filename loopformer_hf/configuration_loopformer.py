@@ -111,10 +111,12 @@ def _generation_kwargs():
     return frozenset(GenerationConfig().to_dict())  # configs of older releases carry them; transformers drops them
 
 
-def _moved_cache_sharing(kwargs):
-    """`cache_sharing`/`cache_share_n`, fields of configs saved before the shared loop cache moved to the lab: the
-    exact cache ("none") is what every config now runs; "modulo" is a cache object, not a config value."""
-    sharing, share_n = kwargs.pop("cache_sharing", "none"), kwargs.pop("cache_share_n", None)
+def check_no_cache_sharing(config_or_kwargs):
+    """`cache_sharing`/`cache_share_n` were fields until the shared loop cache moved to the lab: "none" (the exact
+    cache, what every model now runs) is accepted; anything else, in a saved config, a keyword or an attribute set on a
+    loaded config (as docs/compile.md once showed), is refused rather than silently ignored."""
+    get = config_or_kwargs.get if isinstance(config_or_kwargs, dict) else config_or_kwargs.__dict__.get
+    sharing, share_n = get("cache_sharing", "none"), get("cache_share_n", None)
     if sharing != "none":
         raise ValueError(
             f"cache_sharing={sharing!r} is no LoopFormerConfig field any more: the shared loop cache is a cache "
@@ -237,7 +239,8 @@ class LoopFormerConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        _moved_cache_sharing(kwargs)
+        check_no_cache_sharing(kwargs)
+        kwargs.pop("cache_sharing", None), kwargs.pop("cache_share_n", None)
         _warn_unknown_kwargs(type(self).__name__, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -361,4 +364,10 @@ def _setattr_numpy_integers_as_int(self, name, value):
 
 LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
-__all__ = ["LoopFormerConfig", "STEP_SCHEDULE_PRESETS", "INITIALIZER_SCHEMES", "check_halt_eps"]
+__all__ = [
+    "LoopFormerConfig",
+    "check_no_cache_sharing",
+    "STEP_SCHEDULE_PRESETS",
+    "INITIALIZER_SCHEMES",
+    "check_halt_eps",
+]

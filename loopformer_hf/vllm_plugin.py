@@ -13,6 +13,8 @@ from abc import ABCMeta
 from types import MappingProxyType
 from typing import NamedTuple
 
+from .configuration_loopformer import check_no_cache_sharing
+
 logger = logging.getLogger(__name__)
 
 # The `architectures` that this package's `save_pretrained` writes into config.json, and vLLM's model for each.
@@ -79,12 +81,7 @@ def server_trajectory(hf_config, generation_config=None):
             f"(remove halt_eps from the checkpoint's generation_config.json), or use "
             f"`model.generate(..., halt_eps=...)`."
         )
-    if getattr(hf_config, "cache_sharing", "none") != "none":
-        raise ValueError(
-            f"cache_sharing={hf_config.cache_sharing!r} is no LoopFormer config field (the shared loop cache is the "
-            f"lab's, benchmarks/cache_sharing.py) and the vLLM LoopFormer model serves the exact cache, one per "
-            f"(loop step, block): drop it from --hf-overrides."
-        )
+    check_no_cache_sharing(hf_config)
     return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
 
 

@@ -421,6 +421,11 @@ def test_a_saved_config_with_the_exact_cache_setting_loads_as_before_and_a_share
         else:
             with pytest.raises(ValueError, match=r"benchmarks\.cache_sharing\.ModuloSharedCache\(share_n=2\)"):
                 loopformer_hf.LoopFormerConfig.from_pretrained(tmp_path)
+    # set on a loaded model's config, as docs/compile.md once showed: refused at the next call, not ignored
+    model = loopformer_hf.LoopFormerForCausalLM(config).eval()
+    model.config.cache_sharing, model.config.cache_share_n = "modulo", 4
+    with pytest.raises(ValueError, match=r"cache_sharing='modulo' is no LoopFormerConfig field"):
+        model.generate(torch.randint(3, 97, (1, 4)), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("fill", ["reuse", "recompute"])
