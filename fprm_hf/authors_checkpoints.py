@@ -36,6 +36,7 @@ from transformers.utils import cached_file, logging
 
 from .authors_layout import GITHUB, build_config, fixed_alphas_of, map_reference_state_dict, unknown_settings
 from .authors_settings import PublishedCheckpointError, resolve_settings, weight_settings
+from .looped_common import CheckpointLoadersMixin
 
 logger = logging.get_logger(__name__)
 
@@ -320,7 +321,7 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     if not is_published_layout(path, hub_kwargs):
         return None
     from .configuration_fprm import FPRMConfig
-    from .modeling_fprm import FPRMForReasoning, FPRMPreTrainedModel
+    from .modeling_fprm import FPRMForReasoning
 
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for a published folder.")
@@ -349,7 +350,10 @@ def from_pretrained_published(cls, path, model_args, kwargs):
         f"(all-ones DropConnect masks and rotary caches, not used by the forward)"
     )
     loading = cls if issubclass(cls, FPRMForReasoning) else FPRMForReasoning
-    loaded = super(FPRMPreTrainedModel, loading).from_pretrained(None, config=config, state_dict=state_dict, **kwargs)
+    # transformers' own, past the loaders
+    loaded = super(CheckpointLoadersMixin, loading).from_pretrained(
+        None, config=config, state_dict=state_dict, **kwargs
+    )
     model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
     model.name_or_path = model.config._name_or_path = os.fspath(path)
     if loading is not cls:  # FPRMModel (AutoModel): the base model of the loaded reasoner

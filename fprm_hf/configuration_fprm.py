@@ -30,6 +30,7 @@ from huggingface_hub.dataclasses import strict, validated_field
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils.type_validators import positive_int_field
 
+from .looped_common import LoopedConfigMixin, check_positive_number, check_rope_parameters, is_real_number
 
 RESIDUAL_SCALINGS = ("input_independent", "fixed", "input_dependent", "none")
 NORM_TYPES = ("pre", "post", "peri")
@@ -55,10 +56,6 @@ def swiglu_width(hidden_size, expansion):
     return -(width // -256) * 256
 
 
-def _real(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _is_int(value):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -68,7 +65,7 @@ def _is_int(value):
 
 def check_halt_eps(value, name="halt_eps"):
     """τ must be a positive finite number: the solver halts a sample when its relative residual drops below it."""
-    if not _real(value) or not math.isfinite(value) or value <= 0:
+    if not is_real_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive finite number (e.g. 0.1 or 1e-3), got {value!r}.")
     return float(value)
 
@@ -81,7 +78,7 @@ def check_max_loops(value, name="max_loops"):
 
 def check_unit_interval(value, name="value", closed_low=False):
     """A number in (0, 1] (or [0, 1] with closed_low): the damping step η or the decay γ."""
-    ok = _real(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
+    ok = is_real_number(value) and math.isfinite(value) and (value >= 0 if closed_low else value > 0) and value <= 1
     if not ok:
         raise ValueError(f"`{name}` must be a number in {'[0' if closed_low else '(0'}, 1], got {value!r}.")
     return float(value)
@@ -107,34 +104,8 @@ def check_patience(value, name="patience"):
     return int(value)
 
 
-# ---- the other field rules transformers does not provide: check(value) raises ValueError ---------------------------
-# `_real`, `check_positive_number` and `check_rope_parameters` are also LoopFormer's (configuration_loopformer.py): a
-# saved FPRM loads its config without loopformer_hf (trust_remote_code copies this package's files alone), and
-# transformers' nearest rules are not these (`positive_any_number` takes 0 and inf, `interval` has no None and its own
-# message, `validate_rope` warns where these refuse), so each package has one home for them.
-
-
-def check_positive_number(value):
-    """A positive finite number (None allowed: the field's type says whether it may be None)."""
-    if value is not None and not (_real(value) and 0 < value < math.inf):
-        raise ValueError(f"Value must be a positive finite number, got {value!r}.")
-
-
-def check_rope_parameters(value):
-    """None or transformers' `rope_parameters`: "rope_type" one of its RoPE types ("default", "linear", "dynamic",
-    "yarn", ...), a positive "rope_theta" and "factor", "partial_rotary_factor" in (0, 1]; keys left out take the
-    defaults (the keys each RoPE type requires are transformers' `validate_rope`)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if value is None:
-        return
-    if value.get("rope_type", "default") not in (kinds := ("default", *ROPE_INIT_FUNCTIONS)):
-        raise ValueError(f"`rope_parameters['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
-    for key in ("rope_theta", "factor"):
-        if key in value and not (_real(value[key]) and 0 < value[key] < math.inf):
-            raise ValueError(f"`rope_parameters['{key}']` must be a positive number, got {value[key]!r}.")
-    if not (_real(partial := value.get("partial_rotary_factor", 1.0)) and 0 < partial <= 1):
-        raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
+# ---- the other field rules transformers does not provide (and `check_positive_number`, `check_rope_parameters`,
+# LoopFormer's too: looped_common.py): check(value) raises ValueError
 
 
 def _open_unit(value):
@@ -168,7 +139,7 @@ def _grid_size(value):
 
 
 @strict
-class FPRMConfig(PreTrainedConfig):
+class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
     r"""
     Configuration of an [`FPRMModel`]: `num_hidden_layers` blocks (attention + SwiGLU) that define one step f of a
     fixed-point iteration, solved by a damped iteration with adaptive step decay (Algorithm 1). The defaults are the
@@ -334,15 +305,6 @@ class FPRMConfig(PreTrainedConfig):
         return loaded
 
     @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self):
-        """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
-        return int(self.head_dim * (self.rope_parameters or {}).get("partial_rotary_factor", 1.0))
-
-    @property
     def grid_shape(self):
         """(height, width) of the input grid (`grid_size`, an int meaning a square one), or None."""
         size = self.grid_size
@@ -374,23 +336,6 @@ class FPRMConfig(PreTrainedConfig):
                 f"{self.num_prefix_tokens} × {self.hidden_size} = {self.num_prefix_tokens * self.hidden_size} "
                 f"(the values of the prefix rows), or None."
             )
-        if self.position_embedding_type != "rope" and self.rope_parameters is not None:
-            raise ValueError(
-                f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
-                f"with position_embedding_type={self.position_embedding_type!r}."
-            )
-        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
-            raise ValueError(
-                f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
-                f"rope_parameters {self.rope_parameters})."
-            )
-
-    def validate_rope(self):
-        """transformers' check of the keys each RoPE type requires; a missing one (a KeyError there) is refused."""
-        try:
-            super().validate_rope()
-        except KeyError as error:
-            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
 
 
 __all__ = [

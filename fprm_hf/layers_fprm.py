@@ -13,22 +13,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .looped_common import attend, rms_norm, rotate_half
 
 BETA1_EPS = 1e-5  # β1 = β2·(1 − α1) / (1 − α1^(2N) + 1e-5)
-
-
-def rms_norm(x, eps):
-    """Weightless RMSNorm in float32, returned in the dtype of `x` (every norm of the loop has no weight, as the
-    authors'); `eps` is `config.rms_norm_eps` (a number: the config refuses None).
-
-    Not torch's `F.rms_norm(x, ...)` alone, which equals this in float32, bfloat16 and float16 on CPU but computes a
-    float64 `x` in float64 (the authors' norm: in float32; up to 7e-7 apart) and, under CUDA autocast (where rms_norm
-    is a float32 op), returns a bfloat16 `x`'s norm in float32 instead of rounding it to bfloat16 as the authors do."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def truncated_normal_std(std, bound=2.0):
@@ -77,11 +66,6 @@ class FPRMRotaryEmbedding(nn.Module):
         return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rotate_half(x):  # Llama's (a module-level helper of its modeling file, not transformers' public API)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_pos_emb(q, k, cos, sin):
     """q and k rotated in float32 (cos/sin's dtype), as the authors; with a partial rotation (`cos` narrower than a
     head) only the first channels of each head."""
@@ -94,22 +78,6 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return (q * cos + rotate_half(q) * sin).to(dtype), (k * cos + rotate_half(k) * sin).to(dtype)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """The "eager" attention: FPRM's is causal by `module.is_causal` (no mask is passed: every token of a grid or a
-    sequence is an input) with one key per query head; LoopFormer's takes a mask and grouped keys. Llama's (the
-    nearest in transformers, not public API) softmaxes a float64 model in float32."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if module.is_causal:
-        q_len, kv_len = scores.shape[-2:]
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    # at least float32 (half-precision scores), float64 kept in a float64 model: a float32 cast there loses the
-    # eager path's agreement with sdpa
-    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 class FPRMAttention(nn.Module):
     """Multi-head attention with a fused q|k|v projection, bidirectional for grids and causal for state tracking."""
 
@@ -119,6 +87,7 @@ class FPRMAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5 / config.softmax_temperature
         self.is_causal = config.causal
+        self.num_key_value_groups = 1  # one key per query head
         d = config.hidden_size
         self.qkv_proj = nn.Linear(d, 3 * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(d, d, bias=config.attention_bias)
@@ -129,20 +98,7 @@ class FPRMAttention(nn.Module):
         q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv_proj(hidden_states).chunk(3, dim=-1))
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        # get_interface (rather than indexing) lets `set_attn_implementation` switch the kernel on a built model
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, _ = attention_interface(
-            self,
-            q,
-            k,
-            v,
-            None,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=self.is_causal,
-        )
+        out, _ = attend(self, q, k, v, None)  # causal by `is_causal`: every token of a grid or sequence is an input
         return self.o_proj(out.reshape(*input_shape, -1))
 
 

@@ -17,18 +17,14 @@ so the iterates stay bounded (Theorem 1) however many loops run. The solver iter
 random z0; the head reads the final state with no norm in between.
 """
 
-import glob
-import os
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
-from typing_extensions import Unpack  # Python 3.10 (requires-python) has no typing.Unpack
-
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import add_start_docstrings_to_model_forward, logging
+from typing_extensions import Unpack  # Python 3.10 (requires-python) has no typing.Unpack
 
 from .configuration_fprm import FPRMConfig
 from .inputs_fprm import (
@@ -44,13 +40,12 @@ from .layers_fprm import (
     FPRMDepthwiseConv,
     FPRMResidualScaling,
     FPRMRotaryEmbedding,
-    rms_norm,
     sample_truncated_normal,
     truncated_normal_std,
 )
+from .looped_common import CheckpointLoadersMixin, rms_norm
 from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput, solver_fields
 from .solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
-
 
 try:  # with looped_training installed, push_to_hub writes this package's model card (one home for both models)
     from looped_training.publish import ModelCardMixin
@@ -65,7 +60,7 @@ logger = logging.get_logger(__name__)
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
-class FPRMPreTrainedModel(ModelCardMixin, PreTrainedModel):
+class FPRMPreTrainedModel(ModelCardMixin, CheckpointLoadersMixin, PreTrainedModel):
     config_class = FPRMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
@@ -75,27 +70,7 @@ class FPRMPreTrainedModel(ModelCardMixin, PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
-    # Other checkpoint layouts (the authors' published step files) register a loader here, `load(cls, path, args,
-    # kwargs)` -> a model or None (`fprm_hf/__init__.py`): this module imports none, so a saved folder carries none.
-    checkpoint_loaders = []
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`. A weights file that is not safetensors (a pickle renamed
-        `model.safetensors`, a truncated download) is an OSError naming the file, where transformers lets
-        safetensors' bare "Error while deserializing header" through (a tiny Llama does the same). A folder in
-        another registered layout (the authors' published step files) is loaded by its `checkpoint_loaders` entry."""
-        for load in FPRMPreTrainedModel.checkpoint_loaders:
-            if (model := load(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
-                return model
-        try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as e:
-            raise OSError(
-                f"{_unreadable_safetensors(pretrained_model_name_or_path)} is not a safetensors file (safetensors: "
-                f"{e}). Nothing was loaded from it, and pickles are never unpickled here: re-save the model with "
-                f"`save_pretrained`, or give the folder it was saved to."
-            ) from None
+    checkpoint_loaders = []  # the authors' published step files (`fprm_hf/__init__.py`; `CheckpointLoadersMixin`)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -134,18 +109,6 @@ class FPRMPreTrainedModel(ModelCardMixin, PreTrainedModel):
                 trunc_normal(module.z_init, config.init_std)
             if module.prefix is not None:
                 init.zeros_(module.prefix)  # the authors' puzzle embedding starts at zero
-
-
-def _unreadable_safetensors(path):
-    """The .safetensors files of a local folder that safetensors cannot open, or the name given (a Hub id)."""
-    bad = []
-    for file in sorted(glob.glob(os.path.join(str(path), "*.safetensors"))):
-        try:
-            with safe_open(file, framework="pt"):
-                pass
-        except SafetensorError:
-            bad.append(file)
-    return ", ".join(repr(f) for f in bad) or f"a weights file of {str(path)!r}"
 
 
 def _logit(p):

@@ -49,6 +49,7 @@ from .authors_weights import (
 )
 from .configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
 from .configuration_loopformer import LoopFormerConfig
+from .looped_common import CheckpointLoadersMixin
 
 
 def _check_tied_head(path, prefix, names, hub_kwargs):
@@ -170,14 +171,12 @@ def _load_converted(causal_lm, path, config, conversions, kwargs):
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping as registered
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping as register
 
-    from .modeling_loopformer import LoopFormerPreTrainedModel
-
     name = causal_lm.__name__
     with _LOADING:
         before = registered(name)
         register(name, conversions, overwrite=True)
         try:
-            return super(LoopFormerPreTrainedModel, causal_lm).from_pretrained(
+            return super(CheckpointLoadersMixin, causal_lm).from_pretrained(  # transformers', past the loaders
                 path, config=config, output_loading_info=True, **kwargs
             )
         except TypeError as error:  # an option transformers passed on to the model's constructor

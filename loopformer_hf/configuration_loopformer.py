@@ -24,7 +24,8 @@ from transformers.utils.type_validators import interval, positive_int_field, pro
 
 from . import trajectory_loopformer as trajectory
 from .halting_loopformer import check_halt_criterion, check_halt_eps
-from .trajectory_loopformer import STEP_SCHEDULE_PRESETS, _is_real_number
+from .looped_common import LoopedConfigMixin, check_positive_number, check_rope_parameters
+from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
 
 logger = logging.get_logger(__name__)
 
@@ -49,32 +50,8 @@ TP_PLAN = {
 }
 
 
-# ---- the field rules transformers does not provide: check(value) raises ValueError ---------------------------------
-# `check_positive_number` and `check_rope_parameters` are also FPRM's (fprm_hf/configuration_fprm.py): a saved
-# LoopFormer loads its config without fprm_hf (trust_remote_code copies this package's files alone), and transformers'
-# nearest rules are not these (`positive_any_number` takes 0 and inf, `interval` has no None and its own message,
-# `validate_rope` warns where these refuse), so each package has one home for them. A real number is trajectory's.
-
-
-def check_positive_number(value):  # None where the field's type allows it
-    if value is not None and not (_is_real_number(value) and 0 < value < math.inf):
-        raise ValueError(f"Value must be a positive finite number, got {value!r}.")
-
-
-def check_rope_parameters(value):
-    """transformers' `rope_parameters` (its `validate_rope` checks the keys of each type, and warns for the rest): a
-    known "rope_type", positive "rope_theta" and "factor", "partial_rotary_factor" in (0, 1]."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if value is None:
-        return
-    if value.get("rope_type", "default") not in (kinds := ("default", *ROPE_INIT_FUNCTIONS)):
-        raise ValueError(f"`rope_parameters['rope_type']` must be one of {kinds}, got {value['rope_type']!r}.")
-    for key in ("rope_theta", "factor"):
-        if key in value and not (_is_real_number(value[key]) and 0 < value[key] < math.inf):
-            raise ValueError(f"`rope_parameters['{key}']` must be a positive number, got {value[key]!r}.")
-    if not (_is_real_number(partial := value.get("partial_rotary_factor", 1.0)) and 0 < partial <= 1):
-        raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
+# ---- the field rules transformers does not provide (and `check_positive_number`, `check_rope_parameters`, FPRM's too:
+# looped_common.py): check(value) raises ValueError
 
 
 def check_activation(value):  # transformers' `activation_fn_key`, and "swiglu" (the gated MLP)
@@ -145,7 +122,7 @@ def _warn_unknown_kwargs(name, kwargs):
 
 
 @strict
-class LoopFormerConfig(PreTrainedConfig):
+class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     r"""
     Configuration of a [`LoopFormerModel`]: `num_hidden_layers` shared blocks looped `num_loops` times.
 
@@ -299,36 +276,10 @@ class LoopFormerConfig(PreTrainedConfig):
                 f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        if self.position_embedding_type != "rope" and self.rope_parameters is not None:
-            raise ValueError(
-                f"`rope_parameters` apply to position_embedding_type='rope', got {self.rope_parameters!r} "
-                f"with position_embedding_type={self.position_embedding_type!r}."
-            )
-        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
-            raise ValueError(
-                f"RoPE needs an even rotary dimension, got {self.rotary_dim} (head_dim {self.head_dim}, "
-                f"rope_parameters {self.rope_parameters})."
-            )
 
     def validate_loop_budget(self):
         if self.default_loop_budget is not None:
             trajectory.check_budget(self, self.default_loop_budget, "default_loop_budget")
-
-    def validate_rope(self):
-        """transformers' check of the keys each RoPE type requires; a missing one (a KeyError there) is refused."""
-        try:
-            super().validate_rope()
-        except KeyError as error:
-            raise ValueError(f"`rope_parameters` {self.rope_parameters}: {error.args[0]}") from None
-
-    @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self):
-        """The channels of each head that RoPE rotates (all unless `rope_parameters` has partial_rotary_factor < 1)."""
-        return int(self.head_dim * (self.rope_parameters or {}).get("partial_rotary_factor", 1.0))
 
     @property
     def max_loop_budget(self):

@@ -2,10 +2,7 @@
 loop conditioning (t, Δ) → the modulated block. The model that loops them is modeling_loopformer.py.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
-That is also why `rms_norm`, `rotate_half` and `eager_attention_forward` have a home here and one in FPRM's
-layers_fprm.py: a saved LoopFormer loads without fprm_hf (tests/test_layout.py keeps the two packages apart and lists
-what both define), and torch and transformers have no public function that computes exactly these. The vLLM model
-(vllm_model.py) imports this `rms_norm`.
+`rms_norm`, `rotate_half` and `eager_attention_forward` are FPRM's too: their home is looped_common.py.
 """
 
 import math
@@ -13,28 +10,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# `rms_norm_eps=None`: torch's default eps for a float32 input, which the reference's norms see (float32 weights and
-# residual stream, also under its bf16 autocast). Taken from the input dtype instead, a bf16 model would add 7.8e-3
-# (fp16: 9.8e-4) to the mean square and compute another function.
-DEFAULT_RMS_NORM_EPS = torch.finfo(torch.float32).eps
-
-
-def rms_norm(x, weight=None, eps=None):
-    """RMSNorm in float32; `eps=None` is `DEFAULT_RMS_NORM_EPS` whatever the dtype of `x`. Not torch's `F.rms_norm`
-    alone (equal to this in float32, bfloat16 and float16 on CPU): it takes no per-token weight, computes a float64 `x`
-    in float64 and, under CUDA autocast (where rms_norm is a float32 op), returns a bfloat16 `x`'s norm in float32."""
-    eps = DEFAULT_RMS_NORM_EPS if eps is None else eps
-    if weight is not None and weight.dim() > 1:  # one weight per token (a halting rule's exit step): norm, then weight
-        return rms_norm(x, None, eps) * weight.to(x.dtype)
-    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # no casts: each is a dispatch per block and token
-    return F.rms_norm(x.float(), (x.shape[-1],), None if weight is None else weight.float(), eps).to(x.dtype)
+from .looped_common import attend, rms_norm, rotate_half
 
 
 class LoopFormerRMSNorm(nn.Module):
@@ -80,42 +60,11 @@ class LoopFormerRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-def rotate_half(x):  # Llama's (a module-level helper of its modeling file, not transformers' public API)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x, cos, sin):
     """RoPE on the first `cos.shape[-1]` channels of each head; the rest (partial_rotary_factor < 1) pass."""
     if cos.shape[-1] == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
     return torch.cat((apply_rotary(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1] :]), dim=-1)
-
-
-def repeat_kv(hidden_states, n_rep):
-    if n_rep == 1:
-        return hidden_states
-    b, h, s, d = hidden_states.shape
-    return hidden_states[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """The "eager" attention: grouped keys, a boolean or additive mask (None: causal); FPRM's has neither. Llama's (the
-    nearest in transformers, not public API) softmaxes a float64 model in float32 and takes additive masks only."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is None:
-        q_len, kv_len = scores.shape[-2:]
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-    if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    else:
-        scores = scores + attention_mask
-    # at least float32 (as Llama) but never below the scores' own precision: float64's min would become -inf
-    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 class LoopFormerAttention(nn.Module):
@@ -170,20 +119,7 @@ class LoopFormerAttention(nn.Module):
         if halting is not None:
             k, v, attention_mask = halting.attended(k, v, attention_mask, hidden_states.shape[1])
 
-        attention_interface = eager_attention_forward
-        if self.config._attn_implementation not in (None, "eager") and not output_attentions:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
-        out, weights = attention_interface(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-        )
+        out, weights = attend(self, q, k, v, attention_mask, output_attentions)
         return self.o_proj(out.reshape(*input_shape, -1)), weights, new_kv
 
 

@@ -7,18 +7,14 @@ preallocated [`LoopFormerStaticCache`], cache_loopformer.py) holds one slot per 
 than the one that filled it.
 """
 
-import glob
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
-
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
@@ -27,29 +23,23 @@ from transformers.utils import TransformersKwargs
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
-from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
-from .masks_loopformer import call_inputs
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
 from .hub import LoopFormerHubMixin
-from .plan_loopformer import LoopFormerPlan
 from .layers_loopformer import (
     LoopFormerBlock,
     LoopFormerLoopConditioning,
     LoopFormerRMSNorm,
     LoopFormerRotaryEmbedding,
 )
-
-
-def _safetensors_opens(path):
-    try:
-        return safe_open(path, framework="pt") is not None
-    except SafetensorError:
-        return False
+from .looped_common import CheckpointLoadersMixin
+from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
+from .masks_loopformer import call_inputs
+from .plan_loopformer import LoopFormerPlan
 
 
 class LoopFormerPreTrainedModel(
-    LoopFormerHubMixin, PreTrainedModel
-):  # the mixin: push_to_hub writes this package's card
+    LoopFormerHubMixin, CheckpointLoadersMixin, PreTrainedModel
+):  # the mixins: push_to_hub writes this package's card; from_pretrained reads the authors' repos
     config_class = LoopFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -60,28 +50,7 @@ class LoopFormerPreTrainedModel(
     # A fixed trajectory (no `halt_eps`, whose halting reads tensor values) traces as one graph per trajectory.
     _can_compile_fullgraph = True
 
-    # Other checkpoint layouts (the authors' Hub repos) register a loader here, `load(cls, path, args, kwargs)` -> a
-    # model or None (`loopformer_hf/__init__.py`): this module imports none, so a saved folder's copy carries none.
-    checkpoint_loaders = []
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`; weights that are not safetensors (a renamed pickle, a truncated download)
-        are an OSError naming the file, not safetensors' bare "Error while deserializing header" (as Llama's). A repo
-        in another registered layout (the authors' Hub repos) is loaded by its `checkpoint_loaders` entry."""
-        for load in LoopFormerPreTrainedModel.checkpoint_loaders:
-            if (model := load(cls, pretrained_model_name_or_path, args, kwargs)) is not None:
-                return model
-        try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as e:
-            folder = str(pretrained_model_name_or_path)
-            bad = [f for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) if not _safetensors_opens(f)]
-            raise OSError(
-                f"{', '.join(map(repr, bad)) or f'a weights file of {folder!r}'} is not a safetensors file "
-                f"(safetensors: {e}). Nothing was loaded from it, and pickles are never unpickled here: re-save the "
-                f"model with `save_pretrained`, or give the folder it was saved to."
-            ) from None
+    checkpoint_loaders = []  # the authors' Hub repos (`loopformer_hf/__init__.py`; `CheckpointLoadersMixin`)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         adjusted = super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)

@@ -19,17 +19,13 @@ import warnings
 import torch
 
 from .halting_loopformer import HALTING_RULES, halting_rule
-
+from .looped_common import is_real_number
 
 STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
 SCHEDULE_SUM_TOLERANCE = 1e-6
 
 # Extrapolation warnings are shown once per distinct trajectory, not on every decode step.
 _warned_trajectories = set()
-
-
-def _is_real_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_budget(config, budget, name="loop_budget"):
@@ -88,7 +84,7 @@ def check_schedule(schedule):
     if len(schedule) == 0:
         raise ValueError("`step_schedule` is empty; it needs at least one positive step summing to 1.")
     for step in schedule:
-        if not _is_real_number(step) or not math.isfinite(step) or step <= 0:
+        if not is_real_number(step) or not math.isfinite(step) or step <= 0:
             raise ValueError(
                 f"`step_schedule` must hold positive finite numbers summing to 1, got {list(schedule)!r} "
                 f"(bad entry {step!r})."

@@ -14,7 +14,7 @@ resolved once per engine, by the plugin's config hook (`LoopFormerServing`, thro
 own request's trajectory.
 
 Weights load by the checkpoint's own parameter names (`model.layers.{j}.self_attn.q_proj.weight`, ...). This file
-takes the loop conditioning module (t, Δ → c_i) and `rms_norm` from `layers_loopformer.py`; the rest is vLLM's layers.
+takes the loop conditioning module (t, Δ → c_i) and `rms_norm` from `looped_common.py`; the rest is vLLM's layers.
 """
 
 import itertools
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -44,7 +43,8 @@ from vllm.sequence import IntermediateTensors
 
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
-from .layers_loopformer import LoopFormerLoopConditioning, rms_norm
+from .layers_loopformer import LoopFormerLoopConditioning
+from .looped_common import rms_norm
 from .vllm_plugin import server_trajectory, serving_of
 from .vllm_requests import LoopPlan, batch_request_loops
 

@@ -1,7 +1,7 @@
 """The layout, read from the source: the two model packages stay independent of each other and of the training code
 (trust_remote_code copies a model package's files alone; optional imports excepted), the tree is formatted by one
-formatter (ruff, configured in pyproject.toml), no library file outgrows 500 lines, no function of either package outgrows 60 lines (the configs' `__init__`, a flat list of fields,
-excepted), and the publishing code stays a thin layer over huggingface_hub's card and upload machinery."""
+formatter (ruff, configured in pyproject.toml), no library file outgrows 500 lines, no function of either package outgrows 60 lines (the
+configs' `__init__`, a flat list of fields, excepted), what both packages need has one file they both link to, and the publishing code stays a thin layer over huggingface_hub's card and upload machinery."""
 
 import ast
 import subprocess
@@ -52,65 +52,66 @@ def test_model_package_imports_no_other_package_of_this_project(package):
 
 # ---- one home per idea ----------------------------------------------------------------------------------------------
 
-# Functions both model packages define with the same body. Each package loads alone (`save_pretrained` copies its
-# files, with their relative imports, for trust_remote_code: the test above), and torch and transformers have no
-# public function that computes or refuses exactly the same, so each has one home per package (comments there say
-# why); any other body written twice is a copy to merge.
-SAME_BODY_IN_EACH_PACKAGE = {
-    "rotate_half": "RoPE's half turn (Llama's is its modeling file's, not transformers' API)",
-    "check_positive_number": "a config rule (transformers' `positive_any_number` takes 0 and inf)",
-    "check_rope_parameters": "a config rule (transformers' `validate_rope` warns where it refuses)",
-    "_real": "FPRM's number test of those rules",
-    "_is_real_number": "LoopFormer's number test (trajectory_loopformer.py), its config's rules included",
-    "validate_rope": "the configs' hook turning transformers' KeyError into a ValueError",
-    "head_dim": "a config property",
-    "rotary_dim": "a config property",
-}
-# The same idea with each package's own features (bodies differ): one home in each package, none elsewhere
-ONE_HOME_IN_EACH_PACKAGE = ("rms_norm", "eager_attention_forward", *SAME_BODY_IN_EACH_PACKAGE)
+# What both model packages compute or check (`rms_norm`, the eager attention, the config rules) has one file,
+# common/looped_common.py; each package holds it as a link (`save_pretrained` copies it, resolved, next to the
+# weights with the package's own files, so each still loads alone with trust_remote_code).
+COMMON = ROOT / "common" / "looped_common.py"
+COMMON_IDEAS = ("rms_norm", "rotate_half", "repeat_kv", "eager_attention_forward", "attend", "is_real_number")
+COMMON_IDEAS += ("check_positive_number", "check_rope_parameters", "validate_rope", "validate_rotary", "head_dim")
+COMMON_IDEAS += ("rotary_dim", "_unreadable_safetensors")
 
 
-def _functions(package):
-    """(file name, function name, body) of every function of `package`; the body is its arguments and statements,
-    the docstring left out."""
+def _functions(path):
+    """(function name, body) of every function of `path`; the body is its arguments and statements, the docstring
+    left out."""
     found = []
-    for path in _modules(package):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
-                found.append((path.name, node.name, ast.dump(node.args) + "".join(map(ast.dump, body))))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            found.append((node.name, ast.dump(node.args) + "".join(map(ast.dump, body))))
     return found
+
+
+def _own_files():
+    """The files of both model packages and the common file, each once (the packages' links to it left out)."""
+    return [COMMON] + [path for package in MODEL_PACKAGES for path in _modules(package) if not path.is_symlink()]
 
 
 def _trivial(body_statements):  # `pass` or `return self.x`: alike by nature, not copies
     return body_statements in ("Pass()",) or body_statements.startswith("Return(value=Attribute(value=Name(id='self'")
 
 
+@pytest.mark.parametrize("package", MODEL_PACKAGES)
+def test_each_model_package_holds_the_common_file_as_a_link_to_its_one_home(package):
+    link = ROOT / package / COMMON.name
+    assert link.is_symlink(), f"{link.relative_to(ROOT)} must be a link to {COMMON.relative_to(ROOT)}, not a copy"
+    assert link.resolve() == COMMON.resolve()
+    assert link.readlink() == Path("..") / COMMON.relative_to(ROOT)  # relative: the link works in any clone
+
+
 def test_no_function_body_is_written_twice_in_the_model_packages():
-    """Fails on a copy: LoopFormer's config had `_real`, trajectory_loopformer.py's `_is_real_number` to the letter."""
+    """Fails on a copy: before common/looped_common.py, `rms_norm`, `rotate_half`, the config rules and the config
+    properties stood in both packages, and LoopFormer's config had `_real`, trajectory's `_is_real_number` to the
+    letter."""
     by_body = {}
-    for package in MODEL_PACKAGES:
-        for file, name, body in _functions(package):
+    for path in _own_files():
+        for name, body in _functions(path):
             statements = body.partition(")")[2] if body.startswith("arguments(") else body
             if not _trivial(statements.strip()):
-                by_body.setdefault(body, []).append((package, file, name))
+                by_body.setdefault(body, []).append(f"{path.relative_to(ROOT)}:{name}")
     copies = [homes for homes in by_body.values() if len(homes) > 1]
-    within = [h for h in copies if len({package for package, _, _ in h}) < len(h)]
-    assert not within, f"one body written twice in one package: {within}"
-    across = [h for h in copies if not {name for _, _, name in h} <= set(SAME_BODY_IN_EACH_PACKAGE)]
-    assert not across, f"one body in both packages, not a home trust_remote_code forces: {across}"
+    assert not copies, f"one body written twice: {copies}"
 
 
-@pytest.mark.parametrize("package", MODEL_PACKAGES)
-def test_each_idea_both_packages_need_is_defined_in_one_file_of_each(package):
-    """`rms_norm` and the eager attention of each package live in its layers file (vllm_model.py imports
-    LoopFormer's norm), the config rules in its configuration file: never a second copy inside one package."""
-    files = {}
-    for file, name, _ in _functions(package):
-        if name in ONE_HOME_IN_EACH_PACKAGE:
-            files.setdefault(name, set()).add(file)
-    assert not {name: sorted(f) for name, f in files.items() if len(f) > 1}
-    assert {"rms_norm", "eager_attention_forward", "check_positive_number", "check_rope_parameters"} <= set(files)
+def test_each_idea_both_packages_need_is_defined_in_the_common_file_alone():
+    """`rms_norm`, the eager attention and the config rules are defined in common/looped_common.py and nowhere else
+    in the model packages (under any body: a second `rms_norm` with other features is a second home too)."""
+    homes = {}
+    for path in _own_files():
+        for name, _ in _functions(path):
+            if name in COMMON_IDEAS:
+                homes.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert homes == {name: ["common/looped_common.py"] for name in COMMON_IDEAS}
 
 
 @pytest.mark.parametrize("package", MODEL_PACKAGES)

@@ -95,11 +95,14 @@ print("REMOTE_OK", type(m).__module__)
         "configuration_fprm.py",
         "modeling_fprm.py",
         "layers_fprm.py",
+        "looped_common.py",
         "solver_fprm.py",
         "inputs_fprm.py",
         "outputs_fprm.py",
     )
     assert set(code) <= {p.name for p in tmp_path.glob("*.py")}
+    # the common file as a file, not the package's link to common/ (which would not travel with the folder)
+    assert not (tmp_path / "looped_common.py").is_symlink()
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -5,13 +5,13 @@ import threading
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
-
 from support.instruments import CountOps
 from support.tiny_data import left_padded
 from support.tiny_models import cache_of
+
 import loopformer_hf
 from loopformer_hf import halting_loopformer
-from loopformer_hf.layers_loopformer import rms_norm
+from loopformer_hf.looped_common import rms_norm
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 

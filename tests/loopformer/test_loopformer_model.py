@@ -411,12 +411,15 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
         "halting_loopformer.py",
         "hub.py",
         "layers_loopformer.py",
+        "looped_common.py",
         "loss_loopformer.py",
         "masks_loopformer.py",
         "modeling_loopformer.py",
         "plan_loopformer.py",
         "trajectory_loopformer.py",
     ]
+    # the common file as a file, not the package's link to common/ (which would not travel with the folder)
+    assert not (tmp_path / "looped_common.py").is_symlink()
     ids = torch.randint(3, 97, (1, 6))
     expected = tiny_model(ids, loop_budget=3, step_schedule=[0.5, 0.25, 0.25]).logits
     torch.save({"ids": ids, "expected": expected}, tmp_path / "check.pt")

@@ -1,0 +1,1 @@
+../common/looped_common.py
