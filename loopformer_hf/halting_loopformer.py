@@ -5,10 +5,11 @@ attend to every (loop step, block).
 The library's exit rule (`halt_criterion="state_change"`): a token freezes once its relative state change falls below
 `halt_eps`. Other rules are subclasses of [`LoopFormerHaltingState`] registered under a name
 (`register_halting_rule`); the lab's research rules ("kl", "entropy", their "_shortcut" forms, "probe_entropy":
-benchmarks/halting_rules.py) register themselves on import. The loop calls a rule through the hooks below only.
+benchmarks/halting_rules.py) register themselves on import.
 
-- [`LoopFormerHaltingState`]: the halting carried through one forward's loop (which tokens are active, their loop
-  counts), as `FPRMSolverState` is for FPRM's solver.
+- [`LoopFormerHaltingState`]: the halting of one forward's loop (which tokens are active, their loop counts), as
+  `FPRMSolverState` is for FPRM's solver; the loop calls its `begin`, `for_step`, `observe` and `finish` only.
+- [`LoopFormerExitStep`]: one loop step as the loop sees it (per block: the adaLN vectors, the frozen tokens).
 - [`LoopFormerHaltingStep`]: what one block needs at one loop step (the one object a block takes).
 - [`LoopFormerActiveTokens`]: the gather plan that leaves halted tokens out of a step's computation.
 
@@ -157,6 +158,22 @@ class LoopFormerHaltingStep(NamedTuple):
         return torch.where(self.halted[..., None], frozen, computed)
 
 
+class LoopFormerExitStep(NamedTuple):
+    """One loop step under early exit, as the loop sees it (`LoopFormerHaltingState.for_step`): for each block, the adaLN
+    vectors to run and which tokens are frozen."""
+
+    rule: "LoopFormerHaltingState"
+    step: int
+    halted: torch.BoolTensor | None  # None: every token computes this step
+    active: LoopFormerActiveTokens | None  # the gather plan, when leaving the halted tokens out saves work
+
+    def block(self, j, adaln):
+        """(adaLN vectors, [`LoopFormerHaltingStep`] or None) of block `j`: the trajectory's `adaln` unless the rule
+        runs other steps for some tokens."""
+        rule = self.rule
+        return rule.block_adaln(j, self.step, adaln, rule.loop_adaln), rule.block_step(j, self.halted, self.active)
+
+
 def check_halt_eps(value, name="halt_eps"):
     """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
     if value is None:
@@ -187,9 +204,10 @@ class LoopFormerHaltingState:
     Per-row trajectories (`row_budgets`) freeze a row's tokens after its own last step the same way, with or without
     `halt_eps` (None: only the budgets halt).
 
-    Another exit rule subclasses this class and overrides what it changes: `_score` (what halt_eps thresholds),
-    `before_loop`, `block_adaln`, `next_step`, `update`, `final_states` (the hooks the loop calls), and the class
-    attributes below; `register_halting_rule` names it.
+    The loop calls four methods, `begin`, `for_step` (whose [`LoopFormerExitStep`] each block reads), `observe` and
+    `finish`. Another exit rule subclasses this class and overrides what it changes, through the hooks these call:
+    `_score` (what halt_eps thresholds), `start`, `before_loop`, `block_adaln`, `next_step`, `update`,
+    `final_states`, and the class attributes below; `register_halting_rule` names it.
     """
 
     halt_eps: float | None
@@ -208,6 +226,11 @@ class LoopFormerHaltingState:
     # the same as plain ints in eager code, which counts the active tokens without a device sync; None in a compiled
     # forward, which reads no value of the rows and computes every token (`num_active` is then None after step 1)
     row_steps: tuple | None = None
+    # what `begin` was given, for the steps it fills once every token has halted
+    blocks: object = None
+    cache: object = None
+    position_embeddings: tuple | None = None
+    loop_adaln: list | None = None
 
     # Loop-step cache slots per block the rule needs beyond the budget's (the cache spec adds them).
     extra_slots: ClassVar[int] = 0
@@ -237,7 +260,43 @@ class LoopFormerHaltingState:
             state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
         return state
 
-    # ---- the hooks the loop calls ---------------------------------------------------------------------------------
+    # ---- the interface the loop calls ----------------------------------------------------------------------------
+
+    @classmethod
+    def begin(cls, model, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings):
+        """(the rule's state before step 1, the loop's input) for a call's `plan`; `readout` maps a state to
+        next-token log-probabilities (the LM head after the final norm) or is None."""
+        state = cls.start(plan.halt_eps, model.config, hidden_states, readout, plan.rows, plan.halt_criterion)
+        state.blocks, state.cache, state.position_embeddings = model.layers, cache, position_embeddings
+        state.loop_adaln = loop_adaln
+        if plan.rows is None:
+            hidden_states = state.before_loop(
+                model, plan.trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
+            )
+        return state, hidden_states
+
+    def for_step(self, step, hidden_states, gather=True):
+        """The [`LoopFormerExitStep`] of loop step `step`, or None once every token has halted: the cache slots of
+        the steps left are then filled, and the loop ends. `gather`: halted tokens may be left out of the step's
+        computation (not when the attention maps are returned)."""
+        if self.all_halted():
+            self.fill_skipped_slots(
+                self.cache, self.blocks, hidden_states, self.position_embeddings, self.loop_adaln, step
+            )
+            return None
+        return LoopFormerExitStep(self, step, *self.next_step(hidden_states.shape[-1], gather=gather))
+
+    def observe(self, previous, hidden_states, block_kv, final=False):
+        """After a loop step: its input and output states, each block's (keys, values), whether it was the budget's
+        last."""
+        self.last_kv = list(block_kv)
+        self.update(previous, hidden_states, final)
+
+    def finish(self, hidden_states):
+        """(the loop's output, the loop steps each token ran or None without `halt_eps`)."""
+        return self.final_states(hidden_states), None if self.halt_eps is None else self.loop_counts
+
+    # ---- the hooks a rule overrides -------------------------------------------------------------------------------
 
     def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
         """Before step 1 of a single trajectory (not per-row): returns the loop's input."""
@@ -394,6 +453,7 @@ __all__ = [
     "HALTING_RULES",
     "LIBRARY_HALT_CRITERIA",
     "LoopFormerActiveTokens",
+    "LoopFormerExitStep",
     "LoopFormerHaltingState",
     "LoopFormerHaltingStep",
     "check_halt_criterion",

@@ -171,21 +171,16 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             cache.keep_adaln(key, loop_adaln)
         return loop_adaln
 
-    def _loop_step(self, step, hidden_states, halting, inputs, final=False):
-        """Loop step `step` (the budget's last if `final`) through the k blocks, with the call's `inputs` (a
-        `LoopInputs`): (new state, the step's attention maps, halting state after it)."""
+    def _loop_step(self, step, hidden_states, inputs, exit_step=None):
+        """Loop step `step` through the k blocks, with the call's `inputs` (a `LoopInputs`) and, under early exit,
+        the step's `exit_step`: (new state, the step's attention maps, each block's (keys, values))."""
         conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions = inputs
-        halted, active = (
-            (None, None)
-            if halting is None
-            else halting.next_step(hidden_states.shape[-1], gather=not output_attentions)
-        )
         c = None if conditioning is None else conditioning[step]
-        previous, attentions = hidden_states, ()
+        attentions, block_kv = (), ()
         for j, block in enumerate(self.layers):
-            adaln = None if loop_adaln is None or c is not None else loop_adaln[j][step]
-            if halting is not None:  # a rule may run other steps for some tokens
-                adaln = halting.block_adaln(j, step, adaln, loop_adaln)
+            adaln, frozen = None if loop_adaln is None or c is not None else loop_adaln[j][step], None
+            if exit_step is not None:  # the tokens that sit this step out; a rule may run other steps for some
+                adaln, frozen = exit_step.block(j, adaln)
             hidden_states, weights, kv = block(
                 hidden_states,
                 c,
@@ -195,25 +190,19 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 cache=cache,
                 cache_slot=cache.slot(step, j) if cache is not None else 0,
                 output_attentions=output_attentions,
-                halting=None if halting is None else halting.block_step(j, halted, active),
+                halting=frozen,
             )
-            if halting is not None:
-                halting.last_kv[j] = kv
             attentions += (weights,)
-        if halting is not None:
-            halting = halting.update(previous, hidden_states, final)
-        return hidden_states, attentions, halting
+            block_kv += (kv,)
+        return hidden_states, attentions, block_kv
 
     def _loop(
         self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
     ):
         """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
         the loop steps each token ran or None (without `halt_eps`))."""
-        trajectory, num_steps, halting = plan.trajectory, plan.spec.loop_steps, None
-        if plan.halt_eps is not None or plan.rows is not None:  # per-row budgets halt a row after its last step
-            readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-            rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
-            halting = rule.start(plan.halt_eps, self.config, hidden_states, readout, plan.rows, plan.halt_criterion)
+        trajectory, num_steps = plan.trajectory, plan.spec.loop_steps
+        halts = plan.halt_eps is not None or plan.rows is not None  # per-row budgets halt a row after its last step
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
         # positional tensors. At inference (and per row) they are computed once for every step (kept on the cache).
@@ -222,31 +211,37 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         if torch.is_grad_enabled() and plan.rows is None:
             conditioning = self.loop_conditioning(trajectory, device, dtype)
         loop_adaln = None
-        if conditioning is None or halting is not None:  # halting fills skipped slots from the per-block vectors
+        if conditioning is None or halts:  # halting fills skipped slots from the per-block vectors
             loop_adaln = self._loop_adaln(plan, dtype, device, cache)
-        if halting is not None and plan.rows is None:
-            hidden_states = halting.before_loop(
-                self, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
+        early_exit = None  # the rule's state: the loop calls its begin, for_step, observe and finish
+        if halts:
+            readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+            rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
+            early_exit, hidden_states = rule.begin(
+                self, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings
             )
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         inputs = LoopInputs(conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions)
         for step in range(num_steps):
-            if halting is not None and halting.all_halted():  # no block runs any more
-                halting.fill_skipped_slots(cache, self.layers, hidden_states, position_embeddings, loop_adaln, step)
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,) * (num_steps - step)
-                break
-            hidden_states, attentions, halting = self._loop_step(
-                step, hidden_states, halting, inputs, final=step == num_steps - 1
-            )
+            exit_step = None
+            if early_exit is not None:
+                exit_step = early_exit.for_step(step, hidden_states, gather=not output_attentions)
+                if exit_step is None:  # every token has halted (the rule filled the slots of the steps left)
+                    if output_hidden_states:
+                        all_hidden_states += (hidden_states,) * (num_steps - step)
+                    break
+            previous = hidden_states
+            hidden_states, attentions, block_kv = self._loop_step(step, hidden_states, inputs, exit_step)
+            if early_exit is not None:
+                early_exit.observe(previous, hidden_states, block_kv, final=step == num_steps - 1)
             if output_attentions:
                 all_attentions += attentions
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-        if halting is not None:  # a rule may keep other states for some tokens
-            hidden_states = halting.final_states(hidden_states)
-        loop_counts = None if plan.halt_eps is None else halting.loop_counts
+        loop_counts = None
+        if early_exit is not None:  # a rule may keep other states for some tokens
+            hidden_states, loop_counts = early_exit.finish(hidden_states)
         return hidden_states, all_hidden_states, all_attentions, loop_counts
 
     def _cache_for_call(self, cache, use_cache, plan):

@@ -1,6 +1,8 @@
 """Per-token adaptive depth (`halt_eps`) with a KV cache that stays right for tokens that halted early."""
 
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -416,3 +418,32 @@ def test_a_registered_rule_is_what_the_loop_calls(model, monkeypatch):
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
     with pytest.raises(TypeError, match="LoopFormerHaltingState subclass"):
         halting_loopformer.register_halting_rule("bad", object)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"halt_eps": EPS}, {"loop_budget": torch.tensor([2, 4])}], ids=["halt_eps", "rows"]
+)
+def test_the_loop_reaches_early_exit_through_four_calls(model, monkeypatch, kwargs):
+    """The model's code calls the rule's `begin`, `for_step`, `observe` and `finish` and reads nothing else of it
+    (the hooks a rule overrides are called from the rule's own file). Before, the loop called nine of its hooks and
+    wrote `last_kv` itself."""
+    seen = set()
+    modeling = str(Path(loopformer_hf.modeling_loopformer.__file__).resolve())
+
+    class Spy(halting_loopformer.LoopFormerHaltingState):
+        def __getattribute__(self, name):
+            caller = sys._getframe(1).f_code.co_filename
+            if not name.startswith("__") and str(Path(caller).resolve()) == modeling:
+                seen.add(name)
+            return super().__getattribute__(name)
+
+    monkeypatch.setitem(halting_loopformer.HALTING_RULES, "state_change", Spy)
+    monkeypatch.setattr(loopformer_hf.modeling_loopformer, "LoopFormerHaltingState", Spy)  # budgets alone
+    ids = torch.randint(3, 97, (2, 9))
+    with torch.no_grad():
+        spied = model(ids, **kwargs)
+    monkeypatch.undo()
+    with torch.no_grad():
+        plain = model(ids, **kwargs)
+    torch.testing.assert_close(spied.logits, plain.logits, atol=0, rtol=0)
+    assert seen == {"for_step", "observe", "finish"}, seen  # `begin`: a classmethod, called on the rule itself
