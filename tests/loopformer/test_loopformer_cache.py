@@ -259,8 +259,9 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
     assert len(resolved) == 4 and cache_of(out).plan.batch_size == 4  # one per row, by the hook alone
     assert cache_of(out).plan.rows.budgets.tolist() == [1, 2, 2, 1]
     resolved.clear()
-    # a cache the user passes: generate's hook makes no plan, the prefill does, once
-    tiny_model.generate(ids, max_new_tokens=3, do_sample=False, loop_budget=2, cache=LoopFormerCache())
+    # a cache the user passes (under the release's own keyword: `cache` from 5.24, `past_key_values` before): generate's
+    # hook makes no plan, the prefill does, once
+    tiny_model.generate(ids, max_new_tokens=3, do_sample=False, loop_budget=2, **{CACHE_FIELD: LoopFormerCache()})
     assert len(resolved) == 1
 
 
