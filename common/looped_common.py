@@ -1,8 +1,8 @@
-"""What LoopFormer and FPRM both compute or check, in one file: the Llama-style helpers torch and transformers do not
-offer as public API with exactly these numbers (`rms_norm`, `rotate_half`, `repeat_kv`, `eager_attention_forward`,
-`attend`)
-the config rules transformers does not provide (`check_positive_number`, `check_rope_parameters`,
-`LoopedConfigMixin`) and `from_pretrained`'s other layouts and refusals (`CheckpointLoadersMixin`).
+"""What LoopFormer and FPRM both compute or check, in one file: the Llama-style helpers that torch and transformers
+do not offer as public API with exactly these numbers (`rms_norm`, `rotate_half`, `repeat_kv`,
+`eager_attention_forward`, `attend`), the config rules transformers does not provide (`check_positive_number`,
+`check_rope_parameters`, `LoopedConfigMixin`), and `from_pretrained`'s other layouts and refusals
+(`CheckpointLoadersMixin`).
 
 One file in git, two names in the packages: `loopformer_hf/looped_common.py` and `fprm_hf/looped_common.py` are
 symbolic links to this file. Each package imports it relatively, so `save_pretrained` copies it (as a plain file, with

@@ -98,7 +98,7 @@ class FPRMAttention(nn.Module):
         q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in self.qkv_proj(hidden_states).chunk(3, dim=-1))
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        out, _ = attend(self, q, k, v, None)  # causal by `is_causal`: every token of a grid or sequence is an input
+        out, _ = attend(self, q, k, v, None)  # no mask: causal by `is_causal`, else every token sees every token
         return self.o_proj(out.reshape(*input_shape, -1))
 
 
