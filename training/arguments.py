@@ -88,6 +88,16 @@ def parse_args_with_config(parser, argv=None, defaults=None):
     return parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False), path
 
 
+def given_flags(parser, argv, config_file=None):
+    """The names of the fields the user set: flags on the command line and keys of the config file (or preset), as
+    opposed to the dataclasses' defaults."""
+    _, rest = split_config_file(argv)
+    names = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in rest if arg.startswith("--")}
+    if config_file is not None:
+        names |= set(read_config_file(parser, config_file))
+    return frozenset(names)
+
+
 # errno of an OSError that is the user's to fix (a full disk, a folder the run may not write), and the exit status
 USER_ERRNOS = {errno.ENOSPC: 1, errno.EACCES: 2, errno.EPERM: 2, errno.EROFS: 2}
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C

@@ -40,6 +40,7 @@ from looped_training.loopformer.data import (
     held_out_text,
     synthetic,
 )
+from looped_training.loopformer.data.sources import held_out_windows
 from looped_training.loopformer.data.text import chunk_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
@@ -85,6 +86,10 @@ def build_eval_data(meta, tokenizer, max_rows):
         rows = synthetic.tokenize_problems(problems, tokenizer, block_size, answer_only_loss=True)
         rows["prompts"] = [p.prompt for p in problems]
         rows["answers"] = [p.answer for p in problems]
+    elif data_args.data_dir is not None or data_args.streaming:
+        # the run's own held-out windows: T next-token targets a row, as the authors' estimate_loss scores them
+        data = held_out_windows(data_args, tokenizer, block_size, max_rows)
+        return data_args.task, data, {"input_ids": data["input_ids"].tolist()}
     else:
         rows = chunk_text(held_out_text(data_args), tokenizer, block_size)
         rows = {k: v[:max_rows] for k, v in rows.items()}
@@ -103,7 +108,10 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     for start in range(0, n, batch_size):
         ids = data["input_ids"][start : start + batch_size].to(model.device)
         mask = data["attention_mask"][start : start + batch_size].to(model.device)
-        labels = data["labels"][start : start + batch_size][:, 1:].to(model.device)
+        if "shift_labels" in data:  # windows with their next token: every position is scored
+            labels = data["shift_labels"][start : start + batch_size].to(model.device)
+        else:
+            labels = data["labels"][start : start + batch_size][:, 1:].to(model.device)
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -111,14 +119,14 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
             use_cache=False,
             **({} if halt_eps is None else {"halt_eps": halt_eps}),
         )
-        logits = out.logits[:, :-1].float()
+        logits = out.logits[:, : labels.shape[1]].float()
         valid = labels != -100
         ce_sum += float(F.cross_entropy(logits[valid], labels[valid], reduction="sum"))
         count += int(valid.sum())
         hit = (logits.argmax(-1) == labels) | ~valid
         correct += hit.all(-1).tolist()
         if halt_eps is not None:
-            counts = out.loop_counts[:, :-1].float()
+            counts = out.loop_counts[:, : labels.shape[1]].float()
             loops += ((counts * valid).sum(-1) / valid.sum(-1).clamp(min=1)).tolist()
     return math.exp(ce_sum / max(count, 1)), correct, loops
 

@@ -51,12 +51,13 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import datasets
+import torch
 import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, default_data_collator, set_seed
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
-from looped_training.arguments import parse_args_with_config
+from looped_training.arguments import given_flags, parse_args_with_config
 from looped_training.checkpoints import (
     FINAL_STAGING,
     RUN_RECORD,
@@ -76,15 +77,9 @@ from looped_training.checkpoints import (
     start_final_save,
 )
 from looped_training.configs import find_preset, with_preset
-from looped_training.loopformer.data import (
-    TASKS,
-    TRAINING_META_FILE,
-    DataArguments,
-    held_out_problems,
-    held_out_text,
-    synthetic,
-    text,
-)
+from looped_training.loopformer import continued
+from looped_training.loopformer.data import TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, synthetic
+from looped_training.loopformer.data import sources, token_files
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
@@ -126,6 +121,14 @@ OPTIMIZER_FIELDS = (
 
 @dataclass
 class ModelArguments:
+    model_name_or_path: str = field(
+        default=None,
+        metadata={
+            "help": "Continue training from these weights and their tokenizer: a folder or Hub id of a LoopFormer "
+            "(ours, or one of the authors' published repos). The model's shape is the checkpoint's; a model flag "
+            "that contradicts it is refused."
+        },
+    )
     variant: str = field(default="loopformer", metadata={"help": f"One of {tuple(VARIANTS)}."})
     hidden_size: int = field(default=128, metadata={"help": "Width d of the residual stream."})
     num_blocks: int = field(default=1, metadata={"help": "k, shared blocks per loop step (base: k·L blocks, 1 step)."})
@@ -133,6 +136,10 @@ class ModelArguments:
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
     intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
     position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
+    vocab_size: int = field(
+        default=None,
+        metadata={"help": "Embedding rows (default: the tokenizer's size; the authors' GPT-2 runs have 50304)."},
+    )
     initializer_scheme: str = field(
         default="reference",
         metadata={
@@ -169,7 +176,7 @@ def build_config(model_args, vocab_size, block_size):
     conditioning, looped, _, _, block_norm_weight = VARIANTS[model_args.variant]
     k, L = model_args.num_blocks, model_args.num_loops
     return LoopFormerConfig(
-        vocab_size=vocab_size,
+        vocab_size=model_args.vocab_size or vocab_size,
         hidden_size=model_args.hidden_size,
         num_attention_heads=model_args.num_attention_heads,
         intermediate_size=model_args.intermediate_size or 4 * model_args.hidden_size,
@@ -199,10 +206,12 @@ def build_callback(model_args, shortcut_args, training_args):
     )
 
 
-def build_data(data_args):
-    """(tokenizer, train Dataset, eval Dataset, block_size)."""
+def build_data(data_args, model_args, source=None, rank=0, world_size=1):
+    """(tokenizer, train dataset, eval dataset or None, block_size). `source`: the (model, tokenizer) of
+    --model_name_or_path, whose tokenizer and context the data then follows."""
     if data_args.task not in TASKS:
         raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
+    source_model, source_tokenizer = source or (None, None)
     if data_args.task == "synthetic":
         train_problems = synthetic.make_problems(
             data_args.num_train_problems,
@@ -213,22 +222,45 @@ def build_data(data_args):
             kind=data_args.synthetic_kind,
         )
         eval_problems = held_out_problems(data_args)
-        tokenizer = train_bpe_tokenizer([p.text for p in train_problems], data_args.tokenizer_vocab_size or 300)
+        tokenizer = source_tokenizer or train_bpe_tokenizer(
+            [p.text for p in train_problems], data_args.tokenizer_vocab_size or 300
+        )
         longest = max(map(len, tokenizer([p.text for p in train_problems + eval_problems])["input_ids"]))
         block_size = data_args.block_size or longest
         train = synthetic.tokenize_problems(train_problems, tokenizer, block_size, data_args.answer_only_loss)
         evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)
         train.pop("depth"), evaluation.pop("depth")
-    else:
-        train_text, valid_text = held_out_text(data_args, with_train=True)
-        tokenizer = train_bpe_tokenizer(
-            [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
-            data_args.tokenizer_vocab_size or 1024,
+        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+    corpus = token_files.open_corpus(data_args.data_dir) if data_args.data_dir is not None else None
+    tokenizer = sources.choose_tokenizer(data_args, corpus, source_tokenizer)
+    context = source_model.config.max_position_embeddings if source_model is not None else None
+    block_size = data_args.block_size or context or sources.DEFAULT_BLOCK_SIZE
+    if context is not None and block_size > context and source_model.config.position_embedding_type == "learned":
+        raise ValueError(
+            f"--block_size {block_size} is longer than --model_name_or_path's context of {context} learned positions."
         )
-        block_size = data_args.block_size or 128
-        # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
-        train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
-        evaluation = text.chunk_text(valid_text, tokenizer, block_size)
+    if tokenizer is None:  # the in-memory path trains its BPE
+        tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
+        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+    vocab_size = (
+        source_model.config.vocab_size if source_model is not None else model_args.vocab_size or len(tokenizer)
+    )
+    if data_args.data_dir is not None:
+        return (tokenizer, *sources.token_data(data_args, block_size, vocab_size), block_size)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of {vocab_size}: its ids "
+            f"would have no embedding."
+        )
+    if data_args.streaming:
+        train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
+        evaluation = None
+        if data_args.validation_fraction > 0:
+            evaluation = sources.stream_windows(data_args, tokenizer, block_size, "val").take(
+                data_args.max_eval_samples or sources.STREAM_EVAL_WINDOWS
+            )
+        return tokenizer, train, evaluation, block_size
+    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
     return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
@@ -239,13 +271,13 @@ def build_trainer(
     trajectory) and the learning-rate warm-up of `schedule_args`."""
     callback = build_callback(model_args, shortcut_args, training_args)
     callbacks = [] if callback is None else [callback]
-    if "shift_labels" in train_dataset.column_names:
-        # a forward keyword (as for Llama), not a named argument: the Trainer would drop the column. Every column of
-        # these datasets is a forward argument, so there is nothing else to remove.
-        training_args.remove_unused_columns = False
+    # shift_labels is a forward keyword (as for Llama), not a named argument: the Trainer would drop it. Every field
+    # of these datasets is a forward argument, so there is nothing else to remove.
+    training_args.remove_unused_columns = False
     if schedule_args.lr_warmup == "reference":
         callbacks.append(ReferenceWarmupCallback())
-    return Trainer(
+    trainer_class = NodeSplitTrainer if isinstance(train_dataset, datasets.IterableDataset) else Trainer
+    return trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
@@ -254,6 +286,23 @@ def build_trainer(
         data_collator=default_data_collator,
         callbacks=callbacks,
     )
+
+
+class NodeSplitTrainer(Trainer):
+    """The stock Trainer for a training stream that `split_dataset_by_node` already split across ranks: accelerate
+    would split it again (or send rank 0's batches to all), so its loader is prepared as a single process's."""
+
+    def get_train_dataloader(self):
+        from accelerate.data_loader import prepare_data_loader
+
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return prepare_data_loader(loader, self.args.device, num_processes=1, process_index=0, put_on_device=True)
 
 
 def check_sharding(trainer):
@@ -322,9 +371,10 @@ def main(argv=None):
     argv = with_preset(sys.argv[1:] if argv is None else argv, "loopformer")
     preset = find_preset(argv)
     defaults = {"output_dir": f"outputs/loopformer-{preset}"} if preset else None
-    (model_args, data_args, shortcut_args, schedule_args, training_args), _ = parse_args_with_config(
+    (model_args, data_args, shortcut_args, schedule_args, training_args), config_file = parse_args_with_config(
         parser, argv, defaults
     )
+    given = given_flags(parser, argv, config_file)
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%H:%M:%S",
@@ -336,6 +386,7 @@ def main(argv=None):
     if schedule_args.lr_warmup not in LR_WARMUPS:
         raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
     check_run_length(training_args)
+    sources.check_text_flags(data_args, training_args.max_steps)
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")
     if training_args.ddp_find_unused_parameters is None:
@@ -343,7 +394,7 @@ def main(argv=None):
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
     with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
-        return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable)
+        return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable, given)
 
 
 def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
@@ -361,9 +412,16 @@ def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
         if len(newline) == 1:
             eos = [newline[0], *eos]
     else:
-        prompt = tokenizer.decode(eval_dataset[0]["input_ids"][:TEXT_PROMPT_TOKENS])
+        prompt = tokenizer.decode(first_row(eval_dataset)["input_ids"][:TEXT_PROMPT_TOKENS])
         longest = len(tokenizer(prompt)["input_ids"])
     return prompt, {"max_new_tokens": max(1, block_size - longest), "eos_token_id": eos, "do_sample": False}
+
+
+def first_row(dataset):
+    """The first row of a map-style or streamed dataset."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return next(iter(dataset))
+    return dataset[0]
 
 
 def final_save_complete(output_dir):
@@ -419,10 +477,11 @@ def save_final(output_dir, model, tokenizer, record, write_state, saved=False):
     finish_final_save(output_dir, last=(RUN_RECORD, TRAINING_META_FILE))
 
 
-def train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable=None):
+def train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable=None, given=frozenset()):
     """The run `main` parsed, in its locked `output_dir`: the Trainer, or None if the resumed checkpoint already ends
     the run. `unwritable`: the `output_dir_lock`'s refusal of a folder the run may not write, raised unless the run
-    is finished (nothing to write)."""
+    is finished (nothing to write). `given`: the flags the user gave (a continued run refuses model flags that
+    contradict its checkpoint)."""
     resume = resolve_resume(
         training_args.resume_from_checkpoint, training_args.output_dir, LoopFormerConfig.model_type
     )
@@ -430,13 +489,26 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
     chat_template = read_chat_template(data_args.chat_template)
 
     set_seed(training_args.seed)
-    tokenizer, train_dataset, eval_dataset, block_size = build_data(data_args)
+    source = None
+    if model_args.model_name_or_path is not None:
+        source = continued.load_source(model_args.model_name_or_path, LoopFormerForCausalLM)
+        continued.model_args_of(source[0].config, model_args, given, VARIANTS)
+    tokenizer, train_dataset, eval_dataset, block_size = build_data(
+        data_args, model_args, source, training_args.process_index, training_args.world_size
+    )
     if chat_template is not None:
         set_chat_template(tokenizer, chat_template, data_args.chat_template)
-    config = build_config(model_args, len(tokenizer), block_size)
+    config = source[0].config if source is not None else build_config(model_args, len(tokenizer), block_size)
     config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
     record = run_record(
-        model_args, data_args, shortcut_args, schedule_args, training_args, tokenizer, eval_dataset, block_size
+        model_args,
+        data_args,
+        shortcut_args,
+        schedule_args,
+        training_args,
+        tokenizer,
+        train_dataset if eval_dataset is None else eval_dataset,
+        block_size,
     )
     if resume is not None:
         check_resume_data(resume, TRAINING_META_FILE, record["data"], RESUME_FREE_DATA_FLAGS)
@@ -458,15 +530,15 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
             return None
     if unwritable is not None:
         raise unwritable
-    model = LoopFormerForCausalLM(config)
+    model = source[0] if source is not None else LoopFormerForCausalLM(config)
     logger.info(
-        "%s: %d parameters, %d blocks x %d loops, %s; %d train rows of %d tokens",
+        "%s: %d parameters, %d blocks x %d loops, %s; %s train rows of %d tokens",
         model_args.variant,
         model.num_parameters(),
         config.num_hidden_layers,
         config.num_loops,
         config.loop_conditioning,
-        len(train_dataset),
+        "streamed" if isinstance(train_dataset, torch.utils.data.IterableDataset) else len(train_dataset),
         block_size,
     )
 

@@ -1,10 +1,15 @@
-"""LoopFormer data: the synthetic multi-hop reasoning corpus (`synthetic`), text files or datasets (`text`), the
-byte-level BPE tokenizer (`tokenizer`), and the data arguments a run is trained on, which `train` writes next to the
-model (`TRAINING_META_FILE`) and `evaluate` reads back to rebuild the same held-out data."""
+"""LoopFormer data: the synthetic multi-hop reasoning corpus (`synthetic`), text in memory (`text`), flat token files
+read by memmap (`token_files`, `TokenWindows`), documents through `datasets` for prepare and streaming (`corpus`),
+which of these a text run reads with which tokenizer (`sources`), the byte-level BPE tokenizer (`tokenizer`), and the
+data arguments a run is trained on, which `train` writes next to the model (`TRAINING_META_FILE`) and `evaluate`
+reads back to rebuild the same held-out data."""
 
 from dataclasses import dataclass, field
 
 from looped_training.loopformer.data import synthetic, text
+from looped_training.loopformer.data.token_files import TokenWindows
+
+__all__ = ["TASKS", "TRAINING_META_FILE", "DataArguments", "TokenWindows", "held_out_problems", "held_out_text"]
 
 TRAINING_META_FILE = "loopformer_training.json"
 TASKS = ("synthetic", "text")
@@ -21,11 +26,40 @@ class DataArguments:
         },
     )
     task: str = field(default="synthetic", metadata={"help": f"One of {TASKS}."})
+    data_dir: str = field(
+        default=None,
+        metadata={
+            "help": "Token files to train on (task=text): the --output_dir of `python -m "
+            "looped_training.loopformer.prepare`, or the authors' folder (train.bin, optionally val.bin, uint16 GPT-2 "
+            "ids), read by memmap."
+        },
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Train straight from a streamed --dataset_name or --train_files (tokenized on the fly, packed into "
+            "windows, split across ranks); needs --max_steps."
+        },
+    )
+    tokenizer_name: str = field(
+        default=None,
+        metadata={
+            "help": "Any AutoTokenizer (a Hub id such as gpt2, or a folder), on every text path; default: the one of "
+            "--model_name_or_path, else --data_dir's, else the package's BPE trained on the text (in-memory path only)."
+        },
+    )
+    max_eval_samples: int = field(
+        default=None,
+        metadata={"help": "Held-out windows the Trainer evaluates (token files: all; a stream: 256)."},
+    )
     dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})
     dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
     train_files: list[str] = field(default=None, metadata={"help": "Text files or folders of .txt (task=text)."})
     text_column: str = field(default="text", metadata={"help": "Column holding the text (dataset_name)."})
-    validation_fraction: float = field(default=0.05, metadata={"help": "Tail of each document held out (text)."})
+    validation_fraction: float = field(
+        default=0.05,
+        metadata={"help": "Text held out: the tail of each document (in memory), or whole documents (--streaming)."},
+    )
     max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
     block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
     window_targets: bool = field(

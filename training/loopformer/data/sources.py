@@ -1,0 +1,181 @@
+"""Which text a run trains on, and with which tokenizer:
+
+- `--data_dir`: token files (prepare's output, or the authors' train.bin/val.bin), read by memmap (`TokenWindows`);
+- `--streaming`: a `datasets` stream, tokenized on the fly, packed into the same windows and split across ranks with
+  `split_dataset_by_node`;
+- otherwise (`--train_files` / `--dataset_name`): the in-memory text path of small runs (`text.py`), the only one
+  that trains the package's byte-level BPE, and only where no tokenizer is named.
+
+The tokenizer: `--tokenizer_name`, else the one of `--model_name_or_path`, else the corpus folder's (prepare saves
+it there), else, for the authors' folder (GPT-2 ids, no metadata), `gpt2`. A tokenizer that is not the corpus
+folder's own is refused: the ids in the files would mean other tokens.
+"""
+
+import logging
+from functools import partial
+
+import numpy as np
+
+from looped_training.loopformer.data import corpus as corpus_docs
+from looped_training.loopformer.data import text, token_files
+
+logger = logging.getLogger(__name__)
+
+AUTHORS_TOKENIZER = "gpt2"  # their prepare scripts' TOKENIZER
+DEFAULT_BLOCK_SIZE = 128
+STREAM_EVAL_WINDOWS = 256  # held-out windows of a streamed run, unless --max_eval_samples says otherwise
+
+
+def check_text_flags(data_args, max_steps):
+    """The data flags' mistakes, before any work."""
+    corpus = data_args.dataset_name is not None or bool(data_args.train_files)
+    if data_args.task != "text":
+        for flag in ("data_dir", "streaming", "tokenizer_name"):
+            if getattr(data_args, flag):
+                raise ValueError(f"--{flag} is a flag of the text task: add --task text.")
+        return
+    if data_args.data_dir is not None and (corpus or data_args.streaming):
+        raise ValueError(
+            "--data_dir reads token files written before (by prepare, or the authors'); it does not combine with "
+            "--dataset_name, --train_files or --streaming."
+        )
+    if data_args.streaming and not corpus:
+        raise ValueError("--streaming streams --dataset_name or --train_files: give one.")
+    if data_args.streaming and (max_steps is None or max_steps <= 0):
+        raise ValueError("--streaming reads a corpus of unknown length: set --max_steps.")
+    if (data_args.data_dir is not None or data_args.streaming) and data_args.max_train_chars is not None:
+        raise ValueError(
+            "--max_train_chars caps the in-memory text path; with --data_dir or --streaming cap the run with "
+            "--max_steps (or prepare --max_documents)."
+        )
+    if data_args.max_eval_samples is not None and data_args.max_eval_samples < 1:
+        raise ValueError(f"--max_eval_samples must be a positive integer, got {data_args.max_eval_samples}.")
+
+
+def load_tokenizer(name):
+    from looped_training.loopformer.prepare import load_tokenizer as load
+
+    return load(name)
+
+
+def check_same_tokenizer(tokenizer, folder, said):
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(folder)
+    if saved.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"{said} is not the tokenizer the corpus in {folder!r} was written with (its vocabulary differs): the ids "
+            f"in its files would mean other tokens. Leave it out, or prepare the corpus with it."
+        )
+
+
+def choose_tokenizer(data_args, corpus, source_tokenizer):
+    """The run's tokenizer (module docstring), or None where the package's BPE is to be trained."""
+    from transformers import AutoTokenizer
+
+    if data_args.tokenizer_name is not None:
+        tokenizer, said = load_tokenizer(data_args.tokenizer_name), f"--tokenizer_name {data_args.tokenizer_name!r}"
+    elif source_tokenizer is not None:
+        tokenizer, said = source_tokenizer, "The tokenizer of --model_name_or_path"
+    elif corpus is not None and corpus.meta is not None:
+        return AutoTokenizer.from_pretrained(corpus.folder)
+    elif corpus is not None:
+        logger.info(
+            "%s has no tokens.json (the authors' layout): its ids are read as %s's.", corpus.folder, AUTHORS_TOKENIZER
+        )
+        return load_tokenizer(AUTHORS_TOKENIZER)
+    else:
+        if data_args.streaming:
+            raise ValueError(
+                "--streaming needs --tokenizer_name (or --model_name_or_path): the package's BPE is trained on the "
+                "whole corpus, which a stream does not hold."
+            )
+        return None
+    if corpus is not None and corpus.meta is not None:
+        check_same_tokenizer(tokenizer, corpus.folder, said)
+    return tokenizer
+
+
+def stream_windows(data_args, tokenizer, block_size, split, rank=0, world_size=1):
+    """The windows of the streamed corpus's `split` documents ("train" or "val", by prepare's seeded hash), this
+    rank's share (`split_dataset_by_node`), as torch tensors."""
+    from datasets.distributed import split_dataset_by_node
+
+    docs = corpus_docs.load_documents(
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        data_args.train_files,
+        data_args.text_column,
+        streaming=True,
+    )
+    if world_size > 1:
+        docs = split_dataset_by_node(docs, rank=rank, world_size=world_size)
+    tokenize = corpus_docs.Tokenize(tokenizer, np.int64, data_args.validation_fraction, data_args.corpus_seed)
+    tokenized = docs.map(tokenize, batched=True, remove_columns=["text"])
+    kept = tokenized.filter(partial(_in_split, split=split), input_columns="validation", batched=True)
+    packed = kept.map(corpus_docs.PackWindows(block_size), batched=True, remove_columns=["input_ids", "validation"])
+    return packed.with_format("torch")
+
+
+def _in_split(held, split):
+    return [h == (split == "val") for h in held]
+
+
+def token_data(data_args, block_size, vocab_size):
+    """(train, eval or None) windows of `--data_dir`, after checking its ids fit `vocab_size`."""
+    corpus = token_files.open_corpus(data_args.data_dir, block_size)
+    token_files.check_vocabulary(corpus, vocab_size)
+    train = token_files.TokenWindows(corpus.train, block_size, corpus.dtype, vocab_size)
+    evaluation = None
+    if corpus.val is not None:
+        evaluation = token_files.TokenWindows(corpus.val, block_size, corpus.dtype, vocab_size)
+        if len(evaluation) == 0:
+            logger.warning("%s holds fewer than %d tokens: no evaluation.", corpus.val, block_size + 1)
+            evaluation = None
+        elif data_args.max_eval_samples is not None:
+            evaluation = _first(evaluation, data_args.max_eval_samples)
+    return train, evaluation
+
+
+def _first(dataset, n):
+    import torch
+
+    return torch.utils.data.Subset(dataset, range(min(n, len(dataset))))
+
+
+def held_out_windows(data_args, tokenizer, block_size, max_rows):
+    """The held-out windows of a token-file or streamed run, as tensors (input_ids, attention_mask, labels,
+    shift_labels): what `evaluate` scores."""
+    import torch
+
+    if data_args.data_dir is not None:
+        corpus = token_files.open_corpus(data_args.data_dir)
+        if corpus.val is None:
+            raise ValueError(f"{data_args.data_dir!r} has no val.bin: nothing is held out to evaluate on.")
+        windows = token_files.TokenWindows(corpus.val, block_size, corpus.dtype)
+        rows = [windows[i] for i in range(min(max_rows, len(windows)))]
+    else:
+        rows = list(stream_windows(data_args, tokenizer, block_size, "val").take(max_rows))
+    if not rows:
+        raise ValueError("The held-out data holds no whole window of the run's block_size.")
+    data = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "shift_labels")}
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    return data
+
+
+def in_memory_data(data_args, tokenizer, block_size):
+    """The in-memory text path: (train rows, eval rows) as dicts of lists (text.chunk_text)."""
+    from looped_training.loopformer.data import held_out_text
+
+    train_text, valid_text = held_out_text(data_args, with_train=True)
+    if tokenizer is None:
+        from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
+
+        tokenizer = train_bpe_tokenizer(
+            [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
+            data_args.tokenizer_vocab_size or 1024,
+        )
+    # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
+    train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
+    evaluation = text.chunk_text(valid_text, tokenizer, block_size)
+    return tokenizer, train, evaluation

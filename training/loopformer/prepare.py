@@ -1,0 +1,404 @@
+"""Tokenize a text corpus into the flat token files LoopFormer trains on (`train --task text --data_dir DIR`), the
+format of the authors' data/*/prepare*.py: every document's ids followed by the tokenizer's EOS, one after the other,
+as uint16 where the vocabulary fits (uint32 otherwise).
+
+    python -m looped_training.loopformer.prepare --train_files ../shared/data/shakespeare --output_dir data/shakespeare
+    python -m looped_training.loopformer.prepare --dataset_name HuggingFaceFW/fineweb-edu \\
+        --dataset_config_name sample-10BT --tokenizer_name gpt2 --streaming --validation_fraction 0.0005 \\
+        --output_dir data/fineweb-edu
+
+The corpus is read as train reads it (`--dataset_name` or `--train_files`, `--text_column`), through `datasets`:
+tokenized by a batched `map` over `--num_proc` processes into Arrow files (or, with `--streaming`, as the documents
+arrive), then appended to the token files a batch at a time, so memory stays flat in the corpus size. Whole
+documents go to `val.bin` by a seeded hash of their text (`--validation_fraction`, `--seed`).
+
+The folder then holds `train.bin`, `val.bin` (when a document was held out), the tokenizer and `tokens.json` (dtype,
+tokenizer, vocabulary size, EOS id, tokens and documents per split, source), written last. Until then the work lies
+in `DIR/.prepare/`: a killed run, rerun with the same flags, goes on from its last progress record (the Arrow files
+of a finished `map` are kept); a rerun with other flags starts over. A folder without `tokens.json` is refused by
+train, so a half-written `train.bin` never passes for a whole one. `--tokenizer_name` names any AutoTokenizer (a Hub
+id or a folder); without it the package's byte-level BPE is trained on the training documents (not with
+`--streaming`).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from transformers import HfArgumentParser
+
+from looped_training.loopformer.data.corpus import Tokenize, load_documents
+from looped_training.loopformer.data.token_files import (
+    STAGING_DIR,
+    TOKENS_FILE,
+    count_tokens,
+    dtype_for_vocab,
+    read_meta,
+)
+
+PROG = "python -m looped_training.loopformer.prepare"
+FORMAT_VERSION = 1
+PROGRESS_FILE = "progress.json"
+SETTINGS_FILE = "settings.json"
+CHECKPOINT_TOKENS = 1 << 24  # tokens written between two progress records
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareArguments:
+    output_dir: str = field(metadata={"help": "Folder of train.bin, val.bin, tokens.json and the tokenizer."})
+    dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (its train split)."})
+    dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
+    train_files: list[str] = field(
+        default=None,
+        metadata={"help": "Text files or folders of .txt (one document a file), or .json/.jsonl/.csv/.parquet files."},
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding the text (not for .txt files)."})
+    tokenizer_name: str = field(
+        default=None,
+        metadata={"help": "Any AutoTokenizer (a Hub id such as gpt2, or a folder); default: train the package's BPE."},
+    )
+    tokenizer_vocab_size: int = field(default=1024, metadata={"help": "Size of the BPE trained without a tokenizer."})
+    validation_fraction: float = field(default=0.05, metadata={"help": "Share of whole documents held out (val.bin)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the document split."})
+    num_proc: int = field(default=1, metadata={"help": "Processes of the tokenizing map (not with --streaming)."})
+    streaming: bool = field(default=False, metadata={"help": "Stream the corpus instead of downloading it whole."})
+    max_documents: int = field(default=None, metadata={"help": "Read the first N documents only (small runs)."})
+    batch_size: int = field(default=1000, metadata={"help": "Documents a map batch."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace a corpus prepared with other flags in --output_dir."}
+    )
+
+
+def check_args(args):
+    """Every mistake a flag can make, before any work."""
+    if (args.dataset_name is None) == (not args.train_files):
+        raise ValueError("Give exactly one of --dataset_name or --train_files.")
+    if not 0 <= args.validation_fraction < 1:
+        raise ValueError(f"--validation_fraction must lie in [0, 1), got {args.validation_fraction}.")
+    for name in ("num_proc", "batch_size", "max_documents"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value}.")
+    if args.streaming and args.num_proc > 1:
+        raise ValueError(
+            "--num_proc tokenizes an Arrow dataset in processes; a --streaming corpus is tokenized as it "
+            "arrives: leave --num_proc at 1."
+        )
+    if args.streaming and args.tokenizer_name is None:
+        raise ValueError("--streaming needs --tokenizer_name: the package's BPE is trained on the whole corpus first.")
+    out = os.path.abspath(args.output_dir)
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"--output_dir {args.output_dir!r} lies under the file {parent!r}; give a folder.")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--output_dir {args.output_dir!r}: {parent!r} may not be written; give another folder.")
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--tokenizer_name {name!r} does not load as an AutoTokenizer ({str(e).splitlines()[0]})"
+        ) from None
+    check_eos(tokenizer, name)
+    return tokenizer
+
+
+def check_eos(tokenizer, name):
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"The tokenizer {name!r} has no EOS token; each document is ended by it. Give a tokenizer with an "
+            f"eos_token (or set one and save it to a folder)."
+        )
+
+
+def settings_of(args, tokenizer):
+    """What decides the files' bytes: a rerun with other settings starts over."""
+    keep = (
+        "dataset_name",
+        "dataset_config_name",
+        "train_files",
+        "text_column",
+        "tokenizer_name",
+        "tokenizer_vocab_size",
+        "validation_fraction",
+        "seed",
+        "streaming",
+        "max_documents",
+    )
+    settings = {k: getattr(args, k) for k in keep}
+    if args.train_files:
+        settings["train_files"] = [os.path.abspath(p) for p in args.train_files]
+    if tokenizer is not None:
+        vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab())
+        settings["tokenizer_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()
+    return settings
+
+
+def write_json(path, data):
+    """Write `data` whole or not at all (a temporary file, fsync'd and renamed)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def claim_folder(args, settings):
+    """The staging folder of this run, after refusing or clearing what `--output_dir` holds: None when the folder
+    already holds this very corpus (nothing to do)."""
+    out, staging = args.output_dir, os.path.join(args.output_dir, STAGING_DIR)
+    meta = read_meta(out) if os.path.isdir(out) else None
+    if meta is not None and meta.get("settings") == settings:
+        return None
+    stale = meta is not None or (
+        not os.path.isdir(staging) and any(os.path.exists(os.path.join(out, n)) for n in ("train.bin", "val.bin"))
+    )
+    if stale and not args.overwrite_output_dir:
+        what = "a corpus prepared with other flags" if meta is not None else "a train.bin that prepare did not write"
+        raise ValueError(
+            f"--output_dir {out!r} holds {what}; give --overwrite_output_dir to replace it, or another --output_dir."
+        )
+    if stale:  # tokens.json first: from here on the old files never pass for a finished corpus
+        for name in (TOKENS_FILE, "train.bin", "val.bin"):
+            if os.path.exists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+    if read_json(os.path.join(staging, SETTINGS_FILE)) != settings and os.path.isdir(staging):
+        logger.warning("%s holds an unfinished prepare of other flags: starting over.", staging)
+        shutil.rmtree(staging)
+    os.makedirs(staging, exist_ok=True)
+    write_json(os.path.join(staging, SETTINGS_FILE), settings)
+    return staging
+
+
+def train_tokenizer(docs, args, staging):
+    """The package's BPE on the training documents, kept in the staging folder so that a rerun uses the same."""
+    from transformers import AutoTokenizer
+
+    from looped_training.loopformer.data.corpus import is_validation
+    from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
+
+    folder = os.path.join(staging, "bpe")
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(folder)
+
+    def texts():
+        for batch in docs.iter(batch_size=args.batch_size):
+            held = is_validation(batch["text"], args.validation_fraction, args.seed)
+            yield from (t for t, h in zip(batch["text"], held) if t and not h)
+
+    tokenizer = train_bpe_tokenizer(texts(), args.tokenizer_vocab_size)
+    tokenizer.save_pretrained(folder + ".tmp")
+    os.replace(folder + ".tmp", folder)
+    return tokenizer
+
+
+class SplitWriter:
+    """Appends token batches to `train.bin.partial` and `val.bin.partial` in the staging folder, and records its
+    progress (documents read, bytes, counts) after fsync'ing them, so that a rerun truncates the files to the last
+    record and goes on from its document."""
+
+    def __init__(self, staging, dtype):
+        self.staging, self.dtype = staging, np.dtype(dtype)
+        self.progress = read_json(os.path.join(staging, PROGRESS_FILE)) or {
+            "documents_read": 0,
+            "finished": False,
+            "splits": {s: {"tokens": 0, "documents": 0, "max_token_id": -1} for s in ("train", "val")},
+        }
+        self.files = {}
+        for split, record in self.progress["splits"].items():
+            path = self.path(split)
+            f = open(path, "r+b" if os.path.exists(path) else "wb")
+            f.truncate(record["tokens"] * self.dtype.itemsize)  # what followed the last record is written again
+            f.seek(0, os.SEEK_END)
+            self.files[split] = f
+        self.unrecorded = 0
+
+    def path(self, split):
+        return os.path.join(self.staging, f"{split}.bin.partial")
+
+    def write(self, table):
+        import pyarrow.compute as pc
+
+        held = table.column("validation").combine_chunks()
+        ids = table.column("input_ids").combine_chunks()
+        for split, mask in (("train", pc.invert(held)), ("val", held)):
+            docs = ids.filter(mask)
+            flat = docs.flatten().to_numpy(zero_copy_only=False).astype(self.dtype, copy=False)
+            record = self.progress["splits"][split]
+            record["documents"] += int(pc.sum(pc.greater(pc.list_value_length(docs), 0)).as_py() or 0)
+            record["tokens"] += len(flat)
+            if len(flat):
+                record["max_token_id"] = max(record["max_token_id"], int(flat.max()))
+                self.files[split].write(flat.tobytes())
+            self.unrecorded += len(flat)
+        self.progress["documents_read"] += table.num_rows
+        if self.unrecorded >= CHECKPOINT_TOKENS:
+            self.record()
+
+    def record(self, finished=False):
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self.progress["finished"] = finished
+        write_json(os.path.join(self.staging, PROGRESS_FILE), self.progress)
+        self.unrecorded = 0
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def tokenized_rows(docs, tokenize, args, staging, dtype, done):
+    """The documents after `done` as Arrow batches of (input_ids, validation): a `map` over `--num_proc` processes
+    into Arrow files in the staging folder (a rerun reuses a finished one), or the stream tokenized as it arrives."""
+    import datasets
+
+    features = datasets.Features(
+        {"input_ids": datasets.Sequence(datasets.Value(dtype)), "validation": datasets.Value("bool")}
+    )
+    kwargs = {"batched": True, "batch_size": args.batch_size, "remove_columns": ["text"], "features": features}
+    if args.streaming:
+        return docs.skip(done).map(tokenize, **kwargs).with_format("arrow").iter(batch_size=args.batch_size)
+    if args.num_proc > 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each process tokenizes on one core
+    rows = docs.map(
+        tokenize,
+        num_proc=args.num_proc if args.num_proc > 1 else None,
+        cache_file_name=os.path.join(staging, "tokens.arrow"),
+        desc="Tokenizing",
+        **kwargs,
+    )
+    return rows.select(range(done, len(rows))).with_format("arrow").iter(batch_size=args.batch_size)
+
+
+def finish(args, staging, tokenizer, dtype, progress):
+    """Move the files in, the tokenizer beside them, tokens.json last; each step may be redone after a kill."""
+    out = args.output_dir
+    splits = progress["splits"]
+    if splits["train"]["tokens"] == 0:
+        shutil.rmtree(staging)
+        raise ValueError(
+            "The corpus holds no non-empty training document"
+            + (" (every document went to validation: lower --validation_fraction)" if splits["val"]["tokens"] else "")
+            + "; nothing was written."
+        )
+    for split in ("train", "val"):
+        partial, final = os.path.join(staging, f"{split}.bin.partial"), os.path.join(out, f"{split}.bin")
+        if os.path.exists(partial) and (split == "train" or splits[split]["tokens"]):
+            os.replace(partial, final)
+        if splits[split]["tokens"] == 0 and os.path.exists(final):
+            os.remove(final)
+        if os.path.exists(final) and count_tokens(final, dtype) != splits[split]["tokens"]:
+            raise ValueError(
+                f"{final} does not hold the {splits[split]['tokens']} tokens recorded; rerun with "
+                f"--overwrite_output_dir."
+            )
+    tokenizer.save_pretrained(out)
+    settings = read_json(os.path.join(staging, SETTINGS_FILE))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "tokenizer": args.tokenizer_name or "looped_training BPE (trained by prepare, saved here)",
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "splits": splits,
+        "source": {
+            k: settings[k]
+            for k in (
+                "dataset_name",
+                "dataset_config_name",
+                "train_files",
+                "text_column",
+                "streaming",
+                "max_documents",
+                "validation_fraction",
+                "seed",
+            )
+        },
+        "settings": settings,
+    }
+    write_json(os.path.join(out, TOKENS_FILE), meta)
+    shutil.rmtree(staging)
+    return meta
+
+
+def prepare(args):
+    """Write `args.output_dir`'s corpus (see the module docstring); its tokens.json."""
+    from tqdm.auto import tqdm
+
+    check_args(args)
+    tokenizer = load_tokenizer(args.tokenizer_name) if args.tokenizer_name else None
+    docs = load_documents(
+        args.dataset_name, args.dataset_config_name, args.train_files, args.text_column, streaming=args.streaming
+    )
+    if args.max_documents is not None:
+        docs = (
+            docs.take(args.max_documents) if args.streaming else docs.select(range(min(args.max_documents, len(docs))))
+        )
+    if not args.streaming and len(docs) == 0:
+        raise ValueError("The corpus holds no document; nothing was written.")
+    staging = claim_folder(args, settings_of(args, tokenizer))
+    if staging is None:
+        logger.warning("%s already holds this corpus (same flags): nothing to do.", args.output_dir)
+        return read_meta(args.output_dir)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(docs, args, staging)
+    dtype = dtype_for_vocab(len(tokenizer))
+    writer = SplitWriter(staging, dtype)
+    try:
+        done = writer.progress["documents_read"]
+        if not writer.progress["finished"]:
+            tokenize = Tokenize(tokenizer, dtype, args.validation_fraction, args.seed)
+            rows = tokenized_rows(docs, tokenize, args, staging, dtype, done)  # the map runs here (Arrow)
+            total = None if args.streaming else len(docs)
+            bar = tqdm(total=total, initial=done, unit="doc", desc="Writing token files", file=sys.stderr)
+            for table in rows:
+                writer.write(table)
+                bar.update(table.num_rows)
+            bar.close()
+            writer.record(finished=True)
+    finally:
+        writer.close()
+    return finish(args, staging, tokenizer, dtype, writer.progress)
+
+
+def main(argv=None):
+    (args,) = HfArgumentParser(PrepareArguments, prog=PROG).parse_args_into_dataclasses(
+        args=sys.argv[1:] if argv is None else argv, look_for_args_file=False
+    )
+    logging.basicConfig(format="%(levelname)s - %(message)s", level=logging.INFO)
+    meta = prepare(args)
+    splits = meta["splits"]
+    print(
+        f"{args.output_dir}: train.bin {splits['train']['tokens']:,} tokens ({splits['train']['documents']:,} documents), "
+        f"val.bin {splits['val']['tokens']:,} tokens ({splits['val']['documents']:,} documents), {meta['dtype']}, "
+        f"vocabulary {meta['vocab_size']:,}"
+    )
+    return meta
+
+
+if __name__ == "__main__":
+    from looped_training.arguments import run_command
+
+    run_command(main, PROG)
