@@ -27,9 +27,9 @@ def variant_of(config, variants):
     share their base's configuration and differ by objective, so the plain one is named."""
     looped = config.num_loops > 1
     for name, (conditioning, is_looped, trajectory, _, norm_weight) in variants.items():
-        if (conditioning, is_looped, norm_weight) == (config.loop_conditioning, looped, config.block_norm_weight):
-            if trajectory != "early_exit":
-                return name
+        same = (conditioning, is_looped, norm_weight) == (config.loop_conditioning, looped, config.block_norm_weight)
+        if same and trajectory != "early_exit":
+            return name
     raise ValueError(
         f"The checkpoint's configuration (loop_conditioning={config.loop_conditioning!r}, num_loops={config.num_loops}, "
         f"block_norm_weight={config.block_norm_weight}) is none of the variants {tuple(variants)}."

@@ -27,11 +27,9 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
-from transformers import HfArgumentParser
-
 from looped_training.loopformer.data.corpus import Tokenize, load_documents
 from looped_training.loopformer.data.token_files import (
     STAGING_DIR,
@@ -40,6 +38,7 @@ from looped_training.loopformer.data.token_files import (
     dtype_for_vocab,
     read_meta,
 )
+from transformers import HfArgumentParser
 
 PROG = "python -m looped_training.loopformer.prepare"
 FORMAT_VERSION = 1
@@ -193,10 +192,9 @@ def claim_folder(args, settings):
 
 def train_tokenizer(docs, args, staging):
     """The package's BPE on the training documents, kept in the staging folder so that a rerun uses the same."""
-    from transformers import AutoTokenizer
-
     from looped_training.loopformer.data.corpus import is_validation
     from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
+    from transformers import AutoTokenizer
 
     folder = os.path.join(staging, "bpe")
     if os.path.isfile(os.path.join(folder, "tokenizer.json")):
@@ -228,7 +226,7 @@ class SplitWriter:
         self.files = {}
         for split, record in self.progress["splits"].items():
             path = self.path(split)
-            f = open(path, "r+b" if os.path.exists(path) else "wb")
+            f = open(path, "r+b" if os.path.exists(path) else "wb")  # noqa: SIM115 (closed by close())
             f.truncate(record["tokens"] * self.dtype.itemsize)  # what followed the last record is written again
             f.seek(0, os.SEEK_END)
             self.files[split] = f

@@ -15,7 +15,6 @@ import logging
 from functools import partial
 
 import numpy as np
-
 from looped_training.loopformer.data import corpus as corpus_docs
 from looped_training.loopformer.data import text, token_files
 
