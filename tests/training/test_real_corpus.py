@@ -364,3 +364,27 @@ def test_streaming_without_max_steps_is_refused_before_any_work(tmp_path):
 def test_flags_that_do_not_combine_are_refused(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
         train_on(tmp_path / "run", *flags)
+
+
+# the authors' recipe at CPU size: the preset with its shape and batch shrunk (docs/training.md runs the same)
+CPU_SIZED = [
+    "--hidden_size", "32", "--num_attention_heads", "2", "--intermediate_size", "64", "--num_blocks", "1",
+    "--num_loops", "3", "--block_size", "32", "--vocab_size", "320", "--per_device_train_batch_size", "4",
+    "--gradient_accumulation_steps", "1", "--max_steps", "6", "--warmup_steps", "2", "--eval_steps", "3",
+    "--save_steps", "3", "--max_eval_samples", "8", "--bf16", "false", "--use_cpu", "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+def test_the_authors_recipe_runs_at_cpu_size_prepare_train_evaluate(prepared, tmp_path):
+    from looped_training.loopformer import evaluate as evaluate_elastic
+
+    out = tmp_path / "run"
+    trainer = train_loopformer.main(
+        ["--preset", "authors-3blk-8loops", "--data_dir", str(prepared[0]), "--output_dir", str(out), *CPU_SIZED]
+    )
+    assert trainer.args.weight_decay == 0.2 and trainer.args.adam_beta2 == 0.95 and trainer.args.seed == 1337
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [3, 6]
+    assert (out / "checkpoint-6").is_dir() and trainer.model.config.vocab_size == 320
+    records = evaluate_elastic.main([str(out), "--output_dir", str(tmp_path / "eval"), "--disable_tqdm", "true"])
+    ppl = [r["ppl"] for r in records[0]["results"]]
+    assert len(ppl) >= 3 and all(1 < p < 320 for p in ppl)  # every budget scored on val.bin's windows
