@@ -11,7 +11,8 @@
     .venv/bin/python -m benchmarks.bench_corpus --sizes_mb 1 40 --quick  # a smaller check
 
 Each measurement runs in its own child process, which reports its own high-water mark (VmHWM: resident memory,
-the memory-mapped token file's pages included) and its timings; the corpus is Shakespeare's plays cut into documents
+the pages of memory-mapped files included: Arrow caches, token files), the peak of its private memory (RssAnon, sampled
+every 20 ms: what the process holds itself) and its timings; the corpus is Shakespeare's plays cut into documents
 of about 4 KB and repeated with each copy's words shuffled in place (../shared/data/shakespeare; random words where it
 is absent). Writes benchmarks/results/corpus.json.
 """
@@ -29,17 +30,40 @@ SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "dat
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "corpus.json")
 
 
-def vm_hwm_mib():
+def status_mib(field):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
+class AnonPeak:
+    """The peak of RssAnon (heap and other private memory, without the pages of memory-mapped files, which the kernel
+    can drop at will), sampled every 20 ms; VmHWM counts the mapped files' pages too."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self.stop = 0.0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.wait(0.02):
+            self.peak = max(self.peak, status_mib("RssAnon"))
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join()
+        return max(self.peak, status_mib("RssAnon"))
+
+
 def source_paragraphs():
     if os.path.isdir(SHAKESPEARE):
-        text = "".join(open(os.path.join(SHAKESPEARE, n), encoding="utf-8").read() for n in sorted(os.listdir(SHAKESPEARE)))
+        text = "".join(
+            open(os.path.join(SHAKESPEARE, n), encoding="utf-8").read() for n in sorted(os.listdir(SHAKESPEARE))
+        )
     else:
         rng = random.Random(0)
         words = [f"w{i}" for i in range(5000)]
@@ -68,6 +92,7 @@ def write_corpus(path, size_mb, seed=0):
 def child(kind, args_json):
     """Run one measurement in this process and print its JSON."""
     start = time.monotonic()
+    anon = AnonPeak()
     args = json.loads(args_json)
     result = {}
     if kind == "prepare":
@@ -108,10 +133,13 @@ def child(kind, args_json):
         train.build_trainer = with_mark
         train.main(args)
         result.update(marks)
-        result["steps_per_s_after_first"] = (marks["steps"] - 1) / (marks["last_step_at"] - start - marks["first_step_s"])
+        result["steps_per_s_after_first"] = (marks["steps"] - 1) / (
+            marks["last_step_at"] - start - marks["first_step_s"]
+        )
         del result["last_step_at"]
     result["wall_s"] = time.monotonic() - start
-    result["peak_rss_mib"] = vm_hwm_mib()
+    result["peak_rss_mib"] = status_mib("VmHWM")
+    result["peak_anon_mib"] = anon.finish()
     print("RESULT " + json.dumps(result))
 
 
@@ -140,10 +168,16 @@ def main():
     parser.add_argument("--train_steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="skip the in-memory comparison")
+    parser.add_argument("--output", default=RESULTS, help="where the JSON goes (default: %(default)s)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
+    small, large = args.sizes_mb
+    if not 0 < small < large:
+        parser.error(f"--sizes_mb {small} {large}: give two sizes in MB, the smaller first, both above 0")
+    if args.train_steps < 3:
+        parser.error(f"--train_steps {args.train_steps}: give at least 3 (the rate is timed after the first step)")
     results = {"sizes_mb": args.sizes_mb, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoTokenizer  # noqa: F401  (a clear failure before the long work)
@@ -175,10 +209,10 @@ def main():
             results["runs"][str(size)] = run
             print(json.dumps({size: run}), flush=True)
     report(results)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.output}")
 
 
 def report(results):
@@ -193,17 +227,21 @@ def report(results):
         rows.append({
             "tokens": run["prepare"]["tokens"],
             "prepare peak RSS MiB": run["prepare"]["peak_rss_mib"],
+            "prepare peak RssAnon MiB": run["prepare"]["peak_anon_mib"],
             "prepare tokens/s (whole command)": prep_rate,
             "tokenizer's own batched tokens/s": tok_rate,
             "tokenizer speed / prepare speed": tok_rate / prep_rate,
             "train peak RSS MiB": run["train"]["peak_rss_mib"],
+            "train peak RssAnon MiB": run["train"]["peak_anon_mib"],
             "train: s from start to first step": run["train"]["first_step_s"],
             "train steps/s after the first": run["train"]["steps_per_s_after_first"],
         })  # fmt: skip
     for key in rows[0]:
         a, b = rows[0][key], rows[1][key]
         print(f"| {key} | {a:,.2f} | {b:,.2f} | {b / a:.2f} |")
-    print(f"| train peak RSS, large - small (MiB) | | | {rows[1]['train peak RSS MiB'] - rows[0]['train peak RSS MiB']:+.1f} |")
+    print(
+        f"| train peak RSS, large - small (MiB) | | | {rows[1]['train peak RSS MiB'] - rows[0]['train peak RSS MiB']:+.1f} |"
+    )
     if "train_in_memory" in small:
         old = small["train_in_memory"]
         print(f"\nin-memory text path at the small size: peak RSS {old['peak_rss_mib']:,.0f} MiB, first step after "
