@@ -187,6 +187,8 @@ def _parser():
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
+        if not os.path.isfile(args.output):  # before the conversion: a folder that cannot be made fails here
+            os.makedirs(args.output, exist_ok=True)
         model = convert(
             args.checkpoint,
             args.config,
@@ -199,7 +201,7 @@ def main(argv=None):
             keep_q_head=args.keep_q_head,
         )
     except (ValueError, StrictDataclassError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in model.state_dict().values())
     print(f"saved FPRMForReasoning ({n / 1e6:.2f}M values) to {args.output}")

@@ -23,8 +23,14 @@ Two routes, both tested (tests/training/test_lm_eval.py):
 
 import sys
 
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+PROG = "python -m looped_training.loopformer.lm_eval"
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ModuleNotFoundError as err:  # the `eval` extra; `--help` included, one line naming it
+    from looped_training.arguments import exit_for_missing_extra
+
+    exit_for_missing_extra(err, PROG, command=__name__ == "__main__")
 
 
 def parse_step_schedule(value):
@@ -85,4 +91,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from looped_training.arguments import run_command
+
+    run_command(main, PROG)
