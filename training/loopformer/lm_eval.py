@@ -21,8 +21,6 @@ Two routes, both tested (tests/training/test_lm_eval.py):
    `import looped_training.loopformer.lm_eval` before `lm_eval.simple_evaluate(model="loopformer", ...)` does the same.
 """
 
-import sys
-
 PROG = "python -m looped_training.loopformer.lm_eval"
 try:
     from lm_eval.api.registry import register_model
