@@ -188,7 +188,12 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     try:
         if not os.path.isfile(args.output):  # before the conversion: a folder that cannot be made fails here
-            os.makedirs(args.output, exist_ok=True)
+            try:
+                os.makedirs(args.output, exist_ok=True)
+            except OSError as err:
+                raise ValueError(
+                    f"--output {args.output} cannot be created ({err.strerror}); give a folder you can write."
+                )
         model = convert(
             args.checkpoint,
             args.config,

@@ -146,7 +146,7 @@ def read_source_dataset(name, task, split="test"):
             f"rating), got {data.column_names}."
         )
     if len(data) == 0:
-        raise ValueError(f"--dataset {name} has no rows ({split} split), only its header.")
+        raise ValueError(f"--dataset {name} has no rows in its {split} split.")
     inputs = np.array(_column(data, "question", task.encode, name), dtype=np.int64)
     labels = np.array(_column(data, "answer", task.encode, name), dtype=np.int64)
     ratings = None
@@ -177,6 +177,8 @@ def check_csv_header(path):
             f"--dataset {path}: its first row {first[:60]!r} is not a header naming the columns question and answer; "
             f"their CSVs start with the row source,question,answer,rating."
         )
+    if len(head) < 1 << 16 and not any(line.strip() for line in head.decode("utf-8").splitlines()[1:]):
+        raise ValueError(f"--dataset {path} has no rows, only its header.")
 
 
 def _rating(value):
@@ -312,6 +314,8 @@ def main(argv=None):
         # before any puzzle is solved: the report is written last
         check_output_path("--output", args.output)
         check_model_source("model", args.model)
+        if args.dataset and os.path.isfile(args.dataset):
+            check_csv_header(args.dataset)
         kwargs = {k: v for k, v in (("subfolder", args.subfolder), ("step", args.step)) if v is not None}
         device = check_device("--device", args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = FPRMForReasoning.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **kwargs).to(device)
