@@ -116,10 +116,9 @@ def _nearest_existing(path):
     return parent
 
 
-def _may_write(folder):
+def _may_write(path, mode=os.W_OK | os.X_OK):
     # the effective ids, as a write does (root without its override of permission bits is refused too)
-    effective = os.access in os.supports_effective_ids
-    return os.access(folder, os.W_OK | os.X_OK, effective_ids=effective)
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
 def check_output_path(flag, path, folder=False, existing_may_be_read_only=False):
@@ -135,22 +134,26 @@ def check_output_path(flag, path, folder=False, existing_may_be_read_only=False)
         raise ValueError(f"{flag} {path} is a folder: give {what}, e.g. {os.path.join(path, 'report.json')}.")
     if os.path.exists(path) and not os.path.isdir(path) and folder:
         raise ValueError(f"{flag} {path} is a file, not a folder: give {what}.")
-    parent = _nearest_existing(path)
-    if not os.path.isdir(parent):
-        raise ValueError(
-            f"{flag} {path} cannot be created: {parent} is a file, not a folder; give a path in a folder."
-        )
     if os.path.exists(path):
         if folder and existing_may_be_read_only:
             return
-        target = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-        if not _may_write(target) or (not folder and not os.access(path, os.W_OK)):
+        # a folder is written into; a file is replaced (a new file beside it, renamed) or written in place
+        writable = _may_write(path if folder else os.path.dirname(os.path.abspath(path))) and (
+            folder or _may_write(path, os.W_OK)
+        )
+        if not writable:
             raise NotWritableError(
                 errno.EACCES,
                 f"{flag} {path} is not writable (Permission denied); make it writable or give another {flag}",
                 path,
             )
-    elif not _may_write(parent):
+        return
+    parent = _nearest_existing(path)
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"{flag} {path} cannot be created: {parent} is a file, not a folder; give a path in a folder."
+        )
+    if not _may_write(parent):
         raise NotWritableError(
             errno.EACCES,
             f"{flag} {path} cannot be created: {parent} is not writable (Permission denied); give "
