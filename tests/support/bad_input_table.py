@@ -505,6 +505,16 @@ def saved_with_invalid_generation_loop_budget(tmp):
     model.save_pretrained(Path(tmp) / "model")
 
 
+def fprm_run(tmp):
+    """A training run's folder as fprm.evaluate reads it: model/ and the record results.json (the default data)."""
+    saved_fprm(tmp)
+    file_in(tmp, "results.json", json.dumps({"args": {"data": {}}}).encode())
+    return str(tmp)
+
+
+FPRM_EVALUATE_CMD = command("looped_training.fprm.evaluate")
+
+
 def loopformer_config_folder(tmp):
     """A folder with a LoopFormer config.json (what finetune_lora reads before loading the model)."""
     folder = Path(tmp) / "base"
@@ -1600,6 +1610,27 @@ CASES = [
         lambda t: EVALUATE_CMD("{tmp}/ckpt", "--output_dir", under_a_file(t, "eval"))(t),
         SystemExit,
         r"--output_dir .*taken/eval cannot be created: .*taken is a file, not a folder",
+    ),
+    Case(
+        "fprm.evaluate",
+        "--output_dir under a regular file (written after the evaluation)",
+        lambda t: FPRM_EVALUATE_CMD(fprm_run(t), "--output_dir", under_a_file(t, "eval"))(t),
+        SystemExit,
+        r"--output_dir .*taken/eval cannot be created: .*taken is a file, not a folder",
+    ),
+    Case(
+        "fprm.evaluate",
+        "--device gpu0",
+        lambda t: FPRM_EVALUATE_CMD(fprm_run(t), "--device", "gpu0")(t),
+        SystemExit,
+        r"--device 'gpu0' is not usable here",
+    ),
+    Case(
+        "fprm.evaluate",
+        "a run folder that does not exist",
+        FPRM_EVALUATE_CMD("{tmp}/missing"),
+        SystemExit,
+        r"missing' is not a folder: give an FPRM training output folder",
     ),
     Case(
         "loopformer.prepare",
