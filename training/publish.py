@@ -16,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from looped_training.arguments import check_output_path, one_line
 from looped_training.model_cards import kind_of, model_card
 
 
@@ -264,6 +263,8 @@ def main(argv=None):
             "prompt",
         )
     }
+    from looped_training.arguments import check_output_path, one_line  # here: the models import this module
+
     try:
         if args.dry_run and args.stage_dir is None:
             raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
