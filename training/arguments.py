@@ -193,8 +193,8 @@ def check_model_source(flag, value):
         )
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    # a path by its form, or by its first folder being here ("runs/nope" where runs/ exists)
-    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") != 1 or os.path.isdir(text.split("/")[0])
+    # a path by its form, or by its first folder being here ("runs/nope" where runs/ exists); "gpt2" is a Hub id
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.path.isdir(text.split("/")[0])
     try:
         validate_repo_id(text)
     except HFValidationError:
