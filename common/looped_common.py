@@ -11,6 +11,8 @@ where neither package is installed (tests/test_layout.py checks the links and th
 other).
 """
 
+import dataclasses
+import functools
 import glob
 import math
 import numbers
@@ -20,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # ---- layers -------------------------------------------------------------------------------------------------------
 
@@ -162,8 +167,51 @@ def check_rope_parameters(value):
         raise ValueError(f"`rope_parameters['partial_rotary_factor']` must be in (0, 1], got {partial!r}.")
 
 
+# keyword arguments that are not fields yet belong in a config: config.json's bookkeeping and what `PreTrainedConfig`
+# itself reads
+NON_FIELD_KWARGS = (
+    "auto_map",
+    "model_type",
+    "name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "rope_theta",
+    "rope_scaling",
+    "output_attentions",
+    "attn_implementation",
+    "experts_implementation",
+    "per_layer_config",
+    "num_labels",
+)
+
+
+@functools.cache
+def _generation_kwargs():
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())  # configs of older releases carry them; transformers drops them
+
+
 class LoopedConfigMixin:
     """What both configs derive the same way (placed before `PreTrainedConfig` among the bases)."""
+
+    def warn_unknown_kwargs(self, kwargs, also_allowed=()):
+        """A keyword that is no field (a typo: `num_loop=4`, `hiden_size=64`) was kept silently and changed nothing:
+        warn, as transformers' GenerationConfig does for flags it does not know, naming the closest field.
+        `also_allowed`: the config's own records that are not fields (a translated config's sources)."""
+        import difflib
+
+        fields = [f.name for f in dataclasses.fields(self)]
+        allowed = set(NON_FIELD_KWARGS) | set(also_allowed) | _generation_kwargs()
+        unknown = sorted(k for k in kwargs if not k.startswith("_") and k not in allowed)
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {v[0]!r}?" for k, v in hints.items() if v)
+            logger.warning(
+                f"{type(self).__name__} got keyword arguments that are not its fields, kept on the config but read "
+                f"by nothing: {unknown}" + (f" ({hint})" if hint else "") + "."
+            )
 
     def validate_rope(self):
         """transformers' check of the keys each RoPE type requires; a missing one (a KeyError there) is refused."""

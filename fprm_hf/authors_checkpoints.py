@@ -30,6 +30,7 @@ files are never imported, read or run.
 
 import os
 import re
+import zipfile
 
 import torch
 from transformers.utils import cached_file, logging
@@ -129,6 +130,47 @@ def list_folder(path, hub_kwargs):
     )
 
 
+def task_folders(path, hub_kwargs):
+    """The folders directly under `path` (a repo's root) that hold step_N files, as `sudoku/` and `maze/` of the
+    published repo: [] for another folder, None when the Hub cannot be asked."""
+    local = os.fspath(path)
+    if os.path.isdir(local):
+        return sorted(
+            name
+            for name in os.listdir(local)
+            if os.path.isdir(os.path.join(local, name)) and steps_in(os.listdir(os.path.join(local, name)))
+        )
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(local, revision=hub_kwargs.get("revision"), token=hub_kwargs.get("token"))
+    except Exception:  # offline, unknown repo: nothing to suggest
+        return None
+    return sorted({s.rfilename.split("/")[0] for s in info.siblings if re.fullmatch(r"[^/]+/step_\d+", s.rfilename)})
+
+
+def refuse_root_or_step(path, hub_kwargs, step):
+    """For a folder that is not a published task folder: the root of a published repo (or a `subfolder` it lacks)
+    named with its task folders, and `step` (which picks one of their step_N files) refused."""
+    try:
+        has_config = _resolve(path, "config.json", hub_kwargs) is not None
+    except Exception:  # not there, offline: transformers' own loading says why
+        has_config = True
+    root = {k: v for k, v in hub_kwargs.items() if k != "subfolder"}
+    if not has_config and (tasks := task_folders(path, root)):
+        sub = hub_kwargs.get("subfolder")
+        given = f"has no task folder {sub!r}" if sub else "is the root of a published FPRM repo"
+        raise PublishedCheckpointError(
+            f"{os.fspath(path)} {given}: give subfolder= one of its task folders {tasks} "
+            f"(python -m looped_training.fprm.published: --subfolder)."
+        )
+    if step is not None:
+        raise PublishedCheckpointError(
+            f"step={step!r} picks one of the authors' step_N files, and {_where(path, hub_kwargs)} holds none (a saved "
+            f"model holds one set of weights): leave step out."
+        )
+
+
 def steps_in(names):
     return sorted(int(m[1]) for name in names if (m := STEP_FILE.match(name)))
 
@@ -188,10 +230,9 @@ def read_step_file(path, hub_kwargs, step):
     if resolved is None:
         raise PublishedCheckpointError(f"{_where(path, hub_kwargs)} has no {name}.")
     try:
-        state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
+        # memory-mapped where it can be: torch's legacy (non-zip) format, a valid step file too, cannot
+        state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(resolved))
     except Exception as error:  # the unpickler or the zip reader says what it refused
-        reason = str(error).strip().splitlines()
-        reason = next((line for line in reason if line.strip()), type(error).__name__)
         needs_pickle = "weights_only" in str(error) or "Unsupported global" in str(error)
         raise PublishedCheckpointError(
             f"{resolved}: "
@@ -200,13 +241,24 @@ def read_step_file(path, hub_kwargs, step):
                 if needs_pickle
                 else "not a readable torch state dict (truncated or damaged?): "
             )
-            + reason[:300]
+            + _reason(error)
         ) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         raise PublishedCheckpointError(
             f"{resolved}: does not hold a state dict (str -> tensor), got {type(state).__name__}."
         )
     return state
+
+
+def _reason(error):
+    """The sentence of torch.load's error that says what it refused (for a pickle, the unpickler's "Unsupported
+    global: ..."), without the terminal's escape codes."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines() if line.strip()]
+    refused = next((line for line in lines if "Unsupported global" in line), None)
+    if refused is not None:
+        refused = refused.split("WeightsUnpickler error: ", 1)[-1]
+        return refused.split(". ", 1)[0].rstrip(".") + "."
+    return lines[0] if lines else type(error).__name__
 
 
 def read_arch(path, hub_kwargs):
@@ -319,6 +371,8 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     `from_pretrained` then builds the model from the mapped state dict (dtype, device_map, the loading report)."""
     hub_kwargs = _hub_kwargs(kwargs)
     if not is_published_layout(path, hub_kwargs):
+        if isinstance(path, (str, os.PathLike)):
+            refuse_root_or_step(path, hub_kwargs, kwargs.get("step"))
         return None
     from .configuration_fprm import FPRMConfig
     from .modeling_fprm import FPRMForReasoning

@@ -281,6 +281,7 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
                     f"load here. Load it with the package at commit {READS_REMOVED[name]}, or retrain."
                 )
             kwargs.pop(name, None)
+        self.warn_unknown_kwargs(kwargs, also_allowed=("authors_checkpoint",))
         if self.intermediate_size is None:
             self.intermediate_size = swiglu_width(self.hidden_size, self.expansion)
         if self.conv_kernel_size is None:

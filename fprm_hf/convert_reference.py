@@ -187,6 +187,13 @@ def _parser():
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
+        if not os.path.isfile(args.output):  # before the conversion: a folder that cannot be made fails here
+            try:
+                os.makedirs(args.output, exist_ok=True)
+            except OSError as err:
+                raise ValueError(
+                    f"--output {args.output} cannot be created ({err.strerror}); give a folder you can write."
+                )
         model = convert(
             args.checkpoint,
             args.config,
@@ -199,7 +206,7 @@ def main(argv=None):
             keep_q_head=args.keep_q_head,
         )
     except (ValueError, StrictDataclassError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in model.state_dict().values())
     print(f"saved FPRMForReasoning ({n / 1e6:.2f}M values) to {args.output}")

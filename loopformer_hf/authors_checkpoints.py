@@ -229,6 +229,9 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     _refuse_incomplete(path, config, config_dict, info, {our_name(name, renames): name for name in shapes})
     if model.generation_config.do_sample is None:  # theirs sets nothing: greedy, as our generate documents
         model.generation_config.do_sample = False
+    for key in ("eos_token_id", "bos_token_id"):  # theirs names none: the tokenizer's (derive_config)
+        if getattr(model.generation_config, key) is None:
+            setattr(model.generation_config, key, getattr(model.config, key))
     if causal_lm is not cls:  # LoopFormerModel (AutoModel): the base model of the translated causal LM
         model = model.model
     return (model, info) if output_loading_info else model

@@ -20,7 +20,7 @@ import re
 from transformers.utils import logging
 
 from .authors_code_defaults import read_code_defaults
-from .authors_files import read_config_dict, read_weight_shapes
+from .authors_files import read_config_dict, read_special_token_ids, read_weight_shapes
 from .authors_weights import strip_wrapper_prefixes
 from .configuration_loopformer import LoopFormerConfig
 
@@ -261,6 +261,7 @@ def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
     from, and warns where they were assumed."""
     hub_kwargs = dict(hub_kwargs or {})
     code_defaults = code_source = None
+    special = {}
     if name_or_path is not None:
         local = os.path.isdir(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else False
         try:
@@ -269,6 +270,8 @@ def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
             if shapes is None:
                 shapes = read_weight_shapes(name_or_path, hub_kwargs)
             code_defaults, code_source = read_code_defaults(name_or_path, config_dict, hub_kwargs)
+            # their config.json names no end of text, their tokenizer does: generation stops there, pipelines pad
+            special = read_special_token_ids(name_or_path, hub_kwargs)
         except OSError as error:
             if local and read_config_dict(name_or_path, hub_kwargs) == config_dict:
                 raise  # a truncated or missing weights file, named
@@ -284,6 +287,9 @@ def derive_config(config_dict, name_or_path=None, hub_kwargs=None, shapes=None):
         code_source,
         name_or_path=name_or_path,
     )
+    for key, value in special.items():
+        if kwargs.get(key) is None:
+            kwargs[key] = value
     _report_sources(name_or_path, kwargs)
     return kwargs
 

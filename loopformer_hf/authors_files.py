@@ -1,5 +1,6 @@
-"""The files of a repo in the authors' layout, read without loading a tensor: config.json as a dict, and the weights'
-names and shapes from the safetensors header (or its shard index, or a memory-mapped pytorch_model.bin)."""
+"""The files of a repo in the authors' layout, read without loading a tensor: config.json as a dict, the weights'
+names and shapes from the safetensors header (or its shard index, or a memory-mapped pytorch_model.bin), and the ids
+of the tokenizer's special tokens."""
 
 import json
 import os
@@ -68,3 +69,31 @@ def read_weight_shapes(path, hub_kwargs):
             raise OSError(f"{resolved!r} could not be read ({error}). Nothing was loaded.") from None
         return {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
     raise OSError(f"{os.fspath(path)!r} holds none of {WEIGHT_FILES}: there are no weights to load.")
+
+
+def _token_text(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def read_special_token_ids(path, hub_kwargs):
+    """{"eos_token_id": id, "bos_token_id": id} of the repo's tokenizer (GPT-2's: both <|endoftext|>): the token
+    as tokenizer_config.json or special_tokens_map.json names it, its id from tokenizer.json or vocab.json. {} without
+    tokenizer files; a token they do not give an id is left out."""
+    named = {}
+    for filename in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (resolved := resolve_file(path, filename, hub_kwargs)) is not None:
+            with open(resolved, encoding="utf-8") as handle:
+                data = json.load(handle)
+            named.update({k: _token_text(data[k]) for k in ("eos_token", "bos_token") if data.get(k)})
+    if not named:
+        return {}
+    ids = {}
+    if (resolved := resolve_file(path, "tokenizer.json", hub_kwargs)) is not None:
+        with open(resolved, encoding="utf-8") as handle:
+            data = json.load(handle)
+        ids.update((data.get("model") or {}).get("vocab") or {})
+        ids.update({token["content"]: token["id"] for token in data.get("added_tokens") or []})
+    elif (resolved := resolve_file(path, "vocab.json", hub_kwargs)) is not None:
+        with open(resolved, encoding="utf-8") as handle:
+            ids.update(json.load(handle))
+    return {f"{key}_id": ids[text] for key, text in named.items() if isinstance(ids.get(text), int)}

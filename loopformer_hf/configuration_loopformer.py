@@ -11,8 +11,6 @@ A strict dataclass, as transformers' LlamaConfig, validated by what transformers
 Δ_1..Δ_M) is resolved in `trajectory_loopformer` ([`LoopFormerConfig.resolve_trajectory`]).
 """
 
-import dataclasses
-import functools
 import math
 import numbers
 from typing import Literal
@@ -61,33 +59,6 @@ def check_activation(value):  # transformers' `activation_fn_key`, and "swiglu" 
         raise ValueError(f"Value must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}.")
 
 
-# keyword arguments that are not fields yet belong in a config: config.json's bookkeeping, what `PreTrainedConfig`
-# itself reads, and a translated config's record of its sources
-NON_FIELD_KWARGS = (
-    "auto_map",
-    "model_type",
-    "name_or_path",
-    "transformers_version",
-    "authors_config_sources",
-    "torch_dtype",
-    "dtype",
-    "rope_theta",
-    "rope_scaling",
-    "output_attentions",
-    "attn_implementation",
-    "experts_implementation",
-    "per_layer_config",
-    "num_labels",
-)
-
-
-@functools.cache
-def _generation_kwargs():
-    from transformers import GenerationConfig
-
-    return frozenset(GenerationConfig().to_dict())  # configs of older releases carry them; transformers drops them
-
-
 def check_no_cache_sharing(config_or_kwargs):
     """`cache_sharing`/`cache_share_n` were fields until the shared loop cache moved to the lab: "none" (the exact
     cache, what every model now runs) is accepted; anything else, in a saved config, a keyword or an attribute set on a
@@ -100,24 +71,6 @@ def check_no_cache_sharing(config_or_kwargs):
             f"object in the lab, `benchmarks.cache_sharing.ModuloSharedCache(share_n={share_n or 4})`, passed as "
             f"`cache=` to forward or generate. Remove cache_sharing from the config (every model runs the exact "
             f"cache, one slot per (loop step, block))."
-        )
-
-
-def _warn_unknown_kwargs(name, kwargs):
-    """A keyword that is no field (a typo: `num_loop=4`) was kept silently and changed nothing: warn, as transformers'
-    GenerationConfig does for flags it does not know, naming the closest field."""
-    import difflib
-
-    fields = [f.name for f in dataclasses.fields(LoopFormerConfig)]
-    unknown = sorted(
-        k for k in kwargs if not k.startswith("_") and k not in NON_FIELD_KWARGS and k not in _generation_kwargs()
-    )
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, fields, n=1) for k in unknown}
-        hint = "; ".join(f"{k!r}: did you mean {v[0]!r}?" for k, v in hints.items() if v)
-        logger.warning(
-            f"{name} got keyword arguments that are not its fields, kept on the config but read by nothing: "
-            f"{unknown}" + (f" ({hint})" if hint else "") + "."
         )
 
 
@@ -218,7 +171,7 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         check_no_cache_sharing(kwargs)
         kwargs.pop("cache_sharing", None), kwargs.pop("cache_share_n", None)
-        _warn_unknown_kwargs(type(self).__name__, kwargs)
+        self.warn_unknown_kwargs(kwargs, also_allowed=("authors_config_sources",))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         rope, given = self.position_embedding_type == "rope", self.rope_parameters

@@ -377,11 +377,12 @@ def _parser():
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
+    _check_output(parser, args.output)
     if args.hub_repo is not None:
         try:
             convert_hub_repo(args.hub_repo, args.output, revision=args.revision, dtype=args.dtype)
         except (ValueError, StrictDataclassError, OSError) as error:  # the Hub's not-found / offline errors: OSErrors
-            parser.exit(2, f"{parser.prog}: error: {error}\n")
+            parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
         print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
         return 0
     missing = [
@@ -408,10 +409,25 @@ def main(argv=None):
             dtype=args.dtype or "float32",
             allow_pickle=args.allow_pickle,
         )
-    except (ValueError, StrictDataclassError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except (ValueError, StrictDataclassError, OSError) as error:
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
     print(f"saved LoopFormerForCausalLM to {args.output}", file=sys.stderr)
     return 0
+
+
+def _check_output(parser, output):
+    """Before any conversion: the output folder must be creatable (not a file, nor under one) and writable."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        parser.exit(2, f"{parser.prog}: error: --output {output!r} exists and is not a folder.\n")
+    try:
+        os.makedirs(output, exist_ok=True)
+        if not os.access(output, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+            raise PermissionError(13, "Permission denied")
+    except OSError as error:
+        parser.exit(
+            2,
+            f"{parser.prog}: error: --output {output!r} cannot be written ({error.strerror}); give a folder you can write.\n",
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from transformers.utils import TransformersKwargs
 
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .configuration_loopformer import LoopFormerConfig
-from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin
+from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin, check_generation_knobs
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
 from .hub import LoopFormerHubMixin
 from .layers_loopformer import (
@@ -437,11 +437,11 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
 
     def save_pretrained(self, *args, **kwargs):
         """As `PreTrainedModel.save_pretrained`; loop knobs set on `generation_config` are written to
-        generation_config.json and come back on load."""
+        generation_config.json and come back on load. A knob the model refuses is refused here, not at the reload."""
         generation_config = getattr(self, "generation_config", None)
-        if generation_config is not None and any(
-            getattr(generation_config, name, None) is not None for name in GENERATION_LOOP_KNOBS
-        ):
+        knobs = {name: getattr(generation_config, name, None) for name in GENERATION_LOOP_KNOBS}
+        if generation_config is not None and any(value is not None for value in knobs.values()):
+            check_generation_knobs(self.config, knobs, "generation_config")
             # A generation config marked as derived from the model config loses its custom fields when loaded.
             generation_config._from_model_config = False
         return super().save_pretrained(*args, **kwargs)

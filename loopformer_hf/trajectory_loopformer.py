@@ -35,6 +35,12 @@ def check_budget(config, budget, name="loop_budget"):
             f"`{name}` must be an integer >= 1, got a 0-dim tensor {budget!r}: give an int "
             f"(`{name}=int(t)`) for the whole batch, or a 1-D integer tensor with one budget per row."
         )
+    if isinstance(budget, torch.Tensor):  # a 1-D integer tensor gives rows (`resolve_rows`) and never gets here
+        raise ValueError(
+            f"`{name}` as a tensor must be a 1-D integer tensor with one budget per row, got a {budget.ndim}-D "
+            f"{budget.dtype} tensor of shape {tuple(budget.shape)}: give torch.tensor([...], dtype=torch.long), or an "
+            f"int for the whole batch."
+        )
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {budget!r} ({type(budget).__name__}).")
     if budget > config.max_loop_budget:
@@ -216,7 +222,9 @@ def _rows_of(value, is_per_row):
 
 
 def per_row_budget(value):
-    return not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex())
+    return not isinstance(value, torch.Tensor) or not (
+        value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+    )
 
 
 def _per_row_schedule(value):

@@ -1,11 +1,29 @@
-"""Every row of the bad-input registry (tests/support/bad_input_table.py) raises the error it names, and
-docs/bad_inputs.md is the table the registry renders."""
+"""Every row of the bad-input registry (tests/support/bad_input_table.py) raises the error it names, every row of a
+command's table is one line and exit status 2 as a user runs it (`python -m ...`), and docs/bad_inputs.md is the
+table the registry renders."""
 
 import re
 
 import pytest
 
-from support.bad_input_table import CASES, DOC, HANDLED, REPO, raise_of, render
+from support.bad_input_table import AS_COMMAND, CASES, DOC, HANDLED, RAN_AS_COMMAND, REPO, raise_of, render
+
+# the commands' areas in the registry: every `python -m looped_training…`, `loopformer_hf…`, `fprm_hf…` command
+COMMANDS = (
+    "loopformer.train",
+    "loopformer.evaluate",
+    "loopformer.prepare",
+    "loopformer.lm_eval",
+    "fprm.train",
+    "fprm.evaluate",
+    "fprm.published",
+    "finetune_lora",
+    "publish",
+    "configs",
+    "loopformer_hf.convert_reference",
+    "fprm_hf.convert_reference",
+)
+COMMAND_CASES = [c for c in CASES if c.area in COMMANDS and c.command]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}: {c.given}" for c in CASES])
@@ -14,6 +32,33 @@ def test_bad_input_raises_the_error_it_names(case, tmp_path):
     assert error is not None, f"{case.area} {case.given}: no error raised"
     assert isinstance(error, case.error), f"{case.area} {case.given}: {type(error).__name__}: {message}"
     assert re.search(case.message, message), f"{case.area} {case.given}: {message!r} !~ {case.message!r}"
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES, ids=[f"{c.area}: {c.given}" for c in COMMAND_CASES])
+def test_every_command_answers_a_mistake_in_one_line_with_exit_status_2(case, tmp_path):
+    """The rule of every command (issue 64): run as `python -m` runs it (its `run_command`), the row ends with exit
+    status 2 and its message as the last line of stderr, no traceback, before any long work."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    AS_COMMAND.append(True)
+    RAN_AS_COMMAND.clear()
+    try:
+        with contextlib.redirect_stderr(err):
+            case.run(tmp_path)
+    except SystemExit as exit:
+        status = exit.code
+    else:
+        status = 0
+    finally:
+        AS_COMMAND.clear()
+    text = err.getvalue()
+    assert case.error is SystemExit or RAN_AS_COMMAND, f"{case.area} {case.given}: the row runs no command line"
+    assert "Traceback" not in text, text[-3000:]
+    assert status == 2, f"{case.area} {case.given}: exit status {status}: {text[-2000:]}"
+    last = text.strip().splitlines()[-1]
+    assert re.search(r"error: ", last) and re.search(case.message, last), f"{last!r} !~ {case.message!r}"
 
 
 @pytest.mark.parametrize("row", HANDLED, ids=[f"{h.area}: {h.given}" for h in HANDLED])

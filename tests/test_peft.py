@@ -259,3 +259,14 @@ def test_finetune_refuses_a_block_longer_than_the_learned_position_table(tmp_pat
         ]
     )
     assert summary["steps"] == 1  # RoPE has no table to run past: the same block size trains
+
+
+def test_add_lora_prints_no_futurewarning_of_peft_about_gradient_checkpointing():
+    # issue 64: every finetune_lora run printed transformers' deprecation of `is_gradient_checkpointing`, which PEFT's
+    # get_peft_model reads (not this package); add_lora silences that one warning and no other
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        add_lora(make_model(make_tokenizer()))
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]

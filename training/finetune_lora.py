@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -116,7 +117,10 @@ def add_lora(
         init_lora_weights=init_lora_weights,
         task_type="CAUSAL_LM" if model.config.model_type == "loopformer" else None,
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT's, not ours: get_peft_model reads `is_gradient_checkpointing`, which transformers 5.24 deprecates
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def loop_conditioning_parameters(peft_model):
@@ -245,11 +249,10 @@ def check_output(output):
     """Refuse an --output that is a file (`FileExistsError` deep in the save, after the training) or that holds the
     adapter or merged model of an earlier fine-tuning: the new adapter would replace the old one, and a merged/ of the
     old one would be left beside it as if it were the new one's."""
+    from looped_training.arguments import check_output_path
+
     out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise ValueError(
-            f"--output {output} is a file, not a folder: give a folder (new, or empty) for adapter/ and merged/."
-        )
+    check_output_path("--output", output, folder=True)  # a file, a path under one, a folder it may not write
     earlier = [name for name in ("adapter", "merged") if (out / name).exists()]
     if earlier:
         raise ValueError(
@@ -272,11 +275,14 @@ def resolve_model(model):
 def parse_args(argv=None):
     """The flags, `loop_budgets` as a list of ints. A value no model accepts is argparse's error (exit 2), before
     anything is loaded: it would fail at a training step, or (--max_loops 0) be read as not given."""
+    from looped_training.arguments import check_model_source
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _check_numeric_flags(args)
         check_output(args.output)
+        check_model_source("--model", args.model)  # a path that is not there: not tried as a Hub repo id
         if args.loop_budgets is not None:
             args.loop_budgets = _parse_int_list(args.loop_budgets, "--loop_budgets")
         if args.max_loops is not None:
@@ -300,6 +306,11 @@ def check_flags_apply(args, config):
                 f"{args.model} is model_type {config.model_type!r}."
             )
     if config.model_type == "loopformer":
+        if (args.dataset is None) == (not args.train_files):
+            raise ValueError(
+                f"Give exactly one of --dataset (a datasets name or path) or --train_files (text files or folders) "
+                f"for LoopFormer; got --dataset {args.dataset!r}, --train_files {args.train_files!r}."
+            )
         context = config.max_position_embeddings
         if config.position_embedding_type == "learned" and args.block_size > context:
             # the first training step failed with "Position ... is beyond max_position_embeddings"

@@ -263,9 +263,12 @@ def main(argv=None):
             "prompt",
         )
     }
+    from looped_training.arguments import check_output_path, one_line  # here: the models import this module
+
     try:
         if args.dry_run and args.stage_dir is None:
             raise ValueError("--dry_run needs --stage_dir (where the staged files are kept to look at).")
+        check_output_path("--stage_dir", args.stage_dir, folder=True)
         with tempfile.TemporaryDirectory(prefix="publish-") as tmp:
             stage_dir = args.stage_dir or Path(tmp) / "repo"
             summary = stage(args.checkpoint, args.repo_id, stage_dir, **card)
@@ -284,7 +287,7 @@ def main(argv=None):
                 )
             )
     except (ValueError, PublishError) as err:  # bad input (a flag, the checkpoint, the evaluation JSON); the Hub
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
     print(f"staged {summary['model_type']} files: {', '.join(summary['files'])}")
     print(
@@ -296,4 +299,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from looped_training.arguments import run_command
+
+    run_command(main, "python -m looped_training.publish")

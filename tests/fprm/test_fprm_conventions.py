@@ -199,3 +199,18 @@ def test_a_save_of_an_earlier_release_says_which_commit_reads_it(tmp_path):
         ) as error:
             load(tmp_path)
         assert "\n" not in str(error.value)
+
+
+def test_an_unknown_config_keyword_is_a_warning_naming_the_closest_field(caplog, tmp_path):
+    """`hiden_size=64` (a typo) was silent and the model kept its width (issue 64), where LoopFormerConfig warns."""
+    from support.instruments import warnings_logged
+
+    config, lines = warnings_logged(caplog, "fprm_hf.looped_common", lambda: tiny_fprm_config(hiden_size=64))
+    assert config.hidden_size == 32 and len(lines) == 1
+    assert "['hiden_size']" in lines[0] and "did you mean 'hidden_size'?" in lines[0]
+    caplog.clear()  # a saved config (auto_map, transformers_version, model_type) loads without a word
+    FPRMForReasoning(tiny_fprm_config()).save_pretrained(tmp_path / "m")
+    _, lines = warnings_logged(
+        caplog, "fprm_hf.looped_common", lambda: FPRMForReasoning.from_pretrained(tmp_path / "m")
+    )
+    assert lines == []

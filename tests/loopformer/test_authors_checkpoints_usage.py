@@ -397,3 +397,39 @@ def test_the_converter_prints_no_runpy_warning():
     assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr and "sys.modules" not in proc.stderr, (
         proc.stderr
     )
+
+
+def test_an_authors_repo_stops_at_its_tokenizers_end_of_text_and_batched_pipelines_pad(tmp_path):
+    """Their config.json names no end of text; their tokenizer does (<|endoftext|>). It loaded with eos_token_id None:
+    generate never stopped at the end of a text, and transformers' hint for a batched pipeline (pad_token_id =
+    config.eos_token_id) did nothing (issue 64)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    write_gpt2_style_tokenizer(folder)
+    sd = write_authors_repo(folder, stated=(), code=CODE, vocab=320)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id == eot
+    assert AutoConfig.from_pretrained(folder).eos_token_id == eot and model.config.bos_token_id == eot
+
+    generator = pipeline("text-generation", model=str(folder), batch_size=2)
+    assert generator.tokenizer.pad_token_id is None  # GPT-2's tokenizer has none: the hint is what users do
+    generator.tokenizer.pad_token_id = generator.model.config.eos_token_id
+    prompts = ["the cat", "the cat sat on the"]
+    batched = generator(prompts, max_new_tokens=3, return_full_text=False)
+    assert len(batched) == 2 and all(isinstance(out[0]["generated_text"], str) for out in batched)
+
+    # generation stops at the end of text: a tokenizer whose end of text is the 3rd token the model picks greedily
+    prompt = torch.tensor([tokenizer("the cat sat on")["input_ids"]])
+    greedy = oracle_greedy(sd, prompt, [1 / N_LOOPS] * N_LOOPS, 8)[0, prompt.shape[1] :].tolist()
+    stop = greedy[2]
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "eos_token": tokenizer.convert_ids_to_tokens(stop)}))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.generation_config.eos_token_id == stop
+    out = model.generate(prompt, max_new_tokens=8)[0, prompt.shape[1] :].tolist()
+    assert out == greedy[: greedy.index(stop) + 1]

@@ -219,7 +219,7 @@ def test_loop_knobs_saved_in_generation_config_json(generating_model, tmp_path):
 def _config_warnings(caplog, make):
     from support.instruments import warnings_logged
 
-    return warnings_logged(caplog, "loopformer_hf.configuration_loopformer", make)
+    return warnings_logged(caplog, "loopformer_hf.looped_common", make)
 
 
 def test_an_unknown_config_keyword_is_a_warning_naming_the_closest_field(caplog, tmp_path):

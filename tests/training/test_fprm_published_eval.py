@@ -169,3 +169,37 @@ def test_bad_input_is_one_line_and_exit_2(checkpoint, data, tmp_path, capsys, ar
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(message, errors[0]), errors
     assert not (tmp_path / "r.json").exists()
+
+
+# ---- issue 64 ------------------------------------------------------------------------------------------------------
+
+
+def test_an_output_in_a_folder_not_yet_there_is_created_and_the_report_written(checkpoint, data, tmp_path):
+    # bug 1: FileNotFoundError after every puzzle was solved, and the report was lost
+    out = tmp_path / "new" / "reports" / "r.json"
+    assert main([str(checkpoint / "sudoku"), "--data", str(data[0]), *CAP, "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["puzzles"] == 5
+
+
+def test_an_empty_rating_cell_leaves_every_rated_puzzle_in_the_by_rating_table(checkpoint, data, tmp_path):
+    # bug 5: the NaN of the empty cell became a bin edge, and the top bin's puzzles were dropped without a word
+    from looped_training.fprm.evaluate import by_difficulty
+
+    csv = tmp_path / "test.csv"
+    rated = [(q, a, r) for q, a, r in ROWS]
+    csv.write_text(
+        "source,question,answer,rating\n"
+        + "".join(f"x,{q},{a},{'' if i == 2 else r}\n" for i, (q, a, r) in enumerate(rated))
+    )
+    out = tmp_path / "r.json"
+    assert main([str(checkpoint / "sudoku"), "--dataset", str(csv), *CAP, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ratings = [r for i, (_, _, r) in enumerate(rated) if i != 2]
+    assert report["unrated"] == 1 and sum(row["count"] for row in report["by_rating"]) == 4
+    assert [row["low"] for row in report["by_rating"]] == sorted(ratings)
+    # the quantile bins (more distinct values than bins) hold every rated puzzle as well, as without the NaN
+    values = np.array([*np.arange(20.0), np.nan])
+    iterations, solved = torch.arange(21), torch.ones(21, dtype=torch.bool)
+    rows = by_difficulty(values, iterations, solved)
+    assert sum(row["count"] for row in rows) == 20
+    assert rows == by_difficulty(values[:20], iterations[:20], solved[:20])

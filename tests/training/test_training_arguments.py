@@ -80,3 +80,23 @@ def test_help_names_the_command_as_users_type_it(command):
     assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m looped_training.{command} "), (
         proc.stdout[:200]
     )
+
+
+def test_the_shared_checks_of_paths_and_models_take_what_commands_accept(tmp_path, monkeypatch):
+    """The parse-time checks of every command (issue 64) refuse only mistakes: an existing report file may be
+    replaced, a folder not there yet is created by the command (the check creates nothing), a Hub id is left to the
+    Hub; a path that is not there and cannot be a Hub id is refused."""
+    from looped_training.arguments import check_model_source, check_output_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.json").write_text("{}")
+    check_output_path("--output", tmp_path / "r.json")
+    check_output_path("--output", tmp_path / "new" / "r.json")
+    check_output_path("--output_dir", tmp_path / "new" / "run", folder=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    for hub_id in ("gpt2", "fixed-point-reasoners/fprm"):
+        check_model_source("--model", hub_id)
+    (tmp_path / "runs").mkdir()
+    for path in ("runs/nope", "./nope", str(tmp_path / "a" / "b"), "a/b/c"):
+        with pytest.raises(ValueError, match="no such folder"):
+            check_model_source("--model", path)

@@ -22,11 +22,12 @@ def config_names(kind):
     return sorted(name[: -len(".yaml")] for name in os.listdir(folder) if name.endswith(".yaml"))
 
 
-def config_path(kind, name):
-    """The absolute path of the shipped file `kind/name.yaml`; an unknown name is a ValueError listing the names."""
+def config_path(kind, name, what=None):
+    """The absolute path of the shipped file `kind/name.yaml`; an unknown name is a ValueError listing the names, which
+    calls it `what` (default: `--preset`, the flag that names a training preset)."""
     names = config_names(kind)
     if name not in names:
-        flag = "`--preset`" if kind != "accelerate" else "The accelerate config"
+        flag = what or ("`--preset`" if kind != "accelerate" else "The accelerate config")
         raise ValueError(f"{flag} must be one of {names}, got {name!r}.")
     return os.path.join(CONFIGS_DIR, kind, f"{name}.yaml")
 

@@ -16,7 +16,7 @@ def main(argv=None):
     if len(args) > 2:
         raise ValueError(f"usage: {PROG} [KIND [NAME]] with KIND one of {KINDS}; got {' '.join(args)!r}.")
     if len(args) == 2:
-        print(config_path(*args))
+        print(config_path(*args, what=f"NAME (a shipped {args[0]} config)"))
     elif len(args) == 1:
         print("\n".join(config_names(args[0])))
     else:

@@ -58,13 +58,17 @@ def accuracy(preds, labels):
 
 
 def by_difficulty(values, iterations, correct_rows, bins=6):
-    """Mean iterations and exact accuracy grouped by a difficulty value (quantile bins when there are many)."""
+    """Mean iterations and exact accuracy grouped by a difficulty value (quantile bins when there are many). A puzzle
+    without a value (NaN: an empty rating cell) is in no bin (as an edge, NaN would drop the top bin's puzzles)."""
     values = np.asarray(values, dtype=float)
-    distinct = np.unique(values)
+    rated = values[np.isfinite(values)]
+    distinct = np.unique(rated)
+    if len(distinct) == 0:
+        return []
     if len(distinct) <= bins:
         edges = list(distinct) + [distinct[-1] + 1]
     else:
-        edges = list(np.unique(np.quantile(values, np.linspace(0, 1, bins + 1))))
+        edges = list(np.unique(np.quantile(rated, np.linspace(0, 1, bins + 1))))
         edges[-1] += 1e-9
     rows = []
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -463,6 +467,7 @@ def main(argv=None):
     from transformers import set_seed
 
     from fprm_hf import FPRMForReasoning
+    from looped_training.arguments import check_device, check_output_path
     from looped_training.checkpoints import load_model
     from looped_training.fprm.tasks import build_task
     from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
@@ -475,7 +480,9 @@ def main(argv=None):
     check_run_flags(_OneLineErrors(), data_args, eval_args)
     if extra.num_test is not None and extra.num_test < 1:
         raise ValueError(f"--num_test must be >= 1, got {extra.num_test}.")
-    device = extra.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    output_dir = extra.output_dir or os.path.join(os.path.dirname(model_dir), "eval")
+    check_output_path("--output_dir", output_dir, folder=True)  # written last, after the whole evaluation
+    device = check_device("--device", extra.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seed = extra.seed if extra.seed is not None else record["args"].get("seed", 42)
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
@@ -501,7 +508,6 @@ def main(argv=None):
     if data_args.task in STATE_TRACKING_TASKS and "max_train_length" not in results:
         results["max_train_length"] = data_args.train_length
     print_report(results, record.get("train_seconds") or 0.0)
-    output_dir = extra.output_dir or os.path.join(os.path.dirname(model_dir), "eval")
     os.makedirs(output_dir, exist_ok=True)
     plots = write_plots(results, [], output_dir)
     with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:

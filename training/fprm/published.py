@@ -128,20 +128,79 @@ def read_source_dataset(name, task, split="test"):
     from datasets import load_dataset
 
     text = {"converters": {"question": str, "answer": str}}  # pandas would read a Sudoku answer as an int
-    if os.path.isfile(name):
-        data = load_dataset("csv", data_files={split: name}, split=split, **text)
-    else:  # their Hub datasets are CSV files too
-        data = load_dataset(name, split=split, **text)
+    try:
+        if os.path.isfile(name):
+            check_csv_header(name)
+            data = load_dataset("csv", data_files={split: name}, split=split, **text)
+        else:  # their Hub datasets are CSV files too
+            data = load_dataset(name, split=split, **text)
+    except Exception as error:  # datasets' DatasetGenerationError, a Hub error: one line naming the file
+        if isinstance(error, ValueError) and str(error).startswith("--dataset"):
+            raise
+        reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ValueError(f"--dataset {name}: not readable as their CSV ({reason}).") from None
     missing = {"question", "answer"} - set(data.column_names)
     if missing:
         raise ValueError(
             f"--dataset {name}: no columns {sorted(missing)} (their CSVs hold source, question, answer, "
             f"rating), got {data.column_names}."
         )
-    inputs = np.array([task.encode(q) for q in data["question"]], dtype=np.int64)
-    labels = np.array([task.encode(a) for a in data["answer"]], dtype=np.int64)
-    ratings = np.array(data["rating"], dtype=float) if "rating" in data.column_names else None
+    if len(data) == 0:
+        raise ValueError(f"--dataset {name} has no rows in its {split} split.")
+    inputs = np.array(_column(data, "question", task.encode, name), dtype=np.int64)
+    labels = np.array(_column(data, "answer", task.encode, name), dtype=np.int64)
+    ratings = None
+    if "rating" in data.column_names:
+        ratings = np.array(_column(data, "rating", _rating, name), dtype=float)
     return inputs, labels, ratings
+
+
+def check_csv_header(path):
+    """Refuse a file that is not their CSV before `datasets` reads it: a binary file, or a first row that is not a
+    header naming question and answer (a CSV without its header would lose its first puzzle to it)."""
+    import csv
+
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    try:
+        first = head.decode("utf-8", "strict" if len(head) < 1 << 16 else "ignore").splitlines()[:1] or [""]
+    except UnicodeDecodeError:
+        first = None
+    if first is None or b"\0" in head:
+        raise ValueError(
+            f"--dataset {path} is not a text file; give their CSV (header source,question,answer,rating)."
+        )
+    first = first[0]
+    header = next(csv.reader([first]), [])
+    if not {"question", "answer"} <= {column.strip() for column in header}:
+        raise ValueError(
+            f"--dataset {path}: its first row {first[:60]!r} is not a header naming the columns question and answer; "
+            f"their CSVs start with the row source,question,answer,rating."
+        )
+    if len(head) < 1 << 16 and not any(line.strip() for line in head.decode("utf-8").splitlines()[1:]):
+        raise ValueError(f"--dataset {path} has no rows, only its header.")
+
+
+def _rating(value):
+    """A rating cell: a number, or None (empty) for a puzzle without one."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number") from None
+
+
+def _column(data, column, read, name):
+    """`read` of every cell of `column`; a cell it refuses is named by file, row (1 = the first after the header) and
+    column."""
+    values = []
+    for row, cell in enumerate(data[column], start=1):
+        try:
+            values.append(read(cell))
+        except ValueError as error:
+            raise ValueError(f"--dataset {name}, row {row}, column {column}: {str(error).rstrip('.')}.") from None
+    return values
 
 
 # ---- the evaluation ---------------------------------------------------------------------------------------------
@@ -187,6 +246,7 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
     }
     if ratings is not None:
         report["by_rating"] = by_difficulty(ratings, iterations, rows)
+        report["unrated"] = int(np.isnan(np.asarray(ratings, dtype=float)).sum())  # in no by_rating row
     if task.name == "sudoku":
         report["by_blanks"] = by_difficulty((inputs == 1).sum(1), iterations, rows)
     return report
@@ -244,16 +304,20 @@ def main(argv=None):
     from huggingface_hub.errors import StrictDataclassError
 
     from fprm_hf import FPRMForReasoning
+    from looped_training.arguments import check_device, check_model_source, check_output_path
 
     try:
         if args.num_test is not None and args.num_test < 1:
             raise ValueError(f"--num_test must be >= 1, got {args.num_test}.")
         if args.batch_size < 1:
             raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}.")
-        if args.output and os.path.isdir(args.output):
-            raise ValueError(f"--output {args.output} is a folder; give a file name for the JSON report.")
+        # before any puzzle is solved: the report is written last
+        check_output_path("--output", args.output)
+        check_model_source("model", args.model)
+        if args.dataset and os.path.isfile(args.dataset):
+            check_csv_header(args.dataset)
         kwargs = {k: v for k, v in (("subfolder", args.subfolder), ("step", args.step)) if v is not None}
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = check_device("--device", args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = FPRMForReasoning.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **kwargs).to(device)
         task = task_of(model.config)
         solver = {k: v for k, v in (("max_loops", args.max_loops), ("halt_eps", args.halt_eps)) if v is not None}
@@ -271,10 +335,13 @@ def main(argv=None):
             ratings = None if ratings is None else ratings[: args.num_test]
         report = evaluate(model, inputs, labels, ratings, task, args.batch_size, args.halt_scope, args.seed, **solver)
     except (ValueError, OSError, StrictDataclassError) as error:
-        print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
+        from looped_training.arguments import one_line
+
+        print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     print_report(report)
     if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as handle:
             json.dump(
                 {
@@ -290,4 +357,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from looped_training.arguments import run_command
+
+    run_command(main, PROG)

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
 from loopformer_hf.halting_loopformer import HALTING_RULES, halting_rule
+from looped_training.arguments import check_device, check_output_path
 from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
 from looped_training.loopformer.data import (
@@ -809,11 +810,8 @@ def main(argv=None):
     for name in ("max_rows", "repr_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, ValueError, AssertionError, NotImplementedError) as err:  # torch's own, by device kind
-        raise ValueError(f"--device {device!r} is not usable here: {err}") from None
+    check_output_path("--output_dir", args.output_dir, folder=True)  # written after every model is evaluated
+    device = check_device("--device", args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
     records = []
     disable = progress_bars_disabled(args.disable_tqdm)

@@ -21,10 +21,14 @@ Two routes, both tested (tests/training/test_lm_eval.py):
    `import looped_training.loopformer.lm_eval` before `lm_eval.simple_evaluate(model="loopformer", ...)` does the same.
 """
 
-import sys
+PROG = "python -m looped_training.loopformer.lm_eval"
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ModuleNotFoundError as err:  # the `eval` extra; `--help` included, one line naming it
+    from looped_training.arguments import exit_for_missing_extra
 
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+    exit_for_missing_extra(err, PROG, command=__name__ == "__main__")
 
 
 def parse_step_schedule(value):
@@ -85,4 +89,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from looped_training.arguments import run_command
+
+    run_command(main, PROG)

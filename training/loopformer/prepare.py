@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+from looped_training.arguments import check_output_path
 from looped_training.loopformer.data.corpus import Tokenize, load_documents
 from looped_training.loopformer.data.token_files import (
     STAGING_DIR,
@@ -91,14 +92,7 @@ def check_args(args):
         )
     if args.streaming and args.tokenizer_name is None:
         raise ValueError("--streaming needs --tokenizer_name: the package's BPE is trained on the whole corpus first.")
-    out = os.path.abspath(args.output_dir)
-    parent = out
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"--output_dir {args.output_dir!r} lies under the file {parent!r}; give a folder.")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--output_dir {args.output_dir!r}: {parent!r} may not be written; give another folder.")
+    check_output_path("--output_dir", args.output_dir, folder=True)
 
 
 def load_tokenizer(name):

