@@ -189,14 +189,14 @@ class AuthorsSplit(Dataset):
     def check_vocabulary(self, vocab_size, chunk=1 << 16):
         """A ValueError if a token id (input, or a label that is not ignored) is >= `vocab_size` or < 0."""
         for name, array in (("inputs", self.inputs), ("labels", self.labels)):
-            low, high = 0, -1
+            low, high = vocab_size, -1
             for start in range(0, len(array), chunk):
                 block = np.asarray(array[start : start + chunk])
                 if name == "labels" and self.meta["ignore_label_id"] is not None:
                     block = block[block != self.meta["ignore_label_id"]]
                 if block.size:
                     low, high = min(low, int(block.min())), max(high, int(block.max()))
-            if low < 0 or high >= vocab_size:
+            if high >= 0 and (low < 0 or high >= vocab_size):
                 raise ValueError(
                     f"{_where(self.folder, self.split)}all__{name}.npy holds token ids in [{low}, {high}]; the model "
                     f"reads ids in [0, {vocab_size - 1}] (vocab_size {vocab_size})."

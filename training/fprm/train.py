@@ -54,6 +54,7 @@ from looped_training.checkpoints import (
 )
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
+from looped_training.fprm.continued import check_continued_flags
 from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
 from looped_training.fprm.evaluate import (
     RESULTS_FILE,
@@ -173,10 +174,7 @@ def parse_args(argv=None):
     if eval_args.eval_iterations_curve is not None:
         parse_iteration_counts(eval_args.eval_iterations_curve)
     check_run_flags(parser, data_args, eval_args)
-    if data_args.data is not None or model_args.model_name_or_path is not None:
-        from looped_training.fprm.continued import check_continued_flags
-
-        check_continued_flags(parser, model_args, data_args, eval_args, given_flags(parser, argv, config_file))
+    check_continued_flags(parser, model_args, data_args, eval_args, given_flags(parser, argv, config_file))
     check_train_size(parser, data_args, train_args)
     return model_args, data_args, eval_args, train_args
 
