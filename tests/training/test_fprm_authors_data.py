@@ -9,6 +9,7 @@ in the Hub datasets' columns, from puzzles generated in the test (the Hub cannot
 import filecmp
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -184,3 +185,29 @@ def test_fine_tuning_a_published_step_evaluates_first_as_published_does(publishe
     assert published_report(10, seed=4)["cell_accuracy"] != before["cell_accuracy"]
     after = results["authors_protocol"]["after_training"]
     assert results["train_steps"] == 2 and after["puzzles"] == 12 and after["cell_accuracy"] != before["cell_accuracy"]
+
+
+def test_a_resumed_run_draws_the_batches_of_the_uninterrupted_one(folder, tmp_path, monkeypatch):
+    seen = []
+    original = FPRMTrainer.compute_loss
+
+    def spy(self, model, inputs, *args, **kwargs):
+        if model.training:
+            seen.append((self.state.global_step, inputs["input_ids"].clone()))
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(FPRMTrainer, "compute_loss", spy)
+    argv = ["--data", str(folder), "--max_steps", "7", "--per_device_train_batch_size", "16", *TINY, "--num_test", "2"]
+    fprm_train.main([*argv, "--output_dir", str(tmp_path / "whole")])
+    whole = dict(seen)
+    seen.clear()
+    run = ["--output_dir", str(tmp_path / "cut"), "--save_strategy", "steps", "--save_steps", "4"]
+    fprm_train.main([*argv, *run])
+    for name in ("results.json", "model", "trainer_state.json", "fprm_run.json"):  # as a run killed after step 4
+        path = tmp_path / "cut" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    seen.clear()
+    fprm_train.main([*argv, *run, "--resume_from_checkpoint", str(tmp_path / "cut" / "checkpoint-4")])
+    resumed = dict(seen)
+    # 40 groups give 2 batches of 16 per iteration: steps 4..6 (0-based) are their iterations 3 and 4
+    assert sorted(resumed) == [4, 5, 6] and all(torch.equal(resumed[s], whole[s]) for s in resumed)
