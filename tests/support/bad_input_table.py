@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
@@ -422,11 +423,56 @@ def refused_fprm_flag(flag, value, message):
     )
 
 
+def authors_folder(tmp, corrupt=None):
+    """A small Sudoku folder as their dataset/build_sudoku_dataset.py writes it (tests/support/fprm_data_oracle.py):
+    8 training and 4 test puzzles; `corrupt(folder)` then breaks it."""
+    from support import fprm_data_oracle as oracle
+
+    source, folder = Path(tmp) / "source", Path(tmp) / "data"
+    source.mkdir(exist_ok=True)
+    oracle.write_csv(source / "train.csv", oracle.sudoku_rows(8, seed=1))
+    oracle.write_csv(source / "test.csv", oracle.sudoku_rows(4, seed=2))
+    oracle.build_sudoku(source, folder)
+    if corrupt is not None:
+        corrupt(folder)
+    return str(folder)
+
+
+def sudoku_csv(tmp, short_row=None):
+    """A folder with their Sudoku-Extreme CSVs; `short_row`: that training row's question loses its last cell."""
+    from support import fprm_data_oracle as oracle
+
+    rows = oracle.sudoku_rows(6, seed=1)
+    if short_row is not None:
+        source, question, answer, rating = rows[short_row]
+        rows[short_row] = (source, question[:-1], answer, rating)
+    oracle.write_csv(Path(tmp) / "train.csv", rows)
+    oracle.write_csv(Path(tmp) / "test.csv", oracle.sudoku_rows(2, seed=2))
+    return str(tmp)
+
+
+def _rewrite(name, change):
+    def corrupt(folder):
+        path = folder / "train" / name
+        np.save(path, change(np.load(path)))
+
+    return corrupt
+
+
+def fprm_authors_run(tmp, *flags, corrupt=None):
+    """`fprm.train FPRM_TINY --data FOLDER ... flags` on a small authors' folder (batches of 4 of its 8 puzzles)."""
+    folder = authors_folder(tmp, corrupt)
+    FPRM_TRAIN(
+        *FPRM_TINY, "--per_device_train_batch_size", "4", "--output_dir", "{tmp}/out", "--data", folder, *flags
+    )(tmp)
+
+
 LF, FP = "LoopFormer", "FPRM"
 TRAIN = cli("looped_training.loopformer.train")
 EVALUATE = cli("looped_training.loopformer.evaluate")
 FPRM_TRAIN = cli("looped_training.fprm.train")
 PUBLISH = cli("looped_training.publish")
+FPRM_PREPARE = cli("looped_training.fprm.prepare")
 LORA = cli("looped_training.finetune_lora")
 LF_CONVERT = cli("loopformer_hf.convert_reference")
 FP_CONVERT = cli("fprm_hf.convert_reference")
@@ -1281,6 +1327,72 @@ CASES = [
             ("--num_train", "8", r"`--num_train` must be >= 16 .*got 8"),  # trained 0 steps, then "succeeded"
             ("--num_train", "0", r"`--num_train` must be >= 16 .*got 0"),  # was the sampler's error
         )
+    ),
+    # the authors' data folders and published models (`--data`, `--model_name_or_path`; issue 63)
+    Case(
+        "fprm.train",
+        "--data DIR whose train/ has no all__labels.npy",
+        lambda t: fprm_authors_run(t, corrupt=lambda f: (f / "train" / "all__labels.npy").unlink()),
+        ValueError,
+        r"--data .*: train/all__labels\.npy is missing \(each split holds dataset\.json and all__",
+    ),
+    Case(
+        "fprm.train",
+        "--data DIR whose labels have another shape than its inputs",
+        lambda t: fprm_authors_run(t, corrupt=_rewrite("all__labels.npy", lambda a: a[:, :80])),
+        ValueError,
+        r"train/all__inputs\.npy has shape \(8, 81\) and all__labels\.npy \(8, 80\): they must be the same",
+    ),
+    Case(
+        "fprm.train",
+        "--data DIR holding a token id beyond the model's vocabulary",
+        lambda t: fprm_authors_run(t, corrupt=_rewrite("all__inputs.npy", lambda a: np.where(a == 10, 12, a))),
+        ValueError,
+        r"train/all__inputs\.npy holds token ids in \[1, 12\]; the model reads ids in \[0, 10\] \(vocab_size 11\)",
+    ),
+    Case(
+        "fprm.train",
+        "--data DIR of Sudoku puzzles with --task maze",
+        lambda t: fprm_authors_run(t, "--task", "maze"),
+        ValueError,
+        r"holds 81 tokens per example over vocab_size 11 \(sudoku\); --task is 'maze': give --task sudoku",
+    ),
+    Case(
+        "fprm.train",
+        "--model_name_or_path DIR --hidden_size 128 (the checkpoint's: 32)",
+        lambda t: FPRM_TRAIN(
+            *FPRM_TINY, "--output_dir", "{tmp}/out", "--model_name_or_path", str(saved_fprm(t)), "--hidden_size", "128"
+        )(t),
+        SystemExit,
+        r"its shape and solver are the checkpoint's: --hidden_size 128 \(the checkpoint has 32\)",
+    ),
+    Case(
+        "fprm.train",
+        "--step 10 without --model_name_or_path",
+        FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--step", "10"),
+        SystemExit,
+        r"`--step` names a folder or step of `--model_name_or_path`, which is not given",
+    ),
+    Case(
+        "fprm.train",
+        "--eval_before_training true without --data",
+        FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--eval_before_training", "true"),
+        SystemExit,
+        r"`--eval_before_training` evaluates on the test split of `--data`",
+    ),
+    Case(
+        "fprm.prepare",
+        "--dataset DIR whose train.csv has a question of 80 cells",
+        lambda t: FPRM_PREPARE("--dataset", sudoku_csv(t, short_row=3), "--output_dir", "{tmp}/out")(t),
+        SystemExit,
+        r"\(train\): row 3 has a question of 80 characters; the rows of this dataset have 81",
+    ),
+    Case(
+        "fprm.prepare",
+        "--splits test --num_aug 8",
+        FPRM_PREPARE("--dataset", "{tmp}", "--output_dir", "{tmp}/out", "--splits", "test", "--num_aug", "8"),
+        SystemExit,
+        r"--num_aug is for the training split \(their builders never augment or subsample the test split\)",
     ),
     # a run over a saved run, an output folder the run may not write (tests/training/test_output_dir.py runs them for real)
     Case(

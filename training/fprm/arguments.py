@@ -54,6 +54,21 @@ class DataArguments:
     arc_max_tasks: int = field(default=40)
     arc_augmentations: int = field(default=8)
     data_seed_offset: int = field(default=0)
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "a folder their dataset/build_*_dataset.py (or looped_training.fprm.prepare) wrote: train on its "
+            "train/ split, drawn as their puzzle_dataset.py draws it, and evaluate on the first --num_test puzzles "
+            "of its test/ split (--task sudoku or maze; the generator flags are not used)"
+        },
+    )
+    epochs_per_iter: int = field(
+        default=1,
+        metadata={
+            "help": "with --data: passes over the groups in one of their loader's iterations (one Trainer epoch, one "
+            "seeded shuffle); theirs: eval_interval (5000 Sudoku-Extreme)"
+        },
+    )
 
 
 @dataclass
@@ -77,6 +92,13 @@ class EvalArguments:
         default=0.0,
         metadata={
             "help": "decay the learning rate linearly to 0 over this last fraction of the time budget (0: no decay)"
+        },
+    )
+    eval_before_training: bool = field(
+        default=False,
+        metadata={
+            "help": "with --data: evaluate before the first step (and after the last) as "
+            "looped_training.fprm.published does, with --seed, --eval_batch_size, --eval_max_loops (not on a resume)"
         },
     )
     torch_threads: int | None = field(
@@ -113,6 +135,7 @@ def check_run_flags(parser, data_args, eval_args):
         (data_args, "num_test", _at_least_one),
         (eval_args, "torch_threads", _unless_none(_at_least_one)),
         (data_args, "curriculum_check_steps", _at_least_one),
+        (data_args, "epochs_per_iter", _at_least_one),
         (eval_args, "time_budget_minutes", _unless_none(_time_budget)),
         # TimeBudgetCallback's own check (with a stand-in budget): checked with or without a budget
         (eval_args, "time_budget_decay_fraction", lambda value, name: TimeBudgetCallback(1.0, value)),

@@ -487,8 +487,14 @@ def main(argv=None):
     if eval_args.torch_threads:
         torch.set_num_threads(eval_args.torch_threads)
     set_seed(seed)
-    ds, _, difficulty_columns = build_task(data_args, seed)
-    if extra.num_test is not None:
+    if data_args.data is not None:  # the authors' folder the run trained on: the first --num_test of its test split
+        from looped_training.fprm.authors_data import build_authors_task
+
+        data_args.num_test = extra.num_test or data_args.num_test
+        ds, _, difficulty_columns = build_authors_task(data_args, seed, global_batch_size=1)
+    else:
+        ds, _, difficulty_columns = build_task(data_args, seed)
+    if extra.num_test is not None and data_args.data is None:
         ds["test"] = ds["test"].select(range(min(extra.num_test, len(ds["test"]))))
     model = load_model(FPRMForReasoning, model_dir).to(device).eval()
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)

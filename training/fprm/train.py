@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 from transformers import HfArgumentParser, TrainerState, set_seed
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from looped_training.arguments import parse_args_with_config, split_config_file
+from looped_training.arguments import given_flags, parse_args_with_config, split_config_file
 from looped_training.checkpoints import (
     RESUME_FREE_CONFIG_KEYS,
     RUN_RECORD,
@@ -54,6 +54,7 @@ from looped_training.checkpoints import (
 )
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
+from looped_training.fprm.continued import check_continued_flags
 from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
 from looped_training.fprm.evaluate import (
     RESULTS_FILE,
@@ -123,6 +124,17 @@ class ModelArguments:
             "their Sudoku/maze configs: the first of the 16 rows); default all"
         },
     )
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from this FPRM (a saved folder, or the authors' fixed-point-reasoners/fprm with "
+            "--subfolder sudoku|maze): the model flags then come from it (looped_training.fprm.continued)"
+        },
+    )
+    subfolder: str | None = field(default=None, metadata={"help": "the folder of --model_name_or_path"})
+    step: int | None = field(
+        default=None, metadata={"help": "the authors' step_N file of --model_name_or_path (default: the newest)"}
+    )
 
 
 def parse_args(argv=None):
@@ -162,6 +174,7 @@ def parse_args(argv=None):
     if eval_args.eval_iterations_curve is not None:
         parse_iteration_counts(eval_args.eval_iterations_curve)
     check_run_flags(parser, data_args, eval_args)
+    check_continued_flags(parser, model_args, data_args, eval_args, given_flags(parser, argv, config_file))
     check_train_size(parser, data_args, train_args)
     return model_args, data_args, eval_args, train_args
 
@@ -169,8 +182,8 @@ def parse_args(argv=None):
 def check_train_size(parser, data_args, train_args):
     """argparse's error for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
     no batch: Trainer would train 0 steps, or fail in its sampler, after the data was built."""
-    if data_args.task == "arc" or data_args.curriculum_start_length is not None:
-        return
+    if data_args.task == "arc" or data_args.curriculum_start_length is not None or data_args.data is not None:
+        return  # --data: the folder's size is checked when it is read (AuthorsTrainStream)
     batch, processes = train_args.per_device_train_batch_size, train_args.world_size
     needed = batch * processes if train_args.dataloader_drop_last else 1
     if data_args.num_train < needed:
@@ -215,32 +228,51 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
         torch.set_num_threads(eval_args.torch_threads)
     os.makedirs(train_args.output_dir, exist_ok=True)
     t0 = time.perf_counter()
-    ds, task_config, difficulty_columns = build_task(data_args, train_args.seed)
+    if data_args.data is not None:  # the authors' folder, drawn as their puzzle_dataset.py draws it
+        from looped_training.fprm.authors_data import build_authors_task
+
+        batch = train_args.per_device_train_batch_size * train_args.world_size
+        ds, task_config, difficulty_columns = build_authors_task(data_args, train_args.seed, batch)
+    else:
+        ds, task_config, difficulty_columns = build_task(data_args, train_args.seed)
     print(f"data: {data_args.task} train {len(ds['train'])} test {len(ds['test'])} ({time.perf_counter() - t0:.1f}s)")
-    config = FPRMConfig(
-        hidden_size=model_args.hidden_size,
-        num_attention_heads=model_args.num_attention_heads,
-        intermediate_size=model_args.intermediate_size,
-        num_hidden_layers=model_args.num_hidden_layers,
-        residual_scaling=model_args.residual_scaling,
-        outer_only=model_args.outer_only,
-        norm_type=model_args.norm_type,
-        norm_placement=model_args.norm_placement,
-        alpha1=model_args.alpha1,
-        alpha2=model_args.alpha2,
-        fixed_init=model_args.fixed_init,
-        num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
-        init_std=model_args.init_std,
-        halt_eps=model_args.halt_eps,
-        patience=model_args.patience,
-        conv_kernel_size=model_args.conv_kernel_size,
-        use_q_head=model_args.use_q_head,
-        puzzle_emb_ndim=model_args.puzzle_emb_ndim,
-        gamma_train=model_args.gamma_train,
-        gamma_eval=model_args.gamma_eval,
-        max_loops=eval_args.eval_max_loops,
-        **task_config,
+    source = None
+    if model_args.model_name_or_path is not None:
+        from looped_training.fprm.continued import load_source
+
+        source = load_source(model_args)
+    config = (
+        source.config
+        if source is not None
+        else FPRMConfig(
+            hidden_size=model_args.hidden_size,
+            num_attention_heads=model_args.num_attention_heads,
+            intermediate_size=model_args.intermediate_size,
+            num_hidden_layers=model_args.num_hidden_layers,
+            residual_scaling=model_args.residual_scaling,
+            outer_only=model_args.outer_only,
+            norm_type=model_args.norm_type,
+            norm_placement=model_args.norm_placement,
+            alpha1=model_args.alpha1,
+            alpha2=model_args.alpha2,
+            fixed_init=model_args.fixed_init,
+            num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
+            init_std=model_args.init_std,
+            halt_eps=model_args.halt_eps,
+            patience=model_args.patience,
+            conv_kernel_size=model_args.conv_kernel_size,
+            use_q_head=model_args.use_q_head,
+            puzzle_emb_ndim=model_args.puzzle_emb_ndim,
+            gamma_train=model_args.gamma_train,
+            gamma_eval=model_args.gamma_eval,
+            max_loops=eval_args.eval_max_loops,
+            **task_config,
+        )
     )
+    if data_args.data is not None:
+        from looped_training.fprm.authors_data import check_fits
+
+        check_fits(ds, config)
     model_dir = os.path.join(train_args.output_dir, "model")
     data_record = run_data(data_args, train_args)
     if resume is not None:
@@ -291,7 +323,7 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             return finish(model, state, None, ds, data_args, eval_args, model_args, train_args, difficulty_columns)
     if unwritable is not None:
         raise unwritable
-    model = FPRMForReasoning(config)
+    model = source if source is not None else FPRMForReasoning(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     train_columns = [c for c in ("input_ids", "labels", "puzzle_identifiers") if c in ds["train"].column_names]
     train_dataset = ds["train"].select_columns(train_columns)
@@ -328,6 +360,9 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
     trainer = FPRMTrainer(
         model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks, **eval_kwargs
     )
+    protocol = {}  # --eval_before_training: looped_training.fprm.published's report before and after training
+    if eval_args.eval_before_training and resume is None and trainer.is_world_process_zero():
+        protocol["before_training"] = authors_report(model, ds, data_args, eval_args, train_args, "before training")
     t1 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - t1
@@ -339,9 +374,31 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
         return None
     if curriculum is not None:  # its length and history as at the end, in the final trainer_state.json
         trainer.state.stateful_callbacks[type(curriculum).__name__] = curriculum.state()
+    if eval_args.eval_before_training:
+        protocol["after_training"] = authors_report(model, ds, data_args, eval_args, train_args, "after training")
     return finish(
-        model, trainer.state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns
+        model,
+        trainer.state,
+        train_seconds,
+        ds,
+        data_args,
+        eval_args,
+        model_args,
+        train_args,
+        difficulty_columns,
+        extra={"authors_protocol": protocol} if protocol else None,
     )
+
+
+def authors_report(model, ds, data_args, eval_args, train_args, when):
+    """`looped_training.fprm.published`'s report of `model` on the test split of `--data` (continued.py), printed."""
+    from looped_training.fprm.continued import authors_protocol
+    from looped_training.fprm.published import print_report as print_published
+
+    report = authors_protocol(model, ds["test"], data_args.task, eval_args, train_args.seed, train_args.device)
+    print(f"\n== {when}, as looped_training.fprm.published evaluates (--seed {train_args.seed}) ==")
+    print_published(report)
+    return report
 
 
 def run_data(data_args, train_args):
@@ -349,7 +406,9 @@ def run_data(data_args, train_args):
     return {**asdict(data_args), "seed": train_args.seed}
 
 
-def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns):
+def finish(
+    model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns, extra=None
+):
     """Save the trained `model` and its `state` (a `TrainerState`), evaluate it and write the results: the end of a
     run, or of one killed during its final save (`train_seconds` None)."""
     # saved before the evaluation, so that an error there cannot lose the training; written aside and moved in, the
@@ -362,11 +421,13 @@ def finish(model, state, train_seconds, ds, data_args, eval_args, model_args, tr
     state.save_to_json(os.path.join(staging, RUN_RECORD))
     finish_final_save(train_args.output_dir)
     return record_results(
-        model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns
+        model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns, extra
     )
 
 
-def record_results(model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns):
+def record_results(
+    model, state, train_seconds, ds, data_args, eval_args, model_args, train_args, difficulty_columns, extra=None
+):
     """Evaluate the saved `model` of a run whose final `state` is `state` and write results.json and the plots: the
     end of a run, or of one stopped during this evaluation (`--resume_from_checkpoint last`)."""
     results = evaluate(model, ds, data_args, eval_args, difficulty_columns)
@@ -388,6 +449,7 @@ def record_results(model, state, train_seconds, ds, data_args, eval_args, model_
                 "learning_rate": train_args.learning_rate,
             },
             "log_history": state.log_history,
+            **(extra or {}),
         }
     )
     # a curriculum's length and history: its state in trainer_state.json (the final one, or the last checkpoint's)
