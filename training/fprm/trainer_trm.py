@@ -66,7 +66,7 @@ class TRMTrainer(FPRMTrainer):
                 halted = halted & (state.steps >= self.explore(outputs.q_halt_logits, state.steps))
         state.halted = halted
         carry.state = state
-        carry.segments = state.steps
+        carry.segments = state.steps.clone()  # its own tensor: the carry checkpoint refuses shared storage
         stats = self._segment_stats
         stats["iterations"].append(float(outputs.iterations.float().mean()))
         stats["halted"].append(float(halted.float().mean()))
