@@ -20,6 +20,10 @@ Ablations and variants of the paper, all options of this one configuration:
 - norms: `norm_type` = "pre" | "post" (TRM style) | "peri", `norm_placement` = "none" | "input" | "output",
   `normalize_input_injection`;
 - the initial state: `fixed_init=True` (one stored z0 vector, their `L_optimizer.init_vec`).
+
+TRM, the paper's baseline (their models/recursive_reasoning/trm.py), is `recursion="trm"` of this configuration: the
+same block stack, recursed over two states z_H, z_L instead of solved to a fixed point (fprm_hf/recursion_trm.py).
+Their TRM block is `norm_type="post", residual_scaling="none", conv_type="none"`.
 """
 
 import math
@@ -89,6 +93,7 @@ def check_min_eta(value, name="min_eta"):
 
 
 HALT_SCOPES = ("sample", "batch")
+RECURSIONS = ("fixed_point", "trm")
 
 
 def check_halt_scope(value, name="halt_scope"):
@@ -116,6 +121,11 @@ def _open_unit(value):
 def _dropout(value):
     if not 0 <= value < 1:
         raise ValueError(f"Value must be in [0, 1), got {value!r}.")
+
+
+def _probability(value):
+    if not 0 <= value <= 1:
+        raise ValueError(f"Value must be a probability in [0, 1], got {value!r}.")
 
 
 def _non_negative_int(value):
@@ -209,6 +219,19 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
             rows frozen); `"batch"` halts every row at once, at the first iteration where the batch's largest
             residual is below `halt_eps` or its largest η below `min_eta` (the authors' evaluation). Training mode
             halts per sample, as theirs.
+        recursion (`str`, defaults to `"fixed_point"`): how the block stack f is looped. `"fixed_point"`: FPRM's
+            solver (the fields above). `"trm"`: TRM's recursion (their trm.py, fprm_hf/recursion_trm.py): states z_H
+            and z_L from the stored vectors `H_init`, `L_init`; one ACT step runs `H_cycles` cycles of `L_cycles`
+            updates z_L ← f(z_L, z_H + x) then z_H ← f(z_H, z_L), the last cycle with gradient and
+            `n_backwards_L` z_L updates; the logits read z_H. A forward runs `halt_max_steps` ACT steps in evaluation
+            (theirs) and `max_loops` when given (then counting ACT steps); the solver's other knobs do not apply.
+        H_cycles (`int`, defaults to 3): TRM's cycles per ACT step (the first `H_cycles` − 1 without gradient).
+        L_cycles (`int`, defaults to 6): TRM's z_L updates per cycle.
+        n_backwards_L (`int`, *optional*): z_L updates of the last cycle, with gradient; `None`: `L_cycles` (theirs).
+        halt_max_steps (`int`, defaults to 16): TRM's ACT steps: the most a sample trains for, and what an evaluation
+            runs.
+        halt_exploration_prob (`float`, defaults to 0.1): in training, the probability that a sample draws a minimum
+            number of ACT steps (uniform in 2..`halt_max_steps`) before its Q-head may halt it (their exploration).
         rms_norm_eps (`float`, defaults to 1e-5): epsilon of every RMSNorm.
         initializer_range (`float`, *optional*): std of linear weights; `None` uses LeCun (1/sqrt(fan_in)).
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities in training.
@@ -264,6 +287,12 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
     gamma_eval: int | float = validated_field(check_unit_interval, default=0.99)
     min_eta: int | float = validated_field(check_min_eta, default=1e-3)
     halt_scope: Literal[HALT_SCOPES] = "sample"
+    recursion: Literal[RECURSIONS] = "fixed_point"
+    H_cycles: int = positive_int_field(default=3)
+    L_cycles: int = positive_int_field(default=6)
+    n_backwards_L: int | None = positive_int_field(default=None)
+    halt_max_steps: int = positive_int_field(default=16)
+    halt_exploration_prob: int | float = validated_field(_probability, default=0.1)
     rms_norm_eps: int | float = validated_field(check_positive_number, default=1e-5)
     initializer_range: int | float | None = validated_field(check_positive_number, default=None)
     attention_dropout: int | float = validated_field(_dropout, default=0.0)
@@ -288,6 +317,8 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
             self.conv_kernel_size = DEFAULT_CONV_KERNEL[self.conv_type]
         if self.grid_size is not None:
             self.grid_size = list(self.grid_shape)
+        if self.n_backwards_L is None:
+            self.n_backwards_L = self.L_cycles
         rope, given = self.position_embedding_type == "rope", self.rope_parameters
         # transformers fills in rope_type and rope_theta (a `rope_theta` kwarg, else 1e4)
         self.rope_parameters = {"partial_rotary_factor": 1.0, **(given or {})} if rope else None
@@ -342,6 +373,7 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
 __all__ = [
     "FPRMConfig",
     "HALT_SCOPES",
+    "RECURSIONS",
     "RESIDUAL_SCALINGS",
     "NORM_TYPES",
     "NORM_PLACEMENTS",

@@ -45,6 +45,7 @@ from .layers_fprm import (
 )
 from .looped_common import CheckpointLoadersMixin, rms_norm
 from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput, solver_fields
+from .recursion_trm import TRMState, check_trm_state, recurse
 from .solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
 
 try:  # with looped_training installed, push_to_hub writes this package's model card (one home for both models)
@@ -107,6 +108,9 @@ class FPRMPreTrainedModel(ModelCardMixin, CheckpointLoadersMixin, PreTrainedMode
         elif isinstance(module, FPRMModel):
             if module.z_init is not None:  # fixed_init: one stored z0 vector
                 trunc_normal(module.z_init, config.init_std)
+            if module.H_init is not None:  # TRM's initial states (their trunc_normal_init_, std 1)
+                trunc_normal(module.H_init, 1.0)
+                trunc_normal(module.L_init, 1.0)
             if module.prefix is not None:
                 init.zeros_(module.prefix)  # the authors' puzzle embedding starts at zero
 
@@ -136,6 +140,11 @@ class FPRMModel(FPRMPreTrainedModel):
             self.register_buffer("z_init", torch.empty(d), persistent=True)  # z0, broadcast to every token
         else:
             self.z_init = None
+        if config.recursion == "trm":  # TRM's z_H and z_L start from these on every token (recursion_trm.py)
+            self.register_buffer("H_init", torch.empty(d), persistent=True)
+            self.register_buffer("L_init", torch.empty(d), persistent=True)
+        else:
+            self.H_init = self.L_init = None
         self.conv = FPRMDepthwiseConv(config) if config.conv_type != "none" else None
         self.residual_scaling = FPRMResidualScaling(config)
         self.layers = nn.ModuleList([FPRMBlock(config) for _ in range(config.num_hidden_layers)])
@@ -206,6 +215,12 @@ class FPRMModel(FPRMPreTrainedModel):
             check_solver_state(solver_state, x, fingerprint)
         return replace(solver_state, fingerprint=fingerprint)
 
+    def trm_initial_state(self, x):
+        """TRM's reset: z_H = H_init and z_L = L_init on every token (`recursion="trm"`)."""
+        b, n, d = x.shape
+        z_H, z_L = (v.to(x.dtype)[None, None].expand(b, n, d).clone() for v in (self.H_init, self.L_init))
+        return TRMState.start(z_H, z_L)
+
     def position_embeddings(self, x):
         if self.rotary_emb is None:
             return None
@@ -231,6 +246,21 @@ class FPRMModel(FPRMPreTrainedModel):
         if config.norm_placement == "output":
             h = rms_norm(h, eps=eps)
         return h
+
+    def loop(self, x, solver_state, fingerprint, settings, max_loops, generator, trace, hidden):
+        """The loop of a forward from its start state: FPRM's solver (solver_fprm.py) or, with `recursion="trm"`,
+        TRM's ACT steps, `max_loops` of them if given, else `halt_max_steps` (recursion_trm.py)."""
+        position_embeddings = self.position_embeddings(x)
+        step = lambda y, x_rows: self.fixed_point_map(y, x_rows, position_embeddings)  # noqa: E731
+        if self.config.recursion != "trm":
+            solver_state = self.start_state(x, solver_state, fingerprint, settings.eta, generator)
+            return solve(step, x, solver_state, settings, trace, hidden)
+        if solver_state is None:
+            solver_state = self.trm_initial_state(x)
+        check_trm_state(solver_state, x, fingerprint)
+        solver_state = replace(solver_state, fingerprint=fingerprint)
+        act_steps = self.config.halt_max_steps if max_loops is None else settings.max_loops
+        return recurse(step, x, solver_state, self.config, act_steps, settings.halt_eps, trace, hidden)
 
     # ---- the call: inputs checked, the solver run (solver_fprm.py) ----------------------------------------------
 
@@ -276,11 +306,8 @@ class FPRMModel(FPRMPreTrainedModel):
         check_attention_mask(attention_mask, shape)
         x = self.embed(input_ids, puzzle_identifiers, inputs_embeds)
         fingerprint = input_fingerprint(input_ids, puzzle_identifiers, inputs_embeds)
-        solver_state = self.start_state(x, solver_state, fingerprint, settings.eta, generator)
-        position_embeddings = self.position_embeddings(x)
-        step = lambda y, x_rows: self.fixed_point_map(y, x_rows, position_embeddings)  # noqa: E731
-        state, iterations, trace, iterates = solve(
-            step, x, solver_state, settings, output_residual_trace, output_hidden_states
+        state, iterations, trace, iterates = self.loop(
+            x, solver_state, fingerprint, settings, max_loops, generator, output_residual_trace, output_hidden_states
         )
         output = FPRMModelOutput(
             last_hidden_state=state.hidden,
@@ -309,7 +336,8 @@ class FPRMForReasoning(FPRMPreTrainedModel):
         self.model = FPRMModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.q_head = None
-        if config.use_q_head:  # their Q-head: (halt, continue) logits; only the first is used (no_ACT_continue)
+        if config.use_q_head or config.recursion == "trm":  # their Q-head: (halt, continue) logits; only the
+            # first is used (no_ACT_continue); TRM halts by it in training
             self.q_head = nn.Linear(config.hidden_size, 2, bias=True)
             self.q_head.is_q_head = True
         self.post_init()

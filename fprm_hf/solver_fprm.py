@@ -72,11 +72,11 @@ class FPRMSolverState:
                 continue
             mask = rows.view(-1, *([1] * (mine.dim() - 1)))
             out[f.name] = torch.where(mask, theirs, mine)
-        return FPRMSolverState(**out)
+        return type(self)(**out)
 
     def select(self, rows):
         """The state of the rows indexed by `rows` (a LongTensor)."""
-        return FPRMSolverState(
+        return type(self)(
             **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)}
         )
 

@@ -93,6 +93,22 @@ def loopformer():
     return LoopFormerForCausalLM(loopformer_config()).eval()
 
 
+@lru_cache(maxsize=None)
+def trm():
+    from fprm_hf import FPRMForReasoning
+
+    torch.manual_seed(0)
+    return FPRMForReasoning(fprm_config(recursion="trm", H_cycles=1, L_cycles=1, halt_max_steps=1)).eval()
+
+
+def trm_trainer(model, tmp):
+    from looped_training.fprm.trainer import FPRMTrainingArguments
+    from looped_training.fprm.trainer_trm import TRMTrainer
+
+    args = FPRMTrainingArguments(output_dir=str(tmp), use_cpu=True, report_to="none", save_strategy="no")
+    return TRMTrainer(model=model, args=args)
+
+
 def shortcut_consistency(*args, **kwargs):
     from loopformer_hf import ShortcutConsistency
 
@@ -971,6 +987,9 @@ CASES = [
             ("rope_parameters", "yarn", field_error("rope_parameters", r"expected dict, got str \(value: 'yarn'\)")),
             ("rope_parameters", {"rope_type": "nope"}, r"rope_type.*must be one of \('default', 'linear'.*got 'nope'"),
             ("rope_parameters", {"partial_rotary_factor": 0.0}, r"partial_rotary_factor.*\(0, 1\], got 0\.0"),
+            ("recursion", "hrm", field_error("recursion", r"expected one of \('fixed_point', 'trm'\), got hrm")),
+            ("H_cycles", 0, field_error("H_cycles", r"0")),
+            ("halt_exploration_prob", 1.5, field_error("halt_exploration_prob", r"probability in \[0, 1\], got 1\.5")),
         )
     ),
     Case(
@@ -1049,6 +1068,20 @@ CASES = [
             (dict(generator=123), r"`generator` must be a torch\.Generator or None, got int"),
             (dict(solver_state="nope"), r"`solver_state` must be the FPRMSolverState"),
         )
+    ),
+    Case(
+        f"{FP} forward",
+        "a TRM model (recursion='trm') given an FPRM solver_state",
+        lambda t: trm()(GRID, solver_state=fprm()(GRID, max_loops=1).solver_state),
+        ValueError,
+        r"`solver_state` of a TRM model \(recursion='trm'\) must be the TRMState of a previous call",
+    ),
+    Case(
+        "TRMTrainer",
+        "a model with recursion='fixed_point'",
+        lambda t: trm_trainer(fprm(), t),
+        ValueError,
+        r"TRMTrainer trains a model with recursion='trm', got recursion='fixed_point': use FPRMTrainer",
     ),
     Case(
         f"{FP} forward",
@@ -1302,6 +1335,7 @@ CASES = [
         ValueError,
         r"`--task` must be one of .* got 'bogus'",
     ),
+    refused_fprm_flag("--variant", "hrm", r"`--variant` must be one of \('fprm', 'trm'\), got 'hrm'"),
     *(
         refused_fprm_flag(flag, value, message)
         for flag, value, message in (

@@ -870,3 +870,38 @@ def test_ema_is_what_evaluation_and_the_saved_model_use_and_survives_a_resume(tm
         make_trainer(tmp_path / "plain", training_fprm(), 1, ema_decay=0.9).train(
             resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-1")
         )
+
+
+def test_stablemax_gradient_is_finite_at_a_logit_of_one():
+    """Their s(x) = 1/(1 − x + 1e-30) for x < 0: at x = 1 the unused branch of torch.where stays finite, where
+    1/(1 − x) made every gradient NaN (a logit of exactly 1.0 is common in bf16)."""
+    logits = torch.tensor([[[1.0, -2.0, 0.5], [-1e30, 3.0, 1.0]]], requires_grad=True)
+    labels = torch.tensor([[0, -100]])
+    loss = stablemax_cross_entropy(logits, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+
+
+def test_variant_trm_trains_evaluates_and_resumes(tmp_path):
+    """`--variant trm`: TRMTrainer trains the TRM config; the evaluation runs halt_max_steps ACT steps for every
+    sample (flat iterations) and reports the per-prefix curve; a checkpoint holds TRM's carry (TRMState)."""
+    from support.tiny_runs import run_fprm
+
+    trm = ["--variant", "trm", "--H_cycles", "2", "--L_cycles", "1", "--halt_max_steps", "2", "--conv_type", "none"]
+    results = run_fprm(tmp_path / "run", *trm)
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert (config["recursion"], config["conv_type"], config["n_backwards_L"]) == ("trm", "none", 1)
+    assert results["recursion"] == "trm" and "always_cap" not in results
+    per_step = (2 - 1) * (1 + 1) + 1 + 1
+    assert results["halting"]["mean_iterations"] == 2 * per_step
+    assert all(row["mean_iterations"] == 2 * per_step for row in results["iterations_vs_length"])
+    assert len(results["per_prefix_accuracy"]) == 4
+    # the checkpoint's carry reads back as TRM's state (what a resume restores)
+    from safetensors.torch import load_file
+
+    from fprm_hf.recursion_trm import TRMState
+    from looped_training.fprm.trainer import Carry
+
+    carry = Carry.from_tensors(load_file(tmp_path / "run" / "checkpoint-3" / "fprm_carry.safetensors"), TRMState)
+    assert carry.state.z_L.shape == carry.state.hidden.shape and carry.state.steps.max() <= 2
+    assert torch.equal(carry.segments, carry.state.steps)

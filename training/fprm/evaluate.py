@@ -188,7 +188,10 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
         knobs["halt_eps"] = eval_args.eval_halt_eps
     if eval_args.eval_gamma is not None:
         knobs["gamma"] = eval_args.eval_gamma
-    results = {"solver": knobs}
+    trm = getattr(model.config, "recursion", "fixed_point") == "trm"
+    if trm:  # TRM's evaluation runs its halt_max_steps ACT steps, theirs; the solver's knobs do not apply
+        knobs = {}
+    results = {"solver": knobs, "recursion": model.config.recursion}
     preds, iters, conv, seconds = run_solver(model, test, eval_args.eval_batch_size, "eval (halting)", **knobs)
     cell, exact, correct, valid = accuracy(preds, test["labels"])
     exact_rows = (correct | ~valid).all(-1).float()
@@ -242,7 +245,7 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
 
         score, count = pass_at_2(preds.tolist(), test, data_args.arc_max_grid)
         results["arc_pass_at_2"] = {"score": score, "test_inputs": count}
-    if eval_args.compare_cap:
+    if eval_args.compare_cap and not trm:  # TRM always runs its cap
         cap_preds, cap_iters, _, cap_seconds = run_solver(
             model, test, eval_args.eval_batch_size, "eval (always cap)", halting=False, **knobs
         )
@@ -263,7 +266,8 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
 
 def print_report(results, train_seconds):
     h = results["halting"]
-    print(f"\n== FPRM evaluation (trained {train_seconds / 60:.1f} min) ==")
+    name = "TRM" if results.get("recursion") == "trm" else "FPRM"
+    print(f"\n== {name} evaluation (trained {train_seconds / 60:.1f} min) ==")
     print(
         f"halting  (halt_eps):  cell acc {h['cell_accuracy']:.4f}  exact acc {h['exact_accuracy']:.4f}  "
         f"mean iterations {h['mean_iterations']:.1f}  converged {h['converged_fraction']:.2%}  {h['seconds']:.1f}s"

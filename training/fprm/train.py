@@ -67,6 +67,7 @@ from looped_training.fprm.evaluate import (
 )
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
 from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
+from looped_training.fprm.trainer_trm import TRMTrainer
 
 
 # each checkpoint's record of the data flags it was trained on, and those a resume may change
@@ -83,8 +84,26 @@ def preset_names():
     return config_names("fprm")
 
 
+VARIANTS = ("fprm", "trm")
+
+
 @dataclass
 class ModelArguments:
+    variant: str = field(
+        default="fprm",
+        metadata={
+            "help": f"{VARIANTS}: fprm (the fixed-point solver) or trm, the paper's baseline (FPRMConfig(recursion="
+            "'trm'), trained by TRMTrainer: one ACT step per optimizer step, Q-head halting; its presets *-trm)"
+        },
+    )
+    H_cycles: int = field(default=3, metadata={"help": "trm: cycles per ACT step"})
+    L_cycles: int = field(default=6, metadata={"help": "trm: z_L updates per cycle"})
+    n_backwards_L: int | None = field(default=None, metadata={"help": "trm: z_L updates with gradient (L_cycles)"})
+    halt_max_steps: int = field(default=16, metadata={"help": "trm: ACT steps (evaluation runs all of them)"})
+    halt_exploration_prob: float = field(default=0.1, metadata={"help": "trm: their Q-halting exploration"})
+    conv_type: str | None = field(
+        default=None, metadata={"help": "causal_1d, 2d or none (default: the task's; TRM's block has none)"}
+    )
     hidden_size: int = field(default=128)
     num_attention_heads: int = field(default=4)
     intermediate_size: int = field(default=256)
@@ -154,6 +173,8 @@ def parse_args(argv=None):
     (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
+    if model_args.variant not in VARIANTS:
+        parser.error(f"`--variant` must be one of {VARIANTS}, got {model_args.variant!r}.")
     start = data_args.curriculum_start_length
     if start is not None:
         if data_args.task not in STATE_TRACKING_TASKS:
@@ -266,7 +287,7 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             gamma_train=model_args.gamma_train,
             gamma_eval=model_args.gamma_eval,
             max_loops=eval_args.eval_max_loops,
-            **task_config,
+            **{**task_config, **variant_config(model_args)},
         )
     )
     if data_args.data is not None:
@@ -357,7 +378,8 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             compute_metrics=solver_metrics,
             preprocess_logits_for_metrics=predictions_and_iterations,
         )
-    trainer = FPRMTrainer(
+    trainer_class = TRMTrainer if config.recursion == "trm" else FPRMTrainer  # a continued TRM checkpoint too
+    trainer = trainer_class(
         model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks, **eval_kwargs
     )
     protocol = {}  # --eval_before_training: looped_training.fprm.published's report before and after training
@@ -399,6 +421,21 @@ def authors_report(model, ds, data_args, eval_args, train_args, when):
     print(f"\n== {when}, as looped_training.fprm.published evaluates (--seed {train_args.seed}) ==")
     print_published(report)
     return report
+
+
+def variant_config(model_args):
+    """The config fields of `--variant trm` (TRM's recursion) and a `--conv_type` over the task's."""
+    fields = {} if model_args.conv_type is None else {"conv_type": model_args.conv_type}
+    if model_args.variant == "trm":
+        fields.update(
+            recursion="trm",
+            H_cycles=model_args.H_cycles,
+            L_cycles=model_args.L_cycles,
+            n_backwards_L=model_args.n_backwards_L,
+            halt_max_steps=model_args.halt_max_steps,
+            halt_exploration_prob=model_args.halt_exploration_prob,
+        )
+    return fields
 
 
 def run_data(data_args, train_args):

@@ -19,13 +19,13 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from fprm_hf import FPRMSolverState, SolverSettings
 from looped_training.checkpoints import TrainingArguments
+from looped_training.fprm.losses import q_halt_loss, stablemax_cross_entropy, stablemax_token_losses, token_loss
 
 logger = logging.getLogger(__name__)
 
@@ -127,49 +127,6 @@ class FPRMTrainingArguments(TrainingArguments):
             )
 
 
-def stablemax_token_losses(logits, labels, ignore_index=-100):
-    """Per-token cross-entropy (float64, 0 where ignored) with s(x) = x + 1 (x ≥ 0), 1 / (1 − x) (x < 0) in place of
-    exp (TRM's stablemax)."""
-    logits = logits.double()
-    s = torch.where(logits >= 0, logits + 1, 1 / (1 - logits))
-    logprobs = torch.log(s / s.sum(-1, keepdim=True))
-    valid = labels != ignore_index
-    picked = torch.gather(logprobs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return -(picked * valid)
-
-
-def stablemax_cross_entropy(logits, labels, ignore_index=-100):
-    """The mean of `stablemax_token_losses` over the labelled tokens."""
-    valid = labels != ignore_index
-    return stablemax_token_losses(logits, labels, ignore_index).sum().float() / valid.sum().clamp(min=1)
-
-
-def token_loss(logits, labels, loss_type, normalization="token"):
-    """The segment's cross-entropy: `token` = the mean over every labelled token; `sample` = each sample's mean over
-    its labelled tokens (0 for a sample without labels), then the mean over the batch (the authors')."""
-    if normalization == "token":
-        if loss_type == "stablemax":
-            return stablemax_cross_entropy(logits, labels)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-    if loss_type == "stablemax":
-        losses = stablemax_token_losses(logits, labels)
-    else:
-        losses = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
-        ).view(labels.shape)
-    counts = (labels != -100).sum(-1).clamp(min=1)
-    return (losses.sum(-1) / counts).mean().float()
-
-
-def q_halt_loss(q_halt_logits, logits, labels):
-    """Their Q-halt loss: BCE(q_halt_logits, every labelled token of the sample predicted right), mean over the batch
-    (their sum / global batch)."""
-    with torch.no_grad():
-        valid = labels != -100
-        correct = ((logits.argmax(-1) == labels) | ~valid).all(-1)
-    return F.binary_cross_entropy_with_logits(q_halt_logits.float(), correct.float())
-
-
 class SignSGDAdamW(torch.optim.AdamW):
     """AdamW for every param group but those marked `signsgd=True` (the prefix rows), which take the authors'
     sparse SignSGD step: p ← p·(1 − lr·wd) − lr·sign(g) on the rows of the batch only (`signsgd_rows`, set on the
@@ -248,11 +205,11 @@ class Carry:
         return {k: v.detach().contiguous() for k, v in named.items()}
 
     @classmethod
-    def from_tensors(cls, named):
+    def from_tensors(cls, named, state_class=FPRMSolverState):
         def part(prefix):
             return {k[len(prefix) :]: v for k, v in named.items() if k.startswith(prefix)}
 
-        return cls(part("inputs."), FPRMSolverState(**part("state.")), named["segments"])
+        return cls(part("inputs."), state_class(**part("state.")), named["segments"])
 
 
 def ema_file(args):
@@ -289,6 +246,8 @@ class FPRMTrainer(Trainer):
     (`dataloader_drop_last` applies to training only). α parameters are kept out of weight decay (they are logits of
     scales in (0, 1), not weights).
     """
+
+    state_class = FPRMSolverState  # the carry's state (read back from a checkpoint as this class)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -328,7 +287,7 @@ class FPRMTrainer(Trainer):
         if isinstance(checkpoint, (str, os.PathLike)):
             path = os.path.join(checkpoint, carry_file(self.args))
             if os.path.exists(path):
-                self.carry = Carry.from_tensors(load_file(path, device=str(self.args.device)))
+                self.carry = Carry.from_tensors(load_file(path, device=str(self.args.device)), self.state_class)
             else:
                 logger.warning(
                     "%s has no %s: the samples in flight at that step start afresh.", checkpoint, carry_file(self.args)
@@ -444,25 +403,55 @@ class FPRMTrainer(Trainer):
     def _core(self, model):
         return self.accelerator.unwrap_model(model).model
 
+    def initial_state(self, core, x):
+        """A fresh sample's state: z0 and the solver's start (`FPRMModel.initial_solver_state`)."""
+        return core.initial_solver_state(x)
+
+    def finished(self, carry):
+        """The samples of the carry whose slots take new data: halted, or at `max_segments`."""
+        return carry.done(self.args.max_segments)
+
     def _refill(self, model, inputs):
         """Replace finished samples of the carry with the rows of the new batch in the same slots."""
         core = self._core(model)
         fresh_inputs = {k: v for k, v in inputs.items() if k in ("input_ids", "labels", "puzzle_identifiers")}
         with torch.no_grad():
             x = core.embed(fresh_inputs["input_ids"], fresh_inputs.get("puzzle_identifiers"))
-            fresh_state = core.initial_solver_state(x)
+            fresh_state = self.initial_state(core, x)
         segments = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         carry = self.carry
         if carry is None or carry.state.hidden.shape != fresh_state.hidden.shape:
             self.carry = Carry(fresh_inputs, fresh_state, segments)
             return
-        replace = carry.done(self.args.max_segments)
+        replace = self.finished(carry)
         mixed = {}
         for k, v in fresh_inputs.items():
             mask = replace.view(-1, *([1] * (v.dim() - 1)))
             mixed[k] = torch.where(mask, v, carry.inputs[k])
         segments = torch.where(replace, segments, carry.segments)
         self.carry = Carry(mixed, carry.state.where(replace, fresh_state), segments)
+
+    def segment_loss(self, outputs, labels):
+        """The loss of one segment: the token loss (`loss_type`, `loss_normalization`) + their Q-halt loss when the
+        model has a Q-head (`q_loss_coefficient`, default 0.5)."""
+        loss = token_loss(outputs.logits, labels, self.args.loss_type, self.args.loss_normalization)
+        q_coefficient = self.args.q_loss_coefficient
+        if outputs.q_halt_logits is not None:
+            q_coefficient = 0.5 if q_coefficient is None else q_coefficient
+            if q_coefficient:
+                loss = loss + q_coefficient * q_halt_loss(outputs.q_halt_logits, outputs.logits, labels)
+        return loss
+
+    def mark_signsgd_rows(self, model, carry, labels):
+        """Tells `SignSGDAdamW` which prefix rows this segment trains: those of the samples in flight."""
+        prefix = self._core(model).prefix
+        if prefix is not None:
+            ids = carry.inputs.get("puzzle_identifiers")
+            prefix.signsgd_rows = (
+                torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None else ids.unique()
+            )
+            if self.args.world_size > 1:  # theirs: the rows of every rank's batch, i.e. those the reduced
+                prefix.signsgd_rows = None  # gradient reaches (the same on every rank)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
@@ -485,20 +474,8 @@ class FPRMTrainer(Trainer):
             halting=False,
             solver_state=carry.state,
         )
-        loss = token_loss(outputs.logits, labels, self.args.loss_type, self.args.loss_normalization)
-        q_coefficient = self.args.q_loss_coefficient
-        if outputs.q_halt_logits is not None:
-            q_coefficient = 0.5 if q_coefficient is None else q_coefficient
-            if q_coefficient:
-                loss = loss + q_coefficient * q_halt_loss(outputs.q_halt_logits, outputs.logits, labels)
-        prefix = self._core(model).prefix
-        if prefix is not None:  # the rows SignSGD updates: the samples in flight
-            ids = carry.inputs.get("puzzle_identifiers")
-            prefix.signsgd_rows = (
-                torch.zeros(1, dtype=torch.long, device=labels.device) if ids is None else ids.unique()
-            )
-            if self.args.world_size > 1:  # theirs: the rows of every rank's batch, i.e. those the reduced
-                prefix.signsgd_rows = None  # gradient reaches (the same on every rank)
+        loss = self.segment_loss(outputs, labels)
+        self.mark_signsgd_rows(model, carry, labels)
         # the state goes on to the next segment without its graph: memory spans n_backward iterations only
         state = outputs.solver_state.detach()
         settings = SolverSettings.from_config(
