@@ -49,10 +49,11 @@ class Solutions(NamedTuple):
     diverged: torch.Tensor  # (puzzles,) bool
 
 
-def check_batching(mode, batch_size):
-    """`mode` (None: the config's `halt_scope`, so "batch" or "sample") and `batch_size` of `iter_solve`."""
+def check_batching(mode, batch_size, name="mode"):
+    """`mode` (None: the config's `halt_scope`, so "batch" or "sample") and `batch_size` of `iter_solve`; `name`
+    is how the message calls `mode` (a command's flag)."""
     if mode is not None and mode not in BATCHING_MODES:
-        raise ValueError(f"batching `mode` must be one of {BATCHING_MODES} (or None: the config's), got {mode!r}.")
+        raise ValueError(f"`{name}` must be one of {BATCHING_MODES} (or None: the config's halt_scope), got {mode!r}.")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
 
@@ -105,10 +106,12 @@ def _fixed_batches(model, ids, pids, batch_size, mode, generator, solver_kwargs)
 
 def solve_all(model, puzzles, batch_size, mode=None, puzzle_identifiers=None, generator=None, **solver_kwargs):
     """`iter_solve`'s results gathered in puzzle order (`Solutions`)."""
-    results = sorted(
-        iter_solve(model, puzzles, batch_size, mode, puzzle_identifiers, generator, **solver_kwargs),
-        key=lambda s: s.index,
-    )
+    return gather(iter_solve(model, puzzles, batch_size, mode, puzzle_identifiers, generator, **solver_kwargs))
+
+
+def gather(solved):
+    """`Solutions` in puzzle order of `Solved` results in any order (`iter_solve`'s, e.g. through a progress bar)."""
+    results = sorted(solved, key=lambda s: s.index)
     return Solutions(
         answers=torch.stack([s.answer for s in results]),
         iterations=torch.tensor([s.iterations for s in results], dtype=torch.long),
@@ -164,4 +167,4 @@ def _continuous(model, ids, pids, batch_size, generator, settings):
             x, state, puzzle_of_row = x[keep], state.select(keep), puzzle_of_row[keep]
 
 
-__all__ = ["BATCHING_MODES", "Solved", "Solutions", "check_batching", "iter_solve", "solve_all"]
+__all__ = ["BATCHING_MODES", "Solved", "Solutions", "check_batching", "gather", "iter_solve", "solve_all"]

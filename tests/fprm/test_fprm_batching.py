@@ -133,7 +133,7 @@ def test_a_state_row_put_by_continuous_batching_starts_fresh():
     [
         (dict(batch_size=0), r"`batch_size` must be an integer >= 1, got 0"),
         (dict(batch_size=2.5), r"`batch_size` must be an integer >= 1, got 2\.5"),
-        (dict(mode="rows"), r"batching `mode` must be one of \('batch', 'sample', 'continuous'\).* got 'rows'"),
+        (dict(mode="rows"), r"`mode` must be one of \('batch', 'sample', 'continuous'\).* got 'rows'"),
         (dict(halt_scope="batch"), r"`halt_scope` is set by the batching `mode`.* got halt_scope='batch'"),
         (dict(max_loops=0), r"max_loops"),
     ],

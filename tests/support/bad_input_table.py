@@ -112,6 +112,13 @@ IDS2 = IDS.repeat(2, 1)  # a batch of two rows, for per-row knobs
 GRID = torch.zeros(1, 16, dtype=torch.long)
 
 
+def fprm_iter_solve(batch_size, mode):
+    """`iter_solve` (fprm_hf/batching_fprm.py) of a tiny FPRM on one puzzle; its checks run at the call."""
+    from fprm_hf.batching_fprm import iter_solve
+
+    return iter_solve(fprm(), GRID, batch_size, mode)
+
+
 def padded_mask():
     mask = torch.ones(1, 16, dtype=torch.long)
     mask[0, -2:] = 0
@@ -924,6 +931,20 @@ CASES = [
         r"`max_loops` must be an integer >= 1, got 0",
     ),
     Case(
+        f"{FP} iter_solve",
+        "batch_size=0",
+        lambda t: fprm_iter_solve(0, "continuous"),
+        ValueError,
+        r"`batch_size` must be an integer >= 1, got 0",
+    ),
+    Case(
+        f"{FP} iter_solve",
+        "mode='rows'",
+        lambda t: fprm_iter_solve(4, "rows"),
+        ValueError,
+        r"`mode` must be one of \('batch', 'sample', 'continuous'\) .*got 'rows'",
+    ),
+    Case(
         f"{FP} forward",
         "eta=1.5",
         lambda t: fprm()(GRID, eta=1.5),
@@ -1130,6 +1151,7 @@ CASES = [
             ("--eval_halt_eps", "nan", r"`--eval_halt_eps` must be a positive finite number .*got nan"),
             ("--eval_gamma", "2", r"`--eval_gamma` must be a number in \(0, 1\], got 2\.0"),
             ("--eval_batch_size", "0", r"`--eval_batch_size` must be an integer >= 1, got 0"),  # was a range() error
+            ("--eval_batching", "rows", r"`--eval_batching` must be one of \('batch', 'sample', 'continuous'\)"),
             ("--eval_max_loops", "0", r"`--eval_max_loops` must be an integer >= 1, got 0"),
             ("--num_test", "0", r"`--num_test` must be an integer >= 1, got 0"),
             ("--torch_threads", "0", r"`--torch_threads` must be an integer >= 1, got 0"),  # was ignored
