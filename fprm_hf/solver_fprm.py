@@ -74,6 +74,15 @@ class FPRMSolverState:
             out[f.name] = torch.where(mask, theirs, mine)
         return type(self)(**out)
 
+    def put(self, rows, other):
+        """A state with `other`'s rows written at `rows` (a LongTensor, one index per row of `other`) and this one's
+        elsewhere: continuous batching puts a new puzzle's fresh state (z0, η0, patience, counters) in a done row."""
+        out = {}
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = None if mine is None or theirs is None else mine.index_copy(0, rows, theirs)
+        return FPRMSolverState(**out)
+
     def select(self, rows):
         """The state of the rows indexed by `rows` (a LongTensor)."""
         return type(self)(

@@ -130,6 +130,13 @@ IDS2 = IDS.repeat(2, 1)  # a batch of two rows, for per-row knobs
 GRID = torch.zeros(1, 16, dtype=torch.long)
 
 
+def fprm_iter_solve(batch_size, mode, **overrides):
+    """`iter_solve` (fprm_hf/batching_fprm.py) of a tiny FPRM on one puzzle; its checks run at the call."""
+    from fprm_hf.batching_fprm import iter_solve
+
+    return iter_solve(fprm(**overrides), GRID, batch_size, mode)
+
+
 def padded_mask():
     mask = torch.ones(1, 16, dtype=torch.long)
     mask[0, -2:] = 0
@@ -1134,6 +1141,27 @@ CASES = [
         r"`max_loops` must be an integer >= 1, got 0",
     ),
     Case(
+        f"{FP} iter_solve",
+        "batch_size=0",
+        lambda t: fprm_iter_solve(0, "continuous"),
+        ValueError,
+        r"`batch_size` must be an integer >= 1, got 0",
+    ),
+    Case(
+        f"{FP} iter_solve",
+        "mode='rows'",
+        lambda t: fprm_iter_solve(4, "rows"),
+        ValueError,
+        r"`mode` must be one of \('batch', 'sample', 'continuous'\) .*got 'rows'",
+    ),
+    Case(
+        f"{FP} iter_solve",
+        "mode='continuous' of a TRM model",
+        lambda t: fprm_iter_solve(4, "continuous", recursion="trm"),
+        ValueError,
+        r"mode='continuous' refills the rows a fixed point has halted; a TRM model .* pass mode='batch'",
+    ),
+    Case(
         f"{FP} forward",
         "eta=1.5",
         lambda t: fprm()(GRID, eta=1.5),
@@ -1336,6 +1364,13 @@ CASES = [
         r"`--task` must be one of .* got 'bogus'",
     ),
     refused_fprm_flag("--variant", "hrm", r"`--variant` must be one of \('fprm', 'trm'\), got 'hrm'"),
+    Case(
+        "fprm.train",
+        "--variant trm --eval_batching continuous",
+        FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--variant", "trm", "--eval_batching", "continuous"),
+        SystemExit,
+        r"--eval_batching continuous: --variant trm runs every row its halt_max_steps ACT steps",
+    ),
     *(
         refused_fprm_flag(flag, value, message)
         for flag, value, message in (
@@ -1343,6 +1378,7 @@ CASES = [
             ("--eval_halt_eps", "nan", r"`--eval_halt_eps` must be a positive finite number .*got nan"),
             ("--eval_gamma", "2", r"`--eval_gamma` must be a number in \(0, 1\], got 2\.0"),
             ("--eval_batch_size", "0", r"`--eval_batch_size` must be an integer >= 1, got 0"),  # was a range() error
+            ("--eval_batching", "rows", r"`--eval_batching` must be one of \('batch', 'sample', 'continuous'\)"),
             ("--eval_max_loops", "0", r"`--eval_max_loops` must be an integer >= 1, got 0"),
             ("--num_test", "0", r"`--num_test` must be an integer >= 1, got 0"),
             ("--torch_threads", "0", r"`--torch_threads` must be an integer >= 1, got 0"),  # was ignored

@@ -123,6 +123,23 @@ def test_halt_scope_batch_runs_their_protocol(checkpoint, data, tmp_path):
     assert want["iterations"][0] == want["iterations"][1] and want["iterations"][2] == want["iterations"][3]
 
 
+def test_continuous_batching_gives_each_puzzle_its_per_sample_result(checkpoint, data, tmp_path):
+    """`--batching continuous` (a halted puzzle's row taken by the next one, batch 2 over 5 puzzles) reports what
+    per-sample halting does: each puzzle's z0 is drawn in puzzle order from the same seed."""
+    built, _ = data
+    model = FPRMForReasoning.from_pretrained(checkpoint / "sudoku").eval()
+    with torch.no_grad():
+        want = _expected(model)
+    out = tmp_path / "continuous.json"
+    argv = [str(checkpoint / "sudoku"), "--data", str(built), "--batching", "continuous", "--batch_size", "2", *CAP]
+    assert main([*argv, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["batching"] == "continuous" and report["halt_scope"] == "sample"
+    assert report["cell_accuracy"] == pytest.approx(want["cell"]) and report["exact_accuracy"] == want["exact"]
+    assert report["mean_iterations"] == pytest.approx(np.mean(want["iterations"]))
+    assert report["max_iterations"] == max(want["iterations"])
+
+
 def test_solve_a_puzzle_string_and_the_cli(checkpoint):
     model = FPRMForReasoning.from_pretrained(checkpoint / "sudoku").eval()
     grid, iterations, converged = solve(model, ROWS[0][0], max_loops=40)
@@ -159,6 +176,10 @@ def test_solve_a_puzzle_string_and_the_cli(checkpoint):
         (["--data", "{tmp}/nowhere"], r"--data .*nowhere: no .*all__inputs.npy"),
         (["--data", "{built}", "--num_test", "0"], r"--num_test must be >= 1, got 0"),
         (["--data", "{built}", "--step", "99"], r"has no step_99; its steps: \[10\]"),
+        (
+            ["--data", "{built}", "--batching", "continuous", "--halt_scope", "batch"],
+            r"--batching continuous halts each puzzle on its own, --halt_scope batch the other way",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(checkpoint, data, tmp_path, capsys, args, message):

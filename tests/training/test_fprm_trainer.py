@@ -701,6 +701,7 @@ def test_eval_gamma_applies_to_the_iterations_curve_too(tmp_path):
         eval_halt_eps=None,
         eval_gamma=0.5,
         eval_batch_size=2,
+        eval_batching=None,
         compare_cap=False,
         eval_iterations_curve="2,4",
     )

@@ -4,6 +4,7 @@ looped_training.fprm.evaluate` reads again from a run's record, and their checks
 import math
 from dataclasses import dataclass, field
 
+from fprm_hf.batching_fprm import check_batching
 from fprm_hf.configuration_fprm import check_halt_eps, check_max_loops, check_unit_interval
 from looped_training.fprm.callbacks import TimeBudgetCallback
 from looped_training.fprm.tasks import TASKS
@@ -77,6 +78,14 @@ class EvalArguments:
     eval_halt_eps: float | None = field(default=None, metadata={"help": "halt_eps at evaluation (default: config)"})
     eval_gamma: float | None = field(default=None)
     eval_batch_size: int = field(default=100)
+    eval_batching: str | None = field(
+        default=None,
+        metadata={
+            "help": "how evaluation fills its batches (fprm_hf/batching_fprm.py): batch (every row halts at once, "
+            "the authors'), sample (each row halts on its own, the batch shrinks), continuous (a halted puzzle's row "
+            "is taken by the next one); default: the model's halt_scope (sample)"
+        },
+    )
     compare_cap: bool = field(default=True, metadata={"help": "also evaluate always running the cap"})
     eval_iterations_curve: str | None = field(
         default=None,
@@ -132,6 +141,7 @@ def check_run_flags(parser, data_args, eval_args):
         (eval_args, "eval_halt_eps", _unless_none(check_halt_eps)),  # None: the config's
         (eval_args, "eval_gamma", _unless_none(check_unit_interval)),
         (eval_args, "eval_batch_size", _at_least_one),
+        (eval_args, "eval_batching", lambda value, name: check_batching(value, 1, name)),
         (data_args, "num_test", _at_least_one),
         (eval_args, "torch_threads", _unless_none(_at_least_one)),
         (data_args, "curriculum_check_steps", _at_least_one),

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fprm_hf.batching_fprm import gather, iter_solve
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS
 
 RESULTS_FILE = "results.json"  # the training run's record, and what this command writes
@@ -28,24 +29,19 @@ PROG = "python -m looped_training.fprm.evaluate"
 
 
 @torch.no_grad()
-def run_solver(model, dataset, batch_size, desc, **solver_kwargs):
-    """Predictions, per-sample iterations/convergence and wall-clock of the solver over a dataset."""
+def run_solver(model, dataset, batch_size, desc, batching=None, **solver_kwargs):
+    """Predictions, per-sample iterations/convergence and wall-clock of the solver over a dataset, its batches
+    filled as `batching` says (fprm_hf/batching_fprm.py: batch, sample, continuous; None: the config's halt_scope)."""
     model.eval()
     device = next(model.parameters()).device
-    preds, iterations, converged = [], [], []
-    model(torch.tensor(dataset[:2]["input_ids"], device=device), max_loops=2)  # warm-up, outside the timing
+    ids = torch.tensor(dataset["input_ids"], device=device)
+    pids = dataset["puzzle_identifiers"] if "puzzle_identifiers" in dataset.column_names else None
+    model(ids[:2], max_loops=2)  # warm-up, outside the timing
     start = time.perf_counter()
-    for i in tqdm(range(0, len(dataset), batch_size), desc=desc, leave=False):
-        batch = dataset[i : i + batch_size]
-        kwargs = {"input_ids": torch.tensor(batch["input_ids"], device=device)}
-        if "puzzle_identifiers" in batch:
-            kwargs["puzzle_identifiers"] = torch.tensor(batch["puzzle_identifiers"], device=device)
-        out = model(**kwargs, **solver_kwargs)
-        preds.append(out.logits.argmax(-1).cpu())
-        iterations.append(out.iterations.cpu())
-        converged.append(out.converged.cpu())
+    solved = iter_solve(model, ids, batch_size, batching, pids, **solver_kwargs)
+    out = gather(tqdm(solved, total=len(ids), desc=desc, leave=False))
     seconds = time.perf_counter() - start
-    return torch.cat(preds), torch.cat(iterations), torch.cat(converged), seconds
+    return out.answers, out.iterations, out.converged, seconds
 
 
 def accuracy(preds, labels):
@@ -191,8 +187,17 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
     trm = getattr(model.config, "recursion", "fixed_point") == "trm"
     if trm:  # TRM's evaluation runs its halt_max_steps ACT steps, theirs; the solver's knobs do not apply
         knobs = {}
+        if eval_args.eval_batching not in (None, "batch"):
+            raise ValueError(
+                f"--eval_batching {eval_args.eval_batching}: a TRM model (recursion='trm') runs every row its "
+                "halt_max_steps ACT steps, so its batches are filled one way; give --eval_batching batch or leave it out."
+            )
     results = {"solver": knobs, "recursion": model.config.recursion}
-    preds, iters, conv, seconds = run_solver(model, test, eval_args.eval_batch_size, "eval (halting)", **knobs)
+    # TRM's rows all run the same steps: its batches are filled one way ("batch")
+    batching = {"batching": "batch" if trm else eval_args.eval_batching}
+    preds, iters, conv, seconds = run_solver(
+        model, test, eval_args.eval_batch_size, "eval (halting)", **batching, **knobs
+    )
     cell, exact, correct, valid = accuracy(preds, test["labels"])
     exact_rows = (correct | ~valid).all(-1).float()
     results["halting"] = {
@@ -201,6 +206,7 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
         "mean_iterations": float(iters.float().mean()),
         "converged_fraction": float(conv.float().mean()),
         "seconds": seconds,
+        "batching": batching["batching"] or model.config.halt_scope,
     }
     for column in difficulty_columns:
         if column != "length":
@@ -223,7 +229,9 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
                 continue
             subset = test.select(range(min(len(test), 50))).select_columns(["input_ids"])
             prefix = subset.map(lambda r: {"input_ids": r["input_ids"][:length]})
-            _, it, cv, _ = run_solver(model, prefix, eval_args.eval_batch_size, f"eval length {length}", **knobs)
+            _, it, cv, _ = run_solver(
+                model, prefix, eval_args.eval_batch_size, f"eval length {length}", **batching, **knobs
+            )
             results["iterations_vs_length"].append(
                 {
                     "length": length,
@@ -247,7 +255,7 @@ def evaluate(model, ds, data_args, eval_args, difficulty_columns):
         results["arc_pass_at_2"] = {"score": score, "test_inputs": count}
     if eval_args.compare_cap and not trm:  # TRM always runs its cap
         cap_preds, cap_iters, _, cap_seconds = run_solver(
-            model, test, eval_args.eval_batch_size, "eval (always cap)", halting=False, **knobs
+            model, test, eval_args.eval_batch_size, "eval (always cap)", halting=False, **batching, **knobs
         )
         cap_cell, cap_exact, _, _ = accuracy(cap_preds, test["labels"])
         results["always_cap"] = {
@@ -271,6 +279,7 @@ def print_report(results, train_seconds):
     print(
         f"halting  (halt_eps):  cell acc {h['cell_accuracy']:.4f}  exact acc {h['exact_accuracy']:.4f}  "
         f"mean iterations {h['mean_iterations']:.1f}  converged {h['converged_fraction']:.2%}  {h['seconds']:.1f}s"
+        f"  ({h.get('batching', 'sample')} batching)"
     )
     if "always_cap" in results:
         c, r = results["always_cap"], results["halting_vs_cap"]

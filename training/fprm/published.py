@@ -11,8 +11,10 @@ folder or its `test/`: all__inputs.npy, all__labels.npy and, for Sudoku, all__gr
 dataset through `datasets` (`--dataset`: a Hub id or a CSV with their columns source, question, answer, rating).
 Printed and written to `--output` (JSON): exact accuracy (every cell right), cell accuracy, iterations, the fraction
 that converged, and iterations and exact accuracy against difficulty (the rating, and for Sudoku the blank count).
-`--halt_scope batch` halts as their evaluation (every row of a batch at once); the default halts each puzzle on its
-own. z0 is drawn fresh per puzzle, as theirs, from `--seed`. Exit status 2: bad input, one line naming it.
+`--halt_scope batch` (or `--batching batch`) halts as their evaluation (every row of a batch at once); the default
+halts each puzzle on its own; `--batching continuous` also gives a halted puzzle's row to the next puzzle
+(fprm_hf/batching_fprm.py). z0 is drawn fresh per puzzle, as theirs, from `--seed`. Exit status 2: bad input, one
+line naming it.
 """
 
 import argparse
@@ -206,11 +208,27 @@ def _column(data, column, read, name):
 # ---- the evaluation ---------------------------------------------------------------------------------------------
 
 
+def batching_mode(batching, halt_scope):
+    """The batching mode of `--batching` and `--halt_scope` (fprm_hf/batching_fprm.py; None: the model's halt_scope):
+    `--batching` names how rows are filled, `--halt_scope` only fixed batches' halting rule, so the two must agree."""
+    if batching is None or halt_scope is None:
+        return batching or halt_scope
+    if halt_scope != ("batch" if batching == "batch" else "sample"):
+        raise ValueError(
+            f"--batching {batching} halts {'every row at once' if batching == 'batch' else 'each puzzle on its own'}"
+            f", --halt_scope {halt_scope} the other way: give one of them."
+        )
+    return batching
+
+
 @torch.no_grad()
-def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=None, seed=0, **solver_kwargs):
+def evaluate(
+    model, inputs, labels, ratings, task, batch_size=64, halt_scope=None, seed=0, batching=None, **solver_kwargs
+):
     """The report (a dict) of the model over the puzzles, with a progress bar."""
     from tqdm.auto import tqdm
 
+    from fprm_hf.batching_fprm import gather, iter_solve
     from looped_training.fprm.evaluate import accuracy, by_difficulty
 
     if inputs.shape[1] != task.cells:
@@ -218,18 +236,14 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
             f"the data has {inputs.shape[1]} cells per puzzle, the model reads {task.cells} ({task.side}x{task.side})."
         )
     model.eval()
+    mode = batching_mode(batching, halt_scope) or model.config.halt_scope
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    preds, iterations, converged = [], [], []
     start = time.perf_counter()
-    for i in tqdm(range(0, len(inputs), batch_size), desc=f"{task.name} ({len(inputs)} puzzles)", unit="batch"):
-        ids = torch.as_tensor(inputs[i : i + batch_size], device=device)
-        out = model(ids, halt_scope=halt_scope, generator=generator, **solver_kwargs)
-        preds.append(out.logits.argmax(-1).cpu())
-        iterations.append(out.iterations.cpu())
-        converged.append(out.converged.cpu())
+    solved = iter_solve(model, inputs, batch_size, mode, generator=generator, **solver_kwargs)
+    out = gather(tqdm(solved, total=len(inputs), desc=f"{task.name} ({len(inputs)} puzzles)", unit="puzzle"))
     seconds = time.perf_counter() - start
-    preds, iterations, converged = torch.cat(preds), torch.cat(iterations), torch.cat(converged)
+    preds, iterations, converged = out.answers, out.iterations, out.converged
     cell, exact, correct, valid = accuracy(preds, labels)
     rows = (correct | ~valid).all(-1)
     report = {
@@ -241,7 +255,8 @@ def evaluate(model, inputs, labels, ratings, task, batch_size=64, halt_scope=Non
         "max_iterations": int(iterations.max()),
         "converged": float(converged.float().mean()),
         "seconds": seconds,
-        "halt_scope": halt_scope or model.config.halt_scope,
+        "halt_scope": "batch" if mode == "batch" else "sample",
+        "batching": mode,
         "paper": PAPER[task.name],
     }
     if ratings is not None:
@@ -257,7 +272,7 @@ def print_report(report, out=None):
     print(
         f"{report['task']}: {report['puzzles']} puzzles, exact accuracy {report['exact_accuracy']:.4f}, cell "
         f"accuracy {report['cell_accuracy']:.4f}, mean iterations {report['mean_iterations']:.1f} (max "
-        f"{report['max_iterations']}), converged {report['converged']:.3f}, halt_scope {report['halt_scope']}, "
+        f"{report['max_iterations']}), converged {report['converged']:.3f}, {report['batching']} batching, "
         f"{report['seconds']:.1f} s",
         file=out,
     )
@@ -273,6 +288,8 @@ def print_report(report, out=None):
 
 
 def _parser():
+    from fprm_hf.batching_fprm import BATCHING_MODES
+
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a published FPRM folder or Hub repo (their step files), or a saved model folder")
     p.add_argument("--subfolder", default=None, help="the task folder of the repo: sudoku or maze")
@@ -289,6 +306,14 @@ def _parser():
         choices=("sample", "batch"),
         default=None,
         help="batch: halt as their evaluation (every row at once); default: the model's (per sample)",
+    )
+    p.add_argument(
+        "--batching",
+        choices=BATCHING_MODES,
+        default=None,
+        help="how batches are filled: batch (their evaluation: every row halts at once), sample (each puzzle halts "
+        "on its own, the batch shrinks), continuous (a halted puzzle's row is taken by the next one); "
+        "default: --halt_scope's",
     )
     p.add_argument("--max_loops", type=int, default=None, help="iteration cap (default: the model's, 1000 for theirs)")
     p.add_argument("--halt_eps", type=float, default=None, help="τ (default: the model's, 0.1 for theirs)")
@@ -311,6 +336,7 @@ def main(argv=None):
             raise ValueError(f"--num_test must be >= 1, got {args.num_test}.")
         if args.batch_size < 1:
             raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}.")
+        mode = batching_mode(args.batching, args.halt_scope)
         # before any puzzle is solved: the report is written last
         check_output_path("--output", args.output)
         check_model_source("model", args.model)
@@ -322,7 +348,8 @@ def main(argv=None):
         task = task_of(model.config)
         solver = {k: v for k, v in (("max_loops", args.max_loops), ("halt_eps", args.halt_eps)) if v is not None}
         if args.puzzle is not None:
-            grid, iterations, converged = solve(model, args.puzzle, halt_scope=args.halt_scope, **solver)
+            scope = None if mode is None else "batch" if mode == "batch" else "sample"  # one puzzle: a batch of one
+            grid, iterations, converged = solve(model, args.puzzle, halt_scope=scope, **solver)
             print("\n".join(grid))
             print(f"iterations {iterations}, converged {converged}")
             return 0
@@ -333,7 +360,7 @@ def main(argv=None):
         if args.num_test:
             inputs, labels = inputs[: args.num_test], labels[: args.num_test]
             ratings = None if ratings is None else ratings[: args.num_test]
-        report = evaluate(model, inputs, labels, ratings, task, args.batch_size, args.halt_scope, args.seed, **solver)
+        report = evaluate(model, inputs, labels, ratings, task, args.batch_size, None, args.seed, mode, **solver)
     except (ValueError, OSError, StrictDataclassError) as error:
         from looped_training.arguments import one_line
 

@@ -175,6 +175,11 @@ def parse_args(argv=None):
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     if model_args.variant not in VARIANTS:
         parser.error(f"`--variant` must be one of {VARIANTS}, got {model_args.variant!r}.")
+    if model_args.variant == "trm" and eval_args.eval_batching not in (None, "batch"):
+        parser.error(
+            f"--eval_batching {eval_args.eval_batching}: --variant trm runs every row its halt_max_steps ACT steps, "
+            "so its batches are filled one way; give --eval_batching batch or leave it out."
+        )
     start = data_args.curriculum_start_length
     if start is not None:
         if data_args.task not in STATE_TRACKING_TASKS:
