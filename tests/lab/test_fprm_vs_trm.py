@@ -48,19 +48,24 @@ def test_command_analyses_finished_runs(tmp_path, capsys):
         fprm_iters = [5, 6, 8, 9, 12] if seed == 0 else [8, 8, 8, 8, 8]  # seed 1: FPRM does not adapt
         fake_run(tmp_path / f"sudoku-fprm-seed{seed}", sudoku_results(fprm_iters))
         fake_run(tmp_path / f"sudoku-trm-seed{seed}", sudoku_results([12] * 5), trm_config)
-        fake_run(tmp_path / f"s5-fprm-seed{seed}", s5_results(1.0, 0.95))
-        fake_run(tmp_path / f"s5-trm-seed{seed}", s5_results(1.0, 0.4))
+        fake_run(tmp_path / f"state-fprm-seed{seed}", s5_results(1.0, 0.95))
+        fake_run(tmp_path / f"state-trm-seed{seed}", s5_results(1.0, 0.4))
     result = bench.main(["--size", "tiny", "--reuse", "--output_dir", str(tmp_path)])
     assert result["per_seed"]["0"]["sudoku"]["holds"] and not result["per_seed"]["1"]["sudoku"]["holds"]
-    assert result["verdicts"] == {"sudoku": "does not hold", "s5": "holds"}  # every seed must hold
+    assert result["verdicts"] == {"sudoku": "does not hold", "state": "holds"}  # every seed must hold
     assert result["per_seed"]["0"]["sudoku"]["trm_maximum"] == 12
     out = capsys.readouterr().out
-    assert "sudoku: does not hold" in out and "s5: holds" in out
+    assert "sudoku: does not hold" in out and "state: holds" in out
     report = bench.report(result, result["command"])
     assert "**does not hold**" in report and "**holds**" in report
     assert bench.plot(result, str(tmp_path / "plot.png")) and (tmp_path / "plot.png").stat().st_size > 0
     # the runs it would train: FPRM and TRM presets of each task, for each seed, with the seed and folder
     runs = bench.run_commands("cpu", [0, 1], "out", 3.0)
     assert len(runs) == 8
-    cmd = runs[("s5", "trm", 1)][0]
-    assert cmd[cmd.index("--preset") + 1] == "s5-cpu-trm" and cmd[cmd.index("--seed") + 1] == "1"
+    cmd = runs[("state", "trm", 1)][0]  # CPU: S3 on the s3-evidence recipe, made TRM by its flags
+    assert cmd[cmd.index("--preset") + 1] == "s3-evidence" and cmd[cmd.index("--seed") + 1] == "1"
+    assert cmd[cmd.index("--variant") + 1] == "trm" and "--variant" not in runs[("state", "fprm", 1)][0]
+    # runs end by their step count, equal for both models and every seed
+    for (task, _, _), (cmd, _) in runs.items():
+        if task == "sudoku":
+            assert cmd[cmd.index("--max_steps") + 1] == "500"
