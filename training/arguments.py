@@ -1,7 +1,9 @@
 """Command lines of the training entry points, as transformers' examples: `HfArgumentParser` dataclasses with
 underscore flags, and a JSON or YAML file of the same keys (`training/configs/`), given as `--config FILE` or as the first
 argument. The file is read with `HfArgumentParser.parse_json_file` / `parse_yaml_file`, which reject a key no
-dataclass has; a flag on the command line overrides the file's value.
+dataclass has; a flag on the command line overrides the file's value. `TrainingArguments` is both trainers'
+(transformers' with `--overwrite_output_dir`); each model's own flags are in `looped_training.loopformer.arguments`
+and `looped_training.fprm.arguments`.
 
     python -m looped_training.fprm.train my-s5.yaml --max_steps 500
     python -m looped_training.loopformer.train --config my-run.yaml --output_dir runs/lf

@@ -34,7 +34,7 @@ _WRITE_FAILURES = ("unexpected pos", "basic_ios", "file write failed", "os error
 _FULL_BYTES = 1 << 20  # a write failed and less than this is free: the disk is full
 
 
-# the modules of the lock and of this check, whose own locals (the lock file's `path`) name no file being written
+# the lock's module and this one: their frames' locals (the lock file's `path`) name no file being written
 _OWN_MODULES = (__name__, "looped_training.run_folder")
 
 

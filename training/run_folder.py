@@ -17,7 +17,7 @@ from looped_training.failures import REFUSED_WRITE, ending_in_one_line, inside, 
 
 logger = logging.getLogger(__name__)
 
-FINAL_STAGING = ".final-save"
+FINAL_STAGING = ".final-save"  # where a run writes its final files before `finish_final_save` moves them in
 
 
 # what a run saves in its output_dir beside its checkpoint-N folders: its record and its final model (FPRM's in model/)

@@ -15,6 +15,9 @@ between steps, anisotropy, curvature, prompt entropy (normalised). For Base, ste
 group of k blocks (k = num_blocks of the run), so it lines up with the looped models' steps.
 Progress bars over the models and their budgets go to stderr when it is a terminal (`--disable_tqdm true` hides them,
 `--disable_tqdm false` shows them anywhere).
+
+This module is the command; what it measures is `looped_training.loopformer.metrics`', and its tables, verdicts and
+plots are `looped_training.loopformer.report`'s.
 """
 
 import argparse
