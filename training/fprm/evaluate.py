@@ -1,6 +1,5 @@
 """FPRM evaluation: the solver over a test set (cell/exact accuracy, iterations against difficulty, the per-prefix
-curve of state tracking, halting against always running the cap); the printed report and the PNG plots are
-`looped_training.fprm.report`'s.
+curve of state tracking, halting against always running the cap), the printed report and the PNG plots.
 
     python -m looped_training.fprm.evaluate outputs/fprm-s5-cpu                 # a training run's output folder
     python -m looped_training.fprm.evaluate outputs/fprm-s5-cpu/model --eval_max_loops 64 --output_dir runs/s5-eval
@@ -10,6 +9,8 @@ from the same data flags and seed; the evaluation flags (`--eval_max_loops`, `--
 `--eval_iterations_curve`, ...) default to the run's. It writes `results.json` and the plots (skipped with a note
 without matplotlib) to `--output_dir` (default: `eval/` in the run's folder); `looped_training.publish` reads that
 file (or the run's own) for the card's model-index.
+
+The printed report and the plots are written by `looped_training.fprm.report`.
 """
 
 import json
