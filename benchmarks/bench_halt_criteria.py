@@ -42,7 +42,8 @@ import benchmarks.halting_rules  # noqa: F401 (registers the lab's exit rules as
 from loopformer_hf import ShortcutConsistency
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
-from looped_training.loopformer.evaluate import build_eval_data, halting_metric, load_checkpoint, quality
+from looped_training.loopformer.metrics import build_eval_data, load_checkpoint, quality
+from looped_training.loopformer.report import halting_metric
 from looped_training.loopformer.objective import sample_shortcut_trajectory
 
 THRESHOLDS = {

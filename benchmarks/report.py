@@ -34,7 +34,8 @@ from pathlib import Path
 
 from benchmarks.bench_halt_criteria import halting_sweep_summary
 from looped_training.loopformer.data import TRAINING_META_FILE
-from looped_training.loopformer.evaluate import EVAL_FILE, SCHEDULES, format_table, halting_table, quality_by_budget
+from looped_training.loopformer.metrics import SCHEDULES
+from looped_training.loopformer.report import EVAL_FILE, format_table, halting_table, quality_by_budget
 from looped_training.loopformer.evaluate import main as evaluate_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent

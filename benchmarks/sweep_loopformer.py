@@ -29,7 +29,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from looped_training.loopformer.evaluate import budget_claims
+from looped_training.loopformer.report import budget_claims
 
 BASE_CONFIG = "training/configs/loopformer/synthetic-tiny.yaml"
 VARIANTS = {"loopformer": "LoopFormer", "base_loop": "Base-Loop", "tmlt_ee": "TMLT-EE"}
@@ -146,7 +146,7 @@ def evaluate(path, max_rows):
             return json.load(f)
     import torch
 
-    from looped_training.loopformer.evaluate import build_eval_data, evaluate_quality, load_checkpoint
+    from looped_training.loopformer.metrics import build_eval_data, evaluate_quality, load_checkpoint
 
     torch.set_num_threads(1)
     model, tokenizer, meta = load_checkpoint(path)

@@ -1,7 +1,9 @@
 """Command lines of the training entry points, as transformers' examples: `HfArgumentParser` dataclasses with
 underscore flags, and a JSON or YAML file of the same keys (`training/configs/`), given as `--config FILE` or as the first
 argument. The file is read with `HfArgumentParser.parse_json_file` / `parse_yaml_file`, which reject a key no
-dataclass has; a flag on the command line overrides the file's value.
+dataclass has; a flag on the command line overrides the file's value. `TrainingArguments` is both trainers'
+(transformers' with `--overwrite_output_dir`); each model's own flags are in `looped_training.loopformer.arguments`
+and `looped_training.fprm.arguments`.
 
     python -m looped_training.fprm.train my-s5.yaml --max_steps 500
     python -m looped_training.loopformer.train --config my-run.yaml --output_dir runs/lf
@@ -12,7 +14,9 @@ import errno
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
+import transformers
 import yaml
 from huggingface_hub.errors import StrictDataclassError
 
@@ -96,6 +100,31 @@ def given_flags(parser, argv, config_file=None):
     if config_file is not None:
         names |= set(read_config_file(parser, config_file))
     return frozenset(names)
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers' `TrainingArguments` (both trainers'), with the `--overwrite_output_dir` of transformers' example
+    scripts, which transformers 5 removed from `TrainingArguments`: a training command refuses an `--output_dir` that
+    holds a run unless it resumes it or this flag is given (`claim_output_dir`). No pinned memory without an
+    accelerator."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train a new run in an --output_dir that holds one: the old run's checkpoint-N folders, final model and "
+            "records are deleted first (without this flag such a folder is refused; --resume_from_checkpoint "
+            "last continues its run)."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        # before any work: a path under a file, or a new folder where none may be created (an existing read-only
+        # one is the lock's to judge: a finished run resumed there writes nothing)
+        check_output_path("--output_dir", self.output_dir, folder=True, existing_may_be_read_only=True)
+        if self.device.type == "cpu":  # as transformers does for --use_cpu: torch warns that it pins nothing here
+            self.dataloader_pin_memory = False
 
 
 # ---- the one rule of every command: a user's mistake is one line on stderr, exit status 2, before any long work --------

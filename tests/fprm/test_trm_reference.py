@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 from fprm_hf import FPRMConfig, FPRMForReasoning
 from fprm_hf.authors_layout import _map_key
 from fprm_hf.recursion_trm import applications_per_step
-from looped_training.fprm.trainer import FPRMTrainingArguments
+from looped_training.fprm.arguments import FPRMTrainingArguments
 from looped_training.fprm.trainer_trm import TRMTrainer
 from support.trm_reference_oracle import TRM_SETTINGS, TheirTRM, TheirTRMTraining, trm_state_dict
 

@@ -290,8 +290,7 @@ def test_every_report_preset_parses_as_a_loopformer_training_config(path):
     from transformers import HfArgumentParser, TrainingArguments
 
     from looped_training.arguments import parse_args_with_config
-    from looped_training.loopformer.data import DataArguments
-    from looped_training.loopformer.train import ModelArguments, ShortcutArguments
+    from looped_training.loopformer.arguments import DataArguments, ModelArguments, ShortcutArguments
 
     parser = HfArgumentParser((ModelArguments, DataArguments, ShortcutArguments, TrainingArguments))
     (model, data, _, train), _ = parse_args_with_config(parser, [str(path), "--output_dir", "unused"])

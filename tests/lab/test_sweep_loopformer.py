@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.sweep_loopformer import CELLS, VARIANTS, main, markdown, per_seed_verdicts, seeds_on_disk, summarise
-from looped_training.loopformer.evaluate import budget_claims
+from looped_training.loopformer.report import budget_claims
 
 
 def fake_runs():

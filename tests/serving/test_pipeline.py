@@ -122,7 +122,8 @@ def trained(tmp_path_factory):
 
 
 def test_a_trained_run_generates_through_the_pipeline_with_no_extra_argument(trained):
-    from looped_training.loopformer.data import DataArguments, held_out_problems
+    from looped_training.loopformer.arguments import DataArguments
+    from looped_training.loopformer.data import held_out_problems
 
     path, record = trained
     pipe = pipeline("text-generation", model=str(path))

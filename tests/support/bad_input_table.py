@@ -102,7 +102,7 @@ def trm():
 
 
 def trm_trainer(model, tmp):
-    from looped_training.fprm.trainer import FPRMTrainingArguments
+    from looped_training.fprm.arguments import FPRMTrainingArguments
     from looped_training.fprm.trainer_trm import TRMTrainer
 
     args = FPRMTrainingArguments(output_dir=str(tmp), use_cpu=True, report_to="none", save_strategy="no")
@@ -276,7 +276,7 @@ PYTHON_TAG_YAML = b"task: !!python/object/apply:os.system ['echo pwned']\n"
 def locked(tmp):
     """An output_dir whose training.lock names a run on another host (taken as alive: its pid says nothing here), as
     a running run's does; fixed values keep the table the same on every machine."""
-    from looped_training.checkpoints import LOCK_FILE
+    from looped_training.run_folder import LOCK_FILE
 
     folder = Path(tmp) / "run"
     folder.mkdir()
@@ -293,10 +293,12 @@ def resume_data_check(tmp, trainer, **data):
     from looped_training.checkpoints import check_resume_data
 
     if trainer == "loopformer":
-        from looped_training.loopformer.data import TRAINING_META_FILE as record, DataArguments
+        from looped_training.loopformer.arguments import DataArguments
+        from looped_training.loopformer.data import TRAINING_META_FILE as record
         from looped_training.loopformer.train import RESUME_FREE_DATA_FLAGS as free
     else:
-        from looped_training.fprm.train import RESUME_FREE_DATA_FLAGS as free, RUN_FILE as record, DataArguments
+        from looped_training.fprm.arguments import DataArguments
+        from looped_training.fprm.train import RESUME_FREE_DATA_FLAGS as free, RUN_FILE as record
     checkpoint = Path(tmp) / "checkpoint-3"
     checkpoint.mkdir()
     file_in(checkpoint, record, json.dumps({"data": asdict(DataArguments())}).encode())

@@ -71,7 +71,8 @@ def train_memory(loops, mode, hidden=64, batch=16, n_backward=4, size=6, seed=0,
     truncated: loops / n_backward segments of n_backward iterations (one optimizer step each);
     full:      one segment of `loops` iterations (backprop through all of them)."""
     # imported here: the model tests import this module in environments without the installed training package
-    from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+    from looped_training.fprm.arguments import FPRMTrainingArguments
+    from looped_training.fprm.trainer import FPRMTrainer
 
     if mode not in ("truncated", "full"):
         raise ValueError(f"`mode` must be 'truncated' or 'full', got {mode!r}.")

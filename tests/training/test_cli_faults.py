@@ -328,7 +328,7 @@ def test_fprm_train_resumes_with_another_evaluation_cap(fprm_checkpoint, tmp_pat
 
 def test_fprm_results_are_strict_json():
     # NaN / Infinity (an empty bin's accuracy, a diverged residual) went into results.json as is: not JSON
-    from looped_training.fprm.train import _strict_json
+    from looped_training.fprm.evaluate import _strict_json
 
     value = {"acc": float("nan"), "curve": [0.5, float("inf"), (float("-inf"), 1)], "n": 3, "name": "x"}
     assert _strict_json(value) == {"acc": None, "curve": [0.5, None, [None, 1]], "n": 3, "name": "x"}

@@ -12,8 +12,9 @@ from collections import namedtuple
 import pytest
 import torch
 
-from looped_training import checkpoints
-from looped_training.checkpoints import DiskFullError, output_dir_lock
+from looped_training import failures, run_folder
+from looped_training.failures import DiskFullError
+from looped_training.run_folder import output_dir_lock
 
 from support.tiny_runs import TINY
 
@@ -28,7 +29,7 @@ def _write(f, message):  # stands for torch.save: `f` is the path it writes when
 def test_a_failed_torch_write_on_a_full_disk_names_enospc_the_file_and_the_resume_point(tmp_path, monkeypatch):
     (tmp_path / "checkpoint-3").mkdir()
     target = str(tmp_path / "checkpoint-3" / "optimizer.pt")
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: Usage(10 << 20, 10 << 20, 0))
+    monkeypatch.setattr(failures.shutil, "disk_usage", lambda path: Usage(10 << 20, 10 << 20, 0))
     with pytest.raises(DiskFullError) as info:
         with output_dir_lock(str(tmp_path)):
             _write(target, TORCH_WRITE_FAILURE)
@@ -37,11 +38,11 @@ def test_a_failed_torch_write_on_a_full_disk_names_enospc_the_file_and_the_resum
     assert target in err.strerror and "0.0 MiB free" in err.strerror and "no checkpoint is complete" in err.strerror
     assert "--resume_from_checkpoint last" in err.strerror
     assert isinstance(err.__cause__, RuntimeError)  # the writer's own error stays reachable
-    assert not (tmp_path / checkpoints.LOCK_FILE).exists()  # the lock goes with the run
+    assert not (tmp_path / run_folder.LOCK_FILE).exists()  # the lock goes with the run
 
 
 def test_the_same_writer_failure_with_free_space_is_not_called_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: Usage(10 << 30, 1 << 30, 9 << 30))
+    monkeypatch.setattr(failures.shutil, "disk_usage", lambda path: Usage(10 << 30, 1 << 30, 9 << 30))
     with pytest.raises(RuntimeError, match="unexpected pos") as info:
         with output_dir_lock(str(tmp_path)):
             _write(str(tmp_path / "optimizer.pt"), TORCH_WRITE_FAILURE)
@@ -49,7 +50,7 @@ def test_the_same_writer_failure_with_free_space_is_not_called_a_full_disk(tmp_p
 
 
 def test_an_enospc_oserror_is_named_whatever_the_free_space(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: Usage(10 << 30, 1 << 30, 9 << 30))
+    monkeypatch.setattr(failures.shutil, "disk_usage", lambda path: Usage(10 << 30, 1 << 30, 9 << 30))
     path = str(tmp_path / "checkpoint-1" / "scheduler.pt")
     with pytest.raises(DiskFullError, match="scheduler.pt"):
         with output_dir_lock(str(tmp_path)):

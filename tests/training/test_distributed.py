@@ -227,7 +227,8 @@ def test_every_parameter_gets_a_gradient_in_each_variants_training_forward(varia
 
     from loopformer_hf import LoopFormerForCausalLM
     from looped_training.loopformer.objective import sample_early_exit_trajectory, sample_shortcut_trajectory
-    from looped_training.loopformer.train import VARIANTS, ModelArguments, build_config
+    from looped_training.loopformer.arguments import VARIANTS, ModelArguments
+    from looped_training.loopformer.train import build_config
 
     config = build_config(ModelArguments(variant=variant, hidden_size=32, num_attention_heads=2, num_loops=4), 64, 16)
     torch.manual_seed(0)

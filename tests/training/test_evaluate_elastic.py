@@ -12,7 +12,8 @@ from looped_training.checkpoints import CheckpointError
 from looped_training.loopformer import evaluate as evaluate_elastic
 from looped_training.loopformer import representations
 from looped_training.loopformer import train as train_loopformer
-from looped_training.loopformer.evaluate import fixed_at_equal_compute, halting_table, halting_verdict
+from looped_training.loopformer import metrics, report
+from looped_training.loopformer.report import fixed_at_equal_compute, halting_table, halting_verdict
 from support.tiny_runs import TINY
 
 
@@ -33,7 +34,7 @@ def test_every_budget_and_schedule_is_scored_and_written(checkpoints, tmp_path, 
     lf, bl, base = saved
     for rec in (lf, bl):
         assert sorted({(r["budget"], r["schedule"]) for r in rec["results"]}) == sorted(
-            (m, s) for m in range(1, 5) for s in evaluate_elastic.SCHEDULES
+            (m, s) for m in range(1, 5) for s in metrics.SCHEDULES
         )
     for r in lf["results"]:
         assert r["em"] is not None and 0 <= r["em"] <= 1 and r["ppl"] > 1 and abs(sum(r["trajectory"]) - 1) < 1e-9
@@ -159,11 +160,11 @@ def test_an_fprm_checkpoint_is_named_as_such(tmp_path):
 
     tiny_fprm().save_pretrained(tmp_path / "fprm")
     with pytest.raises(ValueError, match="is a 'fprm' checkpoint"):
-        evaluate_elastic.load_checkpoint(str(tmp_path / "fprm"))
+        metrics.load_checkpoint(str(tmp_path / "fprm"))
 
 
 def test_budget_claims_hold_and_fail_at_their_thresholds():
-    claims = evaluate_elastic.budget_claims
+    claims = report.budget_claims
     ok = claims([0.40, 0.55, 0.70, 0.78], [0.25, 0.50, 0.70, 0.80])
     assert all(v["holds"] for v in ok.values())
     assert ok["a_improves_with_budget"]["gain"] == pytest.approx(0.38)
@@ -171,13 +172,13 @@ def test_budget_claims_hold_and_fail_at_their_thresholds():
     bad = claims([0.40, 0.37, 0.70, 0.70], [0.31, 0.50, 0.70, 0.76])
     assert [v["holds"] for v in bad.values()] == [False, False, False]
     assert bad["a_improves_with_budget"]["worst_step_back"] == pytest.approx(0.03)
-    lines = evaluate_elastic.claims_text(bad)
+    lines = report.claims_text(bad)
     assert len(lines) == 3 and all("does not hold" in line for line in lines)
     assert "ahead" not in lines[2]  # 0.06 behind
     # (c) is two-sided: 0.12 ahead of Base-Loop fails it too, and the verdict says which side
     ahead = claims([0.40, 0.55, 0.70, 0.92], [0.25, 0.50, 0.70, 0.80])
     assert not ahead["c_elastic_for_free"]["holds"]
-    line = evaluate_elastic.claims_text(ahead)[2]
+    line = report.claims_text(ahead)[2]
     assert line.endswith("does not hold (LoopFormer is ahead of Base-Loop, not behind)")
     assert ahead["c_elastic_for_free"]["ahead"] and ahead["c_elastic_for_free"]["not_behind"]
     assert not bad["c_elastic_for_free"]["ahead"] and not bad["c_elastic_for_free"]["not_behind"]
@@ -223,7 +224,7 @@ def test_a_plot_legend_of_many_models_sits_beside_the_axes_not_over_the_curves(t
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for i in range(25):
         axes[0].plot([1, 2, 3, 4], [0.1 * i / 25, 0.5, 0.8, 1.0], label=f"model {i}")
-    path = evaluate_elastic._finish(fig, axes, "title", str(tmp_path / "many.png"), caption="a caption")
+    path = report._finish(fig, axes, "title", str(tmp_path / "many.png"), caption="a caption")
     assert (tmp_path / "many.png").stat().st_size > 1000 and path == str(tmp_path / "many.png")
     (legend,) = [ax.get_legend() for ax in axes if ax.get_legend() is not None]
     assert len(legend.get_texts()) == 25

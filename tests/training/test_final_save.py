@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from looped_training.checkpoints import FINAL_STAGING, check_checkpoint
+from looped_training.checkpoints import check_checkpoint
+from looped_training.run_folder import FINAL_STAGING
 from test_resume import MODULES, REPO, folder_bytes, run, run_fprm, trained_steps  # noqa: F401  (a fixture)
 from support import TESTS_DIR
 
@@ -259,7 +260,7 @@ def test_a_resume_with_other_data_flags_is_refused_and_a_checkpoint_carries_the_
     ):
         run(out, "--resume_from_checkpoint", "last", "--corpus_seed", "1")
     assert trained_steps == []
-    from looped_training.loopformer.evaluate import load_checkpoint
+    from looped_training.loopformer.metrics import load_checkpoint
 
     (out / "loopformer_training.json").unlink()  # as a run stranded in its final save left it
     assert load_checkpoint(str(out / "checkpoint-3"))[2]["variant"] == "loopformer"

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback as TransformersCallback
 
 from support.bad_input_table import REPO
-from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, stablemax_cross_entropy
+from looped_training.fprm.arguments import FPRMTrainingArguments
+from looped_training.fprm.losses import stablemax_cross_entropy
+from looped_training.fprm.trainer import FPRMTrainer
 from support.instruments import train_memory
 from support.tiny_models import sequence_fprm_config, tiny_fprm
 

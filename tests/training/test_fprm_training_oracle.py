@@ -23,7 +23,8 @@ from transformers import TrainerCallback
 
 from fprm_hf.authors_layout import _map_key
 from fprm_hf.convert_reference import convert
-from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments
+from looped_training.fprm.arguments import FPRMTrainingArguments
+from looped_training.fprm.trainer import FPRMTrainer
 from support.fprm_reference_oracle import BASE, Reference, reference_state_dict
 
 pytestmark = pytest.mark.usefixtures("one_thread")

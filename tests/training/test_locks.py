@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from looped_training.checkpoints import LOCK_FILE, STALE_UNREADABLE_LOCK_S, last_complete_checkpoint, output_dir_lock
+from looped_training.checkpoints import last_complete_checkpoint
+from looped_training.run_folder import LOCK_FILE, STALE_UNREADABLE_LOCK_S, output_dir_lock
 from test_resume import MODULES, REPO
 
 
@@ -90,7 +91,7 @@ def test_an_empty_or_garbage_lock_is_refused_while_fresh_and_taken_over_when_old
     assert lock.read_bytes() == content
     old = time.time() - STALE_UNREADABLE_LOCK_S - 1
     os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger="looped_training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="looped_training.run_folder"):
         with output_dir_lock(str(tmp_path)):
             assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert "that is empty or unreadable, written" in caplog.text and not lock.exists()

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from looped_training.arguments import run_command
-from looped_training.checkpoints import LOCK_FILE, check_checkpoint
+from looped_training.checkpoints import check_checkpoint
+from looped_training.run_folder import LOCK_FILE
 
 from support.bad_input_table import FPRM_TRAIN, TRAIN, made_read_only_mid_run, train_unwritable
 from test_resume import (
@@ -68,7 +69,7 @@ def test_an_unfinished_run_is_refused_without_a_resume_and_resumed_with_last(uni
 
 def test_overwrite_output_dir_deletes_the_old_run_and_trains_a_new_one(uninterrupted, tmp_path, trained_steps, caplog):
     out = shutil.copytree(uninterrupted[0], tmp_path / "run")
-    with caplog.at_level("WARNING", logger="looped_training.checkpoints"):
+    with caplog.at_level("WARNING", logger="looped_training.run_folder"):
         run(out, "--overwrite_output_dir", "--max_steps", "3")
     assert (
         f"--overwrite_output_dir: deleting the run in {out} (trainer_state.json, config.json, model.safetensors, "
@@ -99,7 +100,7 @@ def _one_line_exit_2(run, capsys):
 def test_an_output_dir_the_run_may_not_write_is_one_line_and_exit_2(
     tmp_path, capsys, trained_steps, where, train, argv
 ):
-    # a PermissionError traceback from checkpoints.output_dir_lock
+    # a PermissionError traceback from run_folder.output_dir_lock
     line = _one_line_exit_2(lambda: train_unwritable(train, where, *argv)(tmp_path), capsys)
     folder = tmp_path / "read-only"
     if where == "parent":

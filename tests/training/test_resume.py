@@ -15,13 +15,8 @@ import pytest
 import torch
 import transformers
 
-from looped_training.checkpoints import (
-    LOCK_FILE,
-    CheckpointError,
-    check_checkpoint,
-    last_complete_checkpoint,
-    output_dir_lock,
-)
+from looped_training.checkpoints import CheckpointError, check_checkpoint, last_complete_checkpoint
+from looped_training.run_folder import LOCK_FILE, output_dir_lock
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 from support import REPO_ROOT, TESTS_DIR

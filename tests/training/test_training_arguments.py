@@ -9,8 +9,7 @@ import pytest
 from transformers import HfArgumentParser, TrainingArguments
 
 from looped_training.arguments import parse_args_with_config, split_config_file
-from looped_training.loopformer.data import DataArguments
-from looped_training.loopformer.train import ModelArguments, ShortcutArguments
+from looped_training.loopformer.arguments import DataArguments, ModelArguments, ShortcutArguments
 from support import REPO_ROOT
 
 

@@ -1,12 +1,16 @@
-"""Callbacks of FPRM training: the state-tracking length curriculum and the wall-clock budget of the presets."""
+"""Callbacks of FPRM training: the state-tracking length curriculum, the wall-clock budget of the presets, the EMA of
+the weights, and the files a checkpoint holds beside Trainer's (the carry, the EMA shadow)."""
 
 import math
+import os
 import random
 import time
 
 import torch
+from safetensors.torch import save_file
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 
 def _saved_attributes(callback, state):
@@ -136,3 +140,57 @@ class TimeBudgetCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, **kwargs):
         if self.clock() - self.start > self.seconds:
             control.should_training_stop = True
+
+
+class EMACallback(TrainerCallback):
+    """Their EMAHelper: a shadow copy of the trained parameters, shadow ← (1 − μ)·p + μ·shadow after every
+    optimizer step (`on_step_end`), from the weights at the start of training. The prefix rows of a SignSGD run are
+    not averaged (theirs are a buffer, outside `named_parameters`)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.trainer.ema is None:
+            self.trainer.ema = {n: p.detach().clone() for n, p in self.trainer.ema_parameters()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        mu = args.ema_decay
+        with torch.no_grad():
+            for name, p in self.trainer.ema_parameters():
+                shadow = self.trainer.ema[name]
+                shadow.copy_((1.0 - mu) * p.detach() + mu * shadow)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, ema_file(args))
+        save_file({k: v.contiguous() for k, v in self.trainer.ema.items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def ema_file(args):
+    return f"fprm_ema_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_ema.safetensors"
+
+
+def carry_file(args):
+    """The carry's file name in a checkpoint: one per process, as Trainer's RNG states."""
+    return f"fprm_carry_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_carry.safetensors"
+
+
+class CarryCheckpointCallback(TrainerCallback):
+    """Adds the trainer's carry to each checkpoint when Trainer has written it (`on_save`), under a temporary name
+    renamed when complete, so that a kill while it is written leaves no truncated carry."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        carry = self.trainer.carry
+        if carry is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, carry_file(args))
+        save_file(carry.tensors(), path + ".tmp")
+        os.replace(path + ".tmp", path)

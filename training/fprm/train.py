@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 from safetensors.torch import load_file
@@ -42,31 +42,41 @@ from looped_training.checkpoints import (
     check_resume_config,
     check_resume_data,
     check_run_length,
-    claim_output_dir,
-    finish_final_save,
     finished_run,
     load_model,
-    output_dir_lock,
     resolve_resume,
     run_record,
+)
+from looped_training.run_folder import (
+    claim_output_dir,
+    finish_final_save,
+    output_dir_lock,
     start_final_save,
     unfinished_records,
 )
 from looped_training.configs import CONFIGS_DIR, config_names, with_preset
 from looped_training.fprm.callbacks import LengthCurriculumCallback, TimeBudgetCallback
 from looped_training.fprm.continued import check_continued_flags
-from looped_training.fprm.arguments import DataArguments, EvalArguments, check_run_flags
+from looped_training.fprm.arguments import (
+    VARIANTS,
+    DataArguments,
+    EvalArguments,
+    FPRMTrainingArguments,
+    ModelArguments,
+    check_run_flags,
+    check_train_size,
+)
 from looped_training.fprm.evaluate import (
     RESULTS_FILE,
     _strict_json,
     accuracy,
     evaluate,
     parse_iteration_counts,
-    print_report,
-    write_plots,
 )
+from looped_training.fprm.report import print_report, write_plots
 from looped_training.fprm.tasks import STATE_TRACKING_TASKS, TASKS, build_task
-from looped_training.fprm.trainer import FPRMTrainer, FPRMTrainingArguments, ema_file
+from looped_training.fprm.callbacks import ema_file
+from looped_training.fprm.trainer import FPRMTrainer
 from looped_training.fprm.trainer_trm import TRMTrainer
 
 
@@ -82,78 +92,6 @@ PROG = "python -m looped_training.fprm.train"
 
 def preset_names():
     return config_names("fprm")
-
-
-VARIANTS = ("fprm", "trm")
-
-
-@dataclass
-class ModelArguments:
-    variant: str = field(
-        default="fprm",
-        metadata={
-            "help": f"{VARIANTS}: fprm (the fixed-point solver) or trm, the paper's baseline (FPRMConfig(recursion="
-            "'trm'), trained by TRMTrainer: one ACT step per optimizer step, Q-head halting; its presets *-trm)"
-        },
-    )
-    H_cycles: int = field(default=3, metadata={"help": "trm: cycles per ACT step"})
-    L_cycles: int = field(default=6, metadata={"help": "trm: z_L updates per cycle"})
-    n_backwards_L: int | None = field(default=None, metadata={"help": "trm: z_L updates with gradient (L_cycles)"})
-    halt_max_steps: int = field(default=16, metadata={"help": "trm: ACT steps (evaluation runs all of them)"})
-    halt_exploration_prob: float = field(default=0.1, metadata={"help": "trm: their Q-halting exploration"})
-    conv_type: str | None = field(
-        default=None, metadata={"help": "causal_1d, 2d or none (default: the task's; TRM's block has none)"}
-    )
-    hidden_size: int = field(default=128)
-    num_attention_heads: int = field(default=4)
-    intermediate_size: int = field(default=256)
-    num_hidden_layers: int = field(default=2)
-    residual_scaling: str = field(
-        default="input_independent", metadata={"help": "input_independent|fixed|input_dependent|none"}
-    )
-    outer_only: bool = field(default=False, metadata={"help": "β2 = 1 − α2, α1 = β1 = 1"})
-    norm_type: str = field(default="pre", metadata={"help": "pre (FPRM), post (TRM style) or peri"})
-    norm_placement: str = field(default="none", metadata={"help": "none, input or output (the authors' maze)"})
-    alpha1: float = field(default=0.5, metadata={"help": "initial α1 (0.75 in the authors' Sudoku/maze configs)"})
-    alpha2: float = field(default=0.5, metadata={"help": "initial α2 (0.25 in the authors' Sudoku/maze configs)"})
-    fixed_init: bool = field(
-        default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"}
-    )
-    num_prefix_tokens: int = field(default=0)
-    init_std: float = field(
-        default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"}
-    )
-    conv_kernel_size: int | None = field(
-        default=None, metadata={"help": "depthwise conv kernel (default: 3 for grids, 4 for sequences, as the paper)"}
-    )
-    halt_eps: float = field(default=0.1)
-    patience: int = field(default=5)
-    gamma_train: float = field(default=0.9)
-    gamma_eval: float = field(default=0.99)
-    use_q_head: bool = field(
-        default=False,
-        metadata={
-            "help": "their Q-head on the first state row (trained by --q_loss_coefficient, theirs 0.5 on Sudoku/maze)"
-        },
-    )
-    puzzle_emb_ndim: int | None = field(
-        default=None,
-        metadata={
-            "help": "values of the prefix rows that are learned (their puzzle_emb_ndim, = d in "
-            "their Sudoku/maze configs: the first of the 16 rows); default all"
-        },
-    )
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "start from this FPRM (a saved folder, or the authors' fixed-point-reasoners/fprm with "
-            "--subfolder sudoku|maze): the model flags then come from it (looped_training.fprm.continued)"
-        },
-    )
-    subfolder: str | None = field(default=None, metadata={"help": "the folder of --model_name_or_path"})
-    step: int | None = field(
-        default=None, metadata={"help": "the authors' step_N file of --model_name_or_path (default: the newest)"}
-    )
 
 
 def parse_args(argv=None):
@@ -203,25 +141,6 @@ def parse_args(argv=None):
     check_continued_flags(parser, model_args, data_args, eval_args, given_flags(parser, argv, config_file))
     check_train_size(parser, data_args, train_args)
     return model_args, data_args, eval_args, train_args
-
-
-def check_train_size(parser, data_args, train_args):
-    """argparse's error for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
-    no batch: Trainer would train 0 steps, or fail in its sampler, after the data was built."""
-    if data_args.task == "arc" or data_args.curriculum_start_length is not None or data_args.data is not None:
-        return  # --data: the folder's size is checked when it is read (AuthorsTrainStream)
-    batch, processes = train_args.per_device_train_batch_size, train_args.world_size
-    needed = batch * processes if train_args.dataloader_drop_last else 1
-    if data_args.num_train < needed:
-        why = (
-            f"--per_device_train_batch_size {batch} x {processes} process(es) with --dataloader_drop_last true"
-            if train_args.dataloader_drop_last
-            else "a batch"
-        )
-        parser.error(
-            f"`--num_train` must be >= {needed} ({why}: a smaller training set gives no batch), got "
-            f"{data_args.num_train}."
-        )
 
 
 def predictions_and_iterations(outputs, labels):

@@ -14,170 +14,21 @@ samples that were in flight and trains exactly as the uninterrupted one would.
 """
 
 import logging
-import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from safetensors.torch import load_file
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from fprm_hf import FPRMSolverState, SolverSettings
-from looped_training.checkpoints import TrainingArguments
-from looped_training.fprm.losses import q_halt_loss, stablemax_cross_entropy, stablemax_token_losses, token_loss
+from looped_training.fprm.arguments import LOSS_TYPES, FPRMTrainingArguments
+from looped_training.fprm.callbacks import CarryCheckpointCallback, EMACallback, carry_file, ema_file
+from looped_training.fprm.losses import q_halt_loss, token_loss
+from looped_training.fprm.optimizer import SignSGDAdamW
 
 logger = logging.getLogger(__name__)
-
-
-LOSS_TYPES = ("softmax", "stablemax")
-LR_SCHEDULES = ("trainer", "authors")
-LOSS_NORMALIZATIONS = ("sample", "token")
-PUZZLE_EMB_OPTIMIZERS = ("adamw", "signsgd")
-
-
-def _option(default, help):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class FPRMTrainingArguments(TrainingArguments):
-    n_backward: int = field(
-        default=4, metadata={"help": "Solver iterations with gradient per segment (6 Sudoku/maze, 4 state tracking)."}
-    )
-    max_segments: int = field(
-        default=16,
-        metadata={"help": "Segments before a sample is replaced (12 Sudoku, 24 maze, 128 state tracking)."},
-    )
-    train_halt_eps: float | None = field(
-        default=None, metadata={"help": "halt_eps in training (default: the config's)."}
-    )
-    loss_type: str = field(
-        default="softmax", metadata={"help": f"Cross-entropy over {LOSS_TYPES}; the reference uses stablemax."}
-    )
-    max_grad_norm: float = _option(
-        0.0,
-        "Gradient clipping; 0 (default) is off, as the authors' pretrain.py (Trainer's default is 1.0: pass it "
-        "to clip).",
-    )
-    lr_schedule: str = _option(
-        "trainer",
-        f"{LR_SCHEDULES}: trainer = --lr_scheduler_type with --warmup_steps; authors = their pretrain.py: "
-        "lr·(s+1)/W for steps s < W (their first step trains at lr/W), then constant (their lr_min_ratio "
-        "1.0); --lr_scheduler_type is then not used.",
-    )
-    loss_normalization: str = _option(
-        "sample",
-        f"{LOSS_NORMALIZATIONS}: sample (the authors') = each sample's mean over its labelled tokens, then "
-        "the mean over the batch; token (earlier versions) = the mean over every labelled token of the "
-        "batch. Equal when every sample has the same number of labels.",
-    )
-    q_loss_coefficient: float | None = _option(
-        None,
-        "Weight of their Q-halt loss, BCE(q_halt_logits, sequence correct), for a model with use_q_head=True "
-        "(default then 0.5, theirs; 0 turns it off).",
-    )
-    ema_decay: float | None = _option(
-        None,
-        "Keep an exponential moving average of the weights, updated after every optimizer step (the authors' "
-        "Sudoku/maze: 0.999), for evaluation and the saved model; None: off.",
-    )
-    puzzle_emb_optimizer: str = _option(
-        "adamw",
-        f"{PUZZLE_EMB_OPTIMIZERS}: how the prefix rows (model.prefix) are trained. adamw: with the rest; "
-        "signsgd (the authors'): sign of the gradient summed over the batch, with decoupled weight decay on "
-        "the rows of the batch only, at --puzzle_emb_lr (scheduled as --learning_rate).",
-    )
-    puzzle_emb_lr: float | None = _option(None, "SignSGD learning rate of the prefix rows (default: --learning_rate).")
-    puzzle_emb_weight_decay: float | None = _option(
-        None, "SignSGD weight decay of the prefix rows (default: --weight_decay)."
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("n_backward", "max_segments"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
-        choices = (
-            ("lr_schedule", LR_SCHEDULES),
-            ("loss_normalization", LOSS_NORMALIZATIONS),
-            ("puzzle_emb_optimizer", PUZZLE_EMB_OPTIMIZERS),
-        )
-        for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
-        for name in ("q_loss_coefficient", "puzzle_emb_lr", "puzzle_emb_weight_decay"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"`{name}` must be None or a finite number >= 0, got {value!r}.")
-        if self.ema_decay is not None and not (isinstance(self.ema_decay, (int, float)) and 0 < self.ema_decay < 1):
-            raise ValueError(
-                f"`ema_decay` must be None (off) or a number in (0, 1) (theirs: 0.999), got {self.ema_decay!r}."
-            )
-        if self.train_halt_eps is not None and not self.train_halt_eps > 0:
-            raise ValueError(f"`train_halt_eps` must be a positive number or None, got {self.train_halt_eps!r}.")
-        if self.label_smoothing_factor:
-            # Trainer applies it only in its own compute_loss; FPRMTrainer's segment loss would train without it
-            raise ValueError(
-                f"`label_smoothing_factor` is not applied by FPRMTrainer, whose segment loss is its own "
-                f"(`loss_type` one of {LOSS_TYPES}); got {self.label_smoothing_factor!r}: use 0."
-            )
-
-
-class SignSGDAdamW(torch.optim.AdamW):
-    """AdamW for every param group but those marked `signsgd=True` (the prefix rows), which take the authors'
-    sparse SignSGD step: p ← p·(1 − lr·wd) − lr·sign(g) on the rows of the batch only (`signsgd_rows`, set on the
-    parameter by the trainer at every segment; all rows with a gradient when unset). The scheduler scales each
-    group's lr, so the prefix rows follow the same schedule at their own lr, as theirs."""
-
-    def step(self, closure=None):
-        groups = self.param_groups
-        sign_groups = [g for g in groups if g.get("signsgd")]
-        with torch.no_grad():
-            for group in sign_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    rows = getattr(p, "signsgd_rows", None)
-                    if rows is None:
-                        rows = p.grad.flatten(1).ne(0).any(-1).nonzero().squeeze(1)
-                    lr, wd = group["lr"], group["weight_decay"]
-                    p[rows] = p[rows] * (1.0 - lr * wd) - lr * torch.sign(p.grad[rows])
-        self.param_groups = [g for g in groups if not g.get("signsgd")]
-        try:
-            return super().step(closure)
-        finally:
-            self.param_groups = groups
-
-
-class EMACallback(TrainerCallback):
-    """Their EMAHelper: a shadow copy of the trained parameters, shadow ← (1 − μ)·p + μ·shadow after every
-    optimizer step (`on_step_end`), from the weights at the start of training. The prefix rows of a SignSGD run are
-    not averaged (theirs are a buffer, outside `named_parameters`)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.trainer.ema is None:
-            self.trainer.ema = {n: p.detach().clone() for n, p in self.trainer.ema_parameters()}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        mu = args.ema_decay
-        with torch.no_grad():
-            for name, p in self.trainer.ema_parameters():
-                shadow = self.trainer.ema[name]
-                shadow.copy_((1.0 - mu) * p.detach() + mu * shadow)
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, ema_file(args))
-        save_file({k: v.contiguous() for k, v in self.trainer.ema.items()}, path + ".tmp")
-        os.replace(path + ".tmp", path)
 
 
 @dataclass
@@ -210,33 +61,6 @@ class Carry:
             return {k[len(prefix) :]: v for k, v in named.items() if k.startswith(prefix)}
 
         return cls(part("inputs."), state_class(**part("state.")), named["segments"])
-
-
-def ema_file(args):
-    return f"fprm_ema_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_ema.safetensors"
-
-
-def carry_file(args):
-    """The carry's file name in a checkpoint: one per process, as Trainer's RNG states."""
-    return f"fprm_carry_{args.process_index}.safetensors" if args.world_size > 1 else "fprm_carry.safetensors"
-
-
-class CarryCheckpointCallback(TrainerCallback):
-    """Adds the trainer's carry to each checkpoint when Trainer has written it (`on_save`), under a temporary name
-    renamed when complete, so that a kill while it is written leaves no truncated carry."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        carry = self.trainer.carry
-        if carry is None:
-            return
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, carry_file(args))
-        save_file(carry.tensors(), path + ".tmp")
-        os.replace(path + ".tmp", path)
 
 
 class FPRMTrainer(Trainer):
@@ -498,16 +322,4 @@ class FPRMTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = [
-    "FPRMTrainer",
-    "FPRMTrainingArguments",
-    "stablemax_cross_entropy",
-    "stablemax_token_losses",
-    "token_loss",
-    "q_halt_loss",
-    "SignSGDAdamW",
-    "EMACallback",
-    "LR_SCHEDULES",
-    "LOSS_NORMALIZATIONS",
-    "PUZZLE_EMB_OPTIMIZERS",
-]
+__all__ = ["Carry", "FPRMTrainer"]

@@ -27,10 +27,9 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
 
 import numpy as np
-from looped_training.arguments import check_output_path
+from looped_training.loopformer.arguments import PrepareArguments, check_args
 from looped_training.loopformer.data.corpus import Tokenize, load_documents
 from looped_training.loopformer.data.token_files import (
     STAGING_DIR,
@@ -47,52 +46,6 @@ PROGRESS_FILE = "progress.json"
 SETTINGS_FILE = "settings.json"
 CHECKPOINT_TOKENS = 1 << 24  # tokens written between two progress records
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrepareArguments:
-    output_dir: str = field(metadata={"help": "Folder of train.bin, val.bin, tokens.json and the tokenizer."})
-    dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (its train split)."})
-    dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
-    train_files: list[str] = field(
-        default=None,
-        metadata={"help": "Text files or folders of .txt (one document a file), or .json/.jsonl/.csv/.parquet files."},
-    )
-    text_column: str = field(default="text", metadata={"help": "Column holding the text (not for .txt files)."})
-    tokenizer_name: str = field(
-        default=None,
-        metadata={"help": "Any AutoTokenizer (a Hub id such as gpt2, or a folder); default: train the package's BPE."},
-    )
-    tokenizer_vocab_size: int = field(default=1024, metadata={"help": "Size of the BPE trained without a tokenizer."})
-    validation_fraction: float = field(default=0.05, metadata={"help": "Share of whole documents held out (val.bin)."})
-    seed: int = field(default=0, metadata={"help": "Seed of the document split."})
-    num_proc: int = field(default=1, metadata={"help": "Processes of the tokenizing map (not with --streaming)."})
-    streaming: bool = field(default=False, metadata={"help": "Stream the corpus instead of downloading it whole."})
-    max_documents: int = field(default=None, metadata={"help": "Read the first N documents only (small runs)."})
-    batch_size: int = field(default=1000, metadata={"help": "Documents a map batch."})
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Replace a corpus prepared with other flags in --output_dir."}
-    )
-
-
-def check_args(args):
-    """Every mistake a flag can make, before any work."""
-    if (args.dataset_name is None) == (not args.train_files):
-        raise ValueError("Give exactly one of --dataset_name or --train_files.")
-    if not 0 <= args.validation_fraction < 1:
-        raise ValueError(f"--validation_fraction must lie in [0, 1), got {args.validation_fraction}.")
-    for name in ("num_proc", "batch_size", "max_documents"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value}.")
-    if args.streaming and args.num_proc > 1:
-        raise ValueError(
-            "--num_proc tokenizes an Arrow dataset in processes; a --streaming corpus is tokenized as it "
-            "arrives: leave --num_proc at 1."
-        )
-    if args.streaming and args.tokenizer_name is None:
-        raise ValueError("--streaming needs --tokenizer_name: the package's BPE is trained on the whole corpus first.")
-    check_output_path("--output_dir", args.output_dir, folder=True)
 
 
 def load_tokenizer(name):

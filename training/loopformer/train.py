@@ -48,7 +48,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import datasets
 import torch
@@ -57,30 +57,37 @@ from transformers import AutoTokenizer, HfArgumentParser, Trainer, default_data_
 
 import loopformer_hf  # noqa: F401  (registers the model with the Auto classes)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
-from looped_training.arguments import given_flags, parse_args_with_config
+from looped_training.arguments import TrainingArguments, given_flags, parse_args_with_config
+from looped_training.loopformer.arguments import (
+    VARIANTS,
+    DataArguments,
+    ModelArguments,
+    ScheduleArguments,
+    ShortcutArguments,
+)
 from looped_training.checkpoints import (
-    FINAL_STAGING,
     RUN_RECORD,
     CheckpointError,
     RunRecordCallback,
-    TrainingArguments,
     check_checkpoint,
     check_resume_config,
     check_resume_data,
     check_run_length,
-    claim_output_dir,
-    finish_final_save,
     finished_run,
     load_model,
-    output_dir_lock,
     resolve_resume,
+)
+from looped_training.run_folder import (
+    FINAL_STAGING,
+    claim_output_dir,
+    finish_final_save,
+    output_dir_lock,
     start_final_save,
 )
 from looped_training.configs import find_preset, with_preset
 from looped_training.loopformer import continued
-from looped_training.loopformer.data import TASKS, TRAINING_META_FILE, DataArguments, held_out_problems, synthetic
-from looped_training.loopformer.data import sources, token_files
-from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
+from looped_training.loopformer.data import TRAINING_META_FILE, held_out_problems, sources, synthetic
+from looped_training.loopformer.data.build import build_data
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.schedules import LR_WARMUPS, ReferenceWarmupCallback
 
@@ -90,16 +97,6 @@ logger = logging.getLogger(__name__)
 
 # text runs: the record's sample prompt (the card's and the generation config's) is the first held-out row's start
 TEXT_PROMPT_TOKENS = 16
-
-# variant -> (loop_conditioning, looped, callback trajectory or None, default λ2, weighted block norms)
-VARIANTS = {
-    "loopformer": ("shortcut", True, "shortcut", 0.1, False),
-    "base_loop": ("none", True, None, 0.0, True),
-    "tmlt": ("timestep", True, None, 0.0, False),
-    "naive_loop_ee": ("none", True, "early_exit", 0.1, True),
-    "tmlt_ee": ("timestep", True, "early_exit", 0.1, False),
-    "base": ("none", False, None, 0.0, True),
-}
 
 
 # the training arguments the elastic report compares with the authors' run (written to loopformer_training.json)
@@ -117,62 +114,6 @@ OPTIMIZER_FIELDS = (
     "gradient_accumulation_steps",
     "seed",
 )
-
-
-@dataclass
-class ModelArguments:
-    model_name_or_path: str = field(
-        default=None,
-        metadata={
-            "help": "Continue training from these weights and their tokenizer: a folder or Hub id of a LoopFormer "
-            "(ours, or one of the authors' published repos). The model's shape is the checkpoint's; a model flag "
-            "that contradicts it is refused."
-        },
-    )
-    variant: str = field(default="loopformer", metadata={"help": f"One of {tuple(VARIANTS)}."})
-    hidden_size: int = field(default=128, metadata={"help": "Width d of the residual stream."})
-    num_blocks: int = field(default=1, metadata={"help": "k, shared blocks per loop step (base: k·L blocks, 1 step)."})
-    num_loops: int = field(default=8, metadata={"help": "L, loop steps of the training trajectory."})
-    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads."})
-    intermediate_size: int = field(default=None, metadata={"help": "MLP width (default 4·hidden_size)."})
-    position_embedding_type: str = field(default="learned", metadata={"help": "'learned' or 'rope'."})
-    vocab_size: int = field(
-        default=None,
-        metadata={"help": "Embedding rows (default: the tokenizer's size; the authors' GPT-2 runs have 50304)."},
-    )
-    initializer_scheme: str = field(
-        default="reference",
-        metadata={
-            "help": "'reference' (the authors' effective init) or 'zero_adaln' (adaLN zeroed); see LoopFormerConfig."
-        },
-    )
-
-
-@dataclass
-class ScheduleArguments:
-    lr_warmup: str = field(
-        default="reference",
-        metadata={
-            "help": f"One of {LR_WARMUPS}: 'reference' warms up as the authors' get_lr, peak·(s+1)/(W+1) over the W "
-            f"warm-up steps, then the Trainer's --lr_scheduler_type (cosine_with_min_lr is then theirs); "
-            f"'trainer': the Trainer's own warm-up, peak·s/W (step 0 at lr 0)."
-        },
-    )
-    # how fast a step runs, not what it computes (as fprm.train's; docs/training.md, "Threads and a busy machine")
-    torch_threads: int | None = field(
-        default=None,
-        metadata={"help": "torch.set_num_threads (1 is fastest for small models on a busy CPU; default: torch's)"},
-    )
-
-
-@dataclass
-class ShortcutArguments:
-    lambda_short: float = field(default=0.1, metadata={"help": "λ1: weight of CE on the short trajectory."})
-    lambda_consistency: float = field(default=None, metadata={"help": "λ2 (default 0.1 for loopformer and -EE)."})
-    consistency_warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up of λ1, λ2 (steps)."})
-    consistency: str = field(default="mse", metadata={"help": "'mse' on final hidden states or 'kl' on logits."})
-    shortcut_seed: int = field(default=0, metadata={"help": "Seed of the trajectory sampler (same on all ranks)."})
-    log_trajectories: bool = field(default=False, metadata={"help": "Write each rank's sampled trajectories."})
 
 
 def build_config(model_args, vocab_size, block_size):
@@ -209,64 +150,6 @@ def build_callback(model_args, shortcut_args, training_args):
         seed=shortcut_args.shortcut_seed,
         log_trajectories_dir=training_args.output_dir if shortcut_args.log_trajectories else None,
     )
-
-
-def build_data(data_args, model_args, source=None, rank=0, world_size=1):
-    """(tokenizer, train dataset, eval dataset or None, block_size). `source`: the (model, tokenizer) of
-    --model_name_or_path, whose tokenizer and context the data then follows."""
-    if data_args.task not in TASKS:
-        raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
-    source_model, source_tokenizer = source or (None, None)
-    if data_args.task == "synthetic":
-        train_problems = synthetic.make_problems(
-            data_args.num_train_problems,
-            data_args.min_depth,
-            data_args.max_depth,
-            data_args.num_chains,
-            seed=data_args.corpus_seed,
-            kind=data_args.synthetic_kind,
-        )
-        eval_problems = held_out_problems(data_args)
-        tokenizer = source_tokenizer or train_bpe_tokenizer(
-            [p.text for p in train_problems], data_args.tokenizer_vocab_size or 300
-        )
-        longest = max(map(len, tokenizer([p.text for p in train_problems + eval_problems])["input_ids"]))
-        block_size = data_args.block_size or longest
-        train = synthetic.tokenize_problems(train_problems, tokenizer, block_size, data_args.answer_only_loss)
-        evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)
-        train.pop("depth"), evaluation.pop("depth")
-        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
-    corpus = token_files.open_corpus(data_args.data_dir) if data_args.data_dir is not None else None
-    tokenizer = sources.choose_tokenizer(data_args, corpus, source_tokenizer)
-    context = source_model.config.max_position_embeddings if source_model is not None else None
-    block_size = data_args.block_size or context or sources.DEFAULT_BLOCK_SIZE
-    if context is not None and block_size > context and source_model.config.position_embedding_type == "learned":
-        raise ValueError(
-            f"--block_size {block_size} is longer than --model_name_or_path's context of {context} learned positions."
-        )
-    if tokenizer is None:  # the in-memory path trains its BPE
-        tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
-    vocab_size = (
-        source_model.config.vocab_size if source_model is not None else model_args.vocab_size or len(tokenizer)
-    )
-    if data_args.data_dir is not None:
-        return (tokenizer, *sources.token_data(data_args, block_size, vocab_size), block_size)
-    if len(tokenizer) > vocab_size:
-        raise ValueError(
-            f"The tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of {vocab_size}: its ids "
-            f"would have no embedding."
-        )
-    if data_args.streaming:
-        train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
-        evaluation = None
-        if data_args.validation_fraction > 0:
-            evaluation = sources.stream_windows(data_args, tokenizer, block_size, "val").take(
-                data_args.max_eval_samples or sources.STREAM_EVAL_WINDOWS
-            )
-        return tokenizer, train, evaluation, block_size
-    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-    return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
 
 
 def build_trainer(
