@@ -4,6 +4,7 @@ config (grid, vocabulary, positions), puzzle identifiers, the all-ones attention
 
 import pytest
 import torch
+from support.tiny_models import sequence_fprm_config, tiny_fprm_config
 
 from fprm_hf.inputs_fprm import (
     FPRM_INPUTS_DOCSTRING,
@@ -15,7 +16,6 @@ from fprm_hf.inputs_fprm import (
     check_puzzle_identifiers,
     is_integer_tensor,
 )
-from support.tiny_models import sequence_fprm_config, tiny_fprm_config
 
 
 def test_integer_tensors_are_told_from_bool_float_and_other_values():

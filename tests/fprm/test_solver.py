@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from support.tiny_models import tiny_fprm_config
 
 from fprm_hf.solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
-from support.tiny_models import tiny_fprm_config
 
 
 def _settings(**overrides):
-    values = dict(halt_eps=1e-3, max_loops=50, eta=1.0, gamma=0.5, patience=100, min_eta=1e-6)
+    values = {"halt_eps": 1e-3, "max_loops": 50, "eta": 1.0, "gamma": 0.5, "patience": 100, "min_eta": 1e-6}
     values.update(overrides)
     return SolverSettings(**values)
 

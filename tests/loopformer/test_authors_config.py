@@ -44,9 +44,15 @@ def test_the_weight_names_show_the_family():
 
 def test_the_shapes_give_sizes_and_say_which_tensor_shows_each():
     values = {name: value for name, (value, _) in weight_values(SHAPES).items()}
-    assert values == dict(
-        vocab_size=50, n_embd=48, block_size=32, n_layer=2, intermediate_dim=96, bias=True, frequency_embedding_size=64
-    )
+    assert values == {
+        "vocab_size": 50,
+        "n_embd": 48,
+        "block_size": 32,
+        "n_layer": 2,
+        "intermediate_dim": 96,
+        "bias": True,
+        "frequency_embedding_size": 64,
+    }
     assert "transformer.wpe.weight has shape (32, 48)" in weight_values(SHAPES)["block_size"][1]
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from support.tiny_models import tiny_loopformer_config
 
 from loopformer_hf.layers_loopformer import (
     LoopFormerBlock,
@@ -17,7 +18,6 @@ from loopformer_hf.layers_loopformer import (
     LoopFormerTimestepEmbedder,
     apply_rotary,
 )
-from support.tiny_models import tiny_loopformer_config
 
 D = 64
 
@@ -65,7 +65,7 @@ def test_rotary_frequencies_are_theta_to_the_minus_2i_over_d_and_rotate_pairs():
     assert cos.shape == (1, 5, dim)
     rotated = apply_rotary(x, cos[:, None], sin[:, None])
     # channel i and i + dim/2 rotate together by position·inv_freq[i]: each pair's length is kept
-    pairs = lambda t: t[..., : dim // 2] ** 2 + t[..., dim // 2 :] ** 2  # noqa: E731
+    pairs = lambda t: t[..., : dim // 2] ** 2 + t[..., dim // 2 :] ** 2
     torch.testing.assert_close(pairs(rotated), pairs(x))
     torch.testing.assert_close(rotated[..., 0, :], x[..., 0, :])  # position 0: no rotation
 
@@ -144,7 +144,7 @@ def _causal_additive(seq):
 
 def _attention(attn, x):  # plain causal multi-head attention, no RoPE
     b, s, _ = x.shape
-    heads = lambda t: t.view(b, s, -1, attn.head_dim).transpose(1, 2)  # noqa: E731
+    heads = lambda t: t.view(b, s, -1, attn.head_dim).transpose(1, 2)
     q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
     scores = q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim) + _causal_additive(s)
     return attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))

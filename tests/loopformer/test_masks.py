@@ -4,6 +4,7 @@ anything else a `ValueError` naming the value), the default positions, and the e
 
 import pytest
 import torch
+from support.tiny_models import tiny_loopformer_config
 
 from loopformer_hf.masks_loopformer import (
     attention_mask_for,
@@ -12,7 +13,6 @@ from loopformer_hf.masks_loopformer import (
     check_token_inputs,
     default_position_ids,
 )
-from support.tiny_models import tiny_loopformer_config
 
 VOCAB, HIDDEN = 97, 64
 

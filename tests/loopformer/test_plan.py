@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.tiny_models import tiny_loopformer_config
 
 from loopformer_hf.plan_loopformer import LoopFormerCacheSpec, LoopFormerPlan
 from loopformer_hf.trajectory_loopformer import resolve_trajectory
-from support.tiny_models import tiny_loopformer_config
 
 
 @pytest.fixture

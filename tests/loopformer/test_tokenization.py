@@ -5,10 +5,10 @@ loads a plain fast tokenizer, so a saved copy names no class of this package."""
 import json
 
 import pytest
+from support.hub_helpers import make_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from loopformer_hf.tokenization_loopformer import TOKENIZER_FILES, LoopFormerTokenizerFast
-from support.hub_helpers import make_tokenizer
 
 
 def test_a_folder_without_a_tokenizer_is_an_oserror_naming_the_files_it_looked_for(tmp_path):

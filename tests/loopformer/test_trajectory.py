@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from support.tiny_models import tiny_loopformer_config
 
 from loopformer_hf.trajectory_loopformer import (
     STEP_SCHEDULE_PRESETS,
@@ -19,7 +20,6 @@ from loopformer_hf.trajectory_loopformer import (
     resolve_trajectory,
     step_schedule_preset,
 )
-from support.tiny_models import tiny_loopformer_config
 
 
 @pytest.fixture
