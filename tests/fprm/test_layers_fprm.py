@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support.tiny_models import sequence_fprm_config, tiny_fprm_config
+from support.tiny_models import randomize_parameters, sequence_fprm_config, tiny_fprm_config
 
 from fprm_hf.layers_fprm import (
     BETA1_EPS,
@@ -23,12 +23,8 @@ from fprm_hf.layers_fprm import (
 D = 32
 
 
-def _randomize(module, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return module
+def _randomize(module):
+    return randomize_parameters(module, std=0.3)
 
 
 def _eager(config):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support.tiny_models import tiny_loopformer_config
+from support.tiny_models import randomize_parameters, tiny_loopformer_config
 
 from loopformer_hf.layers_loopformer import (
     LoopFormerBlock,
@@ -32,12 +32,8 @@ def _hidden(output):  # a block's output: its hidden states first
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _randomize(module, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return module
+def _randomize(module):
+    return randomize_parameters(module, std=0.2)
 
 
 def _rms(x, weight, eps):
