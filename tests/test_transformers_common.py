@@ -218,7 +218,7 @@ class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
 
     @unittest.skip(
         "GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
-        "covered by tests/loopformer/test_loopformer_cache.py"
+        "covered by tests/loopformer/test_cache.py"
     )
     def test_generation_tester_mixin_inheritance(self):
         pass

@@ -690,7 +690,7 @@ CASES = [
         ValueError,
         r"step_schedule.*got 'bogus'",
     ),
-    # per-row knobs (tests/loopformer/test_loopformer_per_row_budget.py), on a batch of two rows
+    # per-row knobs (tests/loopformer/test_trajectory_per_row.py), on a batch of two rows
     Case(
         f"{LF} forward",
         "loop_budget=[1, 2, 4] for a batch of 2",
@@ -2068,7 +2068,7 @@ HANDLED = [
         "a step file written by torch's legacy (non-zip) serialization",
         'loads with `weights_only=True` as the zip one does, not memory-mapped (was refused as "truncated or '
         'damaged?")',
-        "tests/fprm/test_published_checkpoints.py::test_a_step_file_in_torchs_legacy_serialization_loads_as_the_zip_one",
+        "tests/fprm/test_authors_checkpoints_fprm.py::test_a_step_file_in_torchs_legacy_serialization_loads_as_the_zip_one",
     ),
     Handled(
         f"{FP} config",
