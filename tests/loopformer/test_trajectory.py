@@ -10,6 +10,7 @@ import pytest
 import torch
 from support.tiny_models import tiny_loopformer_config
 
+from loopformer_hf import trajectory_loopformer
 from loopformer_hf.trajectory_loopformer import (
     STEP_SCHEDULE_PRESETS,
     LoopFormerRows,
@@ -20,6 +21,11 @@ from loopformer_hf.trajectory_loopformer import (
     resolve_trajectory,
     step_schedule_preset,
 )
+
+
+@pytest.fixture(autouse=True)
+def no_trajectory_warned_yet(monkeypatch):  # each warning is given once per process: this file checks them
+    monkeypatch.setattr(trajectory_loopformer, "_warned_trajectories", set())
 
 
 @pytest.fixture
