@@ -501,7 +501,7 @@ def sampler_lines(num_loops, draws=20000):
         f"Shortcut sampler at L={num_loops}, {draws} draws: P(S=s) for s=1..{num_loops - 1}: "
         + ", ".join(f"{v:.3f}" for v in freq.values())
         + f" (uniform: {1 / (num_loops - 1):.3f}); every step a "
-        f"multiple of 1/{num_loops} summing to 1 (tests/training/test_callbacks.py::test_shortcut_sampler_follows_the_spec)."
+        f"multiple of 1/{num_loops} summing to 1 (tests/training/loopformer/test_callbacks.py::test_shortcut_sampler_follows_the_spec)."
     )
 
 

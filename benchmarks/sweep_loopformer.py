@@ -5,7 +5,7 @@
     python -m benchmarks.sweep_loopformer --cells steps4k --seeds 2 3  # more seeds for a cell
     python -m benchmarks.sweep_loopformer --table_only          # rewrite the table from the runs on disk
 
-The model and the objective stay the authors' (tests/training/test_loopformer_training_oracle.py keeps them so): each cell
+The model and the objective stay the authors' (tests/training/loopformer/test_loopformer_training_oracle.py keeps them so): each cell
 only moves recipe knobs of training/configs/loopformer/synthetic-tiny.yaml (training steps, learning rate,
 warm-up and weight decay, width, loops, batch, the task's depth range). Every cell trains LoopFormer, Base-Loop and
 TMLT-EE with seeds 0 and 1, or those `--seeds` names (`--seed` and `--shortcut_seed`; the corpus and the held-out

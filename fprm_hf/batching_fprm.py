@@ -8,7 +8,7 @@
   its own z0 and a fresh η, patience and counters, so the batch stays full until the puzzles run out.
 
 Each puzzle's answer and iteration count are the same in every mode and the same as solving it alone from the same
-z0 (tests/fprm/test_fprm_batching.py): a row's iteration reads only its own row. With a `generator`, z0 is drawn per
+z0 (tests/fprm/test_batching.py): a row's iteration reads only its own row. With a `generator`, z0 is drawn per
 puzzle in puzzle order (on CPU the same values as one draw per fixed batch).
 
     from fprm_hf.batching_fprm import solve_all

@@ -7,7 +7,7 @@ gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
 Six of its hooks are private `GenerationMixin` methods; the comment above each says why no public hook
 (`prepare_inputs_for_generation`, `generate`, the cache argument, `generation_config`, `logits_processor`) serves.
 Their names and the arguments they read by name are the same in transformers 5.17 to 5.24, and
-tests/loopformer/test_loopformer_generate_modes.py checks that the installed transformers still has them.
+tests/loopformer/test_generation_modes.py checks that the installed transformers still has them.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """

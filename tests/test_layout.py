@@ -6,6 +6,7 @@ excepted), what both packages need has one file they both link to, and the publi
 huggingface_hub's card and upload machinery."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,6 +232,69 @@ def test_tests_mirror_the_source_tree():
         assert any(package in p.read_text() for p in (tests / folder).glob("test_*.py")), folder
     modules = {p.stem for p in tests.glob("*.py")} - {"conftest", *(p.stem for p in tests.glob("test_*.py"))}
     assert not modules, f"helper modules belong in tests/support/: {sorted(modules)}"
+
+
+# A model package's module and the test folder named for it: a module's tests are tests/<folder>/test_<name>*.py, its
+# name without the package's suffix (plan_loopformer.py -> tests/loopformer/test_plan.py; solver_fprm.py ->
+# tests/fprm/test_solver.py; test_layers_fprm.py where both folders test a `layers` module: test names are unique).
+TEST_FOLDERS = {"loopformer_hf": ("loopformer", "_loopformer"), "fprm_hf": ("fprm", "_fprm")}
+MIN_MODULES_WITH_A_TEST_FILE = 0.8
+
+
+def _test_files_of(package, module):
+    folder, suffix = TEST_FOLDERS[package]
+    name = module.stem.removesuffix(suffix)
+    pattern = re.compile(rf"test_{re.escape(name)}(_\w+)?\.py")
+    return [p.name for p in (ROOT / "tests" / folder).glob("test_*.py") if pattern.fullmatch(p.name)]
+
+
+def test_most_library_modules_have_a_test_file_named_for_them():
+    """At least 80% of the modules of both model packages (every .py but `__init__.py`) have a test file named for
+    them in their model's test folder, as transformers' tests/models/llama/test_modeling_llama.py is named for
+    modeling_llama.py: a reader finds a module's tests by its name, and a new module without one shows here."""
+    modules = [(package, p) for package in MODEL_PACKAGES for p in _modules(package) if p.name != "__init__.py"]
+    untested = [f"{package}/{p.name}" for package, p in modules if not _test_files_of(package, p)]
+    share = 1 - len(untested) / len(modules)
+    assert share >= MIN_MODULES_WITH_A_TEST_FILE, (
+        f"{len(modules) - len(untested)}/{len(modules)} modules have a test file named for them ({share:.0%}, at "
+        f"least {MIN_MODULES_WITH_A_TEST_FILE:.0%} wanted); without one: {untested}"
+    )
+
+
+def test_the_name_rule_finds_a_modules_test_file():
+    assert _test_files_of("loopformer_hf", ROOT / "loopformer_hf" / "plan_loopformer.py") == ["test_plan.py"]
+    assert "test_layers_fprm.py" in _test_files_of("fprm_hf", ROOT / "fprm_hf" / "layers_fprm.py")
+    assert _test_files_of("fprm_hf", ROOT / "fprm_hf" / "no_such_module_fprm.py") == []
+
+
+def _imported_modules(path):
+    """Every module `path` imports by an absolute import, by its full name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_training_tests_mirror_training():
+    """tests/training/ has loopformer/ and fprm/ as training/ has: each model's training tests are in its folder and
+    import nothing of the other model's (neither its package nor its part of looped_training); what both models'
+    commands share (arguments, checkpoints, locks, publishing, ...) is tested at tests/training/."""
+    tests = ROOT / "tests" / "training"
+    for folder, foreign in (
+        ("loopformer", ("fprm_hf", "looped_training.fprm")),
+        ("fprm", ("loopformer_hf", "looped_training.loopformer")),
+    ):
+        assert (ROOT / "training" / folder).is_dir() and (tests / folder).is_dir(), folder
+        files = sorted((tests / folder).glob("test_*.py"))
+        assert files, f"tests/training/{folder}/ holds no test file"
+        offenders = {
+            p.name: sorted(m for m in _imported_modules(p) if any(m == f or m.startswith(f + ".") for f in foreign))
+            for p in files
+        }
+        assert not any(offenders.values()), (folder, {k: v for k, v in offenders.items() if v})
 
 
 def test_checkout_has_the_users_layout():

@@ -1,7 +1,6 @@
-"""transformers' own common model tests (ModelTesterMixin, ConfigTester) run on LoopFormer.
-
-The test files come from the sdist of the installed transformers release; `bash scripts/fetch_transformers_tests.sh`
-extracts them to .venv/transformers-tests/hf_common_tests/ (this module skips when they are missing).
+"""transformers' own common model tests (ModelTesterMixin, ConfigTester) run on LoopFormer, set up as for FPRM by
+tests/support/common_tester.py (this module skips when `bash scripts/fetch_transformers_tests.sh` has not extracted
+them to .venv/transformers-tests/).
 
 Looped-model conventions the common tests are adapted to (through the tester's knobs where there is one):
 - `hidden_states` holds the embeddings + the state after each loop step: num_loops + 1 tensors
@@ -10,34 +9,21 @@ Looped-model conventions the common tests are adapted to (through the tester's k
 """
 
 import contextlib
-import os
-import sys
 import unittest
 import warnings
-from unittest import mock
+from typing import ClassVar
 
-import pytest
-from support import REPO_ROOT
+import torch
+from support.common_tester import (
+    LoopedModelTestMixin,
+    ModelTesterMixin,
+    ids_tensor,
+    restore_common_tests,
+    skip_precisely,
+    torch_device,
+)
 
-COMMON_TESTS_DIR = os.path.join(REPO_ROOT, ".venv", "transformers-tests")
-if not os.path.isfile(os.path.join(COMMON_TESTS_DIR, "hf_common_tests", "test_modeling_common.py")):
-    pytest.skip(
-        f"transformers common tests not found in {COMMON_TESTS_DIR}: run `bash scripts/fetch_transformers_tests.sh`",
-        allow_module_level=True,
-    )
-pytest.importorskip("parameterized", reason="`parameterized` missing: run `bash scripts/fetch_transformers_tests.sh`")
-if COMMON_TESTS_DIR not in sys.path:
-    sys.path.insert(0, COMMON_TESTS_DIR)
-# transformers registers its own test marks (flash_attn_test, ...) in its conftest, which is not used here.
-warnings.filterwarnings("ignore", category=pytest.PytestUnknownMarkWarning)
-
-import torch  # noqa: E402
-from transformers.models.auto import modeling_auto  # noqa: E402
-from transformers.testing_utils import torch_device  # noqa: E402
-
-from hf_common_tests.test_configuration_common import ConfigTester  # noqa: E402
-from hf_common_tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
-from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel  # noqa: E402
+from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
 
 
 class LoopFormerModelTester:
@@ -62,6 +48,7 @@ class LoopFormerModelTester:
         max_position_embeddings=64,
         frequency_embedding_size=16,
         initializer_range=0.02,
+        block_norm_weight=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -87,7 +74,7 @@ class LoopFormerModelTester:
         self.max_position_embeddings = max_position_embeddings
         self.frequency_embedding_size = frequency_embedding_size
         self.initializer_range = initializer_range
-        self.block_norm_weight = False
+        self.block_norm_weight = block_norm_weight
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -156,38 +143,15 @@ def _attentions_per_call(tester):
         tester.num_hidden_layers = tester.num_blocks
 
 
-class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
+class LoopFormerModelTest(LoopedModelTestMixin, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (LoopFormerModel, LoopFormerForCausalLM)
-    # a new model: `_init_weights` must cover every weight (the check keys on a copyright year this repo lacks)
-    test_can_init_all_missing_weights_before_2023 = True
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        # In transformers' tree the model would be listed in the auto mappings by name; the common tests read those
-        # names (e.g. a base model is not trained, a causal LM gets `labels`). AutoModel.register does not add them.
-        cls._auto_names = [
-            mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"loopformer": "LoopFormerModel"}),
-            mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"loopformer": "LoopFormerForCausalLM"}),
-        ]
-        for patch in cls._auto_names:
-            patch.start()
-
-    @classmethod
-    def tearDownClass(cls):
-        for patch in cls._auto_names:
-            patch.stop()
-        super().tearDownClass()
-
-    def setUp(self):
-        self.model_tester = LoopFormerModelTester(self)
-        self.config_tester = ConfigTester(self, config_class=LoopFormerConfig, hidden_size=36)
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
+    config_class = LoopFormerConfig
+    auto_mapping_names: ClassVar[dict] = {
+        "MODEL_MAPPING_NAMES": {"loopformer": "LoopFormerModel"},
+        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": {"loopformer": "LoopFormerForCausalLM"},
+    }
+    model_tester_class = LoopFormerModelTester
+    config_tester_kwargs: ClassVar[dict] = {"hidden_size": 36}
 
     def test_causal_lm(self):
         self.model_tester.create_and_check_causal_lm(*self.model_tester.prepare_config_and_inputs())
@@ -218,7 +182,7 @@ class LoopFormerModelTest(ModelTesterMixin, unittest.TestCase):
 
     @unittest.skip(
         "GenerationTesterMixin is not shipped in the transformers sdist (no tests/generation/); generate is "
-        "covered by tests/loopformer/test_loopformer_cache.py"
+        "covered by tests/loopformer/test_cache.py"
     )
     def test_generation_tester_mixin_inheritance(self):
         pass
@@ -228,45 +192,22 @@ class LoopFormerBaseLoopModelTest(LoopFormerModelTest):
     """Base-Loop variant (no adaLN, weighted block norms as the reference's Base-Loop), with RoPE, SwiGLU and
     grouped-query attention."""
 
-    def setUp(self):
-        self.model_tester = LoopFormerModelTester(
-            self, loop_conditioning="none", position_embedding_type="rope", hidden_act="swiglu"
-        )
-        self.model_tester.block_norm_weight = True
-        self.config_tester = ConfigTester(self, config_class=LoopFormerConfig, hidden_size=36)
+    model_tester_kwargs: ClassVar[dict] = {
+        "loop_conditioning": "none",
+        "position_embedding_type": "rope",
+        "hidden_act": "swiglu",
+        "block_norm_weight": True,
+    }
 
 
 # The eager/SDPA comparisons (25 cases, about a minute) run on the Base-Loop class only: both classes send attention
 # through the same interface, and the adaLN modulation around it does not depend on the attention implementation.
-for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_matches_sdpa_inference_")]:
-    setattr(
-        LoopFormerModelTest,
-        _name,
-        unittest.skip("same attention path as LoopFormerBaseLoopModelTest, where these comparisons run")(
-            getattr(ModelTesterMixin, _name)
-        ),
-    )
-    setattr(LoopFormerBaseLoopModelTest, _name, getattr(ModelTesterMixin, _name))
-
-
-# Common tests that skip themselves with a message written for other models, which misstates why they do not run here
-# (e.g. "LoopFormerModel does not support SDPA" from the composite-model check): the same skip, saying why. The FPRM
-# module applies them too. The RoPE and TP-plan ones are gaps of the models, not conventions: see each reason.
-PRECISE_SKIPS = {
-    "test_sdpa_can_dispatch_composite_models": "not a composite model (no vision/text sub-configs); SDPA dispatch is checked by "
-    "test_sdpa_can_dispatch_non_composite_models and eager against SDPA by test_eager_matches_sdpa_inference_*",
-    "test_can_capture_specific_layers_hidden_states": "`hidden_states` and `attentions` are collected by the model's own loop, not by transformers' output-capturing "
-    "hooks (`_can_record_outputs`), so single layers cannot be picked; test_hidden_states_output and "
-    "test_attention_outputs check what the loop returns",
-    "test_capture_outputs_decorator": "outputs are collected by the model's own loop, not through the `@capture_outputs` decorator",
-    "test_reverse_loading_mapping": "no weight-name conversion is registered for this model type (transformers' conversion mapping): checkpoints "
-    "are saved and loaded under the module names; the authors' layouts are translated by the packages' own "
-    "loaders (authors_checkpoints, convert_reference)",
-    "test_can_load_from_already_mapped_keys": "no weight-name conversion is registered for this model type, so there are no mapped keys to reload",
-    "test_resize_position_vector_embeddings": "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
-    "rows (as GPT-2's), RoPE has no table",
-}
-
+EAGER_SDPA = "test_eager_matches_sdpa_inference"
+skip_precisely(
+    LoopFormerModelTest,
+    {EAGER_SDPA: "same attention path as LoopFormerBaseLoopModelTest, where these comparisons run"},
+)
+restore_common_tests(LoopFormerBaseLoopModelTest, (EAGER_SDPA,))
 
 # transformers' RoPE tests (`rope_parameters`: scaling types, partial rotation) on a model without RoPE
 LEARNED_POSITIONS_SKIPS = dict.fromkeys(
@@ -278,15 +219,6 @@ LEARNED_POSITIONS_SKIPS = dict.fromkeys(
     "learned absolute positions (the authors' GPT-2 layout) have no RoPE; LoopFormerBaseLoopModelTest runs these tests "
     "with RoPE",
 )
-
-
-def skip_precisely(cls, reasons=PRECISE_SKIPS):
-    """Replace each named common test of `cls` (parameterized ones by their prefix) with a skip saying `reason`."""
-    for prefix, reason in reasons.items():
-        for name in [n for n in dir(ModelTesterMixin) if n == prefix or n.startswith(prefix + "_")]:
-            if callable(test := getattr(ModelTesterMixin, name)):  # parameterized.expand leaves None at the bare name
-                setattr(cls, name, unittest.skip(reason)(test))
-
 
 for _cls in (LoopFormerModelTest, LoopFormerBaseLoopModelTest):  # each: the mixin copies its tests onto every subclass
     skip_precisely(_cls)

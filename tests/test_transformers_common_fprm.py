@@ -1,6 +1,6 @@
 """transformers' own common model tests (ModelTesterMixin, ConfigTester) run on FPRM.
 
-Same setup as tests/test_transformers_common.py (imported from there: the module skips when
+Set up as for LoopFormer by tests/support/common_tester.py (this module skips when
 `bash scripts/fetch_transformers_tests.sh` has not extracted the tests to .venv/transformers-tests/).
 
 Fixed-point reasoner conventions the common tests meet:
@@ -17,16 +17,14 @@ Fixed-point reasoner conventions the common tests meet:
 
 import tempfile
 import unittest
-from unittest import mock
+from typing import ClassVar
 
 import torch
-
-# sys.path setup, skip-if-missing and the common-test imports are shared with the LoopFormer module
-from test_transformers_common import (
-    ConfigTester,
+from support.common_tester import (
+    LoopedModelTestMixin,
     ModelTesterMixin,
     ids_tensor,
-    modeling_auto,
+    restore_common_tests,
     skip_precisely,
     torch_device,
 )
@@ -131,38 +129,15 @@ class FPRMModelTester:
         return config, {"input_ids": input_ids}
 
 
-class FPRMModelTest(ModelTesterMixin, unittest.TestCase):
+class FPRMModelTest(LoopedModelTestMixin, ModelTesterMixin, unittest.TestCase):
     all_model_classes = (FPRMModel, FPRMForReasoning)
-    # a new model: `_init_weights` must cover every weight (the check keys on a copyright year this repo lacks)
-    test_can_init_all_missing_weights_before_2023 = True
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        # As for LoopFormer: the common tests read the auto-mapping names (a base model is not trained, a token
-        # classifier gets `labels`); AutoModel.register does not add them.
-        cls._auto_names = [
-            mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"fprm": "FPRMModel"}),
-            mock.patch.dict(modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES, {"fprm": "FPRMForReasoning"}),
-        ]
-        for patch in cls._auto_names:
-            patch.start()
-
-    @classmethod
-    def tearDownClass(cls):
-        for patch in cls._auto_names:
-            patch.stop()
-        super().tearDownClass()
-
-    def setUp(self):
-        self.model_tester = FPRMModelTester(self)
-        self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
+    config_class = FPRMConfig
+    auto_mapping_names: ClassVar[dict] = {
+        "MODEL_MAPPING_NAMES": {"fprm": "FPRMModel"},
+        "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": {"fprm": "FPRMForReasoning"},
+    }
+    model_tester_class = FPRMModelTester
+    config_tester_kwargs: ClassVar[dict] = {"hidden_size": 36, "num_attention_heads": 6}
 
     def test_reasoning(self):
         self.model_tester.create_and_check_reasoning(*self.model_tester.prepare_config_and_inputs())
@@ -228,43 +203,36 @@ class FPRMStateTrackingModelTest(FPRMModelTest):
     """The state-tracking configuration (docs/fprm.md): sequences of any length, causal attention, a causal 1-D conv,
     learned positions, no prefix, and input-dependent residual scaling (alpha from a linear layer per token)."""
 
-    def setUp(self):
-        self.model_tester = FPRMModelTester(
-            self,
-            grid_size=None,
-            seq_length=7,
-            conv_type="causal_1d",
-            causal=True,
-            position_embedding_type="learned",
-            num_prefix_tokens=0,
-            residual_scaling="input_dependent",
-        )
-        self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
+    model_tester_kwargs: ClassVar[dict] = {
+        "grid_size": None,
+        "seq_length": 7,
+        "conv_type": "causal_1d",
+        "causal": True,
+        "position_embedding_type": "learned",
+        "num_prefix_tokens": 0,
+        "residual_scaling": "input_dependent",
+    }
 
 
 class FPRMFixedInitModelTest(FPRMModelTest):
     """The options off the default path: one stored z0 vector (their `L_optimizer.init_vec`), post-norm with
     residual scaling (the authors allow it) and a norm at the end of f (their maze config)."""
 
-    def setUp(self):
-        self.model_tester = FPRMModelTester(self, fixed_init=True, norm_type="post", norm_placement="output")
-        self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
+    model_tester_kwargs: ClassVar[dict] = {"fixed_init": True, "norm_type": "post", "norm_placement": "output"}
 
 
 # The common eager/SDPA comparisons (25 cases) read per-layer `hidden_states` (FPRM's are solver iterates) and pad
 # with an attention mask (FPRM refuses padding: grids have none); test_eager_matches_sdpa compares the solved outputs.
-for _name in [n for n in dir(ModelTesterMixin) if n.startswith("test_eager_matches_sdpa_inference_")]:
-    for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
-        setattr(
-            _cls,
-            _name,
-            unittest.skip("needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa")(
-                getattr(ModelTesterMixin, _name)
-            ),
-        )
-del _cls, _name  # a module-level TestCase name would be collected a third time
+for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
+    skip_precisely(
+        _cls,
+        {
+            "test_eager_matches_sdpa_inference": "needs per-layer `hidden_states` and padding; covered by test_eager_matches_sdpa"
+        },
+    )
+del _cls  # a module-level TestCase name would be collected a third time
 
-# the common tests whose own skip message misstates why (test_transformers_common.PRECISE_SKIPS), on each class: the
+# the common tests whose own skip message misstates why (support.common_tester.PRECISE_SKIPS), on each class: the
 # mixin copies its tests onto every subclass
 for _cls in (FPRMModelTest, FPRMStateTrackingModelTest, FPRMFixedInitModelTest):
     skip_precisely(_cls)
@@ -307,31 +275,22 @@ class FPRMSequenceRopeModelTest(FPRMModelTest):
     """A sequence FPRM (any length, causal 1-D conv, no prefix) with RoPE: the configuration on which transformers'
     RoPE tests can run, since a grid model reads exactly height x width tokens (issue 55)."""
 
-    def setUp(self):
-        self.model_tester = FPRMModelTester(
-            self,
-            grid_size=None,
-            seq_length=7,
-            conv_type="causal_1d",
-            causal=True,
-            position_embedding_type="rope",
-            num_prefix_tokens=0,
-        )
-        self.config_tester = ConfigTester(self, config_class=FPRMConfig, hidden_size=36, num_attention_heads=6)
+    model_tester_kwargs: ClassVar[dict] = {
+        "grid_size": None,
+        "seq_length": 7,
+        "conv_type": "causal_1d",
+        "causal": True,
+        "position_embedding_type": "rope",
+        "num_prefix_tokens": 0,
+    }
 
 
 # the RoPE tests FPRMModelTest skips (a grid) run here, as the mixin defines them
-for _name in [
-    n
-    for n in dir(ModelTesterMixin)
-    if n.startswith(
-        (
-            "test_model_rope_scaling_from_config",
-            "test_model_rope_with_partial_rotation",
-            "test_model_rope_scaling_frequencies",
-        )
-    )
-]:
-    if callable(getattr(ModelTesterMixin, _name)):  # parameterized.expand leaves None at the bare name
-        setattr(FPRMSequenceRopeModelTest, _name, getattr(ModelTesterMixin, _name))
-del _name
+restore_common_tests(
+    FPRMSequenceRopeModelTest,
+    (
+        "test_model_rope_scaling_from_config",
+        "test_model_rope_with_partial_rotation",
+        "test_model_rope_scaling_frequencies",
+    ),
+)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.cache_sharing import ModuloSharedCache, ModuloSharedStaticCache
-from loopformer.test_loopformer_cache import _model, _prefill_then_decode, assert_logits_match
+from loopformer.test_cache import _model, _prefill_then_decode, assert_logits_match
 from support.tiny_models import cache_of
 from loopformer_hf import LoopFormerCache
 

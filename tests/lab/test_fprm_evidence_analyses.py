@@ -1,5 +1,5 @@
 """The adaptivity and length-generalisation analyses of the evidence command (benchmarks/fprm_evidence.py, a lab
-script); its stability evaluation is the library's (tests/training/test_fprm_evidence.py)."""
+script); its stability evaluation is the library's (tests/training/fprm/test_fprm_evidence.py)."""
 
 import pytest
 import torch

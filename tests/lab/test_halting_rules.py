@@ -326,7 +326,7 @@ def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
 
 def test_each_row_computes_its_solo_call_under_a_lab_rule(tiny_model):
     """Per-row budgets combine with a rule that keeps one trajectory's conditioning ("kl"), as with "state_change"."""
-    from loopformer.test_loopformer_per_row_budget import BUDGETS, EPS, L, check_rows_match_solo
+    from loopformer.test_trajectory_per_row import BUDGETS, EPS, L, check_rows_match_solo
 
     out = check_rows_match_solo(tiny_model, {"loop_budget": BUDGETS}, halt_eps=EPS, halt_criterion="kl")
     assert out.loop_counts[2].min() < L and out.loop_counts[0].max() == 1

@@ -2,8 +2,8 @@
 re-implementation of their forward and solver, written from ../shared/spec/fprm.md ("The authors' computation, step by
 step") and their code (models/transformer.py, models/layers.py, models/fixed_point_reasoning/{fprm,model_utils}.py).
 It imports nothing from `fprm_hf` and works on a state dict in THEIR key layout, as their pretrain script saves it
-(loss-head wrapper prefix `model.inner.`, all-ones `mask` buffers, a Q-head). Used by tests/fprm/test_fprm_reference.py
-(the forward), tests/training/test_fprm_training_oracle.py (training) and tests/test_wheel.py."""
+(loss-head wrapper prefix `model.inner.`, all-ones `mask` buffers, a Q-head). Used by tests/fprm/test_convert_reference_fprm.py
+(the forward), tests/training/fprm/test_fprm_training_oracle.py (training) and tests/test_wheel.py."""
 
 import math
 

@@ -6,7 +6,6 @@ import torch
 import loopformer_hf
 from fprm_hf import FPRMConfig, FPRMForReasoning
 
-
 # ---- LoopFormer ----------------------------------------------------------------------------------------------------
 
 
@@ -84,3 +83,16 @@ def tiny_fprm(seed=0, config=None, **overrides):
 def grid_inputs(batch=3, seed=1, vocab=7):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, 16), generator=g)
+
+
+# ---- either model ----------------------------------------------------------------------------------------------------
+
+
+def randomize_parameters(module, std, seed=0):
+    """Every parameter of `module` drawn from N(0, std²) (one generator): a layer tested against a re-implementation
+    computes something that depends on each of its weights, not on an initialisation that zeroes some of them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module

@@ -2,7 +2,7 @@
 models/losses.py and the train step of pretrain.py), re-implemented as an oracle in this file's own words. It imports
 nothing from `fprm_hf`; the block stack (their `FixedPointTransformer` as `L_level`) is `Reference.L_level` of
 fprm_reference_oracle.py, checked against their code there. Weights are a state dict in their key layout
-(`model.inner.` prefix), with TRM's `H_init` / `L_init` buffers and its Q-head. Used by tests/fprm/test_trm_reference.py.
+(`model.inner.` prefix), with TRM's `H_init` / `L_init` buffers and its Q-head. Used by tests/fprm/test_recursion_trm.py.
 """
 
 import torch

@@ -1,6 +1,6 @@
 """lm-evaluation-harness with the loop budget chosen on the command line.
 
-Two routes, both tested (tests/training/test_lm_eval.py):
+Two routes, both tested (tests/training/loopformer/test_lm_eval.py):
 
 1. The stock `hf` model. Extra `--model_args` go to `from_pretrained`, which sets config fields, so the config's
    default budget and schedule select the depth of every forward and generate call:

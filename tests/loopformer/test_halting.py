@@ -173,7 +173,7 @@ def test_two_threads_generating_on_one_model_keep_their_own_counts(model):
 
 @pytest.mark.parametrize("kwargs, needle", [({"prefill_chunk_size": 2}, "chunked prefill")])
 def test_decoding_modes_without_loop_counts_are_refused_with_halting(model, kwargs, needle):
-    # beam search, assisted and prompt-lookup decoding report loop counts (test_loopformer_generate_modes.py)
+    # beam search, assisted and prompt-lookup decoding report loop counts (test_generation_modes.py)
     with pytest.raises(ValueError, match=needle):
         model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, halt_eps=EPS, **kwargs)
     model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, do_sample=False, **kwargs)  # fine without halting

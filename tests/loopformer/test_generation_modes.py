@@ -11,7 +11,7 @@ import loopformer_hf
 from loopformer_hf.modeling_loopformer import CACHE_FIELD
 from support.tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 
-EPS = 0.5  # as in test_loopformer_halting.py: with the tiny model's random weights tokens halt after 1-4 steps
+EPS = 0.5  # as in test_halting.py: with the tiny model's random weights tokens halt after 1-4 steps
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 L = 4  # the tiny config's num_loops
 BUDGETS = [1, 2, L]
 SCHEDULES = [None, [0.5, 0.25, 0.25], "coarse_to_fine"]  # a row's default, a non-uniform list, a preset
-EPS = 0.5  # tests/loopformer/test_loopformer_halting.py's: some tokens halt after 1-3 steps, others run all 4
+EPS = 0.5  # tests/loopformer/test_halting.py's: some tokens halt after 1-3 steps, others run all 4
 
 
 def ids_and_left_padding(batch=3, length=7, seed=1):
