@@ -100,7 +100,7 @@ def authors_protocol(model, test, task, eval_args, seed, device):
     of the folder, as that command computes it for the same `--seed`, `--batch_size` (here `--eval_batch_size`),
     `--max_loops` (`--eval_max_loops`) and `--halt_eps` (`--eval_halt_eps`): z0 drawn per puzzle from the seed, the
     model's halt_scope."""
-    from looped_training.fprm.published import TASKS, evaluate
+    from looped_training.fprm.published import evaluate, task_at
 
     solver = {"max_loops": eval_args.eval_max_loops}
     if eval_args.eval_halt_eps is not None:
@@ -112,7 +112,7 @@ def authors_protocol(model, test, task, eval_args, seed, device):
         test["input_ids"],
         test["labels"],
         ratings,
-        TASKS[task],
+        task_at(task, model.config),
         batch_size=eval_args.eval_batch_size,
         seed=seed,
         **solver,

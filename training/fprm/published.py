@@ -72,6 +72,16 @@ class Task:
 TASKS = {"sudoku": Task("sudoku", 9, "0123456789", "0"), "maze": Task("maze", 30, "# SGo", " ")}
 
 
+def task_at(name, config):
+    """Task `name`'s codec at the model's (square) grid: folders built by their builders' logic can be any size (the
+    CPU recipes train 11x11 mazes), the published models read 9x9 and 30x30."""
+    grid = config.grid_size or []
+    if len(grid) != 2 or grid[0] != grid[1]:
+        raise ValueError(f"a {name} model reads a square grid, this one reads {config.grid_size}.")
+    spec = TASKS[name]
+    return Task(spec.name, grid[0], spec.alphabet, spec.blank)
+
+
 def task_of(config):
     """The task a model reads, from the grid it was built for."""
     grid = config.grid_size or [None]

@@ -135,6 +135,12 @@ def test_a_maze_folder_trains_and_another_task_is_named(sources, tmp_path):
         fprm_train.main([*argv, "--output_dir", str(tmp_path / "refused")])
     results = fprm_train.main([*argv, "--task", "maze", "--output_dir", str(tmp_path / "run")])
     assert results["train_steps"] == 2 and "iterations_vs_path_length" in results
+    # continued at its own size (10x10, not the published 30x30), reported first as `published` reports it
+    again = ["--model_name_or_path", str(tmp_path / "run" / "model"), "--eval_before_training", "true"]
+    argv = ["--data", str(tmp_path / "maze"), "--max_steps", "1", "--per_device_train_batch_size", "4", *RUN]
+    continued = fprm_train.main([*argv, *again, "--task", "maze", "--output_dir", str(tmp_path / "more")])
+    before = continued["authors_protocol"]["before_training"]
+    assert before["task"] == "maze" and before["puzzles"] == 5 and 0 <= before["cell_accuracy"] <= 1
 
 
 @pytest.fixture(scope="module")
