@@ -58,10 +58,13 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
         return
     from transformers import AutoConfig
 
-    import fprm_hf  # noqa: F401  (registers "fprm" with AutoConfig)
+    from fprm_hf import FPRMConfig  # (the import registers "fprm" with AutoConfig)
 
     try:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
+        try:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
+        except OSError:  # no config.json: the authors' published folder, which FPRMConfig derives from its files
+            config = FPRMConfig.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
     except (OSError, ValueError) as error:
         parser.error(str(_source_error(model_args, error)))
     if getattr(config, "model_type", None) != "fprm":
