@@ -2,7 +2,7 @@
 
     FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")              # newest step
     FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="maze", step=6510)
-    AutoConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")                    # the same config
+    FPRMConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")                    # the same config
 
 What is known of the files (the repo's file list, a third-party loader of them, and their GitHub code
 nilskiKonjIzDunava/fprm; the Hub cannot be reached from where this was written): each task folder (`sudoku/`, `maze/`)
@@ -12,7 +12,7 @@ training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA co
 and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
 
 So every value comes from the files, in this order (`authors_settings.resolve_settings`, the one derivation behind
-`from_pretrained`, `AutoConfig` and `python -m fprm_hf.convert_reference`):
+`from_pretrained`, `FPRMConfig.from_pretrained` and `python -m fprm_hf.convert_reference`):
 
 1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
    puzzle-embedding rows and width, learned positions, fixed z0, the Q-head;
@@ -45,7 +45,7 @@ PUBLISHED_REPO = "fixed-point-reasoners/fprm"
 CONFIG_YAML = "all_config.yaml"
 STEP_FILE = re.compile(r"^step_(\d+)$")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
-# kwargs of `PreTrainedConfig.get_config_dict` that only locate the file (its `_get_config_dict` drops them too)
+# kwargs of `PreTrainedConfig.from_pretrained` that only locate the file (its `_get_config_dict` drops them too)
 LOCATING_KWARGS = HUB_KWARGS + ("trust_remote_code", "_from_pipeline", "_from_auto", "step")
 
 # Their Hydra configs as one run merges them (config/arch/fprm.yaml, then the task file's `arch:` section), for a
@@ -332,38 +332,14 @@ def published_config(path, hub_kwargs, step=None, reference=None):
 
 
 def published_config_dict(path, kwargs):
-    """config.json's dict for a published folder (what `AutoConfig` reads), or None when `path` is not one."""
+    """(config dict, the kwargs that are not Hub options) of a published folder, as `get_config_dict` returns them
+    (`FPRMConfig.config_loaders`), or None when `path` is not one."""
     hub_kwargs = _hub_kwargs(kwargs)
     if not is_published_layout(path, hub_kwargs):
         return None
     config, _, _ = published_config(path, hub_kwargs, kwargs.get("step"))
-    return config.to_dict()
-
-
-def install_config_hook():
-    """`PreTrainedConfig.get_config_dict` (what `AutoConfig.from_pretrained` and every config's `from_pretrained`
-    call) answers a published folder, which has no config.json, with its derived config; any other folder gets
-    transformers' own answer or error, unchanged. Idempotent."""
-    from transformers import PreTrainedConfig
-
-    original = PreTrainedConfig.get_config_dict.__func__
-    if getattr(original, "_fprm_published", False):
-        return
-
-    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        try:  # no config.json: an OSError, or (a local folder, some releases) an empty dict
-            found = original(cls, pretrained_model_name_or_path, **kwargs)
-        except OSError:
-            if (config_dict := published_config_dict(pretrained_model_name_or_path, kwargs)) is None:
-                raise
-            return config_dict, {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
-        if not found[0] and (config_dict := published_config_dict(pretrained_model_name_or_path, kwargs)):
-            return config_dict, {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
-        return found
-
-    get_config_dict._fprm_published = True
-    get_config_dict.__doc__ = original.__doc__
-    PreTrainedConfig.get_config_dict = classmethod(get_config_dict)
+    config._name_or_path = os.fspath(path)  # as on the model `from_pretrained_published` loads
+    return config.to_dict(), {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
 
 
 def from_pretrained_published(cls, path, model_args, kwargs):
@@ -421,7 +397,7 @@ __all__ = [
     "resolve_settings",
     "published_config",
     "is_published_layout",
-    "install_config_hook",
+    "published_config_dict",
     "from_pretrained_published",
     "PublishedCheckpointError",
 ]

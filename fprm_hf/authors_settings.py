@@ -1,5 +1,5 @@
 """The one derivation of the authors' settings from a checkpoint's files (`resolve_settings`), shared by
-`from_pretrained` on their published folders (`authors_checkpoints`), `AutoConfig` and the converter
+`from_pretrained` on their published folders (`authors_checkpoints`), `FPRMConfig.from_pretrained` and the converter
 (`convert_reference`). Each value comes from the first of these that gives it, with where it came from:
 
 1. the tensors' shapes (`weight_settings`);

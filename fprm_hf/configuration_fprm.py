@@ -249,6 +249,10 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
     model_type = "fprm"
     # Trainer.prediction_step drops these from the outputs it gathers across evaluation batches.
     keys_to_ignore_at_inference = ["solver_state", "residual_trace"]
+    # Folders with no config.json in another layout (the authors' published step files) register a derivation here,
+    # `derive(path, kwargs)` -> (config dict, unused kwargs) or None (`fprm_hf/__init__.py`): this module imports no
+    # loader.
+    config_loaders = []
 
     vocab_size: int = positive_int_field(default=11)
     hidden_size: int = positive_int_field(default=512)
@@ -327,6 +331,25 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
         super().__post_init__(**kwargs)
         if not rope:  # transformers gives any config with the field a default RoPE: these positions keep theirs
             self.rope_parameters = given
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """As `PreTrainedConfig.get_config_dict` (what `FPRMConfig.from_pretrained` reads); a folder with no config.json
+        that a registered layout knows (the authors' published step files:
+        `FPRMConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")`) gives the config dict derived
+        from its files. `AutoConfig` reads config.json alone (transformers' own `get_config_dict`), so it gives
+        transformers' own error for such a folder."""
+        try:  # no config.json: an OSError, or (a local folder) an empty dict
+            found = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        except OSError as error:
+            found, missing = None, error
+        if not found or not found[0]:
+            for derive in FPRMConfig.config_loaders:
+                if (derived := derive(pretrained_model_name_or_path, kwargs)) is not None:
+                    return derived
+        if found is None:
+            raise missing
+        return found
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):

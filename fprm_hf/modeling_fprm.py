@@ -48,20 +48,12 @@ from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput, solver_fields
 from .recursion_trm import TRMState, check_trm_state, recurse
 from .solver_fprm import FPRMSolverState, SolverSettings, check_solver_state, input_fingerprint, solve
 
-try:  # with looped_training installed, push_to_hub writes this package's model card (one home for both models)
-    from looped_training.publish import ModelCardMixin
-except ImportError:  # this package alone, or the copy trust_remote_code loads: transformers' own push_to_hub
-
-    class ModelCardMixin:
-        pass
-
-
 logger = logging.get_logger(__name__)
 
 LEARNED_POSITION_SCALE = 2**-0.5  # x = √d·(emb + pos)/√2 keeps the variance of x at 1
 
 
-class FPRMPreTrainedModel(ModelCardMixin, CheckpointLoadersMixin, PreTrainedModel):
+class FPRMPreTrainedModel(CheckpointLoadersMixin, PreTrainedModel):
     config_class = FPRMConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False

@@ -12,17 +12,16 @@ The modules, in the order a load reads them: `authors_files` (config.json, the w
 (the config every value of which comes from the first file that determines it), `authors_code_defaults` (their
 configuration class's defaults, parsed, never executed), `authors_weights` (their names onto ours), and this one.
 
-The weights are then read by transformers' own `from_pretrained` (sharding, dtype, `device_map`, quantisation, the
-missing/unexpected-key report) into a `LoopFormerForCausalLM` built as such, through a checkpoint conversion mapping
-(`WeightRenaming`, and a `WeightConverter` with `Chunk` for the fused `c_attn`). transformers looks such a mapping up
-by the name of the class it builds, so it is registered for that class while the repo loads, and the one before put
-back after: `save_pretrained` then writes this package's layout. A key left unmapped or a parameter left unfilled is
-refused, never initialised at random.
+The weights are then read as stored (every shard), renamed by the one table of `authors_weights` (the fused `c_attn`
+split in three), and handed as a state dict to transformers' own `from_pretrained` (dtype, `device_map`,
+quantisation, the missing/unexpected-key report), which builds a `LoopFormerForCausalLM` as such; the repo's
+generation_config.json is then read as `from_pretrained` reads it for any folder. No registry of transformers' is
+touched, not even for the duration of a load (two threads load side by side), and `save_pretrained` writes this
+package's layout. A key left unmapped or a parameter left unfilled is refused, never initialised at random.
 """
 
 import os
 import re
-import threading
 
 import torch
 
@@ -35,7 +34,7 @@ from .authors_config import (
     resolve_config,
     translate_config,
 )
-from .authors_files import read_config_dict, read_weight_shapes, resolve_file
+from .authors_files import read_config_dict, read_weight_shapes, read_weights, resolve_file
 from .authors_weights import (
     FUSED_QKV,
     is_reference_weight_name,
@@ -44,7 +43,6 @@ from .authors_weights import (
     our_name,
     renames_for,
     strip_wrapper_prefixes,
-    weight_conversions,
     wrapper_prefix,
 )
 from .configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
@@ -160,34 +158,29 @@ def _refuse_wrong_shapes(path, config, causal_lm, shapes, renames):
 _ACCEPTED_NOOPS = ("trust_remote_code", "code_revision", "_from_auto", "adapter_kwargs")
 
 
-_LOADING = threading.RLock()  # one load at a time has its mapping registered
-
-
-def _load_converted(causal_lm, path, config, conversions, kwargs):
-    """transformers' own `from_pretrained` of `causal_lm` (past ours, which routed here) with their names mapped onto
-    ours by `conversions`: registered for `causal_lm`'s name (transformers looks a mapping up by the name of the class
-    it builds) while it loads, then the mapping registered before (none: an empty one) is put back, so that a model of
-    ours built or loaded later keeps our names. Returns (model, loading info)."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping as registered
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping as register
-
-    name = causal_lm.__name__
-    with _LOADING:
-        before = registered(name)
-        register(name, conversions, overwrite=True)
-        try:
-            return super(CheckpointLoadersMixin, causal_lm).from_pretrained(  # transformers', past the loaders
-                path, config=config, output_loading_info=True, **kwargs
-            )
-        except TypeError as error:  # an option transformers passed on to the model's constructor
-            unknown = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
-            if not unknown:
-                raise
-            raise ValueError(
-                f"from_pretrained got keyword arguments that are neither config fields nor loading options: {unknown}."
-            ) from None
-        finally:
-            register(name, before or [], overwrite=True)
+def _load_mapped(causal_lm, path, state_dict, config, hub_kwargs, kwargs):
+    """transformers' own `from_pretrained` of `causal_lm` (past ours, which routed here) from `state_dict` (their
+    tensors under our names), then the repo's generation_config.json as `from_pretrained` reads it for a folder.
+    Returns (model, loading info)."""
+    generation_config = kwargs.get("generation_config")
+    kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
+    try:
+        model, info = super(CheckpointLoadersMixin, causal_lm).from_pretrained(  # transformers', past the loaders
+            None, config=config, state_dict=state_dict, output_loading_info=True, **kwargs
+        )
+    except TypeError as error:  # an option transformers passed on to the model's constructor
+        unknown = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
+        if not unknown:
+            raise
+        raise ValueError(
+            f"from_pretrained got keyword arguments that are neither config fields nor loading options: {unknown}."
+        ) from None
+    model.config._name_or_path = os.fspath(path)
+    if generation_config is None:  # transformers' defaults of the options that locate the file
+        options = dict(cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None)
+        options.update(dict(revision=None, subfolder=""), **hub_kwargs)
+        model.adjust_generation_fn(None, False, False, os.fspath(path), trust_remote_code=False, **options)
+    return model, info
 
 
 def _refuse_our_weights_under_their_config(path, shapes):
@@ -224,9 +217,10 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     renames = renames_for(prefix, names)
     _refuse_wrong_shapes(path, config, causal_lm, shapes, renames)
     output_loading_info = kwargs.pop("output_loading_info", False)
-    model, info = _load_converted(causal_lm, path, config, weight_conversions(renames), kwargs)
-    model._weight_conversions = None  # save_pretrained: no reverse mapping, this package's layout
-    _refuse_incomplete(path, config, config_dict, info, {our_name(name, renames): name for name in shapes})
+    rows = list(map_names(read_weights(path, hub_kwargs)))  # (their name, ours, tensor): the fused c_attn in three
+    state_dict = {ours: tensor for _, ours, tensor in rows if ours != "lm_head.weight"}  # the tie restores the head
+    model, info = _load_mapped(causal_lm, path, state_dict, config, hub_kwargs, kwargs)
+    _refuse_incomplete(path, config, config_dict, info, {ours: theirs for theirs, ours, _ in rows})
     if model.generation_config.do_sample is None:  # theirs sets nothing: greedy, as our generate documents
         model.generation_config.do_sample = False
     for key in ("eos_token_id", "bos_token_id"):  # theirs names none: the tokenizer's (derive_config)

@@ -1,6 +1,6 @@
-"""The files of a repo in the authors' layout, read without loading a tensor: config.json as a dict, the weights'
-names and shapes from the safetensors header (or its shard index, or a memory-mapped pytorch_model.bin), and the ids
-of the tokenizer's special tokens."""
+"""The files of a repo in the authors' layout: config.json as a dict, the weights' names and shapes from the
+safetensors header (or its shard index, or a memory-mapped pytorch_model.bin) without loading a tensor, the weights
+themselves as stored (`read_weights`, once every check has passed), and the ids of the tokenizer's special tokens."""
 
 import json
 import os
@@ -41,34 +41,54 @@ def _header(file):
         ) from None
 
 
-def read_weight_shapes(path, hub_kwargs):
-    """{tensor name: shape} of a repo's weights, from the safetensors header (of each shard named by the index) or
-    a memory-mapped pytorch_model.bin: no tensor is read. A truncated or missing file is an OSError naming it."""
+def _weight_files(path, hub_kwargs):
+    """(kind, local files) of a repo's weights: ("safetensors", the file or each shard its index names) or ("bin",
+    [pytorch_model.bin]). A shard the index names that the repo lacks, or no weights at all, is an OSError."""
     for filename in WEIGHT_FILES:
         resolved = resolve_file(path, filename, hub_kwargs)
         if resolved is None:
             continue
-        if filename.endswith(".index.json"):
-            with open(resolved, encoding="utf-8") as handle:
-                shards = sorted(set(json.load(handle)["weight_map"].values()))
-            shapes = {}
-            for shard in shards:
-                file = resolve_file(path, shard, hub_kwargs)
-                if file is None:
-                    raise OSError(
-                        f"{os.fspath(path)!r}: {filename} names the shard {shard!r}, which the repo does "
-                        "not hold. Nothing was loaded; download the repo again."
-                    )
-                shapes.update(_header(file))
-            return shapes
-        if filename.endswith(".safetensors"):
-            return _header(resolved)
-        try:
-            state_dict = torch.load(resolved, map_location="meta", weights_only=True, mmap=True)
-        except Exception as error:  # torch raises RuntimeError / UnpicklingError for a damaged file
-            raise OSError(f"{resolved!r} could not be read ({error}). Nothing was loaded.") from None
-        return {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+        if not filename.endswith(".index.json"):
+            return ("safetensors" if filename.endswith(".safetensors") else "bin"), [resolved]
+        with open(resolved, encoding="utf-8") as handle:
+            shards = sorted(set(json.load(handle)["weight_map"].values()))
+        files = []
+        for shard in shards:
+            if (file := resolve_file(path, shard, hub_kwargs)) is None:
+                raise OSError(
+                    f"{os.fspath(path)!r}: {filename} names the shard {shard!r}, which the repo does "
+                    "not hold. Nothing was loaded; download the repo again."
+                )
+            files.append(file)
+        return "safetensors", files
     raise OSError(f"{os.fspath(path)!r} holds none of {WEIGHT_FILES}: there are no weights to load.")
+
+
+def _load_bin(file, device):
+    try:
+        return torch.load(file, map_location=device, weights_only=True, mmap=True)
+    except Exception as error:  # torch raises RuntimeError / UnpicklingError for a damaged file
+        raise OSError(f"{file!r} could not be read ({error}). Nothing was loaded.") from None
+
+
+def read_weight_shapes(path, hub_kwargs):
+    """{tensor name: shape} of a repo's weights, from the safetensors header (of each shard named by the index) or
+    a memory-mapped pytorch_model.bin: no tensor is read. A truncated or missing file is an OSError naming it."""
+    kind, files = _weight_files(path, hub_kwargs)
+    if kind == "bin":
+        return {name: tuple(tensor.shape) for name, tensor in _load_bin(files[0], "meta").items()}
+    return {name: shape for file in files for name, shape in _header(file).items()}
+
+
+def read_weights(path, hub_kwargs):
+    """{tensor name: tensor} of a repo's weights as stored (every shard; a pytorch_model.bin memory-mapped, read with
+    `weights_only=True`: no object is unpickled)."""
+    from safetensors.torch import load_file
+
+    kind, files = _weight_files(path, hub_kwargs)
+    if kind == "bin":
+        return _load_bin(files[0], "cpu")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
 
 
 def _token_text(value):

@@ -1,5 +1,5 @@
-"""The authors' weight names onto this package's: the one table that `from_pretrained` (through transformers'
-conversion mapping), vLLM's loader and the converter's `.pt` path all map with.
+"""The authors' weight names onto this package's: the one table that `from_pretrained` (a state dict handed to
+transformers' own), vLLM's loader and the converter's `.pt` path all map with.
 
 Their `GPT`'s state dict, stored under a wrapper prefix (`gpt.`, `model.`, `module.`, which their loader strips),
 holds `transformer.{wte,wpe,norm_f}`, the blocks under `transformer.h.blocks.{j}` (Base: `transformer.h.{j}`) with
@@ -12,7 +12,7 @@ WRAPPER_PREFIXES = ("gpt.", "model.", "module.")  # their loader's `_strip_prefi
 # their GPT's modules; `lm_head.` is both theirs and ours, so it decides nothing
 REFERENCE_WEIGHT_ROOTS = ("transformer.", "time_embedder.", "dt_embedder.")
 
-# (their name, ours) after the wrapper prefix, applied in order; the fused c_attn is split by `weight_conversions`
+# (their name, ours) after the wrapper prefix, applied in order; the fused c_attn is split by `map_names`
 RENAMES = (
     (r"^transformer\.wte\.", "model.embed_tokens."),
     (r"^transformer\.wpe\.", "model.embed_positions."),
@@ -72,18 +72,6 @@ def renames_for(prefix, names):
     if "lm_head.weight" in names and "transformer.wte.weight" not in names:
         renames.append((r"^lm_head\.weight$", "model.embed_tokens.weight"))
     return renames
-
-
-def weight_conversions(renames):
-    """transformers' conversion mapping from their names to ours: `renames` (`renames_for`), then the fused c_attn
-    split in three."""
-    from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
-
-    fused, parts = FUSED_QKV
-    return [WeightRenaming(source, target) for source, target in renames] + [
-        WeightConverter(fused + kind, [part + kind for part in parts], operations=[Chunk(dim=0)])
-        for kind in ("weight", "bias")
-    ]
 
 
 def our_name(key, renames):

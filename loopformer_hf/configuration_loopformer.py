@@ -74,6 +74,23 @@ def check_no_cache_sharing(config_or_kwargs):
         )
 
 
+def numpy_integers_as_int(cls):
+    """Class decorator, placed above `@strict`: numpy integers (`np.arange` sweeps, `df[col]` values) are integers,
+    stored as `int` (JSON-serialisable) before `@strict`'s `__setattr__` validates them, which alone refused
+    `num_loops=np.int64(4)` as "expected int, got int64". (A `__setattr__` in the class body would run after that
+    validation: `@strict` wraps the class's own.)"""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+            value = int(value)
+        strict_setattr(self, name, value)
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+@numpy_integers_as_int
 @strict
 class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     r"""
@@ -254,19 +271,6 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
 
     check_halt_eps = staticmethod(check_halt_eps)  # the halting module's, also reachable from the config
 
-
-_strict_setattr = LoopFormerConfig.__setattr__
-
-
-def _setattr_numpy_integers_as_int(self, name, value):
-    """numpy integers (`np.arange` sweeps, `df[col]` values) are integers: stored as `int` (JSON-serialisable), then
-    validated as usual; `@strict` alone refused `num_loops=np.int64(4)` as "expected int, got int64"."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
-        value = int(value)
-    _strict_setattr(self, name, value)
-
-
-LoopFormerConfig.__setattr__ = _setattr_numpy_integers_as_int
 
 __all__ = [
     "LoopFormerConfig",

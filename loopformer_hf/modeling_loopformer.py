@@ -24,7 +24,6 @@ from .cache_loopformer import CACHE_FIELD, LoopFormerCache
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin, check_generation_knobs
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
-from .hub import LoopFormerHubMixin
 from .layers_loopformer import (
     LoopFormerBlock,
     LoopFormerLoopConditioning,
@@ -37,9 +36,7 @@ from .masks_loopformer import call_inputs
 from .plan_loopformer import LoopFormerPlan
 
 
-class LoopFormerPreTrainedModel(
-    LoopFormerHubMixin, CheckpointLoadersMixin, PreTrainedModel
-):  # the mixins: push_to_hub writes this package's card; from_pretrained reads the authors' repos
+class LoopFormerPreTrainedModel(CheckpointLoadersMixin, PreTrainedModel):  # the mixin: from_pretrained's other layouts
     config_class = LoopFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

@@ -1,4 +1,4 @@
-"""The model cards that `looped_training.publish` and the models' `push_to_hub` write: huggingface_hub's `ModelCard`
+"""The model cards that `looped_training.publish` writes (its command and `push_to_hub_with_card(model, repo_id)`): huggingface_hub's `ModelCard`
 rendered from `<model_type>.md` here, with `ModelCardData` metadata, a model-index of `EvalResult`s read from the run's
 evaluation JSON (the layouts docs/shipping.md lists), and the prompt and Training section from the run's record."""
 

@@ -1,11 +1,12 @@
 """The layout, read from the source: the two model packages stay independent of each other and of the training code
-(trust_remote_code copies a model package's files alone; optional imports excepted), the tree is formatted by one
+(trust_remote_code copies a model package's files alone; not even an optional import), the tree is formatted by one
 formatter (ruff, configured in pyproject.toml), no file of the model or training packages outgrows 500 lines nor the
 README 200, no function of either package outgrows 60 lines (the configs' `__init__`, a flat list of fields,
-excepted), what both packages need has one file they both link to, and the publishing code stays a thin layer over
-huggingface_hub's card and upload machinery."""
+excepted), what both packages need has one source file (copied, checked by scripts/check_copies.py), and the
+publishing code stays a thin layer over huggingface_hub's card and upload machinery."""
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -32,10 +33,12 @@ def _catches_import_error(node):
     )
 
 
-def _imported_top_levels(tree):
-    """Top-level names imported by absolute imports, leaving out optional ones (in a `try` that catches ImportError:
-    the hub mixins' card rendering, which falls back to transformers' own `push_to_hub`)."""
-    optional = {id(n) for t in ast.walk(tree) if _catches_import_error(t) for s in t.body for n in ast.walk(s)}
+def _imported_top_levels(tree, optional_too=False):
+    """Top-level names imported by absolute imports, leaving out optional ones (in a `try` that catches ImportError)
+    unless `optional_too`."""
+    optional = set()
+    if not optional_too:
+        optional = {id(n) for t in ast.walk(tree) if _catches_import_error(t) for s in t.body for n in ast.walk(s)}
     names = set()
     for node in ast.walk(tree):
         if id(node) in optional:
@@ -49,17 +52,19 @@ def _imported_top_levels(tree):
 
 @pytest.mark.parametrize("package", MODEL_PACKAGES)
 def test_model_package_imports_no_other_package_of_this_project(package):
+    """Not even optionally (the model card was once inherited from looped_training.publish where it was installed)."""
     for path in _modules(package):
-        others = _imported_top_levels(ast.parse(path.read_text())) & (OWN_PACKAGES - {package})
+        others = _imported_top_levels(ast.parse(path.read_text()), optional_too=True) & (OWN_PACKAGES - {package})
         assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
 
 
 # ---- one home per idea ----------------------------------------------------------------------------------------------
 
-# What both model packages compute or check (`rms_norm`, the eager attention, the config rules) has one file,
-# common/looped_common.py; each package holds it as a link (`save_pretrained` copies it, resolved, next to the
-# weights with the package's own files, so each still loads alone with trust_remote_code).
-COMMON = ROOT / "common" / "looped_common.py"
+# What both model packages compute or check (`rms_norm`, the eager attention, the config rules) has one source,
+# loopformer_hf/looped_common.py; fprm_hf holds a copy marked "Copied from" (scripts/check_copies.py and
+# tests/test_check_copies.py keep it identical), so each package still loads alone with trust_remote_code.
+COMMON = ROOT / "loopformer_hf" / "looped_common.py"
+CHECKED_COPIES = {ROOT / "fprm_hf" / "looped_common.py"}
 COMMON_IDEAS = ("rms_norm", "rotate_half", "repeat_kv", "eager_attention_forward", "attend", "is_real_number")
 COMMON_IDEAS += ("check_positive_number", "check_rope_parameters", "validate_rope", "validate_rotary", "head_dim")
 COMMON_IDEAS += ("rotary_dim", "_unreadable_safetensors")
@@ -77,25 +82,17 @@ def _functions(path):
 
 
 def _own_files():
-    """The files of both model packages and the common file, each once (the packages' links to it left out)."""
-    return [COMMON] + [path for package in MODEL_PACKAGES for path in _modules(package) if not path.is_symlink()]
+    """The files of both model packages, the checked copies of another file left out."""
+    return [path for package in MODEL_PACKAGES for path in _modules(package) if path not in CHECKED_COPIES]
 
 
 def _trivial(body_statements):  # `pass` or `return self.x`: alike by nature, not copies
     return body_statements in ("Pass()",) or body_statements.startswith("Return(value=Attribute(value=Name(id='self'")
 
 
-@pytest.mark.parametrize("package", MODEL_PACKAGES)
-def test_each_model_package_holds_the_common_file_as_a_link_to_its_one_home(package):
-    link = ROOT / package / COMMON.name
-    assert link.is_symlink(), f"{link.relative_to(ROOT)} must be a link to {COMMON.relative_to(ROOT)}, not a copy"
-    assert link.resolve() == COMMON.resolve()
-    assert link.readlink() == Path("..") / COMMON.relative_to(ROOT)  # relative: the link works in any clone
-
-
 def test_no_function_body_is_written_twice_in_the_model_packages():
-    """Fails on a copy: before common/looped_common.py, `rms_norm`, `rotate_half`, the config rules and the config
-    properties stood in both packages, and LoopFormer's config had `_real`, trajectory's `_is_real_number` to the
+    """Fails on a copy (other than a checked one, scripts/check_copies.py): before looped_common.py, `rms_norm`,
+    `rotate_half`, the config rules and the config properties stood in both packages, and LoopFormer's config had `_real`, trajectory's `_is_real_number` to the
     letter."""
     by_body = {}
     for path in _own_files():
@@ -108,14 +105,15 @@ def test_no_function_body_is_written_twice_in_the_model_packages():
 
 
 def test_each_idea_both_packages_need_is_defined_in_the_common_file_alone():
-    """`rms_norm`, the eager attention and the config rules are defined in common/looped_common.py and nowhere else
-    in the model packages (under any body: a second `rms_norm` with other features is a second home too)."""
+    """`rms_norm`, the eager attention and the config rules are defined in loopformer_hf/looped_common.py (and its
+    checked copy) and nowhere else in the model packages (under any body: a second `rms_norm` with other features is
+    a second home too)."""
     homes = {}
     for path in _own_files():
         for name, _ in _functions(path):
             if name in COMMON_IDEAS:
                 homes.setdefault(name, []).append(str(path.relative_to(ROOT)))
-    assert homes == {name: ["common/looped_common.py"] for name in COMMON_IDEAS}
+    assert homes == {name: [str(COMMON.relative_to(ROOT))] for name in COMMON_IDEAS}
 
 
 @pytest.mark.parametrize("package", MODEL_PACKAGES)
@@ -175,26 +173,64 @@ def test_publishing_stays_near_400_lines_and_on_huggingface_hubs_card_and_upload
     assert "upload_folder(" in publish and "import yaml" not in publish + cards
 
 
-def test_one_home_for_the_model_card_push():
-    """Both models' `push_to_hub` is looped_training.publish's `ModelCardMixin`, not a copy per package."""
+def test_the_models_push_to_hub_is_transformers_own():
+    """The card is written by `looped_training.publish` (a function over the model), not inherited into the model
+    classes: their `push_to_hub` is transformers' `PreTrainedModel.push_to_hub`."""
+    from transformers import PreTrainedModel
+
     from fprm_hf import FPRMForReasoning
     from loopformer_hf import LoopFormerForCausalLM
-    from looped_training.publish import ModelCardMixin
 
-    assert issubclass(FPRMForReasoning, ModelCardMixin) and issubclass(LoopFormerForCausalLM, ModelCardMixin)
-    assert FPRMForReasoning.push_to_hub is LoopFormerForCausalLM.push_to_hub is ModelCardMixin.push_to_hub
+    for model_class in (FPRMForReasoning, LoopFormerForCausalLM):
+        assert model_class.push_to_hub is PreTrainedModel.push_to_hub
+        assert not any(base.__module__.startswith("looped_training") for base in model_class.__mro__)
 
 
-def test_importing_the_model_packages_loads_the_card_mixin_but_no_training_code():
-    """The mixin's module stays light: importing a model package does not pull in the Trainer's utilities."""
-    code = (
-        "import sys, fprm_hf, loopformer_hf; print(sorted(m for m in sys.modules if m.startswith('looped_training')),"
-        " 'transformers.trainer_utils' in sys.modules)"
+LOAD_AND_SAVE = """
+import sys, tempfile, torch
+import fprm_hf, loopformer_hf
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from support.tiny_models import sequence_fprm_config, tiny_fprm, tiny_loopformer_config
+
+folder = tempfile.mkdtemp()
+loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).save_pretrained(folder + "/lf")
+AutoModelForCausalLM.from_pretrained(folder + "/lf")(torch.tensor([[1, 2, 3]]))
+fprm = tiny_fprm(0, config=sequence_fprm_config(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4))
+fprm.save_pretrained(folder + "/fprm")
+AutoModelForTokenClassification.from_pretrained(folder + "/fprm")(torch.tensor([[1, 2, 3]]))
+print(sorted(m for m in sys.modules if m.startswith("looped_training")))
+print(folder)
+"""
+# in a process where the packages are installed but not imported: the saved copies load, and import nothing of ours
+REMOTE_CODE_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+AutoModelForCausalLM.from_pretrained(sys.argv[1] + "/lf", trust_remote_code=True)(torch.tensor([[1, 2, 3]]))
+AutoModelForTokenClassification.from_pretrained(sys.argv[1] + "/fprm", trust_remote_code=True)(torch.tensor([[1, 2]]))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("looped_training", "loopformer_hf", "fprm_hf")))
+"""
+
+
+def test_the_model_packages_import_no_training_code_to_import_load_and_save(tmp_path):
+    """Neither package imports looped_training, whether it is installed or not (it is here), and a saved model's
+    `trust_remote_code` copy imports nothing of ours: it behaves the same in every environment."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_SAVE], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.stdout.strip().splitlines()[-1] == (
-        "['looped_training', 'looped_training.model_cards', 'looped_training.publish'] False"
-    ), out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    modules, folder = out.stdout.strip().splitlines()[-2:]
+    assert modules == "[]", out.stdout[-2000:]
+    remote = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_LOAD, folder],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=env,
+    )
+    assert remote.returncode == 0, remote.stderr[-2000:]
+    assert remote.stdout.strip().splitlines()[-1] == "[]", remote.stdout[-2000:]
 
 
 def test_imports_run_one_way_models_training_lab():

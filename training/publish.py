@@ -76,8 +76,7 @@ def _stage_files(checkpoint, repo_id, out_dir, tokenizer, card_fields):
     import transformers
     from transformers import AutoTokenizer
 
-    # imported here, not above: the model packages import this module for ModelCardMixin, and checkpoints pulls in
-    # transformers' Trainer utilities (seconds)
+    # imported here, not above: checkpoints pulls in transformers' Trainer utilities (seconds)
     from looped_training.checkpoints import CheckpointError, check_checkpoint, first_line, load_model
 
     check_checkpoint(checkpoint)  # config.json parses, every safetensors file is complete
@@ -114,8 +113,9 @@ def push_to_hub_with_card(
     max_shard_size="50GB",
     tags=None,
 ):
-    """transformers' `push_to_hub` (create the repo, save the model, upload in one commit) with this package's card
-    where the repo has none yet; a card already there is kept, tags added. The folder the model was loaded from, if
+    """`push_to_hub_with_card(model, "org/name")`: transformers' `model.push_to_hub` (create the repo, save the
+    model, upload in one commit) with this package's card where the repo has none yet; a card already there is kept,
+    tags added. The models' own `push_to_hub` is transformers' (its generic card): the card is this function's. The folder the model was loaded from, if
     any, gives the record, the tokenizer and the evaluation."""
     from huggingface_hub import HfApi, ModelCard
     from huggingface_hub.errors import EntryNotFoundError
@@ -143,13 +143,6 @@ def push_to_hub_with_card(
             revision=revision,
             create_pr=create_pr,
         )
-
-
-class ModelCardMixin:
-    """Put before `PreTrainedModel` in a model's bases (the model packages do where this package is installed):
-    `push_to_hub` then writes this package's card instead of transformers' generic one."""
-
-    push_to_hub = push_to_hub_with_card
 
 
 def _explain(err, endpoint, checkpoint):
@@ -263,7 +256,7 @@ def main(argv=None):
             "prompt",
         )
     }
-    from looped_training.arguments import check_output_path, one_line  # here: the models import this module
+    from looped_training.arguments import check_output_path, one_line  # here: `--help` stays fast
 
     try:
         if args.dry_run and args.stage_dir is None:

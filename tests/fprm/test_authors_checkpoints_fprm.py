@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel
 from fprm_hf.authors_checkpoints import PublishedCheckpointError
@@ -105,16 +105,21 @@ def test_step_picks_another_and_an_unknown_step_is_named(repo):
         FPRMForReasoning.from_pretrained(root / "sudoku", step=12345)
 
 
-def test_autoconfig_and_the_auto_classes_give_the_same_model(repo, sudoku):
+def test_the_config_class_and_the_auto_classes_give_the_same_model(repo, sudoku):
+    """`FPRMConfig.from_pretrained` derives the config from the files; `AutoConfig`, which reads config.json alone
+    (nothing of transformers' is patched), gives transformers' own error, and the Auto model classes load the folder
+    given that config."""
     root, _ = repo
-    config = AutoConfig.from_pretrained(root, subfolder="sudoku")
+    config = FPRMConfig.from_pretrained(root, subfolder="sudoku")
     assert isinstance(config, FPRMConfig) and config.to_dict() == sudoku.config.to_dict()
-    auto = AutoModelForTokenClassification.from_pretrained(root, subfolder="sudoku")
+    with pytest.raises((OSError, ValueError), match="config.json"):  # transformers' own (an empty local folder's)
+        AutoConfig.from_pretrained(root, subfolder="sudoku")
+    auto = AutoModelForTokenClassification.from_pretrained(root, subfolder="sudoku", config=config)
     assert isinstance(auto, FPRMForReasoning)
     assert all(torch.equal(v, sudoku.state_dict()[k]) for k, v in auto.state_dict().items())
-    base = AutoModel.from_pretrained(root / "maze", step=OLDER)
+    base = FPRMModel.from_pretrained(root / "maze", step=OLDER)
     assert isinstance(base, FPRMModel) and base.config.authors_checkpoint["step"] == OLDER
-    assert AutoConfig.from_pretrained(root / "maze", step=OLDER).to_dict() == base.config.to_dict()
+    assert FPRMConfig.from_pretrained(root / "maze", step=OLDER).to_dict() == base.config.to_dict()
 
 
 def test_the_maze_folder_states_no_yaml_so_their_maze_experiment_config_is_named(repo, caplog):
@@ -180,12 +185,11 @@ def test_round_trip_and_publish_with_a_card_crediting_their_repo_and_step(repo, 
 
 HUB_SCRIPT = """
 import sys, json, torch, fprm_hf
-from transformers import AutoConfig
-from fprm_hf import FPRMForReasoning
+from fprm_hf import FPRMConfig, FPRMForReasoning
 from looped_training.publish import main as publish
 model = FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")
 older = FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku", step=10)
-same = AutoConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku").to_dict() == model.config.to_dict()
+same = FPRMConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku").to_dict() == model.config.to_dict()
 model.save_pretrained(sys.argv[1] + "/saved")
 code = publish(["--checkpoint", sys.argv[1] + "/saved", "--repo_id", "me/fprm", "--dry_run", "--stage_dir",
                 sys.argv[1] + "/stage"])
@@ -197,7 +201,7 @@ print(json.dumps(dict(step=model.config.authors_checkpoint["step"], older=older.
 
 def test_from_the_hub_by_repo_id_and_subfolder(tmp_path):
     """The call users make, against a Hub server holding a (small) stand-in of the repo: the newest step of the
-    listing, `step=` another, AutoConfig the same config, the card naming their repo."""
+    listing, `step=` another, FPRMConfig the same config, the card naming their repo."""
     import json
     import os
 
@@ -427,7 +431,7 @@ def test_a_yaml_value_their_code_or_the_weights_reject_is_named(tmp_path, field,
     with pytest.raises(ValueError, match=message):
         FPRMForReasoning.from_pretrained(folder)
     with pytest.raises(ValueError, match=message):
-        AutoConfig.from_pretrained(folder)
+        FPRMConfig.from_pretrained(folder)
 
 
 def test_a_yaml_field_their_config_does_not_define_is_warned_and_ignored_as_theirs_does(tmp_path, caplog):

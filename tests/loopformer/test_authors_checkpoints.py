@@ -299,7 +299,8 @@ def test_a_head_stored_only_as_lm_head_loads_as_their_loader_does(tmp_path, ids)
 
 
 def test_saving_a_loaded_repo_writes_this_packages_layout(tmp_path):
-    """transformers reverts a load's conversion mapping on save; the loaded model keeps none, so the folder is ours."""
+    """The load hands transformers a state dict under our names: the loaded model keeps no conversion to revert on
+    save, so the folder is ours."""
     from safetensors import safe_open
 
     write_authors_repo(tmp_path / "repo", stated=(), code=CODE)

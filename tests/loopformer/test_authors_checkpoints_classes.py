@@ -1,6 +1,6 @@
 """Loading the authors' repos makes no class at run time: the model is built as this package's class (no subclass
-made for the load, no `__class__` swapped afterwards), their model types are module-level config classes, and the
-conversion mapping transformers loaded with is not left registered for our class."""
+made for the load, no `__class__` swapped afterwards), their model types are module-level config classes, and no
+conversion mapping is registered for our class (tests/test_import_side_effects.py: none of transformers' registries)."""
 
 import ast
 import sys
@@ -39,7 +39,8 @@ def test_their_repo_is_built_as_our_class_from_the_start(tmp_path, monkeypatch):
 
 
 def test_a_model_of_ours_built_after_a_load_saves_in_our_layout(tmp_path):
-    """The mapping is registered for our class only while their repo loads: a model built afterwards saves our names."""
+    """Their names are mapped into the state dict the load hands to transformers, never registered for our class: a
+    model built afterwards saves our names."""
     from safetensors import safe_open
 
     write_authors_repo(tmp_path / "repo")

@@ -409,7 +409,6 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
         "configuration_loopformer.py",
         "generation_loopformer.py",
         "halting_loopformer.py",
-        "hub.py",
         "layers_loopformer.py",
         "looped_common.py",
         "loss_loopformer.py",

@@ -574,17 +574,24 @@ def test_an_fprm_run_folder_publishes_its_results_json_as_the_model_index(tmp_pa
     assert "(preset `s5-cpu`) on S5 state tracking" in training and "40 optimizer steps (segments) of 16" in training
 
 
-def test_push_to_hub_writes_the_packages_card(hub, checkpoint, tmp_path):
-    # transformers' push_to_hub wrote its generic card ("This is the model card of a 🤗 transformers model ...")
+CARDS = REPO_ROOT / "tests" / "training" / "cards"  # pushed by `model.push_to_hub` before issue 65 (the mixin)
+
+
+def test_push_to_hub_with_card_writes_the_packages_card_and_push_to_hub_is_transformers(hub, checkpoint, tmp_path):
+    """`push_to_hub_with_card(model, repo_id)` writes the card the models' own `push_to_hub` wrote while they inherited
+    it (tests/training/cards/, pushed then), to the byte; `model.push_to_hub` is transformers' own again."""
     path, _ = checkpoint
     code = f"""
     from loopformer_hf import LoopFormerForCausalLM
     from support.tiny_models import sequence_fprm_config, tiny_fprm
     from fprm_hf import FPRMForReasoning
+    from looped_training.publish import push_to_hub_with_card
 
-    LoopFormerForCausalLM.from_pretrained(r"{path}").push_to_hub("org/pushed-lf", token="{TOKEN}", tags=["mine"])
+    lf = LoopFormerForCausalLM.from_pretrained(r"{path}")
+    push_to_hub_with_card(lf, "org/pushed-lf", token="{TOKEN}", tags=["mine"])
     fprm = tiny_fprm(0, config=sequence_fprm_config(vocab_size=8, num_attention_heads=2, num_hidden_layers=1, max_loops=4))
-    FPRMForReasoning(fprm.config).push_to_hub("org/pushed-fprm", token="{TOKEN}")
+    push_to_hub_with_card(FPRMForReasoning(fprm.config), "org/pushed-fprm", token="{TOKEN}")
+    lf.push_to_hub("org/plain-lf", token="{TOKEN}")
     """
     run_python(
         code, env={**hf_env(tmp_path, hub.endpoint), "PYTHONPATH": str(REPO_ROOT / "tests")}, block_packages=False
@@ -597,3 +604,5 @@ def test_push_to_hub_writes_the_packages_card(hub, checkpoint, tmp_path):
     assert {"model.safetensors", "config.json", "README.md"} <= set(hub.files("org/pushed-lf"))
     fprm_card = hub.files("org/pushed-fprm")["README.md"].decode()
     assert "is an **FPRM**" in fprm_card and "without its training run's record" in fprm_card
+    assert card == (CARDS / "pushed_loopformer.md").read_text() and fprm_card == (CARDS / "pushed_fprm.md").read_text()
+    assert "is a **LoopFormer**" not in hub.files("org/plain-lf").get("README.md", b"").decode()  # transformers' card

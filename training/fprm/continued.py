@@ -58,10 +58,14 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
         return
     from transformers import AutoConfig
 
-    import fprm_hf  # noqa: F401  (registers "fprm" with AutoConfig)
+    from fprm_hf import FPRMConfig  # (the import registers "fprm" with AutoConfig)
+    from fprm_hf.authors_checkpoints import is_published_layout
 
+    # the authors' published folder has no config.json, which AutoConfig reads: FPRMConfig derives it from the files
+    where = {"subfolder": model_args.subfolder} if model_args.subfolder else {}
+    config_class = FPRMConfig if is_published_layout(model_args.model_name_or_path, where) else AutoConfig
     try:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
+        config = config_class.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
     except (OSError, ValueError) as error:
         parser.error(str(_source_error(model_args, error)))
     if getattr(config, "model_type", None) != "fprm":
