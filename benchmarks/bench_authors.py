@@ -1,6 +1,6 @@
 """LoopFormer against the authors' own code (github.com/armenjeddi/loopformer, `models/loopformer.py`): the same
 random weights in both (theirs built by their class, ours converted from its state dict by
-`loopformer_hf.convert_reference.convert`), then, side by side:
+`loopformer_hf.convert_authors.convert`), then, side by side:
 
 - logits at the full budget (max |difference|) of each of their model files, models/{loopformer, tmlt, base_loop,
   base}.py, on random weights (their init, 1-D parameters jittered) converted with the matching `model_type`, and the
@@ -40,7 +40,7 @@ import transformers
 from benchmarks import format_markdown, row, write_json
 from benchmarks.bench_loopformer import FULL, QUICK, generate_fn, interleaved
 from loopformer_hf import ShortcutConsistency
-from loopformer_hf.convert_reference import convert
+from loopformer_hf.convert_authors import convert
 
 
 # our converter's model_type: their file under models/ (LoopFormer, TMLT, Base-Loop, Base)

@@ -4,7 +4,7 @@ Their GitHub `GPT.from_pretrained` computes in fp32; users of their Hub code (lm
 ports) compute the bf16 checkpoint in bf16. Their `nn.RMSNorm` has no eps, and torch's documentation says eps=None
 is `torch.finfo(x.dtype).eps`, 2^-7 = 7.8e-3 for bf16; a third-party port keeps that "dtype-dependent default". This
 measures what torch computes (the first line: `F.rms_norm` on a bf16 input against float32's eps and against 2^-7)
-and then, on the published-size stand-in (benchmarks/bench_published_size.py's writer: 3 blocks, width 2048, 32
+and then, on the published-size stand-in (benchmarks/bench_authors_size.py's writer: 3 blocks, width 2048, 32
 heads, FFN 5120, random bf16 weights of their init's scale, config.json without sizes), one forward of `--batch` x
 `--seq` tokens at M = 8 for: ours bf16 (every RMSNorm in float32 with float32's eps), ours fp32, their GPT in fp32 (the
 reference), their GPT cast to bf16, and their GPT in bf16 with every RMSNorm's eps set to 2^-7 (the port). The
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks import write_json
 from benchmarks.bench_authors import authors_commit, load_authors_module
-from benchmarks.bench_published_size import FULL, QUICK, write_reference_checkpoint
+from benchmarks.bench_authors_size import FULL, QUICK, write_reference_checkpoint
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bf16_norm.json")
@@ -61,7 +61,7 @@ def run(cfg, authors_repo, stream_rms, batch, seq, threads):
     from transformers import AutoModelForCausalLM
 
     import loopformer_hf  # noqa: F401  (registers the authors' layout)
-    from benchmarks.bench_published_size import load_theirs
+    from benchmarks.bench_authors_size import load_theirs
 
     torch.set_num_threads(threads)
     module = load_authors_module(authors_repo)

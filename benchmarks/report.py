@@ -359,15 +359,15 @@ def verdict_word(holds):
 # ---- what was checked against the authors' code ------------------------------------------------------------------
 
 EQUIVALENCE_TESTS = (
-    "tests/loopformer/test_convert_reference.py::test_each_reference_model_type_converts_and_matches",
-    "tests/loopformer/test_convert_reference.py::test_convert_wrapped_compiled_pt_matches_reference",
+    "tests/loopformer/test_convert_authors.py::test_each_reference_model_type_converts_and_matches",
+    "tests/loopformer/test_convert_authors.py::test_convert_wrapped_compiled_pt_matches_reference",
 )
 
 
 def equivalence_line(skip):
     """Runs the converter's oracle tests (their checkpoint layout with random weights, an independent forward in the
     test) when the checkout's tests/ is here."""
-    tests = Path.cwd() / "tests" / "test_convert_reference.py"
+    tests = Path.cwd() / "tests" / "test_convert_authors.py"
     if skip or not tests.exists():
         return (
             f"Forward equivalence: not run by this command ({'--skip_checks' if skip else 'no ' + str(tests)}); "

@@ -2,20 +2,20 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
-from .authors_checkpoints import from_pretrained_published, published_config_dict
+from .authors_checkpoints import from_pretrained_authors, authors_checkpoint_config_dict
 from .configuration_fprm import FPRMConfig
 from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMPreTrainedModel
 from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput
 from .solver_fprm import FPRMSolverState, SolverSettings
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
-# the authors' published folders (step files, no config.json): FPRMConfig.from_pretrained and the models'
+# the authors' folders (step files, no config.json): FPRMConfig.from_pretrained and the models'
 # from_pretrained derive the config from their files (the model files import no loader). AutoConfig reads config.json
 # alone: for such a folder it gives transformers' own error.
-if published_config_dict not in FPRMConfig.config_loaders:
-    FPRMConfig.config_loaders.append(published_config_dict)
-if from_pretrained_published not in FPRMPreTrainedModel.checkpoint_loaders:
-    FPRMPreTrainedModel.checkpoint_loaders.append(from_pretrained_published)
+if authors_checkpoint_config_dict not in FPRMConfig.config_loaders:
+    FPRMConfig.config_loaders.append(authors_checkpoint_config_dict)
+if from_pretrained_authors not in FPRMPreTrainedModel.checkpoint_loaders:
+    FPRMPreTrainedModel.checkpoint_loaders.append(from_pretrained_authors)
 AutoModel.register(FPRMConfig, FPRMModel, exist_ok=True)
 # The head predicts one answer token per input token: token classification is the Auto class that fits.
 AutoModelForTokenClassification.register(FPRMConfig, FPRMForReasoning, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The authors' published checkpoints (Hub `fixed-point-reasoners/fprm`), loaded as published.
+"""The authors' checkpoints (Hub `fixed-point-reasoners/fprm`), loaded as published.
 
     FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")              # newest step
     FPRMForReasoning.from_pretrained("fixed-point-reasoners/fprm", subfolder="maze", step=6510)
@@ -12,7 +12,7 @@ training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA co
 and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
 
 So every value comes from the files, in this order (`authors_settings.resolve_settings`, the one derivation behind
-`from_pretrained`, `FPRMConfig.from_pretrained` and `python -m fprm_hf.convert_reference`):
+`from_pretrained`, `FPRMConfig.from_pretrained` and `python -m fprm_hf.convert_authors`):
 
 1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
    puzzle-embedding rows and width, learned positions, fixed z0, the Q-head;
@@ -150,7 +150,7 @@ def task_folders(path, hub_kwargs):
 
 
 def refuse_root_or_step(path, hub_kwargs, step):
-    """For a folder that is not a published task folder: the root of a published repo (or a `subfolder` it lacks)
+    """For a folder that is not an authors' task folder: the root of an authors' repo (or a `subfolder` it lacks)
     named with its task folders, and `step` (which picks one of their step_N files) refused."""
     try:
         has_config = _resolve(path, "config.json", hub_kwargs) is not None
@@ -159,10 +159,10 @@ def refuse_root_or_step(path, hub_kwargs, step):
     root = {k: v for k, v in hub_kwargs.items() if k != "subfolder"}
     if not has_config and (tasks := task_folders(path, root)):
         sub = hub_kwargs.get("subfolder")
-        given = f"has no task folder {sub!r}" if sub else "is the root of a published FPRM repo"
+        given = f"has no task folder {sub!r}" if sub else "is the root of an authors' FPRM repo"
         raise PublishedCheckpointError(
             f"{os.fspath(path)} {given}: give subfolder= one of its task folders {tasks} "
-            f"(python -m looped_training.fprm.published: --subfolder)."
+            f"(python -m looped_training.fprm.evaluate_authors: --subfolder)."
         )
     if step is not None:
         raise PublishedCheckpointError(
@@ -179,7 +179,7 @@ def _resolve(path, filename, hub_kwargs):
     return cached_file(os.fspath(path), filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
 
 
-def is_published_layout(path, hub_kwargs):
+def is_authors_layout(path, hub_kwargs):
     """A folder with no config.json and their step files (or their all_config.yaml). Never raises: a path that
     cannot be read is not theirs, and transformers' own loading then says why."""
     if not isinstance(path, (str, os.PathLike)) or os.path.isfile(os.fspath(path)):
@@ -190,7 +190,7 @@ def is_published_layout(path, hub_kwargs):
         names = list_folder(path, hub_kwargs)
         if names is None:  # offline: the cache may still hold the YAML
             return _resolve(path, CONFIG_YAML, hub_kwargs) is not None
-    except Exception:  # an unknown repo, no network: not a published folder we can read
+    except Exception:  # an unknown repo, no network: not an authors' folder we can read
         return False
     return bool(steps_in(names)) or CONFIG_YAML in names
 
@@ -288,11 +288,11 @@ def task_of(path, hub_kwargs):
     return name if name in EXPERIMENTS else None
 
 
-# ---- a published folder -------------------------------------------------------------------------------------------
+# ---- an authors' folder -------------------------------------------------------------------------------------------
 
 
-def published_config(path, hub_kwargs, step=None, reference=None):
-    """(FPRMConfig, state dict, step) of a published folder: the derivation over its files."""
+def authors_checkpoint_config(path, hub_kwargs, step=None, reference=None):
+    """(FPRMConfig, state dict, step) of an authors' folder: the derivation over its files."""
     step = choose_step(path, hub_kwargs, step)
     reference = read_step_file(path, hub_kwargs, step) if reference is None else reference
     arch, data_paths, arch_source = read_arch(path, hub_kwargs)
@@ -331,22 +331,22 @@ def published_config(path, hub_kwargs, step=None, reference=None):
 # ---- entry points ------------------------------------------------------------------------------------------------
 
 
-def published_config_dict(path, kwargs):
-    """(config dict, the kwargs that are not Hub options) of a published folder, as `get_config_dict` returns them
+def authors_checkpoint_config_dict(path, kwargs):
+    """(config dict, the kwargs that are not Hub options) of an authors' folder, as `get_config_dict` returns them
     (`FPRMConfig.config_loaders`), or None when `path` is not one."""
     hub_kwargs = _hub_kwargs(kwargs)
-    if not is_published_layout(path, hub_kwargs):
+    if not is_authors_layout(path, hub_kwargs):
         return None
-    config, _, _ = published_config(path, hub_kwargs, kwargs.get("step"))
-    config._name_or_path = os.fspath(path)  # as on the model `from_pretrained_published` loads
+    config, _, _ = authors_checkpoint_config(path, hub_kwargs, kwargs.get("step"))
+    config._name_or_path = os.fspath(path)  # as on the model `from_pretrained_authors` loads
     return config.to_dict(), {k: v for k, v in kwargs.items() if k not in LOCATING_KWARGS}
 
 
-def from_pretrained_published(cls, path, model_args, kwargs):
-    """`cls.from_pretrained(path, ...)` for a published folder, or None when `path` is not one. transformers'
+def from_pretrained_authors(cls, path, model_args, kwargs):
+    """`cls.from_pretrained(path, ...)` for an authors' folder, or None when `path` is not one. transformers'
     `from_pretrained` then builds the model from the mapped state dict (dtype, device_map, the loading report)."""
     hub_kwargs = _hub_kwargs(kwargs)
-    if not is_published_layout(path, hub_kwargs):
+    if not is_authors_layout(path, hub_kwargs):
         if isinstance(path, (str, os.PathLike)):
             refuse_root_or_step(path, hub_kwargs, kwargs.get("step"))
         return None
@@ -354,7 +354,7 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     from .modeling_fprm import FPRMForReasoning
 
     if model_args:
-        raise ValueError(f"positional model arguments {model_args!r} are not accepted for a published folder.")
+        raise ValueError(f"positional model arguments {model_args!r} are not accepted for an authors' folder.")
     kwargs = {
         k: v
         for k, v in kwargs.items()
@@ -366,7 +366,7 @@ def from_pretrained_published(cls, path, model_args, kwargs):
     given_step = (getattr(config, "authors_checkpoint", None) or {}).get("step")
     if step is not None and given_step is not None and step != given_step:
         raise ValueError(f"step={step} was asked for, the config given was derived for step {given_step}.")
-    derived, reference, step = published_config(path, hub_kwargs, step if step is not None else given_step)
+    derived, reference, step = authors_checkpoint_config(path, hub_kwargs, step if step is not None else given_step)
     if config is None:
         config = derived
     config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in ("dtype",)}
@@ -395,9 +395,9 @@ __all__ = [
     "PUBLISHED_REPO",
     "EXPERIMENTS",
     "resolve_settings",
-    "published_config",
-    "is_published_layout",
-    "published_config_dict",
-    "from_pretrained_published",
+    "authors_checkpoint_config",
+    "is_authors_layout",
+    "authors_checkpoint_config_dict",
+    "from_pretrained_authors",
     "PublishedCheckpointError",
 ]

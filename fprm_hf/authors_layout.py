@@ -1,6 +1,6 @@
 """The authors' FPRM layout (GitHub nilskiKonjIzDunava/fprm) and this package's: their arch field names mapped to
 `FPRMConfig`'s (`check_settings`, `build_config`) and their weight keys to `FPRMForReasoning`'s
-(`map_reference_state_dict`; the converter's docstring, `convert_reference`, has the key mapping table). Where their
+(`map_reference_state_dict`; the converter's docstring, `convert_authors`, has the key mapping table). Where their
 settings come from (a checkpoint's files) is `authors_settings.resolve_settings`.
 """
 

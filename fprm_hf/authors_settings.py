@@ -1,6 +1,6 @@
 """The one derivation of the authors' settings from a checkpoint's files (`resolve_settings`), shared by
-`from_pretrained` on their published folders (`authors_checkpoints`), `FPRMConfig.from_pretrained` and the converter
-(`convert_reference`). Each value comes from the first of these that gives it, with where it came from:
+`from_pretrained` on their authors' folders (`authors_checkpoints`), `FPRMConfig.from_pretrained` and the converter
+(`convert_authors`). Each value comes from the first of these that gives it, with where it came from:
 
 1. the tensors' shapes (`weight_settings`);
 2. the fields a config file states (their names, `arch:`);
@@ -57,7 +57,7 @@ ALPHA_KEYS = (
 
 
 class PublishedCheckpointError(ValueError):
-    """A checkpoint in their layout (a published folder, a file given to the converter) that cannot be loaded as it
+    """A checkpoint in their layout (an authors' folder, a file given to the converter) that cannot be loaded as it
     is: the message names the file or field."""
 
 

@@ -249,7 +249,7 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
     model_type = "fprm"
     # Trainer.prediction_step drops these from the outputs it gathers across evaluation batches.
     keys_to_ignore_at_inference = ["solver_state", "residual_trace"]
-    # Folders with no config.json in another layout (the authors' published step files) register a derivation here,
+    # Folders with no config.json in another layout (the authors' step files) register a derivation here,
     # `derive(path, kwargs)` -> (config dict, unused kwargs) or None (`fprm_hf/__init__.py`): this module imports no
     # loader.
     config_loaders = []
@@ -335,7 +335,7 @@ class FPRMConfig(LoopedConfigMixin, PreTrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
         """As `PreTrainedConfig.get_config_dict` (what `FPRMConfig.from_pretrained` reads); a folder with no config.json
-        that a registered layout knows (the authors' published step files:
+        that a registered layout knows (the authors' step files:
         `FPRMConfig.from_pretrained("fixed-point-reasoners/fprm", subfolder="sudoku")`) gives the config dict derived
         from its files. `AutoConfig` reads config.json alone (transformers' own `get_config_dict`), so it gives
         transformers' own error for such a folder."""

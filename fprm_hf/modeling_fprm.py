@@ -63,7 +63,7 @@ class FPRMPreTrainedModel(CheckpointLoadersMixin, PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
-    checkpoint_loaders = []  # the authors' published step files (`fprm_hf/__init__.py`; `CheckpointLoadersMixin`)
+    checkpoint_loaders = []  # the authors' step files (`fprm_hf/__init__.py`; `CheckpointLoadersMixin`)
 
     @torch.no_grad()
     def _init_weights(self, module):

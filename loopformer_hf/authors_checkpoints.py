@@ -1,4 +1,4 @@
-"""The authors' published checkpoints (armenjeddi/LoopFormer-*, Base-Loop-*) loaded into this package's classes.
+"""The authors' checkpoints (armenjeddi/LoopFormer-*, Base-Loop-*) loaded into this package's classes.
 
 What is known of the published files (public traces of armenjeddi/LoopFormer-3block-8iterations at 2b4fbaa; the Hub
 cannot be reached from where this was written): config.json of 296 bytes with `architectures`
@@ -83,7 +83,7 @@ def _refuse_reference_weights_under_our_config(path, hub_kwargs):
         raise ValueError(
             f"{os.fspath(path)!r}: config.json is in this package's layout (it has {' / '.join(OWN_CONFIG_KEYS)}), "
             f"but the weights are named as the authors' GPT ({theirs[:3]}, …): the config was replaced or edited. "
-            f"Use their config.json (it is translated), or convert with `python -m loopformer_hf.convert_reference`."
+            f"Use their config.json (it is translated), or convert with `python -m loopformer_hf.convert_authors`."
         )
 
 

@@ -103,7 +103,7 @@ def attend(module, query, key, value, attention_mask, output_attentions=False):
 
 class CheckpointLoadersMixin:
     """`from_pretrained` of both models (placed before `PreTrainedModel` among the bases). A folder in another layout
-    (the authors' published files) is loaded by an entry of the model's own `checkpoint_loaders` list, `load(cls,
+    (the authors' files) is loaded by an entry of the model's own `checkpoint_loaders` list, `load(cls,
     path, args, kwargs)` -> a model or None, which the package's `__init__` registers: the model files import none, so
     a saved folder carries none. Weights that are not safetensors (a renamed pickle, a truncated download) are an
     OSError naming the file, where transformers lets safetensors' bare "Error while deserializing header" through (a

@@ -32,7 +32,7 @@ from .layers_loopformer import (
 )
 from .looped_common import CheckpointLoadersMixin
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
-from .masks_loopformer import call_inputs
+from .inputs_loopformer import call_inputs
 from .plan_loopformer import LoopFormerPlan
 
 

@@ -16,12 +16,12 @@ COMMANDS = (
     "loopformer.lm_eval",
     "fprm.train",
     "fprm.evaluate",
-    "fprm.published",
+    "fprm.evaluate_authors",
     "finetune_lora",
     "publish",
     "configs",
-    "loopformer_hf.convert_reference",
-    "fprm_hf.convert_reference",
+    "loopformer_hf.convert_authors",
+    "fprm_hf.convert_authors",
 )
 COMMAND_CASES = [c for c in CASES if c.area in COMMANDS and c.command]
 

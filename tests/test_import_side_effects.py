@@ -144,5 +144,5 @@ def test_import_registers_with_the_auto_classes_and_changes_nothing_else_and_loa
     }
     assert others == {}, f"importing the packages changed transformers: {others}"
     assert result["on_load"] == {}, f"loading the authors' checkpoints changed transformers: {result['on_load']}"
-    # a published FPRM folder has no config.json: AutoConfig gives transformers' own error (FPRMConfig reads it)
+    # an authors' FPRM folder has no config.json: AutoConfig gives transformers' own error (FPRMConfig reads it)
     assert "config.json" in (result["auto_config_error"] or "AutoConfig read it")

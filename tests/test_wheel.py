@@ -415,7 +415,7 @@ def test_installed_converters_run_with_the_readmes_flags(venv, tmp_path):
         [
             str(python),
             "-m",
-            "loopformer_hf.convert_reference",
+            "loopformer_hf.convert_authors",
             "--checkpoint",
             "ckpt.pt",
             "--output",
@@ -450,7 +450,7 @@ def test_installed_converters_run_with_the_readmes_flags(venv, tmp_path):
         [
             str(python),
             "-m",
-            "fprm_hf.convert_reference",
+            "fprm_hf.convert_authors",
             "--checkpoint",
             "step_50000",
             "--config",

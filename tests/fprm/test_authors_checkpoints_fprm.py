@@ -1,4 +1,4 @@
-"""The authors' published checkpoints (Hub fixed-point-reasoners/fprm, folders sudoku/ and maze/) load, compute and
+"""The authors' checkpoints (Hub fixed-point-reasoners/fprm, folders sudoku/ and maze/) load, compute and
 halt as published.
 
 The stand-ins are built from their code and files (tests/support/fprm_reference_oracle.py): their state dict at the

@@ -1,6 +1,6 @@
 """authors_layout.py: the authors' arch fields (their names, their defaults) checked and built into an `FPRMConfig`,
 and their state dict mapped onto this package's names, key by key and shape by shape. Each direction is checked
-against a table written here from their code's module names; whole published folders load in
+against a table written here from their code's module names; whole authors' folders load in
 test_authors_checkpoints_fprm.py."""
 
 import pytest

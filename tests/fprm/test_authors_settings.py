@@ -1,7 +1,7 @@
 """authors_settings.py: the authors' settings derived from a checkpoint in their layout, each from the first source
 that gives it (the tensors' shapes, a config file's `arch:`, the task sizes their dataset builders write, their
 defaults), with where it came from; a contradiction or a value nothing determines is a `PublishedCheckpointError`.
-Loading whole published folders is in test_authors_checkpoints_fprm.py."""
+Loading whole authors' folders is in test_authors_checkpoints_fprm.py."""
 
 import pytest
 import torch

@@ -128,7 +128,7 @@ def test_alpha_init_and_tied_betas():
 
 def test_one_loop_step_matches_the_spec_equations():
     """f(y) recomputed by hand from the modules: y' = [prefix rows ; Conv(grid rows of y)], h = α2·y' + β2·x, then
-    h = α1·h + β1·F(RMSNorm(h)) per sub-layer (tests/fprm/test_convert_reference_fprm.py checks the same against the authors')."""
+    h = α1·h + β1·F(RMSNorm(h)) per sub-layer (tests/fprm/test_convert_authors_fprm.py checks the same against the authors')."""
     model = tiny_fprm().model
     torch.manual_seed(3)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The authors' published checkpoints (armenjeddi/LoopFormer-*, Base-Loop-*) load into our classes, exactly.
+"""The authors' checkpoints (armenjeddi/LoopFormer-*, Base-Loop-*) load into our classes, exactly.
 
 Stand-in repos are written here in their Hub layout, as their GitHub `GPT.from_pretrained` reads it: config.json
 with their model type and nanoGPT keys (or the GPT-2 aliases their loader also accepts) and `steps`, weights named
@@ -349,7 +349,7 @@ def test_a_damaged_or_missing_weights_file_is_named_by_from_pretrained_and_the_c
         [
             sys.executable,
             "-m",
-            "loopformer_hf.convert_reference",
+            "loopformer_hf.convert_authors",
             "--hub_repo",
             str(folder),
             "--output_dir",

@@ -15,7 +15,7 @@ from loopformer_hf.authors_config import AUTHORS_CONFIG_CLASSES, MODEL_TYPES
 from support.reference_oracle import write_authors_repo
 
 LOADER_MODULES = sorted((Path(loopformer_hf.__file__).parent).glob("authors_*.py")) + [
-    Path(loopformer_hf.__file__).parent / "convert_reference.py"
+    Path(loopformer_hf.__file__).parent / "convert_authors.py"
 ]
 
 

@@ -1,5 +1,5 @@
 """The authors' checkpoints, once loaded, work as any model of ours: generate (loop budget, schedule, halting), a
-pipeline with the repo's own tokenizer, PEFT, `save_pretrained`, lm-eval; `python -m loopformer_hf.convert_reference
+pipeline with the repo's own tokenizer, PEFT, `save_pretrained`, lm-eval; `python -m loopformer_hf.convert_authors
 --hub_repo` converts them from the Hub; and what does not fill their model is refused, never initialised at random.
 Stand-in repos in their Hub layout with random weights, checked against the independent oracle of
 tests/support/reference_oracle.py (tests/loopformer/test_authors_checkpoints.py holds the loading itself).
@@ -239,7 +239,7 @@ HUB_REPO, HUB_TOKEN = "armenjeddi/LoopFormer-2block-4iterations", "hf_test_write
 
 def _convert(env, *args):
     return subprocess.run(
-        [sys.executable, "-m", "loopformer_hf.convert_reference", *args],
+        [sys.executable, "-m", "loopformer_hf.convert_authors", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -388,7 +388,7 @@ def test_gpt2_style_tokenizer_files_with_autotokenizer_and_a_pipeline(tmp_path):
 
 def test_the_converter_prints_no_runpy_warning():
     proc = subprocess.run(
-        [sys.executable, "-W", "default", "-m", "loopformer_hf.convert_reference", "--help"],
+        [sys.executable, "-W", "default", "-m", "loopformer_hf.convert_authors", "--help"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -409,10 +409,10 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
         "configuration_loopformer.py",
         "generation_loopformer.py",
         "halting_loopformer.py",
+        "inputs_loopformer.py",
         "layers_loopformer.py",
         "looped_common.py",
         "loss_loopformer.py",
-        "masks_loopformer.py",
         "modeling_loopformer.py",
         "plan_loopformer.py",
         "trajectory_loopformer.py",
@@ -624,6 +624,6 @@ def test_the_forward_reads_top_to_bottom(tiny_model, kwargs):
     returning to files already left)."""
     assert _files_the_forward_enters(tiny_model, **kwargs) == [
         "plan_loopformer.py",
-        "masks_loopformer.py",
+        "inputs_loopformer.py",
         "layers_loopformer.py",  # the final norm
     ]

@@ -2,7 +2,7 @@
 re-implementation of their forward and solver, written from ../shared/spec/fprm.md ("The authors' computation, step by
 step") and their code (models/transformer.py, models/layers.py, models/fixed_point_reasoning/{fprm,model_utils}.py).
 It imports nothing from `fprm_hf` and works on a state dict in THEIR key layout, as their pretrain script saves it
-(loss-head wrapper prefix `model.inner.`, all-ones `mask` buffers, a Q-head). Used by tests/fprm/test_convert_reference_fprm.py
+(loss-head wrapper prefix `model.inner.`, all-ones `mask` buffers, a Q-head). Used by tests/fprm/test_convert_authors_fprm.py
 (the forward), tests/training/fprm/test_fprm_training_oracle.py (training) and tests/test_wheel.py."""
 
 import math
@@ -260,7 +260,7 @@ class Reference:
         return ref_linear(self.w, "lm_head", y)[:, self.prefix :]
 
 
-# ---- their published checkpoints (Hub fixed-point-reasoners/fprm), stood in for at the real sizes --------------------
+# ---- their authors' checkpoints (Hub fixed-point-reasoners/fprm), stood in for at the real sizes --------------------
 # Written from their files, not from fprm_hf: config/arch/fprm.yaml as their Hydra run resolves it (`${.field}`
 # filled), each task file's `arch:` section over it, the data paths of config/cfg_pretrain_{sudoku,maze}.yaml, and the
 # sizes their dataset builders write (pretrain.py adds seq_len, vocab_size, num_puzzle_identifiers and batch_size to
@@ -409,7 +409,7 @@ PUBLISHED_STEPS = (6510, 78120)  # two of their twelve steps (every 6,510 to 78,
 
 
 def published_settings(task, **arch):
-    """Their model settings of a published task folder (their field names), as their pretrain.py builds them;
+    """Their model settings of an authors' task folder (their field names), as their pretrain.py builds them;
     `arch` overrides fields of its arch (smaller stand-ins)."""
     paths, seq_len, vocab, _ = TASK_DATA[task]
     return {

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from loopformer_hf.convert_reference import main as convert_main
+from loopformer_hf.convert_authors import main as convert_main
 from looped_training.loopformer import evaluate as evaluate_elastic
 from looped_training.loopformer import train as train_loopformer
 

@@ -181,7 +181,7 @@ class EvalArguments:
         default=False,
         metadata={
             "help": "with --data: evaluate before the first step (and after the last) as "
-            "looped_training.fprm.published does, with --seed, --eval_batch_size, --eval_max_loops (not on a resume)"
+            "looped_training.fprm.evaluate_authors does, with --seed, --eval_batch_size, --eval_max_loops (not on a resume)"
         },
     )
     torch_threads: int | None = field(

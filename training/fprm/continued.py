@@ -1,9 +1,9 @@
 """Training that starts from a trained FPRM (`python -m looped_training.fprm.train --model_name_or_path ...`): the
-authors' published models (`fixed-point-reasoners/fprm --subfolder sudoku [--step N]`, loaded as
+authors' models (`fixed-point-reasoners/fprm --subfolder sudoku [--step N]`, loaded as
 `FPRMForReasoning.from_pretrained` loads them), or a folder saved by this package. The model's shape and solver
 settings come from the checkpoint: a model flag given on the command line or in a preset that says otherwise is
 refused by name. `--eval_before_training` evaluates the model on `--data`'s test split before the first step as
-`python -m looped_training.fprm.published` does (the same report, from the same seed), and again after the last."""
+`python -m looped_training.fprm.evaluate_authors` does (the same report, from the same seed), and again after the last."""
 
 import torch
 
@@ -59,11 +59,11 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
     from transformers import AutoConfig
 
     from fprm_hf import FPRMConfig  # (the import registers "fprm" with AutoConfig)
-    from fprm_hf.authors_checkpoints import is_published_layout
+    from fprm_hf.authors_checkpoints import is_authors_layout
 
-    # the authors' published folder has no config.json, which AutoConfig reads: FPRMConfig derives it from the files
+    # the authors' folder has no config.json, which AutoConfig reads: FPRMConfig derives it from the files
     where = {"subfolder": model_args.subfolder} if model_args.subfolder else {}
-    config_class = FPRMConfig if is_published_layout(model_args.model_name_or_path, where) else AutoConfig
+    config_class = FPRMConfig if is_authors_layout(model_args.model_name_or_path, where) else AutoConfig
     try:
         config = config_class.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
     except (OSError, ValueError) as error:
@@ -100,11 +100,11 @@ def load_source(model_args):
 
 
 def authors_protocol(model, test, task, eval_args, seed, device):
-    """`python -m looped_training.fprm.published`'s report of `model` on the test split `test` (an `AuthorsSplit`)
+    """`python -m looped_training.fprm.evaluate_authors`'s report of `model` on the test split `test` (an `AuthorsSplit`)
     of the folder, as that command computes it for the same `--seed`, `--batch_size` (here `--eval_batch_size`),
     `--max_loops` (`--eval_max_loops`) and `--halt_eps` (`--eval_halt_eps`): z0 drawn per puzzle from the seed, the
     model's halt_scope."""
-    from looped_training.fprm.published import evaluate, task_at
+    from looped_training.fprm.evaluate_authors import evaluate, task_at
 
     solver = {"max_loops": eval_args.eval_max_loops}
     if eval_args.eval_halt_eps is not None:

@@ -306,7 +306,7 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
     trainer = trainer_class(
         model=model, args=train_args, train_dataset=train_dataset, callbacks=callbacks, **eval_kwargs
     )
-    protocol = {}  # --eval_before_training: looped_training.fprm.published's report before and after training
+    protocol = {}  # --eval_before_training: looped_training.fprm.evaluate_authors's report before and after training
     if eval_args.eval_before_training and resume is None and trainer.is_world_process_zero():
         protocol["before_training"] = authors_report(model, ds, data_args, eval_args, train_args, "before training")
     t1 = time.perf_counter()
@@ -337,12 +337,12 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
 
 
 def authors_report(model, ds, data_args, eval_args, train_args, when):
-    """`looped_training.fprm.published`'s report of `model` on the test split of `--data` (continued.py), printed."""
+    """`looped_training.fprm.evaluate_authors`'s report of `model` on the test split of `--data` (continued.py), printed."""
     from looped_training.fprm.continued import authors_protocol
-    from looped_training.fprm.published import print_report as print_published
+    from looped_training.fprm.evaluate_authors import print_report as print_published
 
     report = authors_protocol(model, ds["test"], data_args.task, eval_args, train_args.seed, train_args.device)
-    print(f"\n== {when}, as looped_training.fprm.published evaluates (--seed {train_args.seed}) ==")
+    print(f"\n== {when}, as looped_training.fprm.evaluate_authors evaluates (--seed {train_args.seed}) ==")
     print_published(report)
     return report
 

@@ -27,7 +27,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Continue training from these weights and their tokenizer: a folder or Hub id of a LoopFormer "
-            "(ours, or one of the authors' published repos). The model's shape is the checkpoint's; a model flag "
+            "(ours, or one of the authors' repos). The model's shape is the checkpoint's; a model flag "
             "that contradicts it is refused."
         },
     )

@@ -1,5 +1,5 @@
 """Continued training (`train --model_name_or_path`): a run that starts from a checkpoint's weights and tokenizer
-(a folder or Hub id of ours, or one of the authors' published repos, loaded as `from_pretrained` loads it). The
+(a folder or Hub id of ours, or one of the authors' repos, loaded as `from_pretrained` loads it). The
 model's shape comes from the checkpoint; a model flag given on the command line (or in a config file) that says
 otherwise is refused by name, since the weights could not follow it."""
 

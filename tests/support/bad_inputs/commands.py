@@ -202,7 +202,7 @@ LORA = cli("looped_training.finetune_lora")
 
 # ---- issue 64: every command answers a user's mistake in one line (the rows run as `python -m`) --------------------
 
-PUBLISHED = command("looped_training.fprm.published")
+PUBLISHED = command("looped_training.fprm.evaluate_authors")
 TRAIN_CMD = command("looped_training.loopformer.train")
 FPRM_TRAIN_CMD = command("looped_training.fprm.train")
 EVALUATE_CMD = command("looped_training.loopformer.evaluate")
@@ -600,7 +600,7 @@ CASES = [
         r"--output .* already holds adapter/ and merged/ of an earlier fine-tuning",
     ),
     Case(
-        "loopformer_hf.convert_reference",
+        "loopformer_hf.convert_authors",
         "--output an existing file",
         lambda t: LF_CONVERT(
             "--checkpoint",
@@ -620,7 +620,7 @@ CASES = [
         r"exists and is not a folder",
     ),
     Case(
-        "loopformer_hf.convert_reference",
+        "loopformer_hf.convert_authors",
         "--checkpoint MISSING_FILE",
         LF_CONVERT(
             "--checkpoint",
@@ -640,7 +640,7 @@ CASES = [
         r"does not exist or is not a file",
     ),
     Case(
-        "fprm_hf.convert_reference",
+        "fprm_hf.convert_authors",
         "--checkpoint MISSING_FILE",
         lambda t: FP_CONVERT(
             "--checkpoint",
@@ -654,72 +654,72 @@ CASES = [
         r"--checkpoint .*missing\.pt.* is not a file",
     ),
     # ---- issue 64 -------------------------------------------------------------------------------------------------
-    # fprm.published (bugs 1-4, weak rows: a path that is not there, a root without --subfolder, a CSV's bad row)
+    # fprm.evaluate_authors (bugs 1-4, weak rows: a path that is not there, a root without --subfolder, a CSV's bad row)
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--output in a read-only folder (written after every puzzle)",
         published_into_read_only,
         SystemExit,
         r"--output .*read-only/r\.json cannot be created: .*read-only is not writable \(Permission denied\)",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--output under a regular file",
         lambda t: PUBLISHED(str(t), "--puzzle", "1", "--output", under_a_file(t, "r.json"))(t),
         SystemExit,
         r"--output .*taken/r\.json cannot be created: .*taken is a file, not a folder",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--device gpu0",
         PUBLISHED("{tmp}", "--puzzle", "1", "--device", "gpu0"),
         SystemExit,
         r"--device 'gpu0' is not usable here \(.*\); give one of this machine's devices: cpu",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--device cuda:99 (no such GPU)",
         PUBLISHED("{tmp}", "--puzzle", "1", "--device", "cuda:99"),
         SystemExit,
         r"--device 'cuda:99' is not usable here",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--step 6510 on a saved model",
         lambda t: PUBLISHED(str(saved_fprm(t)), "--puzzle", "1", "--step", "6510")(t),
         SystemExit,
         r"step=6510 picks one of the authors' step_N files, and .*model holds none .*leave step out",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--dataset a CSV without its header row",
         lambda t: published_csv(t, f"x,{PUZZLE},{ANSWER},3\n", model=lambda t: t),
         SystemExit,
         r"--dataset .*test\.csv: its first row 'x,000.*' is not a header naming the columns question and answer",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--dataset a binary file",
         lambda t: PUBLISHED(str(t), "--dataset", str(file_in(t, "data.bin", bytes(range(256)))))(t),
         SystemExit,
         r"--dataset .*data\.bin is not a text file",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "a model path that does not exist",
         PUBLISHED("{tmp}/missing", "--puzzle", "1"),
         SystemExit,
         r"model .*missing: no such folder \(nor a Hub repo id owner/name\)",
     ),
     Case(
-        "fprm.published",
-        "the published repo's root with --subfolder arc",
+        "fprm.evaluate_authors",
+        "the authors' repo's root with --subfolder arc",
         lambda t: PUBLISHED(str(published_root(t)), "--subfolder", "arc", "--puzzle", "1")(t),
         SystemExit,
         r"fprm has no task folder 'arc': give subfolder= one of its task folders \['sudoku'\]",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--dataset CSV whose row 2 has 80 cells",
         lambda t: published_csv(
             t, f"source,question,answer,rating\nx,{PUZZLE},{ANSWER},1\nx,{PUZZLE[1:]},{ANSWER},2\n"
@@ -728,14 +728,14 @@ CASES = [
         r"--dataset .*test\.csv, row 2, column question: a sudoku puzzle has 81 cells \(9x9\), got 80",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--dataset CSV of its header only",
         lambda t: published_csv(t, "source,question,answer,rating\n"),
         SystemExit,
         r"--dataset .*test\.csv has no rows, only its header",
     ),
     Case(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "--dataset CSV with the rating 'hard'",
         lambda t: published_csv(t, f"source,question,answer,rating\nx,{PUZZLE},{ANSWER},hard\n"),
         SystemExit,
@@ -852,14 +852,14 @@ OTHER_COMMANDS = [
         r"--stage_dir .*taken/s cannot be created: .*taken is a file, not a folder",
     ),
     Case(
-        "loopformer_hf.convert_reference",
+        "loopformer_hf.convert_authors",
         "--output under a regular file",
         lambda t: LF_CONVERT_CMD("--hub_repo", "{tmp}", "--output_dir", under_a_file(t, "out"))(t),
         SystemExit,
         r"--output .*taken/out' cannot be written \(Not a directory\)",
     ),
     Case(
-        "fprm_hf.convert_reference",
+        "fprm_hf.convert_authors",
         "--output under a regular file",
         lambda t: FP_CONVERT_CMD(
             "--checkpoint", "{tmp}/c.pt", "--config", "{tmp}/a.yaml", "--output", under_a_file(t, "out")

@@ -1,5 +1,5 @@
 """The bad-input registry's FPRM rows: its config, forward, `iter_solve`, TRM's trainer, loading (its own saves and
-the authors' published folders) and its converter; with the tiny models and folders they run on."""
+the authors' folders) and its converter; with the tiny models and folders they run on."""
 
 from dataclasses import replace
 from functools import lru_cache
@@ -66,8 +66,8 @@ def pickle_as_safetensors(tmp):
     return folder
 
 
-FP_CONVERT = cli("fprm_hf.convert_reference")
-FP_CONVERT_CMD = command("fprm_hf.convert_reference")
+FP_CONVERT = cli("fprm_hf.convert_authors")
+FP_CONVERT_CMD = command("fprm_hf.convert_authors")
 
 
 def saved_fprm(tmp, **overrides):
@@ -82,7 +82,7 @@ def sudoku_fprm(tmp):
 
 
 def published_root(tmp):
-    """The root of a stand-in of the published repo, holding the task folder sudoku/ (tests/support/fprm_reference_oracle.py)."""
+    """The root of a stand-in of the authors' repo, holding the task folder sudoku/ (tests/support/fprm_reference_oracle.py)."""
     from support.fprm_reference_oracle import write_published_folder
 
     root = Path(tmp) / "fprm"
@@ -91,7 +91,7 @@ def published_root(tmp):
 
 
 def pickled_step_file(tmp):
-    """A published task folder whose step file needs pickle (an object only pickle rebuilds)."""
+    """An authors' task folder whose step file needs pickle (an object only pickle rebuilds)."""
     import argparse
 
     folder = Path(tmp) / "sudoku"
@@ -371,17 +371,17 @@ WEAK_ROWS = [
     # FPRM's and LoopFormer's loading and knobs (bug 3, weak rows)
     Case(
         f"{FP} from_pretrained",
-        "step=6510 on a saved model (not a published folder)",
+        "step=6510 on a saved model (not an authors' folder)",
         lambda t: fprm().from_pretrained(saved_fprm(t), step=6510),
         ValueError,
         r"step=6510 picks one of the authors' step_N files, and .*model holds none",
     ),
     Case(
         f"{FP} from_pretrained",
-        "the published repo's root, no subfolder",
+        "the authors' repo's root, no subfolder",
         lambda t: fprm().from_pretrained(published_root(t)),
         ValueError,
-        r"fprm is the root of a published FPRM repo: give subfolder= one of its task folders \['sudoku'\]",
+        r"fprm is the root of an authors' FPRM repo: give subfolder= one of its task folders \['sudoku'\]",
     ),
     Case(
         f"{FP} from_pretrained",

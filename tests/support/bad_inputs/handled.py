@@ -155,19 +155,19 @@ HANDLED = [
     ),
     # issue 64
     Handled(
-        "fprm.published",
+        "fprm.evaluate_authors",
         "`--output` in a folder that is not there yet",
         "the folder is created and the report written (was a FileNotFoundError traceback after every puzzle was "
         "solved, the report lost); a folder it may not write, or a path under a file, is refused before any work",
-        "tests/training/fprm/test_fprm_published_eval.py::"
+        "tests/training/fprm/test_fprm_evaluate_authors.py::"
         "test_an_output_in_a_folder_not_yet_there_is_created_and_the_report_written",
     ),
     Handled(
-        "fprm.published, fprm.evaluate",
+        "fprm.evaluate_authors, fprm.evaluate",
         "a rating cell left empty (NaN)",
         "that puzzle is in no by-rating bin (`unrated` counts it); every rated puzzle stays in its bin (the NaN "
         "became a bin edge and the top bin's puzzles were dropped without a word)",
-        "tests/training/fprm/test_fprm_published_eval.py::"
+        "tests/training/fprm/test_fprm_evaluate_authors.py::"
         "test_an_empty_rating_cell_leaves_every_rated_puzzle_in_the_by_rating_table",
     ),
     Handled(

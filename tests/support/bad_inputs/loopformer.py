@@ -85,8 +85,8 @@ def _restate(folder, **values):
     return folder
 
 
-LF_CONVERT = cli("loopformer_hf.convert_reference")
-LF_CONVERT_CMD = command("loopformer_hf.convert_reference")
+LF_CONVERT = cli("loopformer_hf.convert_authors")
+LF_CONVERT_CMD = command("loopformer_hf.convert_authors")
 
 
 def saved_with_invalid_generation_loop_budget(tmp):
@@ -453,7 +453,7 @@ CASES = [
         r"model\.safetensors' is not a whole safetensors file.*truncated",
     ),
     Case(
-        "loopformer_hf.convert_reference",
+        "loopformer_hf.convert_authors",
         "--hub_repo FOLDER whose model.safetensors is truncated",
         lambda t: LF_CONVERT(
             "--hub_repo", str(_truncated(authors_repo(t) / "model.safetensors").parent), "--output_dir", "{tmp}/out"

@@ -1,7 +1,7 @@
 """The authors' data folders (issue 63, items 1 and 2): `python -m looped_training.fprm.prepare` writes what their
 dataset/build_*_dataset.py writes, byte for byte; `python -m looped_training.fprm.train --data` trains on such a
 folder with the batches their puzzle_dataset.py draws, and evaluates on its test split in order; `--model_name_or_path`
-starts from a published model, whose evaluation before the first step is `looped_training.fprm.published`'s.
+starts from an authors' model, whose evaluation before the first step is `looped_training.fprm.evaluate_authors`'s.
 
 Their builders and loaders are re-implemented in tests/support/fprm_data_oracle.py; the source CSVs are written here
 in the Hub datasets' columns, from puzzles generated in the test (the Hub cannot be reached)."""
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from looped_training.fprm import prepare, published
+from looped_training.fprm import evaluate_authors, prepare
 from looped_training.fprm import train as fprm_train
 from looped_training.fprm.authors_data import AuthorsSplit
 from looped_training.fprm.trainer import FPRMTrainer
@@ -155,7 +155,7 @@ def test_fine_tuning_a_published_step_evaluates_first_as_published_does(publishe
         out = tmp_path / f"published-{step}-{seed}.json"
         argv = [str(published_root), "--subfolder", "sudoku", "--step", str(step), "--data", str(folder)]
         solver = ["--max_loops", "6", "--batch_size", "4", "--halt_eps", "0.5", "--device", "cpu"]
-        assert published.main([*argv, *solver, "--seed", str(seed), "--output", str(out)]) == 0
+        assert evaluate_authors.main([*argv, *solver, "--seed", str(seed), "--output", str(out)]) == 0
         return {
             k: v for k, v in json.loads(out.read_text()).items() if k not in ("seconds", "model", "subfolder", "step")
         }

@@ -8,7 +8,7 @@ sample's stablemax token mean, the batch mean, + q_loss_coeff × the batch mean 
 clipping, AdamW with their weight-decay groups (all but the α logits) at lr·min(1, (s+1)/W), then halting per
 sample (segments ≥ max_iter, residual < fp_thresh, η < 1e-3), and on Sudoku their SignSGD for the puzzle
 embedding (the rows of the batch only) and an EMA of the dense parameters. The forward is `Reference` of
-tests/fprm/test_convert_reference_fprm.py (checked there against the converter).
+tests/fprm/test_convert_authors_fprm.py (checked there against the converter).
 
 The package's side is its own training path: `convert` of the same weights, then `FPRMTrainer` with
 `FPRMTrainingArguments` as a preset sets them. z0 draws and batches are taken from the package's run and handed to
@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from fprm_hf.authors_layout import _map_key
-from fprm_hf.convert_reference import convert
+from fprm_hf.convert_authors import convert
 from looped_training.fprm.arguments import FPRMTrainingArguments
 from looped_training.fprm.trainer import FPRMTrainer
 from support.fprm_reference_oracle import BASE, Reference, reference_state_dict

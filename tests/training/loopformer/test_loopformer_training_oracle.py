@@ -26,7 +26,7 @@ from looped_training.loopformer.data.text import chunk_text
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.loopformer.arguments import ModelArguments, ScheduleArguments, ShortcutArguments
 from looped_training.loopformer.train import build_trainer
-from loopformer_hf.convert_reference import convert, map_reference_state_dict
+from loopformer_hf.convert_authors import convert, map_reference_state_dict
 from support.reference_oracle import _embedder, _reference_block, reference_state_dict
 
 N_LAYER, N_LOOPS, D, N_HEAD, VOCAB, T = 2, 4, 32, 4, 61, 16

@@ -1,11 +1,11 @@
-"""The authors' published FPRM checkpoints on their test data: a puzzle solved, or a test set evaluated.
+"""The authors' FPRM checkpoints on their test data: a puzzle solved, or a test set evaluated.
 
-    python -m looped_training.fprm.published fixed-point-reasoners/fprm --subfolder sudoku \
+    python -m looped_training.fprm.evaluate_authors fixed-point-reasoners/fprm --subfolder sudoku \
         --data data/sudoku-extreme-full --halt_scope batch
-    python -m looped_training.fprm.published fixed-point-reasoners/fprm --subfolder maze \
+    python -m looped_training.fprm.evaluate_authors fixed-point-reasoners/fprm --subfolder maze \
         --dataset sapientinc/maze-30x30-hard-1k --num_test 200
 
-The model is any folder `FPRMForReasoning.from_pretrained` reads (the published step files, `--step N` for another
+The model is any folder `FPRMForReasoning.from_pretrained` reads (the authors' step files, `--step N` for another
 than the newest, or a saved model). The data is what their `dataset/build_*_dataset.py` writes (`--data`: the output
 folder or its `test/`: all__inputs.npy, all__labels.npy and, for Sudoku, all__group_difficulties.npy) or the source
 dataset through `datasets` (`--dataset`: a Hub id or a CSV with their columns source, question, answer, rating).
@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-PROG = "python -m looped_training.fprm.published"
+PROG = "python -m looped_training.fprm.evaluate_authors"
 PAPER = {"sudoku": "Sudoku-Extreme exact accuracy 94.2% (the paper, Table 1)", "maze": None}
 
 
@@ -74,7 +74,7 @@ TASKS = {"sudoku": Task("sudoku", 9, "0123456789", "0"), "maze": Task("maze", 30
 
 def task_at(name, config):
     """Task `name`'s codec at the model's (square) grid: folders built by their builders' logic can be any size (the
-    CPU recipes train 11x11 mazes), the published models read 9x9 and 30x30."""
+    CPU recipes train 11x11 mazes), the authors' models read 9x9 and 30x30."""
     grid = config.grid_size or []
     if len(grid) != 2 or grid[0] != grid[1]:
         raise ValueError(f"a {name} model reads a square grid, this one reads {config.grid_size}.")
@@ -301,7 +301,7 @@ def _parser():
     from fprm_hf.batching_fprm import BATCHING_MODES
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="a published FPRM folder or Hub repo (their step files), or a saved model folder")
+    p.add_argument("model", help="an authors' FPRM folder or Hub repo (their step files), or a saved model folder")
     p.add_argument("--subfolder", default=None, help="the task folder of the repo: sudoku or maze")
     p.add_argument("--step", type=int, default=None, help="the step_N file to read (default: the newest)")
     source = p.add_mutually_exclusive_group(required=True)

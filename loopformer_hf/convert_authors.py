@@ -1,8 +1,8 @@
 """Convert a checkpoint of the authors' reference code (a nanoGPT fork) into a saved `LoopFormerForCausalLM`.
 
-    python -m loopformer_hf.convert_reference --checkpoint ckpt.pt --output out/ \
+    python -m loopformer_hf.convert_authors --checkpoint ckpt.pt --output out/ \
         --n-layer 3 --n-loops 8 --n-embd 2048 --n-head 32 --mlp-hidden 5120 [--model-type loopformer]
-    python -m loopformer_hf.convert_reference --hub_repo armenjeddi/LoopFormer-3block-8iterations \
+    python -m loopformer_hf.convert_authors --hub_repo armenjeddi/LoopFormer-3block-8iterations \
         [--revision R] --output_dir out/
 
 The second form downloads one of the authors' Hub repos with huggingface_hub (its cache and offline mode honoured)
@@ -69,7 +69,7 @@ _LIST_BLOCK_KEY = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 
 
 def load_reference_state_dict(path, allow_pickle=False):
-    """Read a reference checkpoint (`.pt`/`.pth`/`.bin`/`.ckpt` or `.safetensors`) and return its flat state dict.
+    """Read an authors' checkpoint (`.pt`/`.pth`/`.bin`/`.ckpt` or `.safetensors`) and return its flat state dict.
 
     `.pt` files are read with `torch.load(weights_only=True)` unless `allow_pickle=True` (only for files you trust).
     A wrapped state dict (`{"model": sd, ...}` or `{"state_dict": sd, ...}`) is unwrapped and the `_orig_mod.`
@@ -322,12 +322,12 @@ def convert_hub_repo(repo, output, revision=None, dtype=None):
 
 def _parser():
     p = argparse.ArgumentParser(
-        prog="python -m loopformer_hf.convert_reference",
+        prog="python -m loopformer_hf.convert_authors",
         description="Convert a reference LoopFormer (nanoGPT-style) checkpoint, or one of the authors' Hub repos, into "
         "a saved LoopFormerForCausalLM.",
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="reference checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
+    source.add_argument("--checkpoint", help="authors' checkpoint: .pt/.pth/.bin/.ckpt or .safetensors")
     source.add_argument(
         "--hub_repo",
         help="a Hub repo id of the authors (e.g. armenjeddi/LoopFormer-3block-"

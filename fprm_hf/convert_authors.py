@@ -1,6 +1,6 @@
 """Convert a checkpoint of the authors' FPRM code (GitHub nilskiKonjIzDunava/fprm) into a saved `FPRMForReasoning`.
 
-    python -m fprm_hf.convert_reference --checkpoint step_50000 --config config/arch/fprm.yaml \
+    python -m fprm_hf.convert_authors --checkpoint step_50000 --config config/arch/fprm.yaml \
         --config config/cfg_pretrain_state_tracking_fprm_s5.yaml --seq-len 128 --vocab-size 122 \
         --num-puzzle-identifiers 1 --output out/fprm-s5
 
@@ -156,7 +156,7 @@ def convert(
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m fprm_hf.convert_reference", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fprm_hf.convert_authors", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="their checkpoint: a torch.save'd state dict or .safetensors")
     p.add_argument(
         "--config",

@@ -1,4 +1,4 @@
-"""masks_loopformer.py: what a forward call accepts as masks, positions and token inputs (transformers' conventions,
+"""inputs_loopformer.py: what a forward call accepts as masks, positions and token inputs (transformers' conventions,
 anything else a `ValueError` naming the value), the default positions, and the embeddings, positions and mask that
 `call_inputs` makes of them."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from support.tiny_models import tiny_loopformer_config
 
-from loopformer_hf.masks_loopformer import (
+from loopformer_hf.inputs_loopformer import (
     attention_mask_for,
     call_inputs,
     check_mask_and_positions,

@@ -2,7 +2,7 @@
 
 The reference (tests/support/fprm_reference_oracle.py) is an independent, minimal re-implementation of their forward
 and solver that imports nothing from `fprm_hf`, on a state dict in THEIR key layout. The same weights go through
-`fprm_hf.convert_reference`; the states after 1 and 20 solver iterations, the residual / step-size / patience traces
+`fprm_hf.convert_authors`; the states after 1 and 20 solver iterations, the residual / step-size / patience traces
 and the logits must agree within 1e-4 (fp32) in every case.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fprm_hf import FPRMForReasoning
-from fprm_hf.convert_reference import convert, main as convert_main
+from fprm_hf.convert_authors import convert, main as convert_main
 from support.fprm_reference_oracle import BASE, BATCH, HIDDEN, SEQ_LEN, VOCAB, Reference, reference_state_dict
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -159,7 +159,7 @@ def test_compiled_prefix_yaml_config_and_cli(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "fprm_hf.convert_reference",
+        "fprm_hf.convert_authors",
         "--checkpoint",
         str(tmp_path / "step_100"),
         "--config",

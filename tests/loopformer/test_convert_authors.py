@@ -17,7 +17,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
 import loopformer_hf
-from loopformer_hf.convert_reference import convert, load_reference_state_dict, main
+from loopformer_hf.convert_authors import convert, load_reference_state_dict, main
 
 from support.reference_oracle import (
     BLOCK,
@@ -100,7 +100,7 @@ def test_convert_wrapped_compiled_pt_matches_reference(tmp_path, ref_sd, ids):
 
 
 def test_convert_safetensors_via_command_line(tmp_path, ref_sd, ids):
-    """`python -m loopformer_hf.convert_reference` on a plain safetensors state dict (lm_head stored as a copy)."""
+    """`python -m loopformer_hf.convert_authors` on a plain safetensors state dict (lm_head stored as a copy)."""
     plain = {k: v.clone().contiguous() for k, v in ref_sd.items()}
     ckpt = tmp_path / "ckpt.safetensors"
     save_file(plain, str(ckpt))
@@ -109,7 +109,7 @@ def test_convert_safetensors_via_command_line(tmp_path, ref_sd, ids):
         [
             sys.executable,
             "-m",
-            "loopformer_hf.convert_reference",
+            "loopformer_hf.convert_authors",
             "--checkpoint",
             str(ckpt),
             "--output",

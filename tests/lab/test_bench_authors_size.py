@@ -1,4 +1,4 @@
-"""The published-size benchmark (benchmarks/bench_published_size.py) runs as one command in its tiny
+"""The published-size benchmark (benchmarks/bench_authors_size.py) runs as one command in its tiny
 `--quick` shape without the authors' code (their rows print "not run"), and the checkpoint it measures is in their
 layout and loads into the model the reference oracle computes.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks import bench_published_size as bench
+from benchmarks import bench_authors_size as bench
 from loopformer_hf.authors_checkpoints import strip_wrapper_prefixes
 from tests.support.reference_oracle import reference_forward, reference_state_dict
 
@@ -24,7 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def _run(*args):
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_published_size", *args],
+        [sys.executable, "-m", "benchmarks.bench_authors_size", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

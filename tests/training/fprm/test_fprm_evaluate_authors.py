@@ -1,4 +1,4 @@
-"""`python -m looped_training.fprm.published`: a published checkpoint on their test data (the folder their
+"""`python -m looped_training.fprm.evaluate_authors`: an authors' checkpoint on their test data (the folder their
 dataset/build_sudoku_dataset.py writes, or the source CSV through `datasets`), and one puzzle solved.
 
 The checkpoint is a small stand-in in their published layout (tests/support/fprm_reference_oracle.py); the data are
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fprm_hf import FPRMForReasoning
-from looped_training.fprm.published import TASKS, main, solve
+from looped_training.fprm.evaluate_authors import TASKS, main, solve
 from support import REPO_ROOT
 from support.fprm_reference_oracle import write_published_folder
 
@@ -153,7 +153,7 @@ def test_solve_a_puzzle_string_and_the_cli(checkpoint):
         [
             sys.executable,
             "-m",
-            "looped_training.fprm.published",
+            "looped_training.fprm.evaluate_authors",
             str(checkpoint / "sudoku"),
             "--puzzle",
             ROWS[0][0],

@@ -1,4 +1,4 @@
-"""The authors' published size: a checkpoint of the FineWeb300K shape (armenjeddi/
+"""The authors' size: a checkpoint of the FineWeb300K shape (armenjeddi/
 LoopFormer-3block-8iterations-FineWeb300K: 3 blocks, n_embd 2048, 32 heads, intermediate 5120, vocab 50304, context
 1024, 8 loops; 0.28B parameters) with random weights, written in their Hub layout (config.json with model_type
 "loopformer", nanoGPT keys and steps = [1/8]*8; bf16 model.safetensors under their GPT's names with a `gpt.` prefix,
@@ -34,8 +34,8 @@ cores, and bf16 halves the memory of the 1B-parameter Llama's training step. The
 this project and is not fetched: clone it and pass its folder (without it, their rows print "not run").
 
     git clone https://github.com/armenjeddi/loopformer /tmp/authors_loopformer
-    python -m benchmarks.bench_published_size --authors_repo /tmp/authors_loopformer [--threads 1] [--repeats 2]
-    python -m benchmarks.bench_published_size --quick      # a tiny shape, a smoke run (timings meaningless)
+    python -m benchmarks.bench_authors_size --authors_repo /tmp/authors_loopformer [--threads 1] [--repeats 2]
+    python -m benchmarks.bench_authors_size --quick      # a tiny shape, a smoke run (timings meaningless)
 """
 
 import argparse
@@ -59,7 +59,7 @@ from benchmarks.bench_authors import authors_commit, load_authors_module, their_
 from benchmarks.bench_loopformer import generate_fn, interleaved, train_step_fn
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "published_size.json")
+DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "authors_size.json")
 
 # their GPTConfig defaults (models/loopformer.py), which the FineWeb300K checkpoint uses
 FULL = dict(
@@ -286,7 +286,7 @@ def time_loads(folder, kinds, rounds, authors_repo, threads, log):
             cmd = [
                 sys.executable,
                 "-m",
-                "benchmarks.bench_published_size",
+                "benchmarks.bench_authors_size",
                 "--load_child",
                 kind,
                 "--checkpoint",
