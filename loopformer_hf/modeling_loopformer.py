@@ -407,9 +407,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         """
         if kwargs.get("loop_plan") is None:  # not a decode step of `generate`, which computes no loss
             shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
-        model_inputs = dict(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds
-        )
+        model_inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        model_inputs["position_ids"] = position_ids  # the short trajectory of the objective runs the same inputs
         outputs = self.model(
             **model_inputs,
             cache=cache,

@@ -13,7 +13,6 @@ from abc import ABCMeta
 from types import MappingProxyType
 from typing import NamedTuple
 
-
 logger = logging.getLogger(__name__)
 
 # The `architectures` that this package's `save_pretrained` writes into config.json, and vLLM's model for each.

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
+from support.tiny_models import randomize_modulation, tiny_loopformer_config
 import loopformer_hf
 from loopformer_hf.modeling_loopformer import CACHE_FIELD
-from support.tiny_models import randomize_modulation, tiny_loopformer_config
 
 PACKAGE = os.path.dirname(loopformer_hf.__file__) + os.sep
 
