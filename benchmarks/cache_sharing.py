@@ -44,13 +44,22 @@ class ModuloSharing:
 
     share_n = None
 
-    def storage_slot(self, layer_idx, tokens):
+    def shared_slot(self, layer_idx, tokens):
+        """Where slot `layer_idx` = slot(i, j) is stored, for a write of `tokens` tokens: slot(i mod n, j)."""
         step, block = divmod(layer_idx, self.spec.num_blocks)
         if step < self.share_n:
             return layer_idx
         layer_idx = self.slot(step % self.share_n, block)
         _rewind(self.layers[layer_idx], tokens)  # this call's tokens of step i - n: replaced
         return layer_idx
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer_idx = self.shared_slot(layer_idx, key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def write(self, key_states, value_states, layer_idx):
+        # a shared slot's own index maps to itself in `update`, should `write` hand it on
+        super().write(key_states, value_states, self.shared_slot(layer_idx, key_states.shape[-2]))
 
     def check_plan(self, plan):
         """Per-row trajectories and a rule's extra steps need a slot of their own per (loop step, block)."""

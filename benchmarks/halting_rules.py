@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from loopformer_hf.halting_loopformer import LoopFormerHaltingState, register_halting_rule
+from loopformer_hf.halting_loopformer import LoopFormerHaltingState, LoopFormerHaltingStep, register_halting_rule
 
 SHORTCUT_EXIT_SUFFIX = "_shortcut"
 PROBE_CRITERION = "probe_entropy"
@@ -223,7 +223,8 @@ class ProbeEntropy(ReadoutHalting):
         self.exit_adaln = _exit_adaln(self, model, trajectory, loop_adaln, cache, first=0)
         h = hidden_states
         for j, block in enumerate(model.layers):
-            h, _, self.last_kv[j] = block(
+            record = LoopFormerHaltingStep(None)  # no token frozen; it keeps the block's keys and values
+            h = block(
                 h,
                 None,
                 adaln=self.exit_adaln[j][0],
@@ -231,7 +232,9 @@ class ProbeEntropy(ReadoutHalting):
                 position_embeddings=position_embeddings,
                 cache=cache,
                 cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0,
+                halting=record,
             )
+            self.last_kv[j] = record.kv
         sure = entropy(self.readout(h)) < self.halt_eps  # NaN: unsure
         self.probe_states, self.steps_all_ran = h, 1
         self.active = ~sure

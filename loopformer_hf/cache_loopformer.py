@@ -3,13 +3,14 @@ holds one slot per pair, at `slot(i, j) = i * k + j`. A cache records the trajec
 it; reusing it under another is an error instead of silently wrong logits.
 
 Two storages: [`LoopFormerCache`] (a `DynamicCache`, grows by concatenation) and [`LoopFormerStaticCache`] (a
-`StaticCache`: every slot preallocated for `max_cache_len` tokens, for `torch.compile`). Subclasses may store a slot
-elsewhere (`storage_slot`): the lab's shared cache (benchmarks/cache_sharing.py) keeps n loop-step slots per block.
+`StaticCache`: every slot preallocated for `max_cache_len` tokens, for `torch.compile`). Both store keys and values
+as transformers' caches do (`update(keys, values, layer_idx)`, `layer_idx = slot(i, j)`).
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
 import numbers
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
@@ -24,6 +25,17 @@ logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache field `past_key_values` -> `cache`; support both releases.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(cache, past_key_values, owner):
+    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
+    if past_key_values is None:
+        return cache
+    if CACHE_FIELD == "cache":
+        warnings.warn(
+            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
+        )
+    return cache if cache is not None else past_key_values
 
 
 def _mismatch_message(was, now):
@@ -150,14 +162,6 @@ class LoopFormerCacheMixin:
             self.plan = plan
         return self
 
-    def kept_adaln(self, key):
-        """The adaLN vectors `keep_adaln` stored under `key`, or None."""
-        memo = self.adaln_memo
-        return memo[1] if memo is not None and memo[0] == key else None
-
-    def keep_adaln(self, key, loop_adaln):
-        self.adaln_memo = (key, loop_adaln)
-
     def _is_empty(self):
         return self.get_seq_length() == 0
 
@@ -174,23 +178,12 @@ class LoopFormerCacheMixin:
                 f"{batch} sequences, a new cache, or `cache.reset()` it first."
             )
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Store the keys/values of `layer_idx = slot(step, block)` (in `storage_slot`'s slot) and return the slot's."""
-        layer_idx = self.storage_slot(layer_idx, key_states.shape[-2])
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def storage_slot(self, layer_idx, tokens):
-        """Where slot `layer_idx` is stored, for a write of `tokens` tokens: itself (one slot per (loop step, block));
-        a subclass may store several steps in one (the lab's `ModuloSharedCache`)."""
-        return layer_idx
-
     def write(self, key_states, value_states, layer_idx):
         """As `update`, for a caller that does not read the slot back (halting's skipped slots): a dynamic cache
         joins these keys/values to the slot at its next read instead of now."""
         if self.offloading or self.layer_class_to_replicate is not LoopFormerDynamicLayer:
             self.update(key_states, value_states, layer_idx)
             return
-        layer_idx = self.storage_slot(layer_idx, key_states.shape[-2])
         while len(self.layers) <= layer_idx:
             self.layers.append(LoopFormerDynamicLayer())
         self.layers[layer_idx].append(key_states, value_states)

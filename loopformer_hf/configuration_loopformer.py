@@ -59,18 +59,15 @@ def check_activation(value):  # transformers' `activation_fn_key`, and "swiglu" 
         raise ValueError(f"Value must be 'swiglu' or an activation of transformers.activations.ACT2FN, got {value!r}.")
 
 
-def check_no_cache_sharing(config_or_kwargs):
-    """`cache_sharing`/`cache_share_n` were fields until the shared loop cache moved to the lab: "none" (the exact
-    cache, what every model now runs) is accepted; anything else, in a saved config, a keyword or an attribute set on a
-    loaded config (as docs/compile.md once showed), is refused rather than silently ignored."""
-    get = config_or_kwargs.get if isinstance(config_or_kwargs, dict) else config_or_kwargs.__dict__.get
-    sharing, share_n = get("cache_sharing", "none"), get("cache_share_n", None)
-    if sharing != "none":
-        raise ValueError(
-            f"cache_sharing={sharing!r} is no LoopFormerConfig field any more: the shared loop cache is a cache "
-            f"object in the lab, `benchmarks.cache_sharing.ModuloSharedCache(share_n={share_n or 4})`, passed as "
-            f"`cache=` to forward or generate. Remove cache_sharing from the config (every model runs the exact "
-            f"cache, one slot per (loop step, block))."
+def drop_removed_fields(kwargs):
+    """Pop the fields of earlier versions that a saved config.json may still carry from constructor `kwargs`, with a
+    warning where one asked for something this model does not run (docs/loopformer.md, "Changed in this version")."""
+    sharing, share_n = kwargs.pop("cache_sharing", None), kwargs.pop("cache_share_n", None)
+    if sharing not in (None, "none"):
+        logger.warning_once(
+            f"LoopFormerConfig: cache_sharing={sharing!r} (cache_share_n={share_n!r}) is no field any more and is "
+            f"ignored: this model runs the exact cache. The shared loop cache is a cache object in the lab "
+            f"(benchmarks/cache_sharing.py, `ModuloSharedCache(share_n=...)`, passed as `cache=`)."
         )
 
 
@@ -186,8 +183,7 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        check_no_cache_sharing(kwargs)
-        kwargs.pop("cache_sharing", None), kwargs.pop("cache_share_n", None)
+        drop_removed_fields(kwargs)
         self.warn_unknown_kwargs(kwargs, also_allowed=("authors_config_sources",))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -274,7 +270,6 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
 
 __all__ = [
     "LoopFormerConfig",
-    "check_no_cache_sharing",
     "STEP_SCHEDULE_PRESETS",
     "INITIALIZER_SCHEMES",
     "check_halt_eps",

@@ -73,6 +73,17 @@ def _loop_counts_unsupported(kwargs, generation_config):
     return None
 
 
+def _schedule_as_numbers(schedule):
+    """A `step_schedule` given as a 1-D tensor (or a per-row list holding some) as lists of floats, the values the
+    plan resolves it to (`check_schedule`): a plan made of plain values is recognised by the call's later forwards,
+    where a tensor would have each of them resolve it again."""
+    if isinstance(schedule, torch.Tensor):
+        return schedule.tolist() if schedule.ndim == 1 and schedule.is_floating_point() else schedule
+    if isinstance(schedule, list) and any(isinstance(s, torch.Tensor) for s in schedule):
+        return [_schedule_as_numbers(s) if isinstance(s, torch.Tensor) else s for s in schedule]
+    return schedule
+
+
 def _mark_lengths_dynamic(model_inputs):
     """With a dynamic `LoopFormerCache`, mark the sequence lengths of a forward's inputs and of the cached keys and
     values dynamic (a hint to Dynamo). A compiled `forward` then traces one prefill graph for any prompt length and
@@ -206,6 +217,8 @@ class LoopFormerGenerationMixin(GenerationMixin):
             value = getattr(generation_config, name, None)
             if name not in model_kwargs and value is not None:
                 model_kwargs[name] = value
+        if "step_schedule" in model_kwargs:  # as plain numbers: the prefill then finds the plan made for the cache
+            model_kwargs["step_schedule"] = _schedule_as_numbers(model_kwargs["step_schedule"])
         return generation_config, model_kwargs
 
     def _forward_replaced(self):
@@ -252,13 +265,21 @@ class LoopFormerGenerationMixin(GenerationMixin):
     # Private hook, kept: only this step sees a forward's outputs (`loop_counts`) and how many tokens assisted
     # decoding accepted (`num_new_tokens`), for this call only. A forward hook would be shared by concurrent calls and
     # would also see classifier-free guidance's unconditional forward.
+    # It is also where the plan reaches the decode steps: after this call's first forward (which resolved its loop
+    # knobs and bound the plan to the cache, or found it there from `_prepare_cache_for_generation`), the cache's plan
+    # is this call's, and every later forward takes it as the model input `loop_plan`: nothing is resolved, compared
+    # or checked per step.
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
         log = model_kwargs.get("loop_counts_log")
         if log and getattr(outputs, "loop_counts", None) is not None:
             log[-1].update(counts=outputs.loop_counts, new_tokens=num_new_tokens)
-        return super()._update_model_kwargs_for_generation(
+        model_kwargs = super()._update_model_kwargs_for_generation(
             outputs, model_kwargs, *args, num_new_tokens=num_new_tokens, **kwargs
         )
+        plan = getattr(model_kwargs.get(CACHE_FIELD), "plan", None)
+        if plan is not None:
+            model_kwargs["loop_plan"] = plan
+        return model_kwargs
 
     @staticmethod
     def _gather_loop_counts(log, out, assisted):

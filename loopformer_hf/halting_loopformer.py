@@ -109,15 +109,18 @@ class LoopFormerActiveTokens:
         return out
 
 
-class LoopFormerHaltingStep(NamedTuple):
-    """What one block needs at one loop step to keep halted tokens frozen: the (batch, seq) `halted` mask, the
-    `active` tokens' gather plan (None: compute every token and restore the halted ones), and with
-    `halt_kv_fill="reuse"` the (keys, values) of the block's last computed step (`reuse`), which halted tokens repeat
-    in this step's cache slot."""
+@dataclass
+class LoopFormerHaltingStep:
+    """What one block needs at one loop step to keep halted tokens frozen: the (batch, seq) `halted` mask (None: no
+    token is frozen yet), the `active` tokens' gather plan (None: compute every token and restore the halted ones),
+    and with `halt_kv_fill="reuse"` the (keys, values) of the block's last computed step (`reuse`), which halted
+    tokens repeat in this step's cache slot. The block's attention leaves this step's (keys, values) of every token
+    in `kv` (`keys_values`), for the rule's next step: only the halting path records them."""
 
-    halted: torch.BoolTensor
+    halted: torch.BoolTensor | None
     active: LoopFormerActiveTokens | None = None
     reuse: tuple | None = None
+    kv: tuple | None = None
 
     def gather(self, x):
         """The (batch, seq, ...) rows this step computes: all of `x`, or the active tokens'."""
@@ -127,16 +130,19 @@ class LoopFormerHaltingStep(NamedTuple):
         return position_embeddings if self.active is None else self.active.gather_positions(position_embeddings)
 
     def keys_values(self, project, hidden_states, position_embeddings):
-        """This step's (keys, values) of every token, `project(hidden_states, position_embeddings)` giving those of
-        the tokens it computes; halted tokens take `reuse`'s when given (else their frozen state's projection)."""
-        if self.reuse is None:
-            return project(hidden_states, position_embeddings)
-        if self.active is not None:  # project only the active tokens, into a copy of the reused keys/values
+        """This step's (keys, values) of every token (also kept in `kv`), `project(hidden_states,
+        position_embeddings)` giving those of the tokens it computes; halted tokens take `reuse`'s when given (else
+        their frozen state's projection)."""
+        if self.reuse is None or self.halted is None:
+            self.kv = project(hidden_states, position_embeddings)
+        elif self.active is not None:  # project only the active tokens, into a copy of the reused keys/values
             k, v = project(self.active.gather(hidden_states), self.active.gather_positions(position_embeddings))
-            return self.active.scatter_heads(self.reuse[0], k), self.active.scatter_heads(self.reuse[1], v)
-        k, v = project(hidden_states, position_embeddings)
-        halted = self.halted[:, None, :, None]
-        return torch.where(halted, self.reuse[0], k), torch.where(halted, self.reuse[1], v)
+            self.kv = self.active.scatter_heads(self.reuse[0], k), self.active.scatter_heads(self.reuse[1], v)
+        else:
+            k, v = project(hidden_states, position_embeddings)
+            halted = self.halted[:, None, :, None]
+            self.kv = torch.where(halted, self.reuse[0], k), torch.where(halted, self.reuse[1], v)
+        return self.kv
 
     def attended(self, keys, values, attention_mask, q_len):
         """(keys, values, mask) for the gathered queries: the rows of the computed sequences."""
@@ -155,7 +161,7 @@ class LoopFormerHaltingStep(NamedTuple):
         """The block's output: `computed` for the tokens that ran, `frozen` (the input) for the halted ones."""
         if self.active is not None:
             return self.active.scatter(frozen, computed)
-        return torch.where(self.halted[..., None], frozen, computed)
+        return computed if self.halted is None else torch.where(self.halted[..., None], frozen, computed)
 
 
 class LoopFormerExitStep(NamedTuple):
@@ -168,8 +174,8 @@ class LoopFormerExitStep(NamedTuple):
     active: LoopFormerActiveTokens | None  # the gather plan, when leaving the halted tokens out saves work
 
     def block(self, j, adaln):
-        """(adaLN vectors, [`LoopFormerHaltingStep`] or None) of block `j`: the trajectory's `adaln` unless the rule
-        runs other steps for some tokens."""
+        """(adaLN vectors, [`LoopFormerHaltingStep`]) of block `j`: the trajectory's `adaln` unless the rule runs
+        other steps for some tokens."""
         rule = self.rule
         return rule.block_adaln(j, self.step, adaln, rule.loop_adaln), rule.block_step(j, self.halted, self.active)
 
@@ -317,10 +323,11 @@ class LoopFormerHaltingState:
         return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
 
     def block_step(self, block, halted, active):
-        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (None: nothing halted)."""
-        if halted is None:
-            return None
-        return LoopFormerHaltingStep(halted, active, self.last_kv[block] if self.reuse_kv else None)
+        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (`halted` None: nothing
+        halted; the step still records the block's keys and values)."""
+        return LoopFormerHaltingStep(
+            halted, active, self.last_kv[block] if self.reuse_kv and halted is not None else None
+        )
 
     def update(self, previous, hidden_states, final=False):
         """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once its score

@@ -101,9 +101,9 @@ class LoopFormerAttention(nn.Module):
         output_attentions=False,
         halting=None,
     ):
-        """Returns the attention output, its weights (eager only) and this call's own (keys, values). With `halting`
-        (a [`LoopFormerHaltingStep`]), only the tokens it computes query (the output is theirs); every token still
-        gets its keys and values."""
+        """Returns the attention output and its weights (eager only), as Llama's. With `halting` (a
+        [`LoopFormerHaltingStep`]), only the tokens it computes query (the output is theirs); every token still gets
+        its keys and values, which `halting` keeps for the halting rule."""
         queries = hidden_states if halting is None else halting.gather(hidden_states)
         query_positions = position_embeddings if halting is None else halting.gather_positions(position_embeddings)
         input_shape = queries.shape[:-1]
@@ -111,16 +111,16 @@ class LoopFormerAttention(nn.Module):
         if query_positions is not None:
             q = apply_rotary(q, *query_positions)
         if halting is None:
-            new_kv = k, v = self.project_kv(hidden_states, position_embeddings)
+            k, v = self.project_kv(hidden_states, position_embeddings)
         else:
-            new_kv = k, v = halting.keys_values(self.project_kv, hidden_states, position_embeddings)
+            k, v = halting.keys_values(self.project_kv, hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, cache_slot)
         if halting is not None:
             k, v, attention_mask = halting.attended(k, v, attention_mask, hidden_states.shape[1])
 
         out, weights = attend(self, q, k, v, attention_mask, output_attentions)
-        return self.o_proj(out.reshape(*input_shape, -1)), weights, new_kv
+        return self.o_proj(out.reshape(*input_shape, -1)), weights
 
 
 class LoopFormerMLP(nn.Module):
@@ -251,7 +251,8 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         halting, `halting` (a [`LoopFormerHaltingStep`]) says which tokens are frozen: they keep their state, and
         only the others are computed.
 
-        Returns (hidden_states, attention weights, this call's (keys, values)).
+        Returns the new hidden states, as Llama's decoder layer (the attention weights, with `output_attentions`, are
+        the attention module's output, which the loop records).
         """
         if adaln is None and conditioning is not None:  # as a (1, d) row: a quantised Linear takes no 1-D input
             adaln = self.adaln(self.adaLN_modulation(conditioning[None])[0].to(hidden_states.dtype))
@@ -259,7 +260,7 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         if adaln is not None:
             gate_attn, gate_mlp, weight_attn, weight_mlp = adaln
         normed = self.input_layernorm(hidden_states, weight_attn)
-        attn_out, attn_weights, kv = self.self_attn(
+        attn_out, _ = self.self_attn(
             normed,
             attention_mask,
             position_embeddings,
@@ -279,7 +280,7 @@ class LoopFormerBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + mlp_out if adaln is None else hidden_states.addcmul(gate_mlp, mlp_out)
         if halting is not None:
             hidden_states = halting.merge(residual, hidden_states)
-        return hidden_states, attn_weights, kv
+        return hidden_states
 
     def frozen_kv(self, frozen, position_embeddings, adaln, num_steps):
         """The (keys, values) a frozen (halted) state gives this block's attention at each of `num_steps` loop steps

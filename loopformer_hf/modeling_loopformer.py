@@ -8,22 +8,22 @@ than the one that filled it.
 """
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .cache_loopformer import CACHE_FIELD, LoopFormerCache
+from .cache_loopformer import CACHE_FIELD, LoopFormerCache, cache_argument
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin, check_generation_knobs
 from .halting_loopformer import LoopFormerHaltingState, halting_rule
+from .inputs_loopformer import call_inputs, default_position_ids
 from .layers_loopformer import (
     LoopFormerBlock,
     LoopFormerLoopConditioning,
@@ -32,7 +32,6 @@ from .layers_loopformer import (
 )
 from .looped_common import CheckpointLoadersMixin
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
-from .inputs_loopformer import call_inputs
 from .plan_loopformer import LoopFormerPlan
 
 
@@ -84,18 +83,6 @@ class LoopFormerPreTrainedModel(CheckpointLoadersMixin, PreTrainedModel):  # the
             super()._init_weights(module)
 
 
-class LoopInputs(NamedTuple):
-    """What every loop step of one call reads besides the state: the steps' conditioning (with gradients) or
-    per-block adaLN vectors, the attention mask, rotary (cos, sin), the cache and whether to return attention maps."""
-
-    conditioning: torch.Tensor | None
-    loop_adaln: list | None
-    mask: torch.Tensor | None
-    position_embeddings: tuple | None
-    cache: object
-    output_attentions: bool
-
-
 @dataclass
 class LoopFormerModelOutput(BaseModelOutputWithPast):
     """`loop_counts` (batch, seq): loop steps each token ran (only with `halt_eps`; otherwise every token runs M)."""
@@ -132,7 +119,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
     def _add_positions(self, inputs_embeds, position_ids):
         """(hidden states, rotary (cos, sin) or None): learned positions are added, RoPE is applied in attention."""
         if self.config.position_embedding_type != "learned":
-            return inputs_embeds, tuple(t[:, None] for t in self.rotary_emb(inputs_embeds, position_ids))  # per head
+            cos, sin = self.rotary_emb(inputs_embeds, position_ids)
+            return inputs_embeds, (cos[:, None], sin[:, None])  # shared by the heads
         if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"Position {int(position_ids.max())} is beyond max_position_embeddings="
@@ -144,15 +132,13 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         """`loop_adaln[j][i]`: block j's `adaln` vectors at loop step i (None without conditioning); with per-row
         trajectories (`plan.rows`) each is (batch, 1, d), row b's of its step i. They depend on the trajectory alone
         (c_i is a function of t and Δ), so they are computed once per call, for all steps at once, and kept on the
-        cache (`adaln_memo`) for the later decode steps of an inference run."""
+        cache (`adaln_memo`, under the plan, which the later decode steps of an inference run share) for them."""
         keep = cache is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        rows = plan.rows
-        # read only in eager code: a compiled forward would guard on the rows' values
-        key = (plan.trajectory if rows is None else rows.trajectories, dtype, str(device)) if keep else None
-        kept = cache.kept_adaln(key) if keep else None
-        if kept is not None:
-            return kept
-        conditioning = self.loop_conditioning(plan.trajectory if rows is None else rows.steps, device, dtype)
+        rows, trajectory = plan.rows, plan.spec.trajectory
+        memo = cache.adaln_memo if keep else None
+        if memo is not None and memo[0] is plan and memo[1] == dtype:
+            return memo[2]
+        conditioning = self.loop_conditioning(trajectory if rows is None else rows.steps, device, dtype)
         loop_adaln = None
         if conditioning is not None:
             per_block = [block.adaln(block.adaLN_modulation(conditioning).to(dtype)) for block in self.layers]
@@ -160,86 +146,108 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             loop_adaln = [
                 [
                     tuple(v[:, i, None] if per_row else v[i] for v in vectors)
-                    for i in range(rows.num_steps if per_row else plan.spec.loop_steps)
+                    for i in range(len(trajectory) if rows is None else rows.num_steps)
                 ]
                 for vectors in per_block
             ]
         if keep:
-            cache.keep_adaln(key, loop_adaln)
+            cache.adaln_memo = (plan, dtype, loop_adaln)
         return loop_adaln
-
-    def _loop_step(self, step, hidden_states, inputs, exit_step=None):
-        """Loop step `step` through the k blocks, with the call's `inputs` (a `LoopInputs`) and, under early exit,
-        the step's `exit_step`: (new state, the step's attention maps, each block's (keys, values))."""
-        conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions = inputs
-        c = None if conditioning is None else conditioning[step]
-        attentions, block_kv = (), ()
-        for j, block in enumerate(self.layers):
-            adaln, frozen = None if loop_adaln is None or c is not None else loop_adaln[j][step], None
-            if exit_step is not None:  # the tokens that sit this step out; a rule may run other steps for some
-                adaln, frozen = exit_step.block(j, adaln)
-            hidden_states, weights, kv = block(
-                hidden_states,
-                c,
-                adaln=adaln,
-                attention_mask=mask,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                cache_slot=cache.slot(step, j) if cache is not None else 0,
-                output_attentions=output_attentions,
-                halting=frozen,
-            )
-            attentions += (weights,)
-            block_kv += (kv,)
-        return hidden_states, attentions, block_kv
 
     def _loop(
         self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
     ):
-        """The loop along `plan.trajectory`: (final state, states after each step or None, attentions or None,
-        the loop steps each token ran or None (without `halt_eps`))."""
-        trajectory, num_steps = plan.trajectory, plan.spec.loop_steps
-        halts = plan.halt_eps is not None or plan.rows is not None  # per-row budgets halt a row after its last step
+        """The loop along `plan.trajectory`: every loop step runs the k blocks, as Llama's forward runs its layers.
+        Returns (final state, the states after each step or None, None, None); per-token halting and per-row
+        trajectories run `_halting_loop`, whose third item is the loop steps each token ran."""
+        if plan.spec.halt_eps is not None or plan.rows is not None:
+            return self._halting_loop(
+                plan,
+                hidden_states,
+                mask,
+                position_embeddings,
+                cache,
+                halt_head,
+                output_attentions,
+                output_hidden_states,
+            )
         # With gradients on, each block computes its adaLN vectors inside its own forward from the step's conditioning,
         # passed positionally: FSDP gathers a block's weights only there, and reentrant checkpointing tracks only
-        # positional tensors. At inference (and per row) they are computed once for every step (kept on the cache).
-        dtype, device = hidden_states.dtype, hidden_states.device
-        conditioning = None
-        if torch.is_grad_enabled() and plan.rows is None:
-            conditioning = self.loop_conditioning(trajectory, device, dtype)
+        # positional tensors. At inference they are computed once for every step (kept on the cache).
+        dtype, device, trajectory = hidden_states.dtype, hidden_states.device, plan.spec.trajectory
+        conditioning = self.loop_conditioning(trajectory, device, dtype) if torch.is_grad_enabled() else None
         loop_adaln = None
-        if conditioning is None or halts:  # halting fills skipped slots from the per-block vectors
+        memo = cache.adaln_memo if cache is not None and not torch.compiler.is_compiling() else None
+        if conditioning is None and memo is not None and memo[0] is plan and memo[1] == dtype:
+            loop_adaln = memo[2]  # the decode steps of an inference run: kept for their plan by `_loop_adaln`
+        elif conditioning is None:
             loop_adaln = self._loop_adaln(plan, dtype, device, cache)
-        early_exit = None  # the rule's state: the loop calls its begin, for_step, observe and finish
-        if halts:
-            readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-            rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
-            early_exit, hidden_states = rule.begin(
-                self, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings
-            )
         all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        inputs = LoopInputs(conditioning, loop_adaln, mask, position_embeddings, cache, output_attentions)
-        for step in range(num_steps):
-            exit_step = None
-            if early_exit is not None:
-                exit_step = early_exit.for_step(step, hidden_states, gather=not output_attentions)
-                if exit_step is None:  # every token has halted (the rule filled the slots of the steps left)
-                    if output_hidden_states:
-                        all_hidden_states += (hidden_states,) * (num_steps - step)
-                    break
-            previous = hidden_states
-            hidden_states, attentions, block_kv = self._loop_step(step, hidden_states, inputs, exit_step)
-            if early_exit is not None:
-                early_exit.observe(previous, hidden_states, block_kv, final=step == num_steps - 1)
-            if output_attentions:
-                all_attentions += attentions
+        for step in range(len(trajectory)):
+            c = None if conditioning is None else conditioning[step]
+            for j, block in enumerate(self.layers):
+                hidden_states = block(
+                    hidden_states,
+                    c,
+                    adaln=None if loop_adaln is None else loop_adaln[j][step],
+                    attention_mask=mask,
+                    position_embeddings=position_embeddings,
+                    cache=cache,
+                    cache_slot=cache.slot(step, j) if cache is not None else 0,
+                    output_attentions=output_attentions,
+                )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-        loop_counts = None
-        if early_exit is not None:  # a rule may keep other states for some tokens
-            hidden_states, loop_counts = early_exit.finish(hidden_states)
-        return hidden_states, all_hidden_states, all_attentions, loop_counts
+        return hidden_states, all_hidden_states, None, None
+
+    def _halting_loop(
+        self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
+    ):
+        """`_loop` under per-token halting (`halt_eps`) or per-row trajectories (a row halts after its last step):
+        the rule's state (`halting_loopformer`) says, before each step, which tokens each block computes, and reads
+        the step's result and keys and values after it. Returns (final state, states after each step or None, the loop
+        steps each token ran or None (without `halt_eps`))."""
+        dtype, device = hidden_states.dtype, hidden_states.device
+        conditioning = None  # as in `_loop`; per-row trajectories have per-row vectors, computed once
+        if torch.is_grad_enabled() and plan.rows is None:
+            conditioning = self.loop_conditioning(plan.trajectory, device, dtype)
+        loop_adaln = self._loop_adaln(plan, dtype, device, cache)  # halting fills skipped slots from them
+        readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+        rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
+        early_exit, hidden_states = rule.begin(
+            self, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings
+        )
+        num_steps = plan.spec.loop_steps
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        for step in range(num_steps):
+            # halted tokens are left out of the step's computation unless the attention maps are returned
+            exit_step = early_exit.for_step(step, hidden_states, gather=not output_attentions)
+            if exit_step is None:  # every token has halted (the rule filled the slots of the steps left)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,) * (num_steps - step)
+                break
+            previous, block_kv = hidden_states, []
+            c = None if conditioning is None else conditioning[step]
+            for j, block in enumerate(self.layers):
+                adaln = None if loop_adaln is None or c is not None else loop_adaln[j][step]
+                adaln, halting = exit_step.block(j, adaln)
+                hidden_states = block(
+                    hidden_states,
+                    c,
+                    adaln=adaln,
+                    attention_mask=mask,
+                    position_embeddings=position_embeddings,
+                    cache=cache,
+                    cache_slot=cache.slot(step, j) if cache is not None else 0,
+                    output_attentions=output_attentions,
+                    halting=halting,
+                )
+                block_kv.append(halting.kv)
+            early_exit.observe(previous, hidden_states, block_kv, final=step == num_steps - 1)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+        hidden_states, loop_counts = early_exit.finish(hidden_states)  # a rule may keep other states for some tokens
+        return hidden_states, all_hidden_states, loop_counts, None
 
     def _cache_for_call(self, cache, use_cache, plan):
         """As Llama's: `use_cache` starts a cache, one passed in is filled; none under gradient checkpointing."""
@@ -266,58 +274,85 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ):
         r"""
-        loop_budget (`int`, list of `int` or 1-D integer tensor, *optional*): number of loop steps M (defaults to the
-            config's), or one per row: the loop runs the largest, and a row's tokens freeze after its own last step.
-        step_schedule (`str` or list of `float`, *optional*): step sizes Δ_1..Δ_M summing to 1, or a preset name
-            ("uniform", "coarse_to_fine", "fine_to_coarse"); or a list of one per row (`None`: that row's default).
-        halt_eps (`float`, *optional*): adaptive depth per token: a token stops looping once its `halt_criterion`
-            score falls below halt_eps, never beyond the budget; `loop_counts` reports the steps. Halted tokens are
-            left out of the later steps' computation (their keys and values are still filled).
-        halt_criterion (`str`, *optional*): "state_change" (default: `config.halt_criterion`), or another registered
-            rule (`halting_loopformer.register_halting_rule`; the lab's read next-token distributions: `halt_head`).
-        halt_head (`nn.Module`, *optional*): the LM head a registered rule may read next-token distributions through
-            (after the final norm); [`LoopFormerForCausalLM`] passes its `lm_head`.
-        `hidden_states` (with `output_hidden_states=True`, a keyword as for Llama) holds the embeddings followed by the
-        residual stream after each loop step: M + 1 tensors. `attentions` (`output_attentions=True`) holds one tensor
-        per (loop step, block). `return_dict=False` gives a tuple; `past_key_values` is `cache`'s former name.
+        loop_budget (`int`, list of `int` or 1-D integer tensor, *optional*): loop steps M (default: the config's), or
+            one per row (a row's tokens freeze after its last step). step_schedule (`str` or list of `float`):
+            Δ_1..Δ_M summing to 1, a preset ("uniform", "coarse_to_fine", "fine_to_coarse"), or one per row.
+        halt_eps (`float`, *optional*): a token stops looping once its `halt_criterion` score ("state_change" or a
+            registered rule, which may read next-token distributions through `halt_head`) falls below halt_eps.
+        `loop_plan` (a keyword): what `generate` hands its decode steps, the plan bound to its cache: the step then
+        reads no loop knob and checks no input (generate made them). `hidden_states` (`output_hidden_states=True`):
+        the embeddings and the state after each loop step (M + 1 tensors); `attentions`: one per (loop step, block).
         """
-        output_attentions, output_hidden_states = (
-            kwargs.get(name) if kwargs.get(name) is not None else getattr(self.config, name)
-            for name in ("output_attentions", "output_hidden_states")
+        output_attentions = a if (a := kwargs.get("output_attentions")) is not None else self.config.output_attentions
+        output_hidden_states = (
+            h if (h := kwargs.get("output_hidden_states")) is not None else self.config.output_hidden_states
         )
-        cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)
-        given = input_ids if input_ids is not None else inputs_embeds  # checked in `call_inputs`
-        batch_size = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None
-        plan = LoopFormerPlan.for_call(
-            self.config, cache, loop_budget, step_schedule, halt_eps, halt_criterion, batch_size=batch_size
-        )
-        cache = self._cache_for_call(cache, use_cache, plan)
-        inputs_embeds, position_ids, mask = call_inputs(
-            self.config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, position_ids, cache
-        )
+        plan = kwargs.get("loop_plan")
+        if plan is None:  # a call of its own: its knobs resolved and checked, its cache bound, its inputs checked
+            cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)  # cache_loopformer.py
+            knobs = (loop_budget, step_schedule, halt_eps, halt_criterion)
+            plan, cache, inputs_embeds, position_ids, mask = self._call_inputs(
+                input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, *knobs
+            )
+        else:  # a decode step of `generate`: the plan of its cache, and the inputs generate made from a checked prompt
+            cache = cache if cache is not None else kwargs.get("past_key_values")
+            inputs_embeds, position_ids, mask = self._step_inputs(
+                input_ids, inputs_embeds, attention_mask, position_ids, cache
+            )
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
-        hidden_states, all_hidden_states, all_attentions, loop_counts = self._loop(
+        loop = self._loop_recording_attentions if output_attentions else self._loop
+        hidden_states, all_hidden_states, loop_counts, attentions = loop(
             plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
         )
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states),
             hidden_states=all_hidden_states,
-            attentions=all_attentions,
+            attentions=attentions,
             loop_counts=loop_counts,
             **{CACHE_FIELD: cache},
         )
         return as_requested(output, kwargs.get("return_dict"), self.config)
 
-
-def cache_argument(cache, past_key_values, owner):
-    """`cache`, or its pre-5.24 name `past_key_values` (deprecated, as in transformers, where the field is `cache`)."""
-    if past_key_values is None:
-        return cache
-    if CACHE_FIELD == "cache":
-        warnings.warn(
-            f"`past_key_values` is deprecated for `{owner}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3
+    def _call_inputs(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, *knobs):
+        """(plan, cache, embeddings, position ids, mask) of a call of its own: its loop knobs (`loop_budget`,
+        `step_schedule`, `halt_eps`, `halt_criterion`) resolved and checked, its cache made or checked against the
+        plan, its inputs checked."""
+        given = input_ids if input_ids is not None else inputs_embeds  # checked in `call_inputs`
+        batch_size = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None
+        plan = LoopFormerPlan.for_call(self.config, cache, *knobs, batch_size=batch_size)
+        cache = self._cache_for_call(cache, use_cache, plan)
+        inputs_embeds, position_ids, mask = call_inputs(
+            self.config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, position_ids, cache
         )
-    return cache if cache is not None else past_key_values
+        return plan, cache, inputs_embeds, position_ids, mask
+
+    def _step_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, cache):
+        """(embeddings, position ids, mask) of a decode step of `generate`, as Llama's forward makes them: generate
+        made the inputs (from a prompt checked at the prefill) and gives the positions."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = default_position_ids(
+                attention_mask, *inputs_embeds.shape[:2], cache.get_seq_length(), inputs_embeds.device
+            )
+        mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(inputs_embeds.dtype)  # additive: sdpa needs the queries' dtype
+        return inputs_embeds, position_ids, mask
+
+    def _loop_recording_attentions(self, *args):
+        """`_loop(*args)` and the weights of each attention call, one per (loop step, block) in the order they run,
+        recorded by a forward hook on each attention module, as transformers records Llama's."""
+        weights = []
+        hooks = [
+            block.self_attn.register_forward_hook(lambda module, inputs, output: weights.append(output[1]))
+            for block in self.layers
+        ]
+        try:
+            return *self._loop(*args)[:3], tuple(weights)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def as_requested(output, return_dict, config):
@@ -359,23 +394,18 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         **kwargs: Unpack[TransformersKwargs],
     ):
         r"""
-        labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
-        shift_labels (`torch.LongTensor`, *optional*, a keyword as for Llama, so `label_names` stay `["labels"]`):
-            targets already aligned with the positions (the authors' windows: T tokens train T targets).
-        loop_budget, step_schedule, halt_eps, halt_criterion: the loop, as for [`LoopFormerModel.forward`], also as
-            `generate` kwargs; `output_attentions`, `output_hidden_states`, `return_dict`, `past_key_values` as Llama's.
-        shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, train with LoopFormer's
-            shortcut-consistency objective: the same inputs also run its short trajectory and
-            `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`, `ce_short`,
-            `consistency` (in a Trainer, looped_training's ShortcutConsistencyCallback passes it).
+        labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored; `shift_labels`
+            (a keyword, as for Llama): targets already aligned with the positions (the authors' windows).
+        loop_budget, step_schedule, halt_eps, halt_criterion (and `loop_plan`): as for [`LoopFormerModel.forward`],
+            also as `generate` kwargs; `output_attentions`, `output_hidden_states`, `return_dict` as Llama's.
+        shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, the same inputs also run its short
+            trajectory: `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`,
+            `ce_short`, `consistency` (in a Trainer, looped_training's ShortcutConsistencyCallback passes it).
         """
-        shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
-        model_inputs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "inputs_embeds": inputs_embeds,
-        }
+        if kwargs.get("loop_plan") is None:  # not a decode step of `generate`, which computes no loss
+            shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
+        model_inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        model_inputs["position_ids"] = position_ids  # the short trajectory of the objective runs the same inputs
         outputs = self.model(
             **model_inputs,
             cache=cache,
@@ -390,7 +420,9 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep  # as Llama
         logits = self.lm_head(hidden_states[:, keep, :])
-        loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
+        loss, terms = None, {}
+        if labels is not None:
+            loss, terms = self._loss(logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs)
         output = LoopFormerCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -405,8 +437,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
     def _loss(self, logits, hidden_states, model_inputs, labels, shortcut_consistency, kwargs):
         """(loss, the shortcut objective's terms): plain CE, or with `shortcut_consistency` the shortcut-consistency
         loss of the full and the short trajectory."""
-        if labels is None:
-            return None, {}
         shift_labels = kwargs.get("shift_labels")
         check_labels(labels, shift_labels, logits.shape[:2], self.config.vocab_size)
         if shortcut_consistency is None:

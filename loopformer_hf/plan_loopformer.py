@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from .configuration_loopformer import check_no_cache_sharing
 from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
 from .trajectory_loopformer import LoopFormerRows, per_row_budget, resolve_call
 
@@ -117,7 +116,6 @@ class LoopFormerPlan(NamedTuple):
             and (torch.compiler.is_compiling() or _same_budgets(kept, loop_budget))
         ):
             return kept
-        check_no_cache_sharing(config)
         halt_eps = check_halt_eps(halt_eps)
         halt_criterion = check_halt_criterion(config.halt_criterion if halt_criterion is None else halt_criterion)
         halting = halt_eps is not None

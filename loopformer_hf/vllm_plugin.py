@@ -13,8 +13,6 @@ from abc import ABCMeta
 from types import MappingProxyType
 from typing import NamedTuple
 
-from .configuration_loopformer import check_no_cache_sharing
-
 logger = logging.getLogger(__name__)
 
 # The `architectures` that this package's `save_pretrained` writes into config.json, and vLLM's model for each.
@@ -69,9 +67,7 @@ def server_trajectory(hf_config, generation_config=None):
     config's own defaults. Validated by `LoopFormerConfig.resolve_trajectory` (the checks `generate` makes).
     Raises `ValueError` for what a vLLM server cannot run exactly:
     - `halt_eps` (per-token halting): a token's depth would depend on its values, while vLLM batches every request's
-      tokens through one fixed stack of cache layers;
-    - `cache_sharing` set by `--hf-overrides` (no config field: the shared cache is a cache object in the lab,
-      benchmarks/cache_sharing.py), which would otherwise be ignored.
+      tokens through one fixed stack of cache layers.
     """
     knobs = server_knobs(hf_config, generation_config)
     if knobs["halt_eps"] is not None:
@@ -81,7 +77,6 @@ def server_trajectory(hf_config, generation_config=None):
             f"(remove halt_eps from the checkpoint's generation_config.json), or use "
             f"`model.generate(..., halt_eps=...)`."
         )
-    check_no_cache_sharing(hf_config)
     return hf_config.resolve_trajectory(knobs["loop_budget"], knobs["step_schedule"])
 
 

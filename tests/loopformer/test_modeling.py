@@ -225,10 +225,10 @@ def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
         block.adaLN_modulation[1].bias.normal_(0, 0.1)
     gate_attn, gate_mlp, scale_attn, scale_mlp = block.adaLN_modulation(c).chunk(4, -1)
     norm = lambda v: torch.nn.functional.rms_norm(v, (d,))  # noqa: E731
-    attn, _, _ = block.self_attn(norm(x) * (1 + scale_attn), None, None)
+    attn, _ = block.self_attn(norm(x) * (1 + scale_attn), None, None)
     h = x + gate_attn * attn
     expected = h + gate_mlp * block.mlp(norm(h) * (1 + scale_mlp))
-    got, _, _ = block(x, c)
+    got = block(x, c)
     torch.testing.assert_close(got, expected)
 
 
@@ -619,11 +619,10 @@ def _files_the_forward_enters(model, **kwargs):
 
 @pytest.mark.parametrize("kwargs", [{}, {"halt_eps": 0.1, "loop_budget": [1, 2]}, {"use_cache": False}])
 def test_the_forward_reads_top_to_bottom(tiny_model, kwargs):
-    """As Llama's: the call's plan, its cache and inputs (embeddings, positions, mask), the loop, the final norm; each
-    file it hands work to entered once (before the plan was one object, `input_ids` went cache → plan → … → halting,
-    returning to files already left)."""
+    """As Llama's: the cache argument, the call's plan, cache and inputs (`_call_inputs`: embeddings, positions,
+    mask), the loop, the final norm; each file it hands work to entered once (before the plan was one object,
+    `input_ids` went cache → plan → … → halting, returning to files already left)."""
     assert _files_the_forward_enters(tiny_model, **kwargs) == [
-        "plan_loopformer.py",
-        "inputs_loopformer.py",
+        "cache_loopformer.py",  # `cache_argument`: `cache`, or its former name `past_key_values`
         "layers_loopformer.py",  # the final norm
     ]

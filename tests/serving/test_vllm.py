@@ -556,10 +556,6 @@ def test_server_trajectory_reads_overrides_then_generation_config_then_config(ch
     tmlt = AutoConfig.from_pretrained(checkpoints["tmlt"])
     with pytest.raises(ValueError, match="needs loop_conditioning='shortcut'"):
         server_trajectory(tmlt, {"step_schedule": "coarse_to_fine", "loop_budget": 2})
-    config = AutoConfig.from_pretrained(checkpoints["loopformer"])
-    config.cache_sharing = "modulo"
-    with pytest.raises(ValueError, match="cache_sharing='modulo' is no LoopFormerConfig field.*ModuloSharedCache"):
-        server_trajectory(config)
 
 
 def test_request_knobs_resolve_over_the_servers(checkpoints):

@@ -155,13 +155,6 @@ CASES = [
     ),
     Case(
         f"{LF} config",
-        "cache_sharing='modulo' (a config saved before the shared cache moved to the lab)",
-        lambda t: loopformer_config(cache_sharing="modulo", cache_share_n=2),
-        ValueError,
-        r"cache_sharing='modulo' is no LoopFormerConfig field.*benchmarks.cache_sharing.ModuloSharedCache\(share_n=2\)",
-    ),
-    Case(
-        f"{LF} config",
         "hidden_size=30, num_attention_heads=4",
         lambda t: loopformer_config(hidden_size=30),
         StrictDataclassError,
