@@ -18,7 +18,7 @@ fi
 # (lm-eval runs `python -m looped_training...`, a name only the installed package has)
 PYTHONPATH="$PWD:$PWD/tests" exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/loopformer/test_{modeling,cache,halting,generation_modes}.py tests/loopformer/test_loopformer_validation.py \
-  tests/fprm/test_{modeling_fprm,fprm_conventions,convert_reference_fprm}.py tests/loopformer/test_authors_checkpoints{,_usage,_classes}.py \
+  tests/fprm/test_{modeling_fprm,fprm_conventions,convert_authors_fprm}.py tests/loopformer/test_authors_checkpoints{,_usage,_classes}.py \
   tests/fprm/test_authors_checkpoints_fprm.py \
   --deselect tests/loopformer/test_authors_checkpoints_usage.py::test_lm_eval_through_our_route \
   --deselect tests/fprm/test_authors_checkpoints_fprm.py::test_round_trip_and_publish_with_a_card_crediting_their_repo_and_step \

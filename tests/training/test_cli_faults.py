@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def test_convert_reference_refuses_an_existing_file_as_output(tmp_path, capsys):
+def test_convert_authors_refuses_an_existing_file_as_output(tmp_path, capsys):
     # save_pretrained only logs an error for a file path, so the converter printed "saved" and wrote nothing
     target = tmp_path / "taken.bin"
     target.write_bytes(b"keep me")
