@@ -36,6 +36,7 @@ REPORT = os.path.join(ROOT, "benchmarks", "writeups", "fprm_vs_trm.md")
 RISE = {"spearman_rho": 0.8, "relative_rise": 0.1}
 # (b): FPRM keeps >= 0.9 of its in-distribution accuracy at 2L..4L, and beats TRM there by >= 0.05
 EXTRAPOLATION = {"kept_fraction": 0.9, "margin_over_trm": 0.05}
+LEARNED = 0.9  # in-distribution per-position accuracy at which a model counts as having learned the task
 
 # TRM's block and recursion on a preset of FPRM's (for the S3 recipe, which has no TRM preset): the flags that make
 # preset sudoku-cpu-trm / s5-cpu-trm out of sudoku-cpu / s5-cpu
@@ -160,6 +161,8 @@ def extrapolation_verdict(fprm, trm, train_length):
     kept = out["fprm_extrapolation"] >= EXTRAPOLATION["kept_fraction"] * out["fprm_in_distribution"]
     margin = out["fprm_extrapolation"] - out["trm_extrapolation"]
     out.update(
+        # said beside the verdict: a TRM that did not learn the task in distribution fails at 2L..4L for that reason
+        trm_learned_in_distribution=bool(out["trm_in_distribution"] >= LEARNED),
         margin_over_trm=margin,
         window=[2 * L, min(4 * L, len(fprm["per_prefix_accuracy"]))],
         holds=bool(kept and margin >= EXTRAPOLATION["margin_over_trm"]),
@@ -298,6 +301,14 @@ def report(result, command):
             f"{', '.join(f'{v:.0f}' for v in s['trm_iterations'])} | {e['fprm_in_distribution']:.3f} / "
             f"{e['trm_in_distribution']:.3f} | {e['fprm_extrapolation']:.3f} / {e['trm_extrapolation']:.3f} |"
         )
+    unlearned = [seed for seed, r in result["per_seed"].items() if not r["state"]["trm_learned_in_distribution"]]
+    if unlearned:
+        lines += [
+            "",
+            f"TRM did not learn {result['group']} in distribution (per-position accuracy over 1..L below {LEARNED}) "
+            f"for seed(s) {', '.join(unlearned)}: there (b) compares a model that extrapolates with one that did not "
+            "learn the task, not with one that learned it and failed to extrapolate.",
+        ]
     lines += ["", "![FPRM against TRM](plots/fprm_vs_trm.png)", ""]
     return "\n".join(lines)
 

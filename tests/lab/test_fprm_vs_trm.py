@@ -34,6 +34,11 @@ def test_extrapolation_verdict():
     assert not bench.extrapolation_verdict(s5_results(1.0, 0.95), s5_results(1.0, 0.93), L)["holds"]  # no margin
     verdict = bench.extrapolation_verdict(s5_results(0.8, 0.4), s5_results(0.8, 0.2), L)
     assert verdict["window"] == [8, 16] and abs(verdict["fprm_extrapolation"] - 0.4) < 1e-9
+    # whether TRM learned the task in distribution is said beside the verdict
+    assert bench.extrapolation_verdict(s5_results(1.0, 0.95), s5_results(1.0, 0.5), L)["trm_learned_in_distribution"]
+    assert not bench.extrapolation_verdict(s5_results(1.0, 0.95), s5_results(0.2, 0.2), L)[
+        "trm_learned_in_distribution"
+    ]
 
 
 def fake_run(folder, results, config=None):
@@ -49,7 +54,7 @@ def test_command_analyses_finished_runs(tmp_path, capsys):
         fake_run(tmp_path / f"sudoku-fprm-seed{seed}", sudoku_results(fprm_iters))
         fake_run(tmp_path / f"sudoku-trm-seed{seed}", sudoku_results([12] * 5), trm_config)
         fake_run(tmp_path / f"state-fprm-seed{seed}", s5_results(1.0, 0.95))
-        fake_run(tmp_path / f"state-trm-seed{seed}", s5_results(1.0, 0.4))
+        fake_run(tmp_path / f"state-trm-seed{seed}", s5_results(1.0 if seed == 0 else 0.2, 0.2))
     result = bench.main(["--size", "tiny", "--reuse", "--output_dir", str(tmp_path)])
     assert result["per_seed"]["0"]["sudoku"]["holds"] and not result["per_seed"]["1"]["sudoku"]["holds"]
     assert result["verdicts"] == {"sudoku": "does not hold", "state": "holds"}  # every seed must hold
@@ -58,6 +63,7 @@ def test_command_analyses_finished_runs(tmp_path, capsys):
     assert "sudoku: does not hold" in out and "state: holds" in out
     report = bench.report(result, result["command"])
     assert "**does not hold**" in report and "**holds**" in report
+    assert "TRM did not learn S5 in distribution" in report and "for seed(s) 1:" in report
     assert bench.plot(result, str(tmp_path / "plot.png")) and (tmp_path / "plot.png").stat().st_size > 0
     # the runs it would train: FPRM and TRM presets of each task, for each seed, with the seed and folder
     runs = bench.run_commands("cpu", [0, 1], "out", 3.0)
