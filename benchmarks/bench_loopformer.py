@@ -3,6 +3,7 @@ generation time scales with the loop budget M. One command; prints a table and w
 
     .venv/bin/python -m benchmarks.bench_loopformer                      # full run (tens of minutes on 2 cores)
     .venv/bin/python -m benchmarks.bench_loopformer --quick --output /tmp/loopformer_quick.json   # smoke run
+    .venv/bin/python -m benchmarks.bench_loopformer --against 8070f4b     # decode speed: that commit against this tree
 
 Models (small config: hidden 256, 4 heads, vocab 512, fp32, sdpa attention):
 
@@ -17,14 +18,26 @@ Method: the two sides of every ratio run interleaved (A B, B A, ...) in the same
 each; each ratio is the median over repeats of the per-repeat ratio (adjacent runs see the same machine load),
 and the medians of the raw times are reported too. Greedy decoding with `min_new_tokens = max_new_tokens`, so both
 sides produce exactly the same number of tokens. `torch.set_num_threads` is fixed (`--threads`).
+
+`--against REV` measures only decoding, old against new in one process: the package at git revision REV (checked
+out in a temporary `git worktree`, removed afterwards, imported under another module name) and this tree's
+`loopformer_hf` build the same LoopFormer with the same weights (a state dict copy); their greedy tokens must be
+identical, then cached greedy `generate` runs interleaved over `--repeats` rounds, timed in this process's CPU time
+(`time.process_time`: steadier than wall time on a machine other jobs load).
 """
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -36,6 +49,7 @@ import loopformer_hf
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer.json")
+DEFAULT_AGAINST_OUTPUT = os.path.join(REPO_ROOT, "benchmarks", "results", "loopformer_against.json")
 
 FULL = dict(
     hidden=256,
@@ -85,10 +99,11 @@ TARGETS = {  # name: (comparison, bound description)
 # ---- models --------------------------------------------------------------------------------------------------------
 
 
-def build_models(cfg, position_embedding, seed=0):
-    max_pos = max(2048, cfg["prompt"] + cfg["gen_long"] + 1, cfg["seq"])
+def build_loopformer(cfg, position_embedding, package=loopformer_hf, seed=0):
+    """The benchmark's LoopFormer (2⊗4 SwiGLU at the full size), built with `package`'s classes: this tree's
+    `loopformer_hf`, or another revision's (`--against`)."""
     torch.manual_seed(seed)
-    lf_config = loopformer_hf.LoopFormerConfig(
+    config = package.LoopFormerConfig(
         vocab_size=cfg["vocab"],
         hidden_size=cfg["hidden"],
         num_attention_heads=cfg["heads"],
@@ -97,16 +112,26 @@ def build_models(cfg, position_embedding, seed=0):
         num_hidden_layers=cfg["k"],
         num_loops=cfg["loops"],
         position_embedding_type=position_embedding,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=max_positions(cfg),
         tie_word_embeddings=True,
         pad_token_id=0,
         attn_implementation="sdpa",
     )
-    loopformer = loopformer_hf.LoopFormerForCausalLM(lf_config)
+    model = package.LoopFormerForCausalLM(config)
     with torch.no_grad():  # adaLN starts small (or zero): give it trained-like random values
-        for name, p in loopformer.named_parameters():
+        for name, p in model.named_parameters():
             if "adaLN_modulation" in name:
                 p.normal_(0.0, 0.02) if name.endswith("weight") else p.fill_(0.5)
+    return model
+
+
+def max_positions(cfg):
+    return max(2048, cfg["prompt"] + cfg["gen_long"] + 1, cfg["seq"])
+
+
+def build_models(cfg, position_embedding, seed=0):
+    loopformer = build_loopformer(cfg, position_embedding, seed=seed)
+    max_pos = max_positions(cfg)
     llama_config = LlamaConfig(
         vocab_size=cfg["vocab"],
         hidden_size=cfg["hidden"],
@@ -364,6 +389,118 @@ def format_table(report):
     return "\n".join(lines)
 
 
+# ---- --against REV: decode speed, another revision's package against this tree's ------------------------------------
+
+
+def git(*args):
+    return subprocess.run(["git", "-C", REPO_ROOT, *args], check=False, capture_output=True, text=True)
+
+
+def resolve_revision(rev):
+    """(commit, None) for a revision whose tree holds loopformer_hf, else (None, a one-line reason)."""
+    if git("rev-parse", "--is-inside-work-tree").returncode != 0:
+        return None, f"--against needs a git checkout; {REPO_ROOT} is not one"
+    found = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if found.returncode != 0:
+        return None, f"--against: unknown git revision {rev!r}"
+    commit = found.stdout.strip()
+    if git("cat-file", "-e", f"{commit}:loopformer_hf/__init__.py").returncode != 0:
+        return None, f"--against: revision {rev!r} ({commit[:10]}) has no loopformer_hf/__init__.py"
+    return commit, None
+
+
+@contextlib.contextmanager
+def package_at(commit):
+    """`loopformer_hf` as it is at `commit`, imported as `loopformer_hf_at_<commit>` from a temporary git worktree
+    (removed on exit). sys.modules["loopformer_hf"] stays this tree's; its import registers this tree's classes with
+    the Auto classes again, after the old import registered the old ones."""
+    tmp = tempfile.mkdtemp(prefix="loopformer_against_")
+    tree = os.path.join(tmp, "tree")
+    name = f"loopformer_hf_at_{commit[:10]}"
+    try:
+        added = git("worktree", "add", "--detach", "--quiet", tree, commit)
+        if added.returncode != 0:
+            raise RuntimeError(f"git worktree add {commit[:10]} failed: {added.stderr.strip()}")
+        package_dir = os.path.join(tree, "loopformer_hf")
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            importlib.reload(loopformer_hf)
+        yield module
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+        git("worktree", "remove", "--force", tree)
+        shutil.rmtree(tmp, ignore_errors=True)
+        git("worktree", "prune")
+
+
+def decode_against(old, new, prompt, new_tokens, repeats, clock=time.process_time):
+    """Greedy cached generate of `old` and `new` (the same weights): one run each, whose tokens must agree
+    (AssertionError naming the first differing step otherwise), then `repeats` interleaved rounds."""
+    fns = {"old": generate_fn(old, prompt, new_tokens), "new": generate_fn(new, prompt, new_tokens)}
+    for fn in fns.values():  # the check run is the warm-up
+        fn()
+    a, b = fns["old"].result["tokens"], fns["new"].result["tokens"]
+    if a.shape != b.shape or not torch.equal(a, b):
+        differ = (a != b).any(0).nonzero() if a.shape == b.shape else None
+        where = f"first at generated token {int(differ[0]) - prompt.shape[1]}" if differ is not None else "shapes"
+        raise AssertionError(f"old and new decode differently ({where}): the comparison would time different work")
+    times = interleaved(fns, repeats, warmup=0, clock=clock)
+    n = prompt.shape[0] * new_tokens
+    return dict(
+        new_tokens=new_tokens,
+        batch=prompt.shape[0],
+        identical_tokens=True,
+        tokens_per_s=dict(old=n / med(times["old"]), new=n / med(times["new"])),
+        time_s=dict(old=med(times["old"]), new=med(times["new"])),
+        ratio_new_over_old_time=paired_ratio(times, "new", "old"),
+        times=times,
+    )
+
+
+def run_against(cfg, threads, position_embedding, commit, new_tokens, log=print):
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", message="LoopFormer trajectory")
+    with package_at(commit) as old_package:
+        log(f"old: loopformer_hf at {commit[:10]} (module {old_package.__name__}); new: {loopformer_hf.__file__}")
+        new = build_loopformer(cfg, position_embedding).eval()
+        old = build_loopformer(cfg, position_embedding, package=old_package).eval()
+        old.load_state_dict(new.state_dict())
+        prompt = torch.randint(
+            3, cfg["vocab"], (cfg["batch"], cfg["prompt"]), generator=torch.Generator().manual_seed(1)
+        )
+        log(f"greedy cached generate, batch {cfg['batch']} x {new_tokens} new tokens, {cfg['repeats']} rounds")
+        result = decode_against(old, new, prompt, new_tokens, cfg["repeats"])
+    return dict(result, loopformer_params=count_params(new))
+
+
+def format_against(report):
+    r = report["result"]
+    rows = [
+        (f"{side} ({report[side]})", f"{r['tokens_per_s'][side]:.1f}", f"{r['time_s'][side]:.3f}")
+        for side in ("old", "new")
+    ]
+    lines = [f"{'':<{max(len(x[0]) for x in rows)}}   tokens/s   CPU s per generate"]
+    lines += [f"{a:<{max(len(x[0]) for x in rows)}}   {b:>8}   {c}" for a, b, c in rows]
+    lines.append(
+        f"new/old time (median of per-round ratios): {r['ratio_new_over_old_time']:.3f}; identical tokens: yes"
+    )
+    return "\n".join(lines)
+
+
+def describe_tree():
+    """This tree's commit, with '+uncommitted' when its files differ from it."""
+    head = git("rev-parse", "--short=10", "HEAD").stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head + ("+uncommitted" if dirty else "")
+
+
 def timing_arguments(doc, default_output, repeats_help):
     """The options every timing script here takes: --output, --quick, --threads, --repeats."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -401,13 +538,30 @@ def main(argv=None):
         choices=("rope", "learned"),
         help="LoopFormer positions (default: rope, as the Llama baseline)",
     )
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="measure only cached greedy decoding: loopformer_hf at git revision REV (old) against this tree's (new), "
+        f"the same weights, interleaved; writes {os.path.relpath(DEFAULT_AGAINST_OUTPUT, REPO_ROOT)} by default",
+    )
+    p.add_argument(
+        "--new_tokens",
+        type=int,
+        default=None,
+        help=f"with --against: new tokens (default: {FULL['gen_vs_llama']}, as the generate-vs-Llama row; "
+        f"{QUICK['gen_vs_llama']} with --quick)",
+    )
+    p.set_defaults(output=None)
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
-    for name in ("repeats", "repeats_long"):
+    for name in ("repeats", "repeats_long", "new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            p.error(f"--{name} must be >= 1, got {value}")
+    if args.new_tokens is not None and args.against is None:
+        p.error("--new_tokens only applies with --against")
 
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
@@ -415,28 +569,71 @@ def main(argv=None):
     if args.repeats_long is not None:
         cfg["repeats_long"] = args.repeats_long
     start = time.time()
+    if args.against is not None:
+        commit, error = resolve_revision(args.against)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return main_against(args, cfg, commit, start)
     report = run_benchmark(cfg, args.threads, args.position_embedding, log=lambda s: print(s, flush=True))
     report = dict(
-        config=dict(
-            cfg,
-            threads=args.threads,
-            quick=args.quick,
-            dtype="float32",
-            attn_implementation="sdpa",
-            loopformer_mlp="swiglu",
-            position_embedding=args.position_embedding,
-        ),
-        environment=dict(
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            python=platform.python_version(),
-            machine=platform.machine(),
-            cpu_count=os.cpu_count(),
-        ),
+        config=run_config(cfg, args),
+        environment=environment(),
         wall_s=time.time() - start,
         **report,
     )
-    write_report(report, args.output, format_table(report))
+    write_report(report, args.output or DEFAULT_OUTPUT, format_table(report))
+    return 0
+
+
+def run_config(cfg, args, **extra):
+    """The report's `config`: the sizes, the command's settings and the fixed ones."""
+    return dict(
+        cfg,
+        threads=args.threads,
+        quick=args.quick,
+        dtype="float32",
+        attn_implementation="sdpa",
+        loopformer_mlp="swiglu",
+        position_embedding=args.position_embedding,
+        **extra,
+    )
+
+
+def environment():
+    return dict(
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        cpu_count=os.cpu_count(),
+    )
+
+
+def main_against(args, cfg, commit, start):
+    new_tokens = args.new_tokens or cfg["gen_vs_llama"]
+    # the generate-vs-Llama row's setting (one prompt row); the positions cover prompt + new tokens
+    keep = ("hidden", "heads", "intermediate", "vocab", "k", "loops", "prompt", "repeats")
+    cfg = dict({k: cfg[k] for k in keep}, batch=1, gen_long=new_tokens, seq=0)
+
+    def log(line):
+        print(line, flush=True)
+
+    try:
+        result = run_against(cfg, args.threads, args.position_embedding, commit, new_tokens, log=log)
+    except AssertionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    report = dict(
+        against=args.against,
+        old=commit[:10],
+        new=describe_tree(),
+        config=run_config(cfg, args, clock="time.process_time"),
+        environment=environment(),
+        wall_s=time.time() - start,
+        result=result,
+    )
+    write_report(report, args.output or DEFAULT_AGAINST_OUTPUT, format_against(report))
     return 0
 
 
