@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from looped_training.checkpoints import check_checkpoint
 from looped_training.run_folder import FINAL_STAGING
 from test_resume import MODULES, REPO, folder_bytes, run, run_fprm, trained_steps  # noqa: F401  (a fixture)
-from support import TESTS_DIR
+from support import TESTS_DIR, sigint_as_in_a_terminal
 
 
 def weights(folder):
@@ -170,6 +170,7 @@ def interrupt_final_evaluation(output_dir, *extra):
         capture_output=True,
         text=True,
         timeout=600,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stderr.strip().splitlines()[-1]

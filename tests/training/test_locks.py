@@ -14,6 +14,7 @@ import pytest
 
 from looped_training.checkpoints import last_complete_checkpoint
 from looped_training.run_folder import LOCK_FILE, STALE_UNREADABLE_LOCK_S, output_dir_lock
+from support import sigint_as_in_a_terminal
 from test_resume import MODULES, REPO
 
 
@@ -31,6 +32,7 @@ def start_long_run(name, out, ready):
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=f,
+            preexec_fn=sigint_as_in_a_terminal,
         )
     deadline = time.time() + 300
     while not ready.exists() and proc.poll() is None and time.time() < deadline:
