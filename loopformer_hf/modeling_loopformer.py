@@ -209,8 +209,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
     ):
         """`_loop` under per-token halting (`halt_eps`) or per-row trajectories (a row halts after its last step):
         the halting state (`halting_loopformer`, the plan's `halting` class) says, before each step, which tokens each
-        block computes, and reads the step's result and keys and values after it. Returns (final state, states after each step or None, the loop
-        steps each token ran or None (without `halt_eps`))."""
+        block computes, and reads the step's result and keys and values after it. Returns (final state, states after
+        each step or None, the loop steps each token ran or None (without `halt_eps`))."""
         dtype, device = hidden_states.dtype, hidden_states.device
         conditioning = None  # as in `_loop`; per-row trajectories have per-row vectors, computed once
         if torch.is_grad_enabled() and plan.rows is None:
