@@ -38,7 +38,7 @@ import time
 import torch
 
 import loopformer_hf
-import benchmarks.halting_rules  # noqa: F401 (registers the lab's exit rules as halt_criterion values)
+from benchmarks.halting_rules import LabLoopFormerForCausalLM
 from loopformer_hf import ShortcutConsistency
 from benchmarks import write_json
 from looped_training.loopformer.data.synthetic import END_OF_ANSWER, make_problems, tokenize_problems
@@ -247,17 +247,14 @@ def evaluate_criteria(model, data, thresholds=None):
         )
 
     rows = []
-    kept = model.config.halt_criterion
-    try:
-        for criterion, values in thresholds.items():
-            model.config.halt_criterion = criterion  # `quality` passes halt_eps; the criterion comes from the config
-            for eps in values:
-                ppl, correct, loops = quality(
-                    model, data, model.config.resolve_trajectory(L, "uniform"), batch_size=512, halt_eps=eps
-                )
-                rows.append(row(criterion, eps, sum(loops) / len(loops), sum(correct) / len(correct), ppl))
-    finally:
-        model.config.halt_criterion = kept
+    lab = LabLoopFormerForCausalLM.of(model)  # the model that runs the lab's rules
+    for criterion, values in thresholds.items():
+        for eps in values:
+            trajectory = model.config.resolve_trajectory(L, "uniform")
+            ppl, correct, loops = quality(
+                lab, data, trajectory, batch_size=512, halt_eps=eps, halt_criterion=criterion
+            )
+            rows.append(row(criterion, eps, sum(loops) / len(loops), sum(correct) / len(correct), ppl))
     if "probe_entropy" in thresholds:
         rows += [
             row("probe_entropy_context", p["halt_eps"], p["mean_loops"], p["em"], p["ppl"])

@@ -17,7 +17,7 @@ import time
 import torch
 
 import loopformer_hf
-import benchmarks.halting_rules  # noqa: F401 (registers the lab's exit rules as halt_criterion values)
+from benchmarks.halting_rules import LabLoopFormerForCausalLM
 from benchmarks import write_json
 from tests.support.instruments import CountOps
 from loopformer_hf.halting_loopformer import state_change_score
@@ -48,11 +48,14 @@ def halting_rows(
 ):
     """Fixed budgets M = 1..L and halting at each eps (and fill), timed side by side: one row per run with the mean
     loops per generated token, the median ms per token, its ratio to M = L (median over interleaved rounds) and the
-    target bound m/L + 0.15 of that ratio at mean m loops. `criterion`: the exit rule (default: the model's)."""
+    target bound m/L + 0.15 of that ratio at mean m loops. `criterion`: the exit rule (default: the library's,
+    "state_change"; another runs on `LabLoopFormerForCausalLM.of(model)`)."""
     L = model.config.num_loops
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
     runs = {f"M={m}": dict(loop_budget=m) for m in range(1, L + 1)}
     rule = {} if criterion is None else {"halt_criterion": criterion}
+    if criterion is not None:
+        model = LabLoopFormerForCausalLM.of(model)
     for fill in fills:
         for eps in eps_values:
             runs[f"eps={eps} ({fill})"] = dict(halt_eps=eps, fill=fill, **rule)
@@ -209,7 +212,7 @@ def main(argv=None):
     parser.add_argument(
         "--criterion",
         default=None,
-        help="the exit rule (halt_criterion) the halt_eps runs use; default: the model's own",
+        help="the exit rule (halt_criterion) the halt_eps runs use; default: the library's, state_change",
     )
     parser.add_argument(
         "--output", default=None, help="default benchmarks/results/halting.json (halting_gather.json with --gather)"
@@ -242,7 +245,7 @@ def main(argv=None):
             checkpoint=args.checkpoint,
             num_loops=model.config.num_loops,
             new_tokens=args.new_tokens,
-            criterion=args.criterion or model.config.halt_criterion,
+            criterion=args.criterion or "state_change",
             rows=table,
         ),
     )

@@ -19,7 +19,6 @@ import numbers
 from transformers.cache_utils import StaticLayer
 
 from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheMixin, LoopFormerStaticCache
-from loopformer_hf.halting_loopformer import extra_slots
 from loopformer_hf.plan_loopformer import LoopFormerPlan
 
 
@@ -70,9 +69,9 @@ class ModuloSharing:
                 f"early would overwrite its own shared slots ({type(self).__name__}, share_n={self.share_n}). Use a "
                 f"LoopFormerCache, or one budget for the batch."
             )
-        if extra_slots(spec.halt_criterion):
+        if spec.halting is not None and spec.halting.extra_slots:
             raise ValueError(
-                f"halt_criterion={spec.halt_criterion!r} keeps its extra step in cache slots of its own, which "
+                f"{spec.halting.__name__} keeps its extra step in cache slots of its own, which "
                 f"{type(self).__name__} does not have: use a LoopFormerCache."
             )
 

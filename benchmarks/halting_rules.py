@@ -1,5 +1,6 @@
-"""The lab's exit rules for LoopFormer's per-token halting (`halt_eps`), beyond the library's "state_change":
-subclasses of `LoopFormerHaltingState`, registered as `halt_criterion` values on import.
+"""The lab's exit rules for LoopFormer's per-token halting (`halt_eps`), beyond the library's "state_change", and the
+model that runs them: [`LabLoopFormerForCausalLM`], whose forward and `generate` take `halt_criterion` (one of
+`HALT_CRITERIA`).
 
 - "kl", "entropy": halt_eps thresholds KL(p_i ‖ p_{i−1}) between successive steps' next-token distributions (p_0 from
   the embeddings), or the entropy H(p_i) of the current one (both in nats), read through the LM head.
@@ -11,16 +12,28 @@ subclasses of `LoopFormerHaltingState`, registered as `halt_criterion` values on
   next-token entropy there is below halt_eps keeps it (1 loop step), the others run the budget from the embeddings
   (1 + M steps). The probe step has its own cache slots, after the budget's.
 
+Each rule is a subclass of [`LabHaltingState`], the library's `LoopFormerHaltingState` with the hooks these rules
+override (`start`, `before_loop`, `block_adaln`, `next_step`, `update`, `final_states`, `_score`, `check_model`).
+The model reaches the loop through the library's one overridable method, `LoopFormerModel._plan`, which names the
+halting state class a call runs.
+
 The documented result (benchmarks/writeups/halting.md) is that none of them pays for LoopFormer, so the library
-keeps none: `import benchmarks.halting_rules` and then `halt_criterion="kl"` etc. work as before.
+keeps none.
 """
 
+import argparse
+import copy
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
-from loopformer_hf.halting_loopformer import LoopFormerHaltingState, LoopFormerHaltingStep, register_halting_rule
+from loopformer_hf import LoopFormerForCausalLM, LoopFormerModel
+from loopformer_hf.generation_loopformer import GENERATION_LOOP_KNOBS
+from loopformer_hf.halting_loopformer import LoopFormerExitStep, LoopFormerHaltingState, LoopFormerHaltingStep
+from loopformer_hf.plan_loopformer import LoopFormerPlan
 
 SHORTCUT_EXIT_SUFFIX = "_shortcut"
 PROBE_CRITERION = "probe_entropy"
@@ -49,17 +62,99 @@ def entropy(log_probs):
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
+class LabExitStep(LoopFormerExitStep):
+    """The library's exit step, whose blocks may run other adaLN vectors for some tokens (`block_adaln`)."""
+
+    def block(self, j, adaln):
+        rule = self.rule
+        return rule.block_adaln(j, self.step, adaln, rule.loop_adaln), rule.block_step(j, self.halted, self.active)
+
+
 @dataclass
-class ReadoutHalting(LoopFormerHaltingState):
+class LabHaltingState(LoopFormerHaltingState):
+    """`LoopFormerHaltingState` ("state_change") with the hooks the lab's rules override, called from the four
+    methods the loop calls (`begin`, `for_step`, `observe`, `finish`)."""
+
+    readout: object = None  # h -> next-token log-probabilities (the LM head after the final norm), or None
+
+    # Whether the rule combines with per-row budgets (one trajectory per row).
+    per_row: ClassVar[bool] = True
+    name: ClassVar[str] = ""  # the `halt_criterion` value (set from `LAB_RULES`)
+
+    @classmethod
+    def check_model(cls, config, readout):
+        """Raise a ValueError if the rule cannot run on a model of `config` (with `readout`, the LM head, or None)."""
+
+    @classmethod
+    def begin(cls, model, plan, hidden_states, loop_adaln, cache, mask, position_embeddings):
+        readout = getattr(model, "halt_readout", None)
+        cls.check_model(model.config, readout)
+        if plan.rows is not None and not cls.per_row:
+            allowed = ["state_change", *(name for name, rule in LAB_RULES.items() if rule.per_row)]
+            raise ValueError(
+                f"halt_criterion={cls.name!r} runs an exit step of one trajectory; per-row loop budgets "
+                f"or schedules take {allowed} (or one budget for the batch)."
+            )
+        state, hidden_states = super().begin(model, plan, hidden_states, loop_adaln, cache, mask, position_embeddings)
+        state.readout = readout
+        state.start(hidden_states)
+        if plan.rows is None:
+            hidden_states = state.before_loop(
+                model, plan.trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
+            )
+        return state, hidden_states
+
+    def for_step(self, step, hidden_states, gather=True):
+        exit_step = super().for_step(step, hidden_states, gather)
+        return None if exit_step is None else LabExitStep(*exit_step)
+
+    def finish(self, hidden_states):
+        return super().finish(self.final_states(hidden_states))
+
+    # ---- the hooks ------------------------------------------------------------------------------------------------
+
+    def start(self, hidden_states):
+        """After the state is made, before step 1 (`hidden_states`: the embeddings)."""
+
+    def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
+        """Before step 1 of a single trajectory (not per-row): returns the loop's input."""
+        return hidden_states
+
+    def block_adaln(self, block, step, adaln, loop_adaln):
+        """Block `block`'s adaLN vectors at loop step `step`: the trajectory's (`adaln`) unless the rule runs other
+        steps for some tokens (`loop_adaln` holds every step's)."""
+        return adaln
+
+    def _next_step(self, hidden_size, gather=True):
+        return self.next_step(hidden_size, gather)
+
+    def next_step(self, hidden_size, gather=True):
+        """(halted mask, gather plan) of the coming loop step."""
+        return LoopFormerHaltingState._next_step(self, hidden_size, gather)
+
+    def _update(self, previous, hidden_states, final=False):
+        return self.update(previous, hidden_states, final)
+
+    def update(self, previous, hidden_states, final=False):
+        """Advance past a loop step: the library's counts and halting, on this rule's `_score`."""
+        return LoopFormerHaltingState._update(self, previous, hidden_states, final)
+
+    def final_states(self, hidden_states):
+        """The loop's output."""
+        return hidden_states
+
+
+@dataclass
+class ReadoutHalting(LabHaltingState):
     """A rule that reads next-token distributions through the LM head (`readout`)."""
 
     @classmethod
-    def check_model(cls, config, readout, criterion):
-        super().check_model(config, readout, criterion)
+    def check_model(cls, config, readout):
+        super().check_model(config, readout)
         if readout is None:
             raise ValueError(
-                f"halt_criterion={criterion!r} reads next-token distributions through the LM head: call "
-                f"LoopFormerForCausalLM, or use halt_criterion='state_change' with LoopFormerModel."
+                f"halt_criterion={cls.name!r} reads next-token distributions through the LM head: call "
+                f"LabLoopFormerForCausalLM, or use halt_criterion='state_change' with LabLoopFormerModel."
             )
 
 
@@ -69,11 +164,9 @@ class KLHalting(ReadoutHalting):
 
     log_probs: torch.Tensor | None = None  # (batch, seq, vocab) of the current state
 
-    @classmethod
-    def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion="kl"):
-        state = super().start(halt_eps, config, hidden_states, readout, rows, criterion)
-        state.log_probs = readout(hidden_states) if halt_eps is not None else None
-        return state
+    def start(self, hidden_states):
+        super().start(hidden_states)
+        self.log_probs = self.readout(hidden_states)
 
     def _score(self, previous, hidden_states):
         log_probs = self.readout(hidden_states)
@@ -113,7 +206,7 @@ def _exit_adaln(state, model, trajectory, loop_adaln, cache, first):
 
 
 @dataclass
-class ShortcutExit(LoopFormerHaltingState):
+class ShortcutExit(LabHaltingState):
     """The "_shortcut" forms: tokens whose score fell below halt_eps after the last step run one exit step
     (Δ = 1 − t) at the coming step, then freeze. Combine it with a score: `class KLShortcut(ShortcutExit, KLHalting)`."""
 
@@ -124,9 +217,9 @@ class ShortcutExit(LoopFormerHaltingState):
     per_row: ClassVar[bool] = False  # the exit step's conditioning comes from one trajectory
 
     @classmethod
-    def check_model(cls, config, readout, criterion):
-        super().check_model(config, readout, criterion)
-        _check_step_conditioning(config, criterion, criterion[: -len(SHORTCUT_EXIT_SUFFIX)])
+    def check_model(cls, config, readout):
+        super().check_model(config, readout)
+        _check_step_conditioning(config, cls.name, cls.name[: -len(SHORTCUT_EXIT_SUFFIX)])
 
     def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
         hidden_states = super().before_loop(
@@ -205,15 +298,13 @@ class ProbeEntropy(ReadoutHalting):
     per_row: ClassVar[bool] = False
 
     @classmethod
-    def check_model(cls, config, readout, criterion):
-        super().check_model(config, readout, criterion)
-        _check_step_conditioning(config, criterion, "entropy")
+    def check_model(cls, config, readout):
+        super().check_model(config, readout)
+        _check_step_conditioning(config, cls.name, "entropy")
 
-    @classmethod
-    def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion=PROBE_CRITERION):
-        state = super().start(halt_eps, config, hidden_states, readout, rows, criterion)
-        state.reuse_kv = True  # the probe's tokens are frozen at the embeddings: their slots repeat the probe's
-        return state
+    def start(self, hidden_states):
+        super().start(hidden_states)
+        self.reuse_kv = True  # the probe's tokens are frozen at the embeddings: their slots repeat the probe's
 
     def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
         """Every token runs the one-step trajectory (its keys/values in the cache slots after the budget's); the
@@ -266,18 +357,149 @@ LAB_RULES = {
     PROBE_CRITERION: ProbeEntropy,
 }
 for _name, _rule in LAB_RULES.items():
-    register_halting_rule(_name, _rule)
+    _rule.name = _name
 
 # every rule, the library's first: what the lab's sweeps iterate over
 HALT_CRITERIA = ("state_change", *LAB_RULES)
 
 
+def halting_rule(criterion):
+    """The halting state class a `halt_criterion` value names (the library's for "state_change"), or a ValueError
+    listing them."""
+    rule = {"state_change": LoopFormerHaltingState, **LAB_RULES}.get(criterion) if isinstance(criterion, str) else None
+    if rule is None:
+        raise ValueError(f"`halt_criterion` must be one of {HALT_CRITERIA}, got {criterion!r}.")
+    return rule
+
+
+# ---- the model that runs them --------------------------------------------------------------------------------------
+
+
+class LabLoopFormerModel(LoopFormerModel):
+    """`LoopFormerModel` whose forward also takes `halt_criterion` (a `HALT_CRITERIA` value, default "state_change")
+    and `halt_head` (the LM head the readout rules read next-token distributions through)."""
+
+    _call_criterion = None  # this forward's `halt_criterion`, for `_plan`
+    halt_readout = None  # this forward's h -> next-token log-probabilities, for `LabHaltingState.begin`
+
+    def forward(self, *args, halt_criterion=None, halt_head=None, **kwargs):
+        if halt_criterion is not None:
+            halting_rule(halt_criterion)  # a bad name is refused with or without halt_eps
+        readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
+        self._call_criterion, self.halt_readout = halt_criterion, readout
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._call_criterion = self.halt_readout = None
+
+    def _plan(self, cache, batch_size=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None):
+        """The library's plan, running the halting state class that `halt_criterion` (or this forward's) names."""
+        criterion = halt_criterion or self._call_criterion or "state_change"
+        halting = halting_rule(criterion)
+        return LoopFormerPlan.for_call(
+            self.config, cache, loop_budget, step_schedule, halt_eps, batch_size, halting=halting
+        )
+
+
+class LabLoopFormerForCausalLM(LoopFormerForCausalLM):
+    """`LoopFormerForCausalLM` whose forward and `generate` also take `halt_criterion` (a `HALT_CRITERIA` value):
+    the halting rule a call with `halt_eps` runs. Loads any LoopFormer checkpoint (`from_pretrained`), or wraps a
+    loaded model (`of`)."""
+
+    generation_loop_knobs = (*GENERATION_LOOP_KNOBS, "halt_criterion")
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LabLoopFormerModel(config)
+        self.post_init()
+
+    @classmethod
+    def of(cls, model):
+        """A lab model with `model`'s config and weights, on its device and in its dtype."""
+        lab = cls(model.config).to(device=model.device, dtype=model.dtype)
+        lab.load_state_dict(model.state_dict())
+        lab.generation_config = copy.deepcopy(model.generation_config)
+        return lab.train(model.training)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        loop_budget=None,
+        step_schedule=None,
+        halt_eps=None,
+        shortcut_consistency=None,
+        halt_criterion=None,
+        **kwargs,
+    ):
+        # the library's, named in full (`generate` keeps the kwargs its signature names); it hands its other keywords
+        # to `self.model`: this call's rule and the LM head
+        return super().forward(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels,
+            use_cache,
+            logits_to_keep,
+            loop_budget,
+            step_schedule,
+            halt_eps,
+            shortcut_consistency,
+            halt_criterion=halt_criterion,
+            halt_head=self.lm_head,
+            **kwargs,
+        )
+
+
+# ---- evaluation with the lab's rules -------------------------------------------------------------------------------
+
+
+def runs_on(model, criterion):
+    """Whether the exit rule `criterion` runs on `model` (its own check, as a forward makes it)."""
+    rule = halting_rule(criterion)
+    try:
+        if issubclass(rule, LabHaltingState):
+            rule.check_model(model.config, model.get_output_embeddings())
+    except ValueError:
+        return False
+    return True
+
+
+def evaluate_halting(criteria, model, task, data, eps_values):
+    """`looped_training.loopformer.metrics.evaluate_halting` for each exit rule of `criteria` that runs on `model`
+    (e.g. the "_shortcut" rules on a model conditioned on Δ only): its records carry their `criterion`."""
+    from looped_training.loopformer.metrics import halting_sweep
+
+    lab = LabLoopFormerForCausalLM.of(model)
+    trajectory = model.config.resolve_trajectory(model.config.num_loops, "uniform")
+    results = []
+    for criterion in [c for c in criteria if runs_on(lab, c)]:
+        sweep = halting_sweep(lab, task, data, trajectory, eps_values, halt_criterion=criterion)
+        results += [dict(criterion=criterion, **r) for r in sweep]
+    return results
+
+
 def main(argv=None):
-    """`python -m benchmarks.halting_rules ARGS`: looped_training.loopformer.evaluate with the lab's rules registered
-    (e.g. `--halt_eps 0.1 --halt_criteria state_change state_change_shortcut`)."""
+    """`python -m benchmarks.halting_rules ARGS --halt_criteria RULE ...`: looped_training.loopformer.evaluate, whose
+    --halt_eps sweep runs each rule (default: "state_change" alone), e.g. `--halt_eps 0.1 --halt_criteria
+    state_change state_change_shortcut`."""
     from looped_training.loopformer.evaluate import main as evaluate
 
-    return evaluate(argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.halting_rules", add_help=False)
+    parser.add_argument("--halt_criteria", nargs="*", default=["state_change"])
+    args, rest = parser.parse_known_args(argv)
+    bad = [c for c in args.halt_criteria if c not in HALT_CRITERIA]
+    if bad:
+        raise ValueError(f"--halt_criteria {bad} unknown; allowed: {HALT_CRITERIA}.")
+    return evaluate(rest, halting=functools.partial(evaluate_halting, args.halt_criteria))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from benchmarks.bench_halt_criteria import halting_sweep_summary
 from looped_training.loopformer.data import TRAINING_META_FILE
 from looped_training.loopformer.metrics import SCHEDULES
 from looped_training.loopformer.report import EVAL_FILE, format_table, halting_table, quality_by_budget
-from looped_training.loopformer.evaluate import main as evaluate_checkpoints
+from benchmarks.halting_rules import main as evaluate_with_the_labs_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 # the presets: training config files of the report's runs (`python -m looped_training.loopformer.train --config FILE`)
@@ -139,7 +139,7 @@ def train_missing(runs_dir, tasks, preset, shakespeare, parallel):
 def evaluate(runs_dir, task, max_rows):
     runs = [(f, n) for f, _, n, _, _ in RUNS if os.path.exists(os.path.join(runs_dir, task, f, TRAINING_META_FILE))]
     out = os.path.join(runs_dir, task, "eval")
-    evaluate_checkpoints(
+    evaluate_with_the_labs_rules(
         [
             *[os.path.join(runs_dir, task, f) for f, _ in runs],
             "--names",

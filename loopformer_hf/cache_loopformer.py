@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
+from .halting_loopformer import LoopFormerHaltingState
 from .plan_loopformer import LoopFormerPlan
 from .trajectory_loopformer import LoopFormerRows
 
@@ -47,7 +48,7 @@ def _mismatch_message(was, now):
     elif (was.trajectory, was.row_steps) == (now.trajectory, now.row_steps):
         was_text, now_text = (
             f"halt_eps={spec.halt_eps} (kv fill {spec.halt_kv_fill}"
-            + ("" if spec.halt_criterion in (None, "state_change") else f"; halt_criterion={spec.halt_criterion}")
+            + ("" if spec.halting in (None, LoopFormerHaltingState) else f"; halting {spec.halting.__name__}")
             + ")"
             for spec in (was, now)
         )

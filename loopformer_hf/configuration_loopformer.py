@@ -21,7 +21,7 @@ from transformers.utils import logging
 from transformers.utils.type_validators import interval, positive_int_field, probability
 
 from . import trajectory_loopformer as trajectory
-from .halting_loopformer import check_halt_criterion, check_halt_eps
+from .halting_loopformer import check_halt_eps
 from .looped_common import LoopedConfigMixin, check_positive_number, check_rope_parameters
 from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
 
@@ -68,6 +68,14 @@ def drop_removed_fields(kwargs):
             f"LoopFormerConfig: cache_sharing={sharing!r} (cache_share_n={share_n!r}) is no field any more and is "
             f"ignored: this model runs the exact cache. The shared loop cache is a cache object in the lab "
             f"(benchmarks/cache_sharing.py, `ModuloSharedCache(share_n=...)`, passed as `cache=`)."
+        )
+    criterion = kwargs.pop("halt_criterion", None)
+    if criterion not in (None, "state_change"):
+        logger.warning_once(
+            f"LoopFormerConfig: halt_criterion={criterion!r} is no field any more and is ignored: with `halt_eps` "
+            f"this model halts on the state change. The other halting rules are the lab's "
+            f"(benchmarks/halting_rules.py, `LabLoopFormerForCausalLM`, whose forward and generate take "
+            f"`halt_criterion`)."
         )
 
 
@@ -122,10 +130,6 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
             `"uniform"`, `"coarse_to_fine"`, `"fine_to_coarse"`.
         halt_kv_fill (`str`, defaults to `"reuse"`): with `halt_eps`, how the cache slots a halted token skips are
             filled: `"reuse"` repeats its last computed step's keys/values; `"recompute"` projects its frozen state.
-        halt_criterion (`str`, defaults to `"state_change"`): with `halt_eps`, when a token stops looping:
-            `"state_change"` once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps; or a rule registered with
-            `halting_loopformer.register_halting_rule` (the lab's research rules: benchmarks/halting_rules.py). A call
-            can override it.
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities during training.
         attention_bias (`bool`, defaults to `False`): biases in the attention projections.
         mlp_bias (`bool`, defaults to `False`): biases in the MLP projections.
@@ -169,7 +173,6 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
         trajectory.check_default_step_schedule, default="uniform"
     )
     halt_kv_fill: Literal[HALT_KV_FILLS] = "reuse"
-    halt_criterion: str = validated_field(check_halt_criterion, default="state_change")
     attention_dropout: int | float = probability(default=0.0)
     attention_bias: bool = False
     mlp_bias: bool = False

@@ -1,6 +1,6 @@
 """LoopFormer's part of `generate`: [`LoopFormerGenerationMixin`] overrides transformers' generation hooks so that a
 looped model gets its own cache (one slot per (loop step, block)), the loop knobs (`loop_budget`, `step_schedule`,
-`halt_eps`, `halt_criterion`) reach every forward (from the call or from `generation_config`), classifier-free
+`halt_eps`) reach every forward (from the call or from `generation_config`), classifier-free
 guidance and assisted decoding run the right loop, and with `halt_eps` each returned position's loop count is
 gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
 
@@ -29,7 +29,7 @@ from .plan_loopformer import LoopFormerPlan
 
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
-GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")
+GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
 
 
 @dataclass
@@ -105,6 +105,9 @@ def _mark_lengths_dynamic(model_inputs):
 class LoopFormerGenerationMixin(GenerationMixin):
     """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
 
+    # the model kwargs that are loop knobs: passed to every forward, and to `model._plan` for the cache generate makes
+    generation_loop_knobs = GENERATION_LOOP_KNOBS
+
     def adjust_generation_fn(
         self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path, *args, **kwargs
     ):
@@ -154,11 +157,9 @@ class LoopFormerGenerationMixin(GenerationMixin):
         batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
         if batch_size is not None:
             batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        knobs = {name: model_kwargs.get(name) for name in GENERATION_LOOP_KNOBS}
+        knobs = {name: model_kwargs.get(name) for name in self.generation_loop_knobs}
         LoopFormerCache.replace_generate_default(  # the plan: once per generate call
-            model_kwargs,
-            self.config,
-            lambda: LoopFormerPlan.for_call(self.config, None, **knobs, batch_size=batch_size),
+            model_kwargs, self.config, lambda: self.model._plan(None, batch_size, **knobs)
         )
 
     def init_continuous_batching(self, *args, **kwargs):
@@ -180,7 +181,9 @@ class LoopFormerGenerationMixin(GenerationMixin):
         that both forwards run the same loop budget, schedule and halting."""
         processors = super()._get_logits_processor(*args, **kwargs)
         knobs = {
-            name: value for name, value in (kwargs.get("model_kwargs") or {}).items() if name in GENERATION_LOOP_KNOBS
+            name: value
+            for name, value in (kwargs.get("model_kwargs") or {}).items()
+            if name in self.generation_loop_knobs
         }
         for processor in processors:
             if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor) and processor.model is self:
@@ -199,7 +202,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
             kwargs["model_kwargs"] = {
                 name: value
                 for name, value in kwargs["model_kwargs"].items()
-                if name not in GENERATION_LOOP_KNOBS and name != "loop_counts_log"
+                if name not in self.generation_loop_knobs and name != "loop_counts_log"
             }
         return super()._get_candidate_generator(*args, **kwargs)
 
@@ -213,7 +216,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
         kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
         `forward`; a call kwarg of the same name is absorbed into the config. Hand the merged value on to `forward`."""
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
-        for name in GENERATION_LOOP_KNOBS:
+        for name in self.generation_loop_knobs:
             value = getattr(generation_config, name, None)
             if name not in model_kwargs and value is not None:
                 model_kwargs[name] = value
@@ -323,7 +326,7 @@ class LoopFormerGenerationMixin(GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus the kwargs `loop_budget` and `step_schedule` (one for the batch, or a list
-        of one per row), `halt_eps` and `halt_criterion`. The same fields set on `generation_config` (or on
+        of one per row) and `halt_eps`. The same fields set on `generation_config` (or on
         `model.generation_config`, which `save_pretrained` writes to generation_config.json) are used when the call
         does not give them.
 

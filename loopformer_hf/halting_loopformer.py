@@ -2,10 +2,9 @@
 `halt_eps`; its state is frozen, and the cache slots of the steps it skips are filled so that later tokens can still
 attend to every (loop step, block).
 
-The library's exit rule (`halt_criterion="state_change"`): a token freezes once its relative state change falls below
-`halt_eps`. Other rules are subclasses of [`LoopFormerHaltingState`] registered under a name
-(`register_halting_rule`); the lab's research rules ("kl", "entropy", their "_shortcut" forms, "probe_entropy":
-benchmarks/halting_rules.py) register themselves on import.
+The library's exit rule ("state_change"): a token freezes once its relative state change falls below `halt_eps`.
+Another rule is a subclass of [`LoopFormerHaltingState`] that a model subclass runs (the lab's research rules, "kl",
+"entropy", their "_shortcut" forms and "probe_entropy": benchmarks/halting_rules.py, `LabLoopFormerForCausalLM`).
 
 - [`LoopFormerHaltingState`]: the halting of one forward's loop (which tokens are active, their loop counts), as
   `FPRMSolverState` is for FPRM's solver; the loop calls its `begin`, `for_step`, `observe` and `finish` only.
@@ -174,10 +173,8 @@ class LoopFormerExitStep(NamedTuple):
     active: LoopFormerActiveTokens | None  # the gather plan, when leaving the halted tokens out saves work
 
     def block(self, j, adaln):
-        """(adaLN vectors, [`LoopFormerHaltingStep`]) of block `j`: the trajectory's `adaln` unless the rule runs
-        other steps for some tokens."""
-        rule = self.rule
-        return rule.block_adaln(j, self.step, adaln, rule.loop_adaln), rule.block_step(j, self.halted, self.active)
+        """(adaLN vectors, [`LoopFormerHaltingStep`]) of block `j`: the trajectory's `adaln`."""
+        return adaln, self.rule.block_step(j, self.halted, self.active)
 
 
 def check_halt_eps(value, name="halt_eps"):
@@ -204,16 +201,16 @@ class LoopFormerHaltingState:
     """Per-token halting (`halt_eps`) carried through the loop, as `FPRMSolverState` is for FPRM's solver.
 
     `active` tokens keep looping; a token halts once ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) < halt_eps
-    ("state_change"). A halted token's state is frozen, and the cache slots it skips are filled (`halt_kv_fill`) so
-    that later tokens can still attend to every slot. Updated in place, one loop step at a time.
+    ("state_change", the library's one rule). A halted token's state is frozen, and the cache slots it skips are
+    filled (`halt_kv_fill`) so that later tokens can still attend to every slot. Updated in place, one loop step at a
+    time.
 
     Per-row trajectories (`row_budgets`) freeze a row's tokens after its own last step the same way, with or without
     `halt_eps` (None: only the budgets halt).
 
-    The loop calls four methods, `begin`, `for_step` (whose [`LoopFormerExitStep`] each block reads), `observe` and
-    `finish`. Another exit rule subclasses this class and overrides what it changes, through the hooks these call:
-    `_score` (what halt_eps thresholds), `start`, `before_loop`, `block_adaln`, `next_step`, `update`,
-    `final_states`, and the class attributes below; `register_halting_rule` names it.
+    The loop calls four methods: `begin`, `for_step` (whose [`LoopFormerExitStep`] each block reads), `observe` and
+    `finish`. Another exit rule is a subclass that a model subclass runs (`LoopFormerModel._plan`; the lab's:
+    benchmarks/halting_rules.py).
     """
 
     halt_eps: float | None
@@ -221,7 +218,6 @@ class LoopFormerHaltingState:
     active: torch.BoolTensor  # (batch, seq)
     num_active: int  # active.sum(), read once per step (one device sync) for every check of that step
     last_kv: list  # per block: the (keys, values) of the last step each token computed
-    readout: object = None  # h -> next-token log-probabilities (the LM head after the final norm), or None
     # Loop steps every token ran (counted in Python while no token has halted), plus `partial_counts` (batch, seq):
     # the steps run since (decoding one token never needs a tensor for its count).
     steps_all_ran: int = 0
@@ -238,47 +234,30 @@ class LoopFormerHaltingState:
     position_embeddings: tuple | None = None
     loop_adaln: list | None = None
 
-    # Loop-step cache slots per block the rule needs beyond the budget's (the cache spec adds them).
+    # Loop-step cache slots per block a subclass needs beyond the budget's (the cache spec adds them).
     extra_slots: ClassVar[int] = 0
-    # Whether the rule combines with per-row budgets (one trajectory per row).
-    per_row: ClassVar[bool] = True
-
-    @classmethod
-    def check_model(cls, config, readout, criterion):
-        """Raise a ValueError if the rule cannot run on a model of `config` (with `readout`, the LM head, or None)."""
-
-    @classmethod
-    def start(cls, halt_eps, config, hidden_states, readout=None, rows=None, criterion="state_change"):
-        """The state before step 1; `rows` (a `LoopFormerRows`) halts each row after its own budget."""
-        if halt_eps is not None:
-            cls.check_model(config, readout, criterion)
-        batch_seq, device = hidden_states.shape[:2], hidden_states.device
-        state = cls(
-            halt_eps,
-            config.halt_kv_fill == "reuse",
-            torch.ones(batch_seq, dtype=torch.bool, device=device),
-            batch_seq.numel(),
-            [None] * config.num_hidden_layers,
-            readout,
-        )
-        if rows is not None:
-            state.num_steps, state.row_budgets = rows.num_steps, rows.budgets.to(device)
-            state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
-        return state
 
     # ---- the interface the loop calls ----------------------------------------------------------------------------
 
     @classmethod
-    def begin(cls, model, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings):
-        """(the rule's state before step 1, the loop's input) for a call's `plan`; `readout` maps a state to
-        next-token log-probabilities (the LM head after the final norm) or is None."""
-        state = cls.start(plan.halt_eps, model.config, hidden_states, readout, plan.rows, plan.halt_criterion)
+    def begin(cls, model, plan, hidden_states, loop_adaln, cache, mask, position_embeddings):
+        """(the state before step 1, the loop's input) for a call's `plan`."""
+        batch_seq, device, config = hidden_states.shape[:2], hidden_states.device, model.config
+        state = cls(
+            plan.halt_eps,
+            config.halt_kv_fill == "reuse",
+            torch.ones(batch_seq, dtype=torch.bool, device=device),
+            batch_seq.numel(),
+            [None] * config.num_hidden_layers,
+        )
+        rows = plan.rows
+        if rows is not None:
+            state.num_steps, state.row_budgets = rows.num_steps, rows.budgets.to(device)
+            state.row_steps = None if torch.compiler.is_compiling() else tuple(map(len, rows.trajectories))
+        else:
+            state.num_steps = len(plan.trajectory)
         state.blocks, state.cache, state.position_embeddings = model.layers, cache, position_embeddings
         state.loop_adaln = loop_adaln
-        if plan.rows is None:
-            hidden_states = state.before_loop(
-                model, plan.trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings
-            )
         return state, hidden_states
 
     def for_step(self, step, hidden_states, gather=True):
@@ -290,31 +269,42 @@ class LoopFormerHaltingState:
                 self.cache, self.blocks, hidden_states, self.position_embeddings, self.loop_adaln, step
             )
             return None
-        return LoopFormerExitStep(self, step, *self.next_step(hidden_states.shape[-1], gather=gather))
+        return LoopFormerExitStep(self, step, *self._next_step(hidden_states.shape[-1], gather=gather))
 
     def observe(self, previous, hidden_states, block_kv, final=False):
         """After a loop step: its input and output states, each block's (keys, values), whether it was the budget's
         last."""
         self.last_kv = list(block_kv)
-        self.update(previous, hidden_states, final)
+        self._update(previous, hidden_states, final)
 
     def finish(self, hidden_states):
         """(the loop's output, the loop steps each token ran or None without `halt_eps`)."""
-        return self.final_states(hidden_states), None if self.halt_eps is None else self.loop_counts
+        return hidden_states, None if self.halt_eps is None else self.loop_counts
 
-    # ---- the hooks a rule overrides -------------------------------------------------------------------------------
+    def block_step(self, block, halted, active):
+        """The [`LoopFormerHaltingStep`] of block `block` at the step `_next_step` described (`halted` None: nothing
+        halted; the step still records the block's keys and values)."""
+        return LoopFormerHaltingStep(
+            halted, active, self.last_kv[block] if self.reuse_kv and halted is not None else None
+        )
 
-    def before_loop(self, model, trajectory, loop_adaln, cache, hidden_states, mask, position_embeddings):
-        """Before step 1 of a single trajectory (not per-row): returns the loop's input."""
-        self.num_steps = len(trajectory)
-        return hidden_states
+    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
+        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
+        if cache is None:
+            return
+        steps = range(first_step, cache.spec.loop_steps)
+        for j, block in enumerate(blocks):
+            if self.reuse_kv:
+                per_step = [self.last_kv[j]] * len(steps)
+            else:
+                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
+                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
+            for step, (k, v) in zip(steps, per_step):
+                cache.write(k, v, cache.slot(step, j))
 
-    def block_adaln(self, block, step, adaln, loop_adaln):
-        """Block `block`'s adaLN vectors at loop step `step`: the trajectory's (`adaln`) unless the rule runs other
-        steps for some tokens (`loop_adaln` holds every step's)."""
-        return adaln
+    # ---- one step ------------------------------------------------------------------------------------------------
 
-    def next_step(self, hidden_size, gather=True):
+    def _next_step(self, hidden_size, gather=True):
         """(halted mask, gather plan) of the coming loop step: (None, None) while every token is active; the plan
         (a [`LoopFormerActiveTokens`]) only if `gather` and leaving the halted tokens out saves work."""
         halted = self.halted()
@@ -322,14 +312,7 @@ class LoopFormerHaltingState:
             return halted, None
         return halted, LoopFormerActiveTokens.worth_gathering(self.active, self.num_active, hidden_size)
 
-    def block_step(self, block, halted, active):
-        """The [`LoopFormerHaltingStep`] of block `block` at the step `next_step` described (`halted` None: nothing
-        halted; the step still records the block's keys and values)."""
-        return LoopFormerHaltingStep(
-            halted, active, self.last_kv[block] if self.reuse_kv and halted is not None else None
-        )
-
-    def update(self, previous, hidden_states, final=False):
+    def _update(self, previous, hidden_states, final=False):
         """Advance past loop step i: the step counts for the tokens that ran it, and a token halts once its score
         (`_score`) falls below halt_eps. After the `final` step of the budget no score is needed: only the counts
         advance."""
@@ -352,24 +335,6 @@ class LoopFormerHaltingState:
         self.num_active = int(still.sum())  # one sync per step
         return self
 
-    def final_states(self, hidden_states):
-        """The loop's output."""
-        return hidden_states
-
-    def fill_skipped_slots(self, cache, blocks, frozen, position_embeddings, loop_adaln, first_step):
-        """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
-        if cache is None:
-            return
-        steps = range(first_step, cache.spec.loop_steps)
-        for j, block in enumerate(blocks):
-            if self.reuse_kv:
-                per_step = [self.last_kv[j]] * len(steps)
-            else:
-                adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
-            for step, (k, v) in zip(steps, per_step):
-                cache.write(k, v, cache.slot(step, j))
-
     # ---- the counts ---------------------------------------------------------------------------------------------
 
     @property
@@ -389,11 +354,11 @@ class LoopFormerHaltingState:
         return self.num_active == 0
 
     def _score(self, previous, hidden_states):
-        """What halt_eps thresholds, per token, after the step just run."""
+        """What halt_eps thresholds, per token, after the step just run: the relative state change."""
         return state_change_score(previous, hidden_states)
 
     def _row_update(self, previous, hidden_states, final):
-        """`update` under per-row budgets: the rows whose last step this was stop, and with `halt_eps` the tokens
+        """`_update` under per-row budgets: the rows whose last step this was stop, and with `halt_eps` the tokens
         whose score fell below it."""
         if self.halt_eps is not None:  # the counts are only returned with halt_eps
             self._count_step()
@@ -419,54 +384,11 @@ class LoopFormerHaltingState:
             )
 
 
-# `halt_criterion` values: the rule each names. The library's is "state_change"; the lab's register on import
-# (`import benchmarks.halting_rules`).
-HALTING_RULES = {"state_change": LoopFormerHaltingState}
-LIBRARY_HALT_CRITERIA = tuple(HALTING_RULES)  # what the docs list; the lab registers more
-LAB_RULES_MODULE = "benchmarks.halting_rules"
-
-
-def register_halting_rule(name, rule):
-    """Name `rule` (a [`LoopFormerHaltingState`] subclass) as a `halt_criterion` value."""
-    if not (isinstance(rule, type) and issubclass(rule, LoopFormerHaltingState)):
-        raise TypeError(f"A halting rule is a LoopFormerHaltingState subclass, got {rule!r} for {name!r}.")
-    HALTING_RULES[name] = rule
-
-
-def halting_rule(criterion):
-    """The rule a `halt_criterion` value names, or a ValueError listing the registered ones."""
-    rule = HALTING_RULES.get(criterion) if isinstance(criterion, str) else None
-    if rule is None:
-        raise ValueError(
-            f"`halt_criterion` must be one of {tuple(HALTING_RULES)}, got {criterion!r}. The lab's research rules "
-            f'("kl", "entropy", their "_shortcut" forms, "probe_entropy") register on `import '
-            f"{LAB_RULES_MODULE}` from a checkout."
-        )
-    return rule
-
-
-def check_halt_criterion(criterion):
-    """A call's or config's `halt_criterion`: a registered rule's name."""
-    halting_rule(criterion)
-    return criterion
-
-
-def extra_slots(criterion):
-    """Extra loop-step slots per block a cache needs under `criterion` (None: no halting)."""
-    return 0 if criterion is None else halting_rule(criterion).extra_slots
-
-
 __all__ = [
-    "HALTING_RULES",
-    "LIBRARY_HALT_CRITERIA",
     "LoopFormerActiveTokens",
     "LoopFormerExitStep",
     "LoopFormerHaltingState",
     "LoopFormerHaltingStep",
-    "check_halt_criterion",
     "check_halt_eps",
-    "extra_slots",
-    "halting_rule",
-    "register_halting_rule",
     "state_change_score",
 ]

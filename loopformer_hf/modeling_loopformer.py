@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -22,7 +21,7 @@ from transformers.utils import TransformersKwargs
 from .cache_loopformer import CACHE_FIELD, LoopFormerCache, cache_argument
 from .configuration_loopformer import LoopFormerConfig
 from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin, check_generation_knobs
-from .halting_loopformer import LoopFormerHaltingState, halting_rule
+from .halting_loopformer import LoopFormerHaltingState
 from .inputs_loopformer import call_inputs, default_position_ids
 from .layers_loopformer import (
     LoopFormerBlock,
@@ -33,6 +32,14 @@ from .layers_loopformer import (
 from .looped_common import CheckpointLoadersMixin
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
 from .plan_loopformer import LoopFormerPlan
+
+
+# what a call with the arguments of the halting plugin API (removed; docs/loopformer.md, "Changed in this version") gets
+REMOVED_HALTING_ARGUMENTS = (
+    "`halt_criterion` and `halt_head` are no arguments of LoopFormer any more: with `halt_eps` it halts on the state "
+    "change. The lab's other exit rules run on `LabLoopFormerForCausalLM` (benchmarks/halting_rules.py), whose forward "
+    "and generate take `halt_criterion`."
+)
 
 
 class LoopFormerPreTrainedModel(CheckpointLoadersMixin, PreTrainedModel):  # the mixin: from_pretrained's other layouts
@@ -154,9 +161,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             cache.adaln_memo = (plan, dtype, loop_adaln)
         return loop_adaln
 
-    def _loop(
-        self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
-    ):
+    def _loop(self, plan, hidden_states, mask, position_embeddings, cache, output_attentions, output_hidden_states):
         """The loop along `plan.trajectory`: every loop step runs the k blocks, as Llama's forward runs its layers.
         Returns (final state, the states after each step or None, None, None); per-token halting and per-row
         trajectories run `_halting_loop`, whose third item is the loop steps each token ran."""
@@ -167,7 +172,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 mask,
                 position_embeddings,
                 cache,
-                halt_head,
                 output_attentions,
                 output_hidden_states,
             )
@@ -201,22 +205,19 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         return hidden_states, all_hidden_states, None, None
 
     def _halting_loop(
-        self, plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
+        self, plan, hidden_states, mask, position_embeddings, cache, output_attentions, output_hidden_states
     ):
         """`_loop` under per-token halting (`halt_eps`) or per-row trajectories (a row halts after its last step):
-        the rule's state (`halting_loopformer`) says, before each step, which tokens each block computes, and reads
-        the step's result and keys and values after it. Returns (final state, states after each step or None, the loop
-        steps each token ran or None (without `halt_eps`))."""
+        the halting state (`halting_loopformer`, the plan's `halting` class) says, before each step, which tokens each
+        block computes, and reads the step's result and keys and values after it. Returns (final state, states after
+        each step or None, the loop steps each token ran or None (without `halt_eps`))."""
         dtype, device = hidden_states.dtype, hidden_states.device
         conditioning = None  # as in `_loop`; per-row trajectories have per-row vectors, computed once
         if torch.is_grad_enabled() and plan.rows is None:
             conditioning = self.loop_conditioning(plan.trajectory, device, dtype)
         loop_adaln = self._loop_adaln(plan, dtype, device, cache)  # halting fills skipped slots from them
-        readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-        rule = LoopFormerHaltingState if plan.halt_eps is None else halting_rule(plan.halt_criterion)
-        early_exit, hidden_states = rule.begin(
-            self, plan, hidden_states, readout, loop_adaln, cache, mask, position_embeddings
-        )
+        rule = plan.halting or LoopFormerHaltingState
+        early_exit, hidden_states = rule.begin(self, plan, hidden_states, loop_adaln, cache, mask, position_embeddings)
         num_steps = plan.spec.loop_steps
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         for step in range(num_steps):
@@ -256,6 +257,12 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             return None
         return LoopFormerCache.for_call(cache, plan)
 
+    def _plan(self, cache, batch_size=None, loop_budget=None, step_schedule=None, halt_eps=None):
+        """The [`LoopFormerPlan`] of a call (of `forward`, or of `generate` for the cache it makes) with these loop
+        knobs: the one `cache` holds if the call asks the same. A subclass that runs another halting rule (a
+        `LoopFormerHaltingState` subclass, as the lab's: benchmarks/halting_rules.py) overrides this method."""
+        return LoopFormerPlan.for_call(self.config, cache, loop_budget, step_schedule, halt_eps, batch_size)
+
     # ---- forward -------------------------------------------------------------------------------------------------
 
     def forward(
@@ -269,16 +276,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         loop_budget=None,
         step_schedule=None,
         halt_eps=None,
-        halt_criterion=None,
-        halt_head=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
         r"""
         loop_budget (`int`, list of `int` or 1-D integer tensor, *optional*): loop steps M (default: the config's), or
             one per row (a row's tokens freeze after its last step). step_schedule (`str` or list of `float`):
             Δ_1..Δ_M summing to 1, a preset ("uniform", "coarse_to_fine", "fine_to_coarse"), or one per row.
-        halt_eps (`float`, *optional*): a token stops looping once its `halt_criterion` score ("state_change" or a
-            registered rule, which may read next-token distributions through `halt_head`) falls below halt_eps.
+        halt_eps (`float`, *optional*): a token stops looping once its relative state change
+            ‖h_i − h_{i−1}‖∞ / (‖h_i‖∞ + 1e-8) falls below halt_eps.
         `loop_plan` (a keyword): what `generate` hands its decode steps, the plan bound to its cache: the step then
         reads no loop knob and checks no input (generate made them). `hidden_states` (`output_hidden_states=True`):
         the embeddings and the state after each loop step (M + 1 tensors); `attentions`: one per (loop step, block).
@@ -289,8 +294,10 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         )
         plan = kwargs.get("loop_plan")
         if plan is None:  # a call of its own: its knobs resolved and checked, its cache bound, its inputs checked
+            if "halt_criterion" in kwargs or "halt_head" in kwargs:
+                raise TypeError(REMOVED_HALTING_ARGUMENTS)
             cache = cache_argument(cache, kwargs.get("past_key_values"), type(self).__name__)  # cache_loopformer.py
-            knobs = (loop_budget, step_schedule, halt_eps, halt_criterion)
+            knobs = (loop_budget, step_schedule, halt_eps)
             plan, cache, inputs_embeds, position_ids, mask = self._call_inputs(
                 input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, *knobs
             )
@@ -302,7 +309,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
         loop = self._loop_recording_attentions if output_attentions else self._loop
         hidden_states, all_hidden_states, loop_counts, attentions = loop(
-            plan, hidden_states, mask, position_embeddings, cache, halt_head, output_attentions, output_hidden_states
+            plan, hidden_states, mask, position_embeddings, cache, output_attentions, output_hidden_states
         )
         output = LoopFormerModelOutput(
             last_hidden_state=self.norm(hidden_states),
@@ -315,11 +322,11 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
 
     def _call_inputs(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, *knobs):
         """(plan, cache, embeddings, position ids, mask) of a call of its own: its loop knobs (`loop_budget`,
-        `step_schedule`, `halt_eps`, `halt_criterion`) resolved and checked, its cache made or checked against the
+        `step_schedule`, `halt_eps`) resolved and checked, its cache made or checked against the
         plan, its inputs checked."""
         given = input_ids if input_ids is not None else inputs_embeds  # checked in `call_inputs`
         batch_size = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() >= 2 else None
-        plan = LoopFormerPlan.for_call(self.config, cache, *knobs, batch_size=batch_size)
+        plan = self._plan(cache, batch_size, *knobs)
         cache = self._cache_for_call(cache, use_cache, plan)
         inputs_embeds, position_ids, mask = call_inputs(
             self.config, self.embed_tokens, input_ids, inputs_embeds, attention_mask, position_ids, cache
@@ -389,14 +396,13 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         loop_budget=None,
         step_schedule=None,
         halt_eps=None,
-        halt_criterion=None,
         shortcut_consistency=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
         r"""
         labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored; `shift_labels`
             (a keyword, as for Llama): targets already aligned with the positions (the authors' windows).
-        loop_budget, step_schedule, halt_eps, halt_criterion (and `loop_plan`): as for [`LoopFormerModel.forward`],
+        loop_budget, step_schedule, halt_eps (and `loop_plan`): as for [`LoopFormerModel.forward`],
             also as `generate` kwargs; `output_attentions`, `output_hidden_states`, `return_dict` as Llama's.
         shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, the same inputs also run its short
             trajectory: `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`,
@@ -413,8 +419,6 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
             loop_budget=loop_budget,
             step_schedule=step_schedule,
             halt_eps=halt_eps,
-            halt_criterion=halt_criterion,
-            halt_head=self.lm_head,
             **{**kwargs, "return_dict": True},
         )
         hidden_states = outputs.last_hidden_state

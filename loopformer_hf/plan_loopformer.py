@@ -1,6 +1,6 @@
 """What one forward call runs, resolved once: [`LoopFormerPlan`], made by `LoopFormerPlan.for_call` from the call's
-loop knobs (`loop_budget`, `step_schedule`, `halt_eps`, `halt_criterion`) and the config, and read everywhere else:
-the loop (its trajectory or per-row trajectories, the halting rule), the cache (its layout, `spec`: the slots it
+loop knobs (`loop_budget`, `step_schedule`, `halt_eps`) and the config, and read everywhere else: the loop (its
+trajectory or per-row trajectories, the halting state it runs), the cache (its layout, `spec`: the slots it
 needs and what it refuses to mix) and `generate` (which builds it once per call and hands it to the cache it makes;
 the decode steps reuse it).
 
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .halting_loopformer import check_halt_criterion, check_halt_eps, extra_slots
+from .halting_loopformer import LoopFormerHaltingState, check_halt_eps
 from .trajectory_loopformer import LoopFormerRows, per_row_budget, resolve_call
 
 
@@ -23,7 +23,9 @@ class LoopFormerCacheSpec(NamedTuple):
     num_blocks: int  # k
     halt_eps: float | None = None
     halt_kv_fill: str | None = None  # only recorded with halt_eps: it changes what the skipped slots hold
-    halt_criterion: str | None = None  # only recorded with halt_eps: another criterion halts other tokens
+    # The `LoopFormerHaltingState` (sub)class the loop runs, only recorded with halt_eps: another rule halts other
+    # tokens (a model subclass may run one: `LoopFormerModel._plan`)
+    halting: type | None = None
     # Per-row trajectories (`LoopFormerRows`): the largest budget, and `trajectory` is (). Their values stay on the
     # plan, out of the spec, so that a compiled forward guards on the largest budget alone, not on the mix of rows.
     row_steps: int | None = None
@@ -36,7 +38,7 @@ class LoopFormerCacheSpec(NamedTuple):
     @property
     def num_steps(self):
         """Loop-step slots per block that the cache stores."""
-        return self.loop_steps + extra_slots(self.halt_criterion)  # e.g. the lab's "probe_entropy" step
+        return self.loop_steps + (0 if self.halting is None else self.halting.extra_slots)
 
     @property
     def num_slots(self):
@@ -62,26 +64,23 @@ def _plain(value):
     return NotImplemented
 
 
-def _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion):
+def _plan_request(config, loop_budget, step_schedule, halt_eps, halting):
     """A call's loop knobs, with the config fields they default to, as a tuple of plain values that a later call
     can be compared with (None when a knob is not such a value, e.g. a tensor schedule: that call resolves its own
     plan)."""
     loop_budget, step_schedule = _plain(loop_budget), _plain(step_schedule)
     if loop_budget is NotImplemented or step_schedule is NotImplemented or isinstance(loop_budget, str):
         return None
-    if not (halt_eps is None or type(halt_eps) in (int, float)) or (
-        halt_criterion is not None and not isinstance(halt_criterion, str)
-    ):
+    if not (halt_eps is None or type(halt_eps) in (int, float)):
         return None
     return (
         loop_budget,
         step_schedule,
         halt_eps,
-        halt_criterion,
+        halting,
         config.num_loops,
         config.default_loop_budget,
         config.default_step_schedule,
-        config.halt_criterion,
         config.halt_kv_fill,
         config.loop_conditioning,
         config.max_loop_budget_factor,
@@ -101,12 +100,19 @@ class LoopFormerPlan(NamedTuple):
 
     @classmethod
     def for_call(
-        cls, config, cache, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None, batch_size=None
+        cls,
+        config,
+        cache,
+        loop_budget=None,
+        step_schedule=None,
+        halt_eps=None,
+        batch_size=None,
+        halting=LoopFormerHaltingState,
     ):
         """The plan of a call with these knobs: the one `cache` holds if the call asks the same (a decode step of the
         call that filled it), else the knobs resolved and validated here (`ValueError` naming a bad one, or the row
-        of a bad per-row value)."""
-        request = _plan_request(config, loop_budget, step_schedule, halt_eps, halt_criterion)
+        of a bad per-row value). `halting`: the halting state class to run with `halt_eps`."""
+        request = _plan_request(config, loop_budget, step_schedule, halt_eps, halting)
         kept = getattr(cache, "plan", None)
         if (
             request is not None
@@ -117,17 +123,14 @@ class LoopFormerPlan(NamedTuple):
         ):
             return kept
         halt_eps = check_halt_eps(halt_eps)
-        halt_criterion = check_halt_criterion(config.halt_criterion if halt_criterion is None else halt_criterion)
-        halting = halt_eps is not None
-        trajectory, rows = resolve_call(
-            config, loop_budget, step_schedule, halt_criterion if halting else None, batch_size
-        )
+        halts = halt_eps is not None
+        trajectory, rows = resolve_call(config, loop_budget, step_schedule, batch_size)
         spec = LoopFormerCacheSpec(
             trajectory=tuple(trajectory),
             num_blocks=config.num_hidden_layers,
             halt_eps=halt_eps,
-            halt_kv_fill=config.halt_kv_fill if halting else None,
-            halt_criterion=halt_criterion if halting else None,
+            halt_kv_fill=config.halt_kv_fill if halts else None,
+            halting=halting if halts else None,
             row_steps=None if rows is None else rows.num_steps,
         )
         return cls(request, spec, rows, batch_size)
@@ -141,8 +144,8 @@ class LoopFormerPlan(NamedTuple):
         return self.spec.halt_eps
 
     @property
-    def halt_criterion(self):
-        return self.spec.halt_criterion
+    def halting(self):
+        return self.spec.halting
 
 
 def _same_budgets(kept, loop_budget):

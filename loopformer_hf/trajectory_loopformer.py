@@ -18,7 +18,6 @@ import warnings
 
 import torch
 
-from .halting_loopformer import HALTING_RULES, halting_rule
 from .looped_common import is_real_number
 
 STEP_SCHEDULE_PRESETS = ("uniform", "coarse_to_fine", "fine_to_coarse")
@@ -289,20 +288,9 @@ def _gives_rows(loop_budget, step_schedule):
     )
 
 
-def _check_rows_supported(halt_criterion):
-    """Refuse what per-row trajectories cannot run exactly: a rule whose exit or probe step's conditioning comes from
-    one trajectory."""
-    if halt_criterion is not None and not halting_rule(halt_criterion).per_row:
-        allowed = [name for name, rule in HALTING_RULES.items() if rule.per_row]
-        raise ValueError(
-            f"halt_criterion={halt_criterion!r} runs an exit step of one trajectory; per-row loop budgets "
-            f"or schedules take {allowed} (or one budget for the batch)."
-        )
-
-
-def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=None, batch_size=None):
-    """What one forward call runs: `(trajectory, None)`, or `((), rows)` for per-row trajectories (`LoopFormerRows`;
-    `halt_criterion` the call's when it halts, else None). Per-row knobs that all resolve to one trajectory give it."""
+def resolve_call(config, loop_budget=None, step_schedule=None, batch_size=None):
+    """What one forward call runs: `(trajectory, None)`, or `((), rows)` for per-row trajectories
+    (`LoopFormerRows`). Per-row knobs that all resolve to one trajectory give it."""
     rows = (
         _resolve_rows_eagerly(config, loop_budget, step_schedule, batch_size)
         if (_gives_rows(loop_budget, step_schedule))
@@ -312,7 +300,6 @@ def resolve_call(config, loop_budget=None, step_schedule=None, halt_criterion=No
         return config.resolve_trajectory(loop_budget, step_schedule), None
     if not isinstance(rows, LoopFormerRows):
         return rows, None  # every row resolved to one trajectory
-    _check_rows_supported(halt_criterion)
     return (), rows
 
 

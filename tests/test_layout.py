@@ -366,7 +366,6 @@ def test_the_causal_lm_forward_is_llama_sized_and_reads_its_objective_as_data():
         "loop_budget",
         "step_schedule",
         "halt_eps",
-        "halt_criterion",
         "shortcut_consistency",
     }
     source = inspect.getsource(inspect.getmodule(LoopFormerForCausalLM))
@@ -447,13 +446,10 @@ def test_every_module_is_in_its_docs_files_table(package, doc):
 def test_the_documented_option_lists_are_the_codes():
     from fprm_hf.configuration_fprm import HALT_SCOPES
     from loopformer_hf import LoopFormerForCausalLM
-    from loopformer_hf.halting_loopformer import LIBRARY_HALT_CRITERIA
 
     def rows(doc, name):
         return [line for line in (ROOT / doc).read_text().splitlines() if line.startswith(f"| `{name}` |")]
 
-    forward_row = rows("docs/loopformer.md", "halt_criterion")[-1]  # the forward arguments' table
-    assert all(f'"{c}"' in forward_row for c in LIBRARY_HALT_CRITERIA), forward_row
     assert all(f'"{s}"' in row for row in rows("docs/fprm_model.md", "halt_scope") for s in HALT_SCOPES)
     doc = LoopFormerForCausalLM.generate.__doc__
-    assert all(f"`{knob}`" in doc for knob in ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")), doc
+    assert all(f"`{knob}`" in doc for knob in ("loop_budget", "step_schedule", "halt_eps")), doc

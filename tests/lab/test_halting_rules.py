@@ -1,20 +1,19 @@
 """The lab's exit rules for per-token halting (benchmarks/halting_rules.py: "kl", "entropy", their "_shortcut" forms,
-"probe_entropy"), registered as `halt_criterion` values: exact against the fixed trajectory, cached as uncached,
-static as dynamic, padded and gathered."""
+"probe_entropy"), run by `LabLoopFormerForCausalLM` as `halt_criterion` values: exact against the fixed trajectory,
+cached as uncached, static as dynamic, padded and gathered."""
 
 import pytest
 import torch
 
-import benchmarks.halting_rules  # noqa: F401 (registers the rules)
+from benchmarks.halting_rules import KLHalting, LabLoopFormerForCausalLM
 from support.tiny_models import cache_of, tiny_loopformer_config
 from support.tiny_runs import TINY
-import loopformer_hf
 from loopformer_hf import halting_loopformer
 
 
 @pytest.fixture
-def model(tiny_model):  # conftest's tiny model
-    return tiny_model
+def model(tiny_model):  # conftest's tiny model, as the lab's model that runs the lab's rules
+    return LabLoopFormerForCausalLM.of(tiny_model)
 
 
 # ---- exit criteria -------------------------------------------------------------------------------------------------
@@ -70,14 +69,14 @@ def test_cache_filled_under_one_criterion_refuses_another(model):
     """Another criterion halts other tokens, so their skipped slots differ: the cache names both criteria."""
     ids = torch.randint(3, 97, (1, 9))
     cache = cache_of(model(ids[:, :8], halt_eps=0.1, halt_criterion="kl"))
-    assert cache.spec.halt_criterion == "kl"
+    assert cache.spec.halting is KLHalting
     with pytest.raises(
         ValueError,
-        match=r"filled under halt_eps=0.1 .*halt_criterion=kl.* this call runs "
+        match=r"filled under halt_eps=0.1 .*halting KLHalting.* this call runs "
         r"halt_eps=0.1 \(kv fill \w+\)",
     ):
         model(ids[:, 8:], cache=cache, halt_eps=0.1, halt_criterion="state_change")
-    assert cache_of(model(ids[:, :8])).spec.halt_criterion is None  # recorded only with halt_eps
+    assert cache_of(model(ids[:, :8])).spec.halting is None  # recorded only with halt_eps
 
 
 @pytest.mark.parametrize("criterion", ["kl", "entropy"])
@@ -93,16 +92,17 @@ def test_criteria_halt_on_their_own_scores(model, criterion):
     assert means[0] == 4 and 1 < means[1] < 4 and means[2] == 1  # larger thresholds halt sooner
 
 
-def test_halt_criterion_is_a_config_default_and_a_generate_kwarg(model):
+def test_halt_criterion_is_a_generate_kwarg(model):
     ids = torch.randint(3, 97, (1, 5))
     eps = split_threshold(step_scores(model, ids)["entropy"][1])
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, halt_eps=eps, return_dict_in_generate=True)
     by_kwarg = model.generate(ids, halt_criterion="entropy", **kw)
     default = model.generate(ids, **kw)
     assert not torch.equal(by_kwarg.loop_counts, default.loop_counts)
-    model.config.halt_criterion = "entropy"
+    model.generation_config.halt_criterion = "entropy"
     assert torch.equal(model.generate(ids, **kw).loop_counts, by_kwarg.loop_counts)
-    torch.testing.assert_close(by_kwarg.loop_counts, model(by_kwarg.sequences[:, :-1], halt_eps=eps).loop_counts)
+    again = model(by_kwarg.sequences[:, :-1], halt_eps=eps, halt_criterion="entropy")
+    torch.testing.assert_close(by_kwarg.loop_counts, again.loop_counts)
 
 
 def test_a_rule_that_reads_the_lm_head_refuses_the_base_model(model):
@@ -113,7 +113,7 @@ def test_a_rule_that_reads_the_lm_head_refuses_the_base_model(model):
 def test_cache_filled_under_another_criterion_is_refused(model):
     ids = torch.randint(3, 97, (1, 6))
     out = model(ids, halt_eps=0.1, halt_criterion="kl")
-    with pytest.raises(ValueError, match="halt_criterion"):
+    with pytest.raises(ValueError, match="halting KLHalting"):
         model(ids[:, :1], cache=cache_of(out), halt_eps=0.1)
     model(ids[:, :1], cache=cache_of(out), halt_eps=0.1, halt_criterion="kl")
 
@@ -227,7 +227,7 @@ def test_generate_with_a_static_cache_matches_the_dynamic_cache(model, fill):
 def test_shortcut_rules_refuse_a_model_without_step_conditioning():
     """TMLT (t only) and Base-Loop were never trained on a step Δ = 1 − t: the rule names the criterion to use."""
     for mode in ("timestep", "none"):
-        model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning=mode)).eval()
+        model = LabLoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning=mode)).eval()
         ids = torch.randint(3, 97, (1, 6))
         with pytest.raises(ValueError, match=r"loop_conditioning='shortcut'.*use halt_criterion='kl'"):
             model(ids, halt_eps=0.1, halt_criterion="kl_shortcut")
@@ -250,8 +250,7 @@ def test_without_halt_eps_nothing_changes(model):
     ids = torch.randint(3, 97, (2, 10))
     with torch.no_grad():
         plain = model(ids)
-        model.config.halt_criterion = "kl_shortcut"
-        ruled = model(ids)
+        ruled = model(ids, halt_criterion="kl_shortcut")
     assert ruled.loop_counts is None
     assert torch.equal(plain.logits, ruled.logits)
 
@@ -314,12 +313,12 @@ def test_probe_decodes_cached_as_uncached_and_static_as_dynamic(model, fill):
 
 
 def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
-    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).eval()
+    model = LabLoopFormerForCausalLM(tiny_loopformer_config(loop_conditioning="timestep")).eval()
     with pytest.raises(ValueError, match=r"use halt_criterion='entropy'"):
         model(torch.randint(3, 97, (1, 6)), halt_eps=0.1, halt_criterion="probe_entropy")
     from benchmarks.cache_sharing import ModuloSharedCache
 
-    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).eval()
+    model = LabLoopFormerForCausalLM(tiny_loopformer_config()).eval()
     with pytest.raises(ValueError, match="keeps its extra step in cache slots of its own.*use a LoopFormerCache"):
         model(torch.randint(3, 97, (1, 6)), cache=ModuloSharedCache(2), halt_eps=0.1, halt_criterion="probe_entropy")
 
@@ -328,14 +327,15 @@ def test_each_row_computes_its_solo_call_under_a_lab_rule(tiny_model):
     """Per-row budgets combine with a rule that keeps one trajectory's conditioning ("kl"), as with "state_change"."""
     from loopformer.test_trajectory_per_row import BUDGETS, EPS, L, check_rows_match_solo
 
-    out = check_rows_match_solo(tiny_model, {"loop_budget": BUDGETS}, halt_eps=EPS, halt_criterion="kl")
+    model = LabLoopFormerForCausalLM.of(tiny_model)
+    out = check_rows_match_solo(model, {"loop_budget": BUDGETS}, halt_eps=EPS, halt_criterion="kl")
     assert out.loop_counts[2].min() < L and out.loop_counts[0].max() == 1
 
 
 def test_per_row_budgets_refuse_a_rule_with_an_exit_step(tiny_model):
     ids = torch.randint(3, 97, (2, 5))
     with pytest.raises(ValueError, match=r"halt_criterion='kl_shortcut' runs an exit step of one trajectory; per-row"):
-        tiny_model(ids, loop_budget=[1, 2], halt_eps=0.1, halt_criterion="kl_shortcut")
+        LabLoopFormerForCausalLM.of(tiny_model)(ids, loop_budget=[1, 2], halt_eps=0.1, halt_criterion="kl_shortcut")
 
 
 def test_evaluate_sweeps_each_rule_and_prints_its_table_and_verdict(tmp_path, capsys):

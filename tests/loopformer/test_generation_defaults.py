@@ -82,7 +82,7 @@ def forward_knobs(model, **generate_kwargs):
     seen = []
     handle = model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(
-            {k: kwargs.get(k) for k in ("loop_budget", "step_schedule", "halt_eps", "halt_criterion")}
+            {k: kwargs.get(k) for k in ("loop_budget", "step_schedule", "halt_eps")}
         ),
         with_kwargs=True,
     )
@@ -95,7 +95,7 @@ def forward_knobs(model, **generate_kwargs):
 
 def test_loop_knobs_written_by_hand_into_generation_config_json_are_honoured(edited):
     # the custom keys were dropped (the file says "_from_model_config": true): generate ran the full loop
-    knobs = {"loop_budget": 2, "step_schedule": "coarse_to_fine", "halt_eps": 0.5, "halt_criterion": "state_change"}
+    knobs = {"loop_budget": 2, "step_schedule": "coarse_to_fine", "halt_eps": 0.5}
     model = AutoModelForCausalLM.from_pretrained(edited(**knobs))
     assert {k: getattr(model.generation_config, k, None) for k in knobs} == knobs
     assert forward_knobs(model) == [knobs] * 2
@@ -121,7 +121,6 @@ def test_loop_knobs_written_by_hand_into_generation_config_json_are_honoured(edi
         ),
         ({"halt_eps": 0}, r"`halt_eps` must be None or a positive finite float, got 0"),
         ({"halt_eps": "x"}, r"`halt_eps` must be None or a positive finite float, got 'x'"),
-        ({"halt_criterion": "bogus"}, r"`halt_criterion` must be one of \('state_change',.*\), got 'bogus'"),
     ],
 )
 def test_invalid_loop_knobs_in_generation_config_json_are_refused_at_load(edited, knobs, message):

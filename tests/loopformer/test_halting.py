@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from support.instruments import CountOps
 from support.tiny_data import left_padded
 from support.tiny_models import cache_of
@@ -14,6 +13,7 @@ from support.tiny_models import cache_of
 import loopformer_hf
 from loopformer_hf import halting_loopformer
 from loopformer_hf.looped_common import rms_norm
+from loopformer_hf.plan_loopformer import LoopFormerPlan
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 
@@ -206,8 +206,7 @@ def test_everyone_halted_still_reports_every_step_and_fills_every_slot(model, us
 
 
 # ---- the gathered and dense paths, and the exit criteria -------------------------------------------------------------
-# Halting that skips the halted tokens' work (exact against computing every token), and the exit criteria
-# `halt_criterion` chooses.
+# Halting that skips the halted tokens' work (exact against computing every token).
 
 
 def run(model, gather, monkeypatch, *args, **kwargs):
@@ -392,32 +391,67 @@ def test_per_token_norm_weights_equal_the_shared_weight():
     torch.testing.assert_close(rms_norm(x, w.expand(2, 5, 64)), rms_norm(x, w), atol=1e-6, rtol=0)
 
 
-def test_an_unknown_halt_criterion_names_the_registered_rules_and_the_lab(model):
+def test_the_removed_halting_arguments_are_refused_naming_the_lab(model):
+    """`halt_criterion` and `halt_head` left the library (the lab's model takes them): a call that gives one is
+    refused, not run under another rule; `generate` refuses them as kwargs no forward takes."""
     ids = torch.randint(3, 97, (1, 4))
-    with pytest.raises(ValueError, match=r"halt_criterion.*\('state_change'.*'entropie'.*benchmarks.halting_rules"):
-        model(ids, halt_eps=0.1, halt_criterion="entropie")
-    with pytest.raises(StrictDataclassError, match=r"(?s)halt_criterion.*kl2"):
-        loopformer_hf.LoopFormerConfig(halt_criterion="kl2")
+    for name, value in (("halt_criterion", "kl"), ("halt_head", model.lm_head)):
+        with pytest.raises(TypeError, match=r"no arguments of LoopFormer.*LabLoopFormerForCausalLM"):
+            model(ids, halt_eps=0.1, **{name: value})
+    with pytest.raises(ValueError, match="halt_criterion"):
+        model.generate(ids, max_new_tokens=1, halt_eps=0.1, halt_criterion="kl")
 
 
-def test_a_registered_rule_is_what_the_loop_calls(model, monkeypatch):
-    """The loop reaches an exit rule through its hooks alone: a registered subclass whose score is 0 halts every
-    token after step 1, whose output it then keeps."""
+def test_a_saved_config_with_halt_criterion_loads_with_a_warning_naming_the_lab(tmp_path, caplog):
+    """`halt_criterion` was a config field: a config.json with the library's "state_change" (every saved one but
+    the lab's) loads silently to the same model; another rule loads too (the model halts on the state change), with a
+    warning naming the lab's model."""
+    import json
+    import logging
+    import warnings
 
-    class StopAfterOne(halting_loopformer.LoopFormerHaltingState):
-        def _score(self, previous, hidden_states):
-            return torch.zeros(hidden_states.shape[:2])
+    config = loopformer_hf.LoopFormerConfig(num_loops=4)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for criterion in ("state_change", "kl_shortcut"):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "halt_criterion": criterion}))
+        caplog.clear()
+        with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+            warnings.simplefilter("error")
+            loaded = loopformer_hf.LoopFormerConfig.from_pretrained(tmp_path)
+        assert loaded.to_dict() == config.to_dict() and not hasattr(loaded, "halt_criterion")
+        said = [r.getMessage() for r in caplog.records if "halt_criterion" in r.getMessage()]
+        if criterion == "state_change":
+            assert not said, said
+        else:
+            assert said and "LabLoopFormerForCausalLM" in said[0] and "ignored" in said[0], said
 
-    monkeypatch.setitem(halting_loopformer.HALTING_RULES, "stop_after_one", StopAfterOne)
+
+class StopAfterOne(halting_loopformer.LoopFormerHaltingState):
+    def _score(self, previous, hidden_states):
+        return torch.zeros(hidden_states.shape[:2])
+
+
+def runs_halting(model, monkeypatch, halting):
+    """`model`, whose base model's `_plan` (the one method a subclass overrides for another rule) names `halting`."""
+
+    def plan(cache, batch_size=None, *knobs):
+        return LoopFormerPlan.for_call(model.config, cache, *knobs, batch_size=batch_size, halting=halting)
+
+    monkeypatch.setattr(model.model, "_plan", plan)
+    return model
+
+
+def test_another_rule_reaches_the_loop_through_the_models_plan(model, monkeypatch):
+    """A `LoopFormerHaltingState` subclass that `_plan` names is what the loop runs: one whose score is 0 halts
+    every token after step 1, whose output it then keeps."""
     ids = torch.randint(3, 97, (2, 7))
     with torch.no_grad():
-        out = model(ids, halt_eps=0.5, halt_criterion="stop_after_one", use_cache=False)
         after_one = model(ids, output_hidden_states=True, use_cache=False).hidden_states[1]
         expected = model.lm_head(model.model.norm(after_one))
+        out = runs_halting(model, monkeypatch, StopAfterOne)(ids, halt_eps=0.5, use_cache=False)
     assert (out.loop_counts == 1).all()
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
-    with pytest.raises(TypeError, match="LoopFormerHaltingState subclass"):
-        halting_loopformer.register_halting_rule("bad", object)
 
 
 @pytest.mark.parametrize(
@@ -437,7 +471,7 @@ def test_the_loop_reaches_early_exit_through_four_calls(model, monkeypatch, kwar
                 seen.add(name)
             return super().__getattribute__(name)
 
-    monkeypatch.setitem(halting_loopformer.HALTING_RULES, "state_change", Spy)
+    runs_halting(model, monkeypatch, Spy)
     monkeypatch.setattr(loopformer_hf.modeling_loopformer, "LoopFormerHaltingState", Spy)  # budgets alone
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from support.tiny_models import tiny_loopformer_config
 
+from loopformer_hf.halting_loopformer import LoopFormerHaltingState
 from loopformer_hf.plan_loopformer import LoopFormerCacheSpec, LoopFormerPlan
 from loopformer_hf.trajectory_loopformer import resolve_trajectory
 
@@ -29,17 +30,17 @@ def test_a_plan_holds_what_the_knobs_resolve_to(config):
     plan = LoopFormerPlan.for_call(config, None, loop_budget=3, step_schedule="coarse_to_fine")
     assert plan.trajectory == resolve_trajectory(config, 3, "coarse_to_fine")
     assert plan.spec.num_blocks == config.num_hidden_layers and plan.spec.num_slots == 3 * config.num_hidden_layers
-    assert plan.rows is None and plan.halt_eps is None and plan.halt_criterion is None
+    assert plan.rows is None and plan.halt_eps is None and plan.halting is None
     default = LoopFormerPlan.for_call(config, None)
     assert default.trajectory == (1 / config.num_loops,) * config.num_loops
 
 
 def test_halting_is_recorded_only_with_a_threshold(config):
-    fixed = LoopFormerPlan.for_call(config, None, halt_criterion=config.halt_criterion)
-    assert fixed.spec.halt_criterion is None and fixed.spec.halt_kv_fill is None
+    fixed = LoopFormerPlan.for_call(config, None)
+    assert fixed.spec.halting is None and fixed.spec.halt_kv_fill is None
     halting = LoopFormerPlan.for_call(config, None, halt_eps=0.1)
     assert halting.halt_eps == 0.1 and isinstance(halting.halt_eps, float)
-    assert halting.halt_criterion == config.halt_criterion and halting.spec.halt_kv_fill == config.halt_kv_fill
+    assert halting.halting is LoopFormerHaltingState and halting.spec.halt_kv_fill == config.halt_kv_fill
     assert halting.spec != fixed.spec  # a cache filled under one layout is not the other's
 
 
@@ -55,7 +56,6 @@ def test_per_row_budgets_make_rows_and_the_spec_holds_the_largest(config):
         ({"loop_budget": 0}, "loop_budget"),
         ({"step_schedule": [0.5, 0.6]}, "sum to 1"),
         ({"halt_eps": -1.0}, "halt_eps"),
-        ({"halt_eps": 0.1, "halt_criterion": "no_such_rule"}, "no_such_rule"),
         ({"loop_budget": [1, 2, 3], "batch_size": 2}, "one per row"),
     ],
 )

@@ -96,10 +96,10 @@ def record(built, init):
 
 
 @pytest.mark.parametrize("fill", ["reuse", "recompute"])
-@pytest.mark.parametrize("criterion", ["state_change"])  # the lab's rules: tests/lab/test_halting_rules.py
-def test_each_row_computes_its_solo_call_with_halting(tiny_model, fill, criterion):
+def test_each_row_computes_its_solo_call_with_halting(tiny_model, fill):
+    """The state-change rule (the lab's rules: tests/lab/test_halting_rules.py)."""
     tiny_model.config.halt_kv_fill = fill
-    out = check_rows_match_solo(tiny_model, {"loop_budget": BUDGETS}, halt_eps=EPS, halt_criterion=criterion)
+    out = check_rows_match_solo(tiny_model, {"loop_budget": BUDGETS}, halt_eps=EPS)
     assert out.loop_counts[2].min() < L and out.loop_counts[0].max() == 1  # halting acts inside the row of budget L
 
 

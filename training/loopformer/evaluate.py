@@ -30,7 +30,6 @@ import transformers
 from tqdm.auto import tqdm
 
 import loopformer_hf  # noqa: F401
-from loopformer_hf.halting_loopformer import HALTING_RULES
 from looped_training.arguments import check_device, check_output_path
 from looped_training.loopformer.metrics import SCHEDULES, check_generate_budgets, evaluate_checkpoint
 from looped_training.loopformer.report import EVAL_FILE, plot, summary_text
@@ -86,7 +85,9 @@ def card_results(data, path, checkpoint, record, _):
     ]
 
 
-def main(argv=None):
+def main(argv=None, halting=None):
+    """The command; `halting(model, task, data, halt_eps)` runs each model's --halt_eps sweep (default: the
+    state-change rule's, `metrics.evaluate_halting`; the lab's rules: `python -m benchmarks.halting_rules`)."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="Training output folders (or checkpoint-N folders).")
     parser.add_argument("--output_dir", required=True, help="Where elastic_eval.json and the plots go.")
@@ -115,14 +116,6 @@ def main(argv=None):
         help="Also evaluate per-token adaptive depth at these halt_eps (quality vs mean loops).",
     )
     parser.add_argument(
-        "--halt_criteria",
-        nargs="*",
-        default=None,
-        help="Exit rules (halt_criterion values) the --halt_eps sweep runs (default: each model's own; "
-        "a rule only on the models it runs on). With the lab's rules: python -m "
-        "benchmarks.halting_rules ARGS.",
-    )
-    parser.add_argument(
         "--device",
         default=None,
         help="Where the models run, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu).",
@@ -136,12 +129,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for eps in args.halt_eps:
         loopformer_hf.LoopFormerConfig.check_halt_eps(eps)
-    bad = [c for c in args.halt_criteria or [] if c not in HALTING_RULES]
-    if bad:
-        raise ValueError(
-            f"--halt_criteria {bad} unknown; allowed: {tuple(HALTING_RULES)} (with the lab's rules: "
-            f"python -m benchmarks.halting_rules ARGS)."
-        )
     if args.names and len(args.names) != len(args.checkpoints):
         raise ValueError(f"--names gives {len(args.names)} names for {len(args.checkpoints)} checkpoints.")
     bad = [s for s in args.schedules if s not in SCHEDULES]
@@ -186,7 +173,7 @@ def main(argv=None):
                     args.halt_eps,
                     disable,
                     device,
-                    args.halt_criteria,
+                    halting,
                 )
             )
     finally:

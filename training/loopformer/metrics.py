@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from loopformer_hf.halting_loopformer import halting_rule
 from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
 from looped_training.loopformer.arguments import DataArguments
@@ -75,9 +74,10 @@ def build_eval_data(meta, tokenizer, max_rows):
 
 
 @torch.no_grad()
-def quality(model, data, trajectory, batch_size=128, halt_eps=None):
+def quality(model, data, trajectory, batch_size=128, halt_eps=None, **knobs):
     """Perplexity over labelled tokens; exact match per row (all labelled tokens are the argmax); with `halt_eps`,
-    also the loop steps spent on each row's scored positions (the positions whose logits are scored)."""
+    also the loop steps spent on each row's scored positions (the positions whose logits are scored). `knobs`: more
+    keywords of the model's forward (e.g. the lab model's `halt_criterion`)."""
     ce_sum, count, correct, loops = 0.0, 0, [], []
     n = data["input_ids"].shape[0]
     for start in range(0, n, batch_size):
@@ -93,6 +93,7 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
             step_schedule=list(trajectory),
             use_cache=False,
             **({} if halt_eps is None else {"halt_eps": halt_eps}),
+            **knobs,
         )
         logits = out.logits[:, : labels.shape[1]].float()
         valid = labels != -100
@@ -106,38 +107,19 @@ def quality(model, data, trajectory, batch_size=128, halt_eps=None):
     return math.exp(ce_sum / max(count, 1)), correct, loops
 
 
-def _runs_on(model, criterion):
-    """Whether the exit rule `criterion` runs on `model` (its own check, as a forward makes it)."""
-    try:
-        halting_rule(criterion).check_model(model.config, model.get_output_embeddings(), criterion)
-    except ValueError:
-        return False
-    return True
-
-
-def evaluate_halting(model, task, data, eps_values, criteria=None):
-    """Adaptive depth per token: quality against mean loop steps per scored token, at the full uniform budget, for
-    each exit rule of `criteria` (default: the model's `halt_criterion`; a rule only on a model it runs on, e.g. the
-    lab's "_shortcut" rules on a model conditioned on Δ)."""
-    results = []
+def evaluate_halting(model, task, data, eps_values):
+    """Adaptive depth per token (the state-change rule): quality against mean loop steps per scored token, at the full
+    uniform budget, at each halt_eps of `eps_values`. The lab's other exit rules: benchmarks/halting_rules.py."""
     trajectory = model.config.resolve_trajectory(model.config.num_loops, "uniform")
-    kept = model.config.halt_criterion
-    criteria = [c for c in (criteria or [kept]) if _runs_on(model, c)]
-    try:
-        for criterion in criteria:
-            model.config.halt_criterion = criterion  # `quality` passes halt_eps; the rule comes from the config
-            results += [
-                dict(criterion=criterion, **r) for r in _halting_sweep(model, task, data, trajectory, eps_values)
-            ]
-    finally:
-        model.config.halt_criterion = kept
-    return results
+    return halting_sweep(model, task, data, trajectory, eps_values)
 
 
-def _halting_sweep(model, task, data, trajectory, eps_values):
+def halting_sweep(model, task, data, trajectory, eps_values, **knobs):
+    """One record per halt_eps of `eps_values`: perplexity, exact match (per depth too) and mean loops per scored
+    token along `trajectory`, the model called with `knobs` too."""
     results = []
     for eps in eps_values:
-        ppl, correct, loops = quality(model, data, trajectory, halt_eps=eps)
+        ppl, correct, loops = quality(model, data, trajectory, halt_eps=eps, **knobs)
         record = {
             "halt_eps": eps,
             "mean_loops": sum(loops) / len(loops),
@@ -273,8 +255,10 @@ def evaluate_checkpoint(
     halt_eps=(),
     disable_tqdm=None,
     device="cpu",
-    halt_criteria=None,
+    halting=None,
 ):
+    """The evaluation record of the checkpoint at `path`; `halting(model, task, data, halt_eps)` runs the halt_eps
+    sweep (default: `evaluate_halting`, the state-change rule; the lab's rules: benchmarks/halting_rules.py)."""
     model, tokenizer, meta = load_checkpoint(path)
     model.to(device)
     task, data, rows = build_eval_data(meta, tokenizer, max_rows)
@@ -295,7 +279,7 @@ def evaluate_checkpoint(
         # guessing among the answers the held-out problems have (a digit mod 10 for the arithmetic chains)
         record["chance"] = {"em": 1 / len(set(rows["answers"])), "ppl": float(len(set(rows["answers"])))}
     if halt_eps and model.config.num_loops > 1:
-        record["halting"] = evaluate_halting(model, task, data, halt_eps, halt_criteria)
+        record["halting"] = (halting or evaluate_halting)(model, task, data, halt_eps)
     states, mask = step_states(model, data, meta, repr_rows)
     record["representations"] = representations.per_step_metrics(states, mask)
     if generate_budgets:  # checked against num_loops in `check_generate_budgets`; Base has a single depth

@@ -248,10 +248,10 @@ CASES = [
     ),
     Case(
         f"{LF} forward",
-        "halt_eps=0.1, halt_criterion='kl_div' (no rule of that name)",
-        lambda t: loopformer()(IDS2, halt_eps=0.1, halt_criterion="kl_div"),
-        ValueError,
-        r"`halt_criterion` must be one of \('state_change'.*\), got 'kl_div'.*import benchmarks.halting_rules",
+        "halt_eps=0.1, halt_criterion='kl' (an argument removed from the library)",
+        lambda t: loopformer()(IDS2, halt_eps=0.1, halt_criterion="kl"),
+        TypeError,
+        r"`halt_criterion` and `halt_head` are no arguments of LoopFormer any more.*benchmarks/halting_rules.py",
     ),
     Case(
         f"{LF} forward",
