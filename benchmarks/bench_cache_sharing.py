@@ -50,15 +50,17 @@ def kv_bytes(cache):
     )
 
 
-def new_cache(share_n=None):
+def new_cache(config, share_n=None):
     """The exact cache (`share_n=None`) or the shared one holding `share_n` loop-step slots per block."""
-    return LoopFormerCache() if share_n is None else ModuloSharedCache(share_n)
+    return LoopFormerCache() if share_n is None else ModuloSharedCache(config, share_n)
 
 
 def decode_nll(model, ids, prompt_len, loop_budget, share_n=None):
     """Mean next-token NLL of positions prompt_len.. when the sequence is fed as one prefill plus one-token steps."""
     with torch.no_grad():
-        out = model(ids[:, :prompt_len], cache=new_cache(share_n), use_cache=True, loop_budget=loop_budget)
+        out = model(
+            ids[:, :prompt_len], cache=new_cache(model.config, share_n), use_cache=True, loop_budget=loop_budget
+        )
         cache, logits = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits[:, -1:]]
         for i in range(prompt_len, ids.shape[1] - 1):
             out = model(ids[:, i : i + 1], cache=cache, use_cache=True, loop_budget=loop_budget)
@@ -103,7 +105,7 @@ def main(argv=None):
         for n in [None] + args.share_n:
             out = model.generate(
                 prompt,
-                cache=new_cache(n),
+                cache=new_cache(model.config, n),
                 loop_budget=budget,
                 max_new_tokens=args.new_tokens,
                 do_sample=False,

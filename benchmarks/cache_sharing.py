@@ -8,7 +8,7 @@ at step i reads earlier tokens' step max{s < M: s = i mod n} instead of their st
 
     from benchmarks.cache_sharing import ModuloSharedCache, ModuloSharedStaticCache
 
-    model.generate(ids, cache=ModuloSharedCache(share_n=2), loop_budget=8, max_new_tokens=32)
+    model.generate(ids, cache=ModuloSharedCache(model.config, share_n=2), loop_budget=8, max_new_tokens=32)
     model.generate(ids, cache=ModuloSharedStaticCache(model.config, max_cache_len=64, share_n=2), loop_budget=8)
 
 Memory and quality: `python -m benchmarks.bench_cache_sharing` (docs/compile.md).
@@ -18,8 +18,7 @@ import numbers
 
 from transformers.cache_utils import StaticLayer
 
-from loopformer_hf.cache_loopformer import LoopFormerCache, LoopFormerCacheMixin, LoopFormerStaticCache
-from loopformer_hf.plan_loopformer import LoopFormerPlan
+from loopformer_hf import LoopFormerCache, LoopFormerStaticCache
 
 
 def _rewind(layer, tokens):
@@ -39,16 +38,18 @@ def check_share_n(share_n):
 
 
 class ModuloSharing:
-    """What the shared caches add to a LoopFormer cache: step i's slot is step (i mod n)'s."""
+    """What the shared caches add to a LoopFormer cache: the layer of step i is step (i mod n)'s."""
 
     share_n = None
+    num_blocks = None
+    _loop_key = None
 
     def shared_slot(self, layer_idx, tokens):
-        """Where slot `layer_idx` = slot(i, j) is stored, for a write of `tokens` tokens: slot(i mod n, j)."""
-        step, block = divmod(layer_idx, self.spec.num_blocks)
+        """Where layer `layer_idx` = j + i·k is stored, for a write of `tokens` tokens: j + (i mod n)·k."""
+        step, block = divmod(layer_idx, self.num_blocks)
         if step < self.share_n:
             return layer_idx
-        layer_idx = self.slot(step % self.share_n, block)
+        layer_idx = block + (step % self.share_n) * self.num_blocks
         _rewind(self.layers[layer_idx], tokens)  # this call's tokens of step i - n: replaced
         return layer_idx
 
@@ -56,57 +57,39 @@ class ModuloSharing:
         layer_idx = self.shared_slot(layer_idx, key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def write(self, key_states, value_states, layer_idx):
-        # a shared slot's own index maps to itself in `update`, should `write` hand it on
-        super().write(key_states, value_states, self.shared_slot(layer_idx, key_states.shape[-2]))
+    @property
+    def loop_key(self):
+        return self._loop_key
 
-    def check_plan(self, plan):
-        """Per-row trajectories and a rule's extra steps need a slot of their own per (loop step, block)."""
-        spec = plan.spec if isinstance(plan, LoopFormerPlan) else plan
-        if spec.row_steps is not None:
+    @loop_key.setter
+    def loop_key(self, key):
+        """Per-row trajectories need a layer of their own per (loop step, block)."""
+        if key is not None and key[0] and not isinstance(key[0][0], float):
             raise ValueError(
                 f"Per-row loop budgets or schedules need a slot per (loop step, block): a row whose budget ends "
                 f"early would overwrite its own shared slots ({type(self).__name__}, share_n={self.share_n}). Use a "
                 f"LoopFormerCache, or one budget for the batch."
             )
-        if spec.halting is not None and spec.halting.extra_slots:
-            raise ValueError(
-                f"{spec.halting.__name__} keeps its extra step in cache slots of its own, which "
-                f"{type(self).__name__} does not have: use a LoopFormerCache."
-            )
+        self._loop_key = key
 
 
 class ModuloSharedCache(ModuloSharing, LoopFormerCache):
-    """A `LoopFormerCache` holding n = `share_n` loop-step slots per block."""
+    """A `LoopFormerCache` holding n = `share_n` loop-step layers per block."""
 
-    def __init__(self, share_n, **kwargs):
+    def __init__(self, config, share_n, **kwargs):
         super().__init__(**kwargs)
-        self.share_n = check_share_n(share_n)
-
-    def bind(self, spec):
-        self.check_plan(spec)
-        return super().bind(spec)
+        self.share_n, self.num_blocks = check_share_n(share_n), config.num_hidden_layers
 
 
 class ModuloSharedStaticCache(ModuloSharing, LoopFormerStaticCache):
-    """A `LoopFormerStaticCache` with min(`max_loop_budget`, n) x k preallocated slots."""
+    """A `LoopFormerStaticCache` with min(`max_loop_budget`, n) x k preallocated layers."""
 
     def __init__(self, config, max_cache_len, share_n, max_loop_budget=None, **kwargs):
         share_n = check_share_n(share_n)
         steps = max_loop_budget if max_loop_budget is not None else (config.default_loop_budget or config.num_loops)
         super().__init__(config, max_cache_len, max_loop_budget=min(steps, share_n), **kwargs)
-        self.share_n, self.max_loop_budget = share_n, max_loop_budget
-
-    def bind(self, spec):
-        self.check_plan(spec)
-        needed = spec.spec if isinstance(spec, LoopFormerPlan) else spec
-        slots = min(needed.num_steps, self.share_n) * needed.num_blocks
-        if slots > len(self.layers):
-            raise ValueError(
-                f"This ModuloSharedStaticCache holds {len(self.layers)} slots, but {needed.describe()} needs "
-                f"{slots}: build it with a larger `max_loop_budget`."
-            )
-        return LoopFormerCacheMixin.bind(self, spec)  # the shared slot count, not the static cache's M x k check
+        # the largest budget served (the model's check), in min(steps, n) x k layers
+        self.share_n, self.max_loop_budget, self.num_blocks = share_n, steps, config.num_hidden_layers
 
 
 __all__ = ["ModuloSharedCache", "ModuloSharedStaticCache", "ModuloSharing"]

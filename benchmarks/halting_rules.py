@@ -14,8 +14,8 @@ model that runs them: [`LabLoopFormerForCausalLM`], whose forward and `generate`
 
 Each rule is a subclass of [`LabHaltingState`], the library's `LoopFormerHaltingState` with the hooks these rules
 override (`start`, `before_loop`, `block_adaln`, `next_step`, `update`, `final_states`, `_score`, `check_model`).
-The model reaches the loop through the library's one overridable method, `LoopFormerModel._plan`, which names the
-halting state class a call runs.
+The model reaches the loop through the library's one extension point, the base model's `halting_rule` attribute:
+the halting state class its halting loop runs (halting_loopformer.py's `halting_loop`).
 
 The documented result (benchmarks/writeups/halting.md) is that none of them pays for LoopFormer, so the library
 keeps none.
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from loopformer_hf import LoopFormerForCausalLM, LoopFormerModel
 from loopformer_hf.generation_loopformer import GENERATION_LOOP_KNOBS
 from loopformer_hf.halting_loopformer import LoopFormerExitStep, LoopFormerHaltingState, LoopFormerHaltingStep
-from loopformer_hf.plan_loopformer import LoopFormerPlan
 
 SHORTCUT_EXIT_SUFFIX = "_shortcut"
 PROBE_CRITERION = "probe_entropy"
@@ -322,7 +321,7 @@ class ProbeEntropy(ReadoutHalting):
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
-                cache_slot=cache.slot(self.num_steps, j) if cache is not None else 0,
+                step_offset=self.num_steps * len(model.layers),
                 halting=record,
             )
             self.last_kv[j] = record.kv
@@ -379,26 +378,17 @@ class LabLoopFormerModel(LoopFormerModel):
     """`LoopFormerModel` whose forward also takes `halt_criterion` (a `HALT_CRITERIA` value, default "state_change")
     and `halt_head` (the LM head the readout rules read next-token distributions through)."""
 
-    _call_criterion = None  # this forward's `halt_criterion`, for `_plan`
+    halting_rule = None  # this forward's halting state class (`halt_criterion`), for the library's halting loop
     halt_readout = None  # this forward's h -> next-token log-probabilities, for `LabHaltingState.begin`
 
     def forward(self, *args, halt_criterion=None, halt_head=None, **kwargs):
-        if halt_criterion is not None:
-            halting_rule(halt_criterion)  # a bad name is refused with or without halt_eps
+        rule = halting_rule(halt_criterion or "state_change")  # a bad name is refused with or without halt_eps
         readout = None if halt_head is None else (lambda h: F.log_softmax(halt_head(self.norm(h)).float(), dim=-1))
-        self._call_criterion, self.halt_readout = halt_criterion, readout
+        self.halting_rule, self.halt_readout = rule, readout
         try:
             return super().forward(*args, **kwargs)
         finally:
-            self._call_criterion = self.halt_readout = None
-
-    def _plan(self, cache, batch_size=None, loop_budget=None, step_schedule=None, halt_eps=None, halt_criterion=None):
-        """The library's plan, running the halting state class that `halt_criterion` (or this forward's) names."""
-        criterion = halt_criterion or self._call_criterion or "state_change"
-        halting = halting_rule(criterion)
-        return LoopFormerPlan.for_call(
-            self.config, cache, loop_budget, step_schedule, halt_eps, batch_size, halting=halting
-        )
+            self.halting_rule = self.halt_readout = None
 
 
 class LabLoopFormerForCausalLM(LoopFormerForCausalLM):

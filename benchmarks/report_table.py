@@ -81,7 +81,7 @@ def shared_cache_rows(cfg, threads, repeats, log=print):
     log(f"shared cache memory at M = {L}, {2 * L}, {3 * L}: {n} new tokens")
 
     def held(M, share_n=None):
-        cache = bench_cache_sharing.new_cache(share_n)
+        cache = bench_cache_sharing.new_cache(loopformer.config, share_n)
         fn = generate_fn(loopformer, prompt, n, loop_budget=M, cache=cache, return_dict_in_generate=True)
         fn()
         out = fn.result["tokens"]

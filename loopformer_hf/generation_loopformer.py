@@ -1,22 +1,22 @@
-"""LoopFormer's part of `generate`: [`LoopFormerGenerationMixin`] overrides transformers' generation hooks so that a
-looped model gets its own cache (one slot per (loop step, block)), the loop knobs (`loop_budget`, `step_schedule`,
-`halt_eps`) reach every forward (from the call or from `generation_config`), classifier-free
-guidance and assisted decoding run the right loop, and with `halt_eps` each returned position's loop count is
-gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
+"""LoopFormer's part of `generate`: the loop knobs (`loop_budget`, `step_schedule`, `halt_eps`) are model kwargs
+that reach every forward, from the call or from `generation_config`; generate gets a cache with one layer per (loop
+step, block); classifier-free guidance and assisted decoding run the call's loop; and with `halt_eps` each returned
+position's loop count is gathered into the output (`LoopFormerGenerateDecoderOnlyOutput.loop_counts`).
 
-Six of its hooks are private `GenerationMixin` methods; the comment above each says why no public hook
-(`prepare_inputs_for_generation`, `generate`, the cache argument, `generation_config`, `logits_processor`) serves.
-Their names and the arguments they read by name are the same in transformers 5.17 to 5.24, and
-tests/loopformer/test_generation_modes.py checks that the installed transformers still has them.
+Four private `GenerationMixin` methods are overridden, each because no public hook serves (the comment above each
+names the transformers code that forces it); tests/loopformer/test_generation_modes.py fails when one of them changes
+name or signature. Nothing here runs in a decode step.
 
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
 import functools
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
 from transformers.generation import (
     GenerateBeamDecoderOnlyOutput,
     GenerateDecoderOnlyOutput,
@@ -24,9 +24,8 @@ from transformers.generation import (
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
-from .cache_loopformer import CACHE_FIELD, LoopFormerCache
-from .plan_loopformer import LoopFormerPlan
-
+from .halting_loopformer import check_halt_eps
+from .trajectory_loopformer import resolve_call
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
 GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
@@ -54,29 +53,17 @@ def check_generation_knobs(config, knobs, source):
     """Raise `ValueError` (naming `source`) unless the loop knobs `knobs` ({name: value} of `GENERATION_LOOP_KNOBS`)
     are valid for a model of `config`, by the rules `forward` applies to them."""
     try:
-        LoopFormerPlan.for_call(config, None, **{name: knobs.get(name) for name in GENERATION_LOOP_KNOBS})
+        resolve_call(config, knobs.get("loop_budget"), knobs.get("step_schedule"))
+        check_halt_eps(knobs.get("halt_eps"))
     except ValueError as e:
         raise ValueError(
             f"{source} sets a loop knob of `generate` that this model refuses: {e} Fix or remove it there."
         ) from None
 
 
-def _loop_counts_unsupported(kwargs, generation_config):
-    """The decoding mode under which per-position loop counts cannot be gathered, or None."""
-    config = kwargs.get("generation_config") or generation_config
-
-    def get(name):
-        return kwargs[name] if name in kwargs else getattr(config, name, None)
-
-    if get("prefill_chunk_size") is not None:
-        return "chunked prefill (prefill_chunk_size)"
-    return None
-
-
 def _schedule_as_numbers(schedule):
-    """A `step_schedule` given as a 1-D tensor (or a per-row list holding some) as lists of floats, the values the
-    plan resolves it to (`check_schedule`): a plan made of plain values is recognised by the call's later forwards,
-    where a tensor would have each of them resolve it again."""
+    """A `step_schedule` given as a 1-D tensor (or a per-row list holding some) as lists of floats, the values it
+    resolves to: a plain value is resolved once per generate call (the model remembers it), a tensor at every step."""
     if isinstance(schedule, torch.Tensor):
         return schedule.tolist() if schedule.ndim == 1 and schedule.is_floating_point() else schedule
     if isinstance(schedule, list) and any(isinstance(s, torch.Tensor) for s in schedule):
@@ -84,28 +71,123 @@ def _schedule_as_numbers(schedule):
     return schedule
 
 
-def _mark_lengths_dynamic(model_inputs):
-    """With a dynamic `LoopFormerCache`, mark the sequence lengths of a forward's inputs and of the cached keys and
-    values dynamic (a hint to Dynamo). A compiled `forward` then traces one prefill graph for any prompt length and
-    one decode graph for every cached length from its first call on, instead of a graph for the first length seen and
-    another once it changes (a third graph per budget: four budgets would pass Dynamo's `recompile_limit` of 8)."""
-    cache = model_inputs.get("cache", model_inputs.get("past_key_values"))
-    if type(cache) is not LoopFormerCache:  # a static cache has fixed shapes already
-        return
-    for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids"):
-        tensor = model_inputs.get(name)
-        if isinstance(tensor, torch.Tensor) and tensor.ndim >= 2 and tensor.shape[1] > 1:  # 0 and 1 specialise
-            torch._dynamo.maybe_mark_dynamic(tensor, 1)
-    for layer in cache.layers:
-        for tensor in (getattr(layer, "_keys", None), getattr(layer, "_values", None)):
-            if isinstance(tensor, torch.Tensor) and tensor.ndim == 4 and tensor.shape[-2] > 1:
-                torch._dynamo.maybe_mark_dynamic(tensor, 2)
+# ---- the cache: transformers' own layers, one per (loop step, block) --------------------------------------------
+
+
+class LoopFormerCache(DynamicCache):
+    """A `DynamicCache` whose layers are added as they are first written (M·k for a trajectory of M steps, whatever
+    `config` says), and which keeps the loop it was filled under (`loop_key`: the trajectory, or the per-row
+    trajectories, and `halt_eps`). A cache serves only the loop that filled it; another raises `ValueError` instead
+    of reading slots laid out for another trajectory. A plain `DynamicCache()` works too, checked by its layer count."""
+
+    def __init__(self, *args, config=None, **kwargs):
+        # `config` is accepted as `DynamicCache(config=...)` is, and not used: it would fix one layer per block
+        super().__init__(*args, **kwargs)
+        self.loop_key = None
+
+    def reset(self):
+        super().reset()
+        self.loop_key = None
+
+
+class LoopFormerStaticCache(StaticCache):
+    """A `StaticCache` for a looped model: `max_loop_budget x k` layers, each holding `max_cache_len` tokens, written
+    in place, so that `torch.compile` sees fixed shapes. `generate(..., cache_implementation="static")` builds one
+    for the call's trajectory; built by hand it serves any trajectory of at most `max_loop_budget` steps (default:
+    the config's default budget). Like [`LoopFormerCache`], the first call binds it to its loop (`reset()` empties it
+    for another).
+
+    ```python
+    cache = LoopFormerStaticCache(model.config, max_cache_len=64, max_loop_budget=4)
+    out = model.generate(ids, cache=cache, loop_budget=4, max_new_tokens=32)
+    ```
+    """
+
+    def __init__(
+        self, config, max_cache_len, max_loop_budget=None, offloading=False, offload_only_non_sliding=True, **kwargs
+    ):
+        steps = max_loop_budget if max_loop_budget is not None else (config.default_loop_budget or config.num_loops)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"`max_loop_budget` must be None or an integer >= 1, got {max_loop_budget!r}.")
+        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be an integer >= 1, got {max_cache_len!r}.")
+        layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(steps * config.num_hidden_layers)]
+        # StaticCache's own __init__ makes one layer per block from the config
+        Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+        self.loop_key = None
+        self.max_loop_budget = steps
+
+    def reset(self):
+        super().reset()
+        self.loop_key = None
+
+
+_UNSET = object()
+
+
+class LoopCountsRecord:
+    """The loop counts of one `generate` call with `halt_eps`, recorded by hooks on the model for its duration: for
+    each forward of the calling thread on generate's cache, the first position it computed (the cache's length
+    before it) and its (batch, q_len) `loop_counts`. Other forwards (classifier-free guidance's unconditional one,
+    a draft's on its own cache, another thread's call) are not recorded."""
+
+    def __init__(self, model):
+        self.entries, self.thread, self.cache, self.pending = [], threading.get_ident(), _UNSET, False
+        self.hooks = (
+            model.register_forward_pre_hook(self.before, with_kwargs=True),
+            model.register_forward_hook(self.after, with_kwargs=True),
+        )
+
+    def before(self, model, args, kwargs):
+        if threading.get_ident() != self.thread:
+            return
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if self.cache is _UNSET:
+            self.cache = cache  # the prefill's: generate's cache (None without one)
+        self.pending = cache is self.cache
+        if self.pending:
+            self.entries.append({"first": 0 if cache is None else int(cache.get_seq_length())})
+
+    def after(self, model, args, kwargs, output):
+        if threading.get_ident() == self.thread and self.pending:
+            self.entries[-1]["counts"] = output.loop_counts
+            self.pending = False
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+    def gather(self, out):
+        """(rows, length - 1) loop counts of the returned sequences: for each position, the counts of the last
+        forward that computed it (assisted decoding recomputes rejected drafts); beam search follows the beams.
+        Positions a cache passed to `generate` held count 0: this call ran no loop step for them."""
+        log = [entry for entry in self.entries if entry.get("counts") is not None]
+        if not log:
+            return None
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        beam_indices = None if isinstance(out, torch.Tensor) else out.get("beam_indices")
+        if beam_indices is not None:
+            # the forward of step s ran on the beams as reordered after step s - 1; the token of step s of a returned
+            # sequence came from beam row beam_indices[:, s] (-1 after the sequence finished)
+            rows = beam_indices.long()
+            columns = [log[0]["counts"][rows[:, 0].clamp(min=0)]]
+            for step in range(1, rows.shape[1]):
+                counts = log[step]["counts"][rows[:, step].clamp(min=0), -1]
+                columns.append(torch.where(rows[:, step] >= 0, counts, torch.zeros_like(counts))[:, None])
+            counts = torch.cat(columns, dim=1)
+            return torch.cat([counts.new_zeros(counts.shape[0], log[0]["first"]), counts], dim=1)
+        length = sequences.shape[1] - 1
+        first = log[0]["counts"]
+        counts = first.new_zeros(first.shape[0], max(length, max(e["first"] + e["counts"].shape[1] for e in log)))
+        for entry in log:  # later forwards overwrite the positions they recomputed
+            counts[:, entry["first"] : entry["first"] + entry["counts"].shape[1]] = entry["counts"]
+        return counts[:, :length]
 
 
 class LoopFormerGenerationMixin(GenerationMixin):
     """`GenerationMixin` for a looped model (see the module's docstring); `LoopFormerForCausalLM` mixes it in."""
 
-    # the model kwargs that are loop knobs: passed to every forward, and to `model._plan` for the cache generate makes
+    # the model kwargs that are loop knobs: passed to every forward (a subclass may add its own)
     generation_loop_knobs = GENERATION_LOOP_KNOBS
 
     def adjust_generation_fn(
@@ -141,26 +223,31 @@ class LoopFormerGenerationMixin(GenerationMixin):
         for name, value in knobs.items():
             setattr(self.generation_config, name, value)
 
-    # Private hook, kept: `generate` builds its default cache inline (`DynamicCache(config=...)`, or `StaticCache` for
-    # `cache_implementation="static"`) with `num_hidden_layers` slots, and has no public way to choose another cache
-    # class. The slot count depends on this call's loop knobs, and the static cache's length on generate's max_length.
-    # Swapping the cache in `prepare_inputs_for_generation` would leave generate's own cache in its kwargs until the
-    # first forward returns ours, so behaviour would depend on what generate does with that cache before then
-    # (auto-compile criteria, prefill slicing, assisted decoding's past recording). That is private behaviour too, and
-    # the swap would need a check at every step.
+    # Private hook, kept: `GenerationMixin._prepare_cache_for_generation` builds generate's default cache inline
+    # (`DynamicCache(config=...)` with `num_hidden_layers` layers that never grow, or a `StaticCache` of as many for
+    # `cache_implementation="static"`), and no public argument chooses another. A looped model needs one layer per
+    # (loop step, block), M·k, and a static cache must be sized for this call's M before the prefill.
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """transformers' hook for a model's own cache: `generate` builds a `DynamicCache` (or, with
-        `cache_implementation="static"`, a `StaticCache`) with `num_hidden_layers` slots; a looped model needs one per
-        (loop step, block), so it gets an empty `LoopFormerCache` (or `LoopFormerStaticCache`) instead."""
+        """generate's default cache, with a layer per (loop step, block): an empty `LoopFormerCache` (layers added as
+        written) for its `DynamicCache`, a `LoopFormerStaticCache` of the call's M·k layers for its `StaticCache`."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        # the batch the forwards will see: generate has repeated the rows for beams and num_return_sequences
-        batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
-        if batch_size is not None:
-            batch_size *= max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        knobs = {name: model_kwargs.get(name) for name in self.generation_loop_knobs}
-        LoopFormerCache.replace_generate_default(  # the plan: once per generate call
-            model_kwargs, self.config, lambda: self.model._plan(None, batch_size, **knobs)
-        )
+        for name in ("cache", "past_key_values"):
+            cache = model_kwargs.get(name)
+            if cache is None or getattr(cache, "_is_user_defined", False) or cache.get_seq_length() != 0:
+                continue
+            offloading = dict(
+                offloading=cache.offloading, offload_only_non_sliding=getattr(cache, "only_non_sliding", False)
+            )
+            if type(cache) is DynamicCache:  # e.g. cache_implementation="offloaded": its offloading is kept
+                model_kwargs[name] = LoopFormerCache(**offloading)
+            elif type(cache) is StaticCache:
+                trajectory, rows = resolve_call(
+                    self.config, model_kwargs.get("loop_budget"), model_kwargs.get("step_schedule")
+                )
+                steps = len(trajectory) if rows is None else rows.num_steps
+                model_kwargs[name] = LoopFormerStaticCache(
+                    self.config, max_cache_len=cache.get_max_length(), max_loop_budget=steps, **offloading
+                )
 
     def init_continuous_batching(self, *args, **kwargs):
         """Continuous batching (`generate_batch`, `init_continuous_batching`) is not supported: its paged cache has
@@ -171,13 +258,12 @@ class LoopFormerGenerationMixin(GenerationMixin):
             '`cache_implementation="static"` for compiled decoding).'
         )
 
-    # Private hook, kept: classifier-free guidance's processor is built inside `generate` with the model as its
-    # unconditional forward. A processor passed as `logits_processor=` would replace it in place, but it would have to
-    # be built before `generate` repeats a tensor of per-row budgets for beams and num_return_sequences, and
-    # transformers warns when a passed processor replaces one it builds.
+    # Private hook, kept: `GenerationMixin._get_logits_processor` builds classifier-free guidance's processor
+    # (`UnbatchedClassifierFreeGuidanceLogitsProcessor`) with the model itself as the unconditional forward. A processor
+    # passed as `logits_processor=` would have to be built before `generate` repeats per-row budgets for beams and
+    # num_return_sequences, and transformers warns when a passed processor replaces one it builds.
     def _get_logits_processor(self, *args, **kwargs):
-        """transformers' hook that builds the logits processors. Classifier-free guidance (`guidance_scale`) runs a
-        second, unconditional forward by calling the model with the ids alone: bind this call's loop knobs to it, so
+        """The logits processors; classifier-free guidance's unconditional forward gets this call's loop knobs, so
         that both forwards run the same loop budget, schedule and halting."""
         processors = super()._get_logits_processor(*args, **kwargs)
         knobs = {
@@ -190,145 +276,39 @@ class LoopFormerGenerationMixin(GenerationMixin):
                 processor.model = functools.partial(self, **knobs)
         return processors
 
-    # Private hook, kept: assisted decoding's drafter copies every model kwarg into each `assistant_model.generate`
-    # call, and no public hook filters them. The assistant's own `generate` cannot tell whether knobs came from the
-    # main call or from the user, and an assistant of another class rejects them as unused model kwargs.
+    # Private hook, kept: `GenerationMixin._get_candidate_generator` builds assisted decoding's drafter, which copies
+    # every model kwarg into each `assistant_model.generate` call; no public hook filters them. The loop knobs belong to
+    # this model, and an assistant of another class would reject them as unused model kwargs.
     def _get_candidate_generator(self, *args, **kwargs):
-        """transformers' hook that builds assisted decoding's drafter, which copies the call's model kwargs for an
-        assistant model. The loop knobs (and this call's loop-count record) belong to this model: the assistant runs
+        """Assisted decoding's drafter, without this model's loop knobs in the assistant's kwargs: the assistant runs
         under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
         assistant = kwargs.get("assistant_model")
         if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
             kwargs["model_kwargs"] = {
-                name: value
-                for name, value in kwargs["model_kwargs"].items()
-                if name not in self.generation_loop_knobs and name != "loop_counts_log"
+                name: value for name, value in kwargs["model_kwargs"].items() if name not in self.generation_loop_knobs
             }
         return super()._get_candidate_generator(*args, **kwargs)
 
-    # Private hook, kept: `GenerationConfig.update` absorbs a call kwarg that the config also holds (a loop knob in
-    # generation_config.json is carried over as a custom entry), so the merged value never reaches `model_kwargs`.
-    # Passing the knobs in from `generate` would be absorbed the same way. This is the only place that sees the merged
-    # config and the model kwargs before the cache, the logits processors and the beam / num_return_sequences
-    # expansion read them.
+    # Private hook, kept: `GenerationMixin._prepare_generation_config` merges the call's kwargs into the generation
+    # config, and `GenerationConfig.update` absorbs a kwarg the config also holds (a loop knob saved in
+    # generation_config.json), so its value would never reach `model_kwargs`. Only here are the merged config and the
+    # model kwargs seen together, before the cache, the logits processors and the beam expansion read them.
     def _prepare_generation_config(self, generation_config, *args, **kwargs):
-        """transformers' hook that merges `generation_config` (the call's, then `self.generation_config`) with the call
-        kwargs. A loop knob set on a `GenerationConfig` is stored there but is no model kwarg, so it would not reach
-        `forward`; a call kwarg of the same name is absorbed into the config. Hand the merged value on to `forward`."""
+        """The merged generation config and model kwargs; a loop knob set on the config reaches `forward` as a model
+        kwarg (a call kwarg of the same name wins)."""
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
         for name in self.generation_loop_knobs:
             value = getattr(generation_config, name, None)
             if name not in model_kwargs and value is not None:
                 model_kwargs[name] = value
-        if "step_schedule" in model_kwargs:  # as plain numbers: the prefill then finds the plan made for the cache
+        if "step_schedule" in model_kwargs:
             model_kwargs["step_schedule"] = _schedule_as_numbers(model_kwargs["step_schedule"])
         return generation_config, model_kwargs
 
-    def _forward_replaced(self):
-        """Whether `forward` was replaced on the instance (e.g. `model.forward = torch.compile(model.forward)`)."""
-        return getattr(self.forward, "__func__", None) is not type(self).forward
-
-    # Private hook, kept: the prefill calls `self(**model_inputs)` directly. The eager stance must wrap that one call,
-    # and neither `prepare_inputs_for_generation` (it returns before the call) nor `forward` (inside the compiled
-    # frame) can wrap it.
-    def _prefill(self, *args, **kwargs):
-        """As transformers' own compiled generation (`compile_config`), the prefill runs eager and only the decode
-        steps run a compiled `forward`: one graph per trajectory, not a prefill graph beside each decode graph
-        (Dynamo's recompile limit of 8 then holds 8 budgets, not 4)."""
-        if not self._forward_replaced():
-            return super()._prefill(*args, **kwargs)
-        with torch.compiler.set_stance("force_eager"):
-            return super()._prefill(*args, **kwargs)
-
-    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, loop_counts_log=None, **kwargs):
-        """As `GenerationMixin`'s; `loop_counts_log` is this `generate` call's record of loop counts, not a model
-        input: each forward adds an entry with the length of the sequence it is asked about (drafted tokens included)
-        and, in `_update_model_kwargs_for_generation`, its loop counts and how many tokens were accepted."""
-        if loop_counts_log is not None:
-            loop_counts_log.append({"length": input_ids.shape[1]})
-        model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
-        if self._forward_replaced():
-            _mark_lengths_dynamic(model_inputs)
-        return model_inputs
-
-    if CACHE_FIELD == "past_key_values":  # transformers before 5.24
-        _prepare_inputs_for_generation = prepare_inputs_for_generation
-
-        def prepare_inputs_for_generation(
-            self, input_ids, inputs_embeds=None, loop_counts_log=None, past_key_values=None, **kwargs
-        ):
-            """As above. Before transformers 5.24 `generate`'s cache argument is `past_key_values`, which `forward`
-            takes only under `**kwargs`, and `generate` refuses a model kwarg that neither `forward` nor this method
-            names: named here, so that a cache passed to `generate` (an assistant's too, from its second draft on)
-            is accepted."""
-            return self._prepare_inputs_for_generation(
-                input_ids, inputs_embeds, loop_counts_log, past_key_values=past_key_values, **kwargs
-            )
-
-    # Private hook, kept: only this step sees a forward's outputs (`loop_counts`) and how many tokens assisted
-    # decoding accepted (`num_new_tokens`), for this call only. A forward hook would be shared by concurrent calls and
-    # would also see classifier-free guidance's unconditional forward.
-    # It is also where the plan reaches the decode steps: after this call's first forward (which resolved its loop
-    # knobs and bound the plan to the cache, or found it there from `_prepare_cache_for_generation`), the cache's plan
-    # is this call's, and every later forward takes it as the model input `loop_plan`: nothing is resolved, compared
-    # or checked per step.
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, num_new_tokens=1, **kwargs):
-        log = model_kwargs.get("loop_counts_log")
-        if log and getattr(outputs, "loop_counts", None) is not None:
-            log[-1].update(counts=outputs.loop_counts, new_tokens=num_new_tokens)
-        model_kwargs = super()._update_model_kwargs_for_generation(
-            outputs, model_kwargs, *args, num_new_tokens=num_new_tokens, **kwargs
-        )
-        plan = getattr(model_kwargs.get(CACHE_FIELD), "plan", None)
-        if plan is not None:
-            model_kwargs["loop_plan"] = plan
-        return model_kwargs
-
-    @staticmethod
-    def _gather_loop_counts(log, out, assisted):
-        """(rows, length - 1) loop counts of the returned sequences from the per-forward records of `log`. Positions
-        that a cache passed to `generate` already held count 0: this call ran no loop step for them."""
-        log = [entry for entry in log if "counts" in entry]
-        if not log:
-            return None
-        # positions before the first forward's first column (none for a prompt given as inputs_embeds: no ids)
-        held = max(log[0]["length"] - log[0]["counts"].shape[1], 0)
-        counts = LoopFormerGenerationMixin._gathered_counts(log, out, assisted, held)
-        return torch.cat([counts.new_zeros(counts.shape[0], held), counts], dim=1) if held else counts
-
-    @staticmethod
-    def _gathered_counts(log, out, assisted, held):
-        """`_gather_loop_counts` from the first forward's first column on."""
-        beam_indices = out.get("beam_indices") if not isinstance(out, torch.Tensor) else None
-        if beam_indices is not None:
-            # Beam search: the forward of step s ran on the beams as reordered after step s - 1; the token of step s
-            # of a returned sequence came from beam row beam_indices[:, s] (-1 after the sequence finished).
-            rows = beam_indices.long()
-            columns = [log[0]["counts"][rows[:, 0].clamp(min=0)]]
-            for step in range(1, rows.shape[1]):
-                counts = log[step]["counts"][rows[:, step].clamp(min=0), -1]
-                columns.append(torch.where(rows[:, step] >= 0, counts, torch.zeros_like(counts))[:, None])
-            return torch.cat(columns, dim=1)
-        if not assisted:
-            # The first forward sees the prompt; every later one adds one position (the last column, cached or not).
-            return torch.cat([log[0]["counts"]] + [entry["counts"][:, -1:] for entry in log[1:]], dim=1)
-        # Assisted / prompt-lookup decoding: a forward scores the drafted tokens too; keep the columns of the
-        # positions whose next token was accepted (the cache is cropped to the same positions).
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        length = sequences.shape[1] - sum(entry["new_tokens"] for entry in log)  # the prompt
-        done, columns = held, []
-        for entry in log:
-            first = entry["length"] - entry["counts"].shape[1]  # position of the forward's first column
-            last = length + entry["new_tokens"] - 2  # last position whose next token is now in the sequence
-            columns.append(entry["counts"][:, done - first : last - first + 1])
-            done, length = last + 1, length + entry["new_tokens"]
-        return torch.cat(columns, dim=1)
-
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, plus the kwargs `loop_budget` and `step_schedule` (one for the batch, or a list
-        of one per row) and `halt_eps`. The same fields set on `generation_config` (or on
-        `model.generation_config`, which `save_pretrained` writes to generation_config.json) are used when the call
-        does not give them.
+        """`GenerationMixin.generate`, plus the kwargs `loop_budget` and `step_schedule` (one for the batch, or one
+        per row) and `halt_eps`. The same fields set on `generation_config` (or on `model.generation_config`, which
+        `save_pretrained` writes to generation_config.json) are used when the call does not give them.
 
         With `halt_eps` and `return_dict_in_generate=True`, the output (a [`LoopFormerGenerateDecoderOnlyOutput`], or
         [`LoopFormerGenerateBeamDecoderOnlyOutput`] for beam search) carries `loop_counts`, a (returned sequences,
@@ -337,30 +317,26 @@ class LoopFormerGenerationMixin(GenerationMixin):
         prompt-lookup decoding (the counts of accepted tokens only); chunked prefill raises `ValueError` with
         `halt_eps`.
         """
-        log = None
         given = kwargs.get("generation_config") or self.generation_config
         halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
         if halt_eps is None and kwargs.get("generation_config") is not None:
             halt_eps = getattr(self.generation_config, "halt_eps", None)
-        if halt_eps is not None:
-            unsupported = _loop_counts_unsupported(kwargs, self.generation_config)
-            if unsupported is not None:
-                raise ValueError(
-                    f"`halt_eps` with {unsupported} is not supported: the loop counts of each position are gathered "
-                    f"for whole-prompt prefills only. Drop `prefill_chunk_size`, or drop `halt_eps`."
-                )
-            log = []  # local to this call: concurrent generate calls on one model each keep their own counts
-        out = super().generate(*args, loop_counts_log=log, **kwargs)
-        assisted = (
-            kwargs.get("assistant_model") is not None
-            or (
-                kwargs["prompt_lookup_num_tokens"]
-                if "prompt_lookup_num_tokens" in kwargs
-                else getattr(given, "prompt_lookup_num_tokens", None)
+        if halt_eps is None:
+            return super().generate(*args, **kwargs)
+        chunked = kwargs["prefill_chunk_size"] if "prefill_chunk_size" in kwargs else None
+        if chunked is None:
+            chunked = getattr(given, "prefill_chunk_size", None)
+        if chunked is not None:
+            raise ValueError(
+                "`halt_eps` with chunked prefill (prefill_chunk_size) is not supported: the loop counts of each "
+                "position are gathered for whole-prompt prefills only. Drop `prefill_chunk_size`, or drop `halt_eps`."
             )
-            is not None
-        )
-        counts = self._gather_loop_counts(log, out, assisted) if log else None
+        record = LoopCountsRecord(self)  # local to this call: concurrent generate calls each keep their own counts
+        try:
+            out = super().generate(*args, **kwargs)
+        finally:
+            record.remove()
+        counts = record.gather(out)
         if counts is None or isinstance(out, torch.Tensor):
             return out
         if isinstance(out, GenerateBeamDecoderOnlyOutput):
@@ -369,6 +345,8 @@ class LoopFormerGenerationMixin(GenerationMixin):
 
 
 __all__ = [
+    "LoopFormerCache",
+    "LoopFormerStaticCache",
     "LoopFormerGenerationMixin",
     "LoopFormerGenerateDecoderOnlyOutput",
     "LoopFormerGenerateBeamDecoderOnlyOutput",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
-
+from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 # Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
 # below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
@@ -209,7 +209,7 @@ class LoopFormerHaltingState:
     `halt_eps` (None: only the budgets halt).
 
     The loop calls four methods: `begin`, `for_step` (whose [`LoopFormerExitStep`] each block reads), `observe` and
-    `finish`. Another exit rule is a subclass that a model subclass runs (`LoopFormerModel._plan`; the lab's:
+    `finish`. Another exit rule is a subclass that a model subclass runs (its `halting_rule` attribute; the lab's:
     benchmarks/halting_rules.py).
     """
 
@@ -292,15 +292,15 @@ class LoopFormerHaltingState:
         """Every token has halted: write the cache slots of loop steps `first_step`.. at once (no-op without cache)."""
         if cache is None:
             return
-        steps = range(first_step, cache.spec.loop_steps)
+        steps = range(first_step, self.num_steps)
         for j, block in enumerate(blocks):
             if self.reuse_kv:
                 per_step = [self.last_kv[j]] * len(steps)
             else:
                 adaln = None if loop_adaln is None else loop_adaln[j][first_step:]
-                per_step = block.frozen_kv(frozen, position_embeddings, adaln, len(steps))
+                per_step = frozen_kv(block, frozen, position_embeddings, adaln, len(steps))
             for step, (k, v) in zip(steps, per_step):
-                cache.write(k, v, cache.slot(step, j))
+                write(cache, k, v, step * len(blocks) + j)
 
     # ---- one step ------------------------------------------------------------------------------------------------
 
@@ -384,8 +384,174 @@ class LoopFormerHaltingState:
             )
 
 
+class HaltingCall(NamedTuple):
+    """What `LoopFormerHaltingState.begin` reads of a forward call: its trajectory (or per-row trajectories, a
+    `LoopFormerRows`) and `halt_eps`."""
+
+    trajectory: tuple
+    rows: object
+    halt_eps: float
+
+
+class LoopFormerDynamicLayer(DynamicLayer):
+    """The cache layer of the halting loop: a `DynamicLayer` that also takes keys/values without returning the slot's
+    whole history (`append`). Halting writes a halted token's skipped slots that way: nothing reads them in that
+    forward, so the pieces wait and join the slot's next concatenation (one `cat` per slot and read instead of one per
+    write). Reading `keys` or `values` (as every transformers cache method does) joins them first. A slot that is never
+    read (its tokens always halt before its step) joins every `max_pending` pieces, so a long generation does not keep
+    one small tensor per token."""
+
+    _pending = ()  # (keys, values) appended since the last join
+    max_pending = 64  # one join (a copy of the slot) per 64 appends: amortised, and bounds the number of tensors
+
+    def _join(self, *new):
+        """Concatenate the pending pieces, then `new` = (keys, values) if given, onto the slot."""
+        keys, values = zip(*self._pending, *([new] if new else []))
+        self._pending = ()
+        self._keys = torch.cat([self._keys, *keys], dim=-2)
+        self._values = torch.cat([self._values, *values], dim=-2)
+
+    def _joined(stored):  # noqa: N805 (builds the `keys`/`values` properties below)
+        def get(self):
+            if self._pending:
+                self._join()
+            return getattr(self, stored)
+
+        def set(self, value):
+            if self._pending:
+                self._join()
+            setattr(self, stored, value)
+
+        return property(get, set)
+
+    keys = _joined("_keys")
+    values = _joined("_values")
+    del _joined
+
+    def append(self, key_states, value_states):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self._pending:
+            self._pending = []
+        self._pending.append((key_states, value_states))
+        if len(self._pending) >= self.max_pending:
+            self._join()
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self._pending:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._join(key_states, value_states)
+        return self._keys, self._values
+
+
+def use_halting_layers(cache, num_slots):
+    """Give a dynamic cache (not offloaded) the halting loop's layer class for its `num_slots` slots: the layers not
+    yet written become `LoopFormerDynamicLayer`s, and later ones are made so."""
+    if cache is None or isinstance(cache, StaticCache) or getattr(cache, "offloading", False):
+        return
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = LoopFormerDynamicLayer
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            cache.layers[i] = LoopFormerDynamicLayer()
+    if getattr(cache, "layer_class_to_replicate", None) is None:
+        while len(cache.layers) < num_slots:
+            cache.layers.append(LoopFormerDynamicLayer())
+
+
+def write(cache, key_states, value_states, layer_idx):
+    """As `cache.update`, for a caller that does not read the slot back (halting's skipped slots): a halting layer
+    joins these keys/values to the slot at its next read instead of now."""
+    if type(cache).update is not Cache.update:  # a cache that maps layers itself (the lab's shared cache)
+        cache.update(key_states, value_states, layer_idx)
+        return
+    while len(cache.layers) <= layer_idx and getattr(cache, "layer_class_to_replicate", None) is not None:
+        cache.layers.append(cache.layer_class_to_replicate())
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, LoopFormerDynamicLayer):
+        layer.append(key_states, value_states)
+    else:
+        cache.update(key_states, value_states, layer_idx)
+
+
+def frozen_kv(block, frozen, position_embeddings, adaln, num_steps):
+    """The (keys, values) a frozen (halted) state gives `block`'s attention at each of `num_steps` loop steps whose
+    adaLN vectors are the list `adaln` (None without conditioning, where every step sees the same pair). All steps
+    are projected in one batched call."""
+    if adaln is None:
+        return [block.self_attn.project_kv(block.input_layernorm(frozen), position_embeddings)] * num_steps
+    # the block's own modulated norm per step (the same rounding as its forward), side by side along the sequence:
+    # (batch, steps * seq, d)
+    x = torch.cat([block.input_layernorm(frozen, weight_attn) for _, _, weight_attn, _ in adaln], dim=1)
+    pos = None if position_embeddings is None else tuple(p.repeat(1, 1, num_steps, 1) for p in position_embeddings)
+    k, v = block.self_attn.project_kv(x, pos)
+    return list(zip(k.chunk(num_steps, dim=2), v.chunk(num_steps, dim=2)))
+
+
+def halting_loop(
+    model,
+    halt_eps,
+    trajectory,
+    rows,
+    loop_adaln,
+    hidden_states,
+    mask,
+    position_embeddings,
+    cache,
+    output_attentions,
+    output_hidden_states,
+):
+    """The loop of `LoopFormerModel.forward` under per-token halting: before each step the halting state (the
+    model's `halting_rule`, `LoopFormerHaltingState` unless a subclass sets another) says which tokens each block
+    computes, and reads the step's result and keys and values after it. Returns (final state, states after each step
+    or None, the loop steps each token ran)."""
+    dtype, device, num_blocks = hidden_states.dtype, hidden_states.device, len(model.layers)
+    conditioning = None  # with gradients each block makes its adaLN vectors from c; per-row ones are computed once
+    if torch.is_grad_enabled() and rows is None and model.config.loop_conditioning != "none":
+        conditioning = model.loop_conditioning(trajectory, device, dtype)
+    if loop_adaln is None:  # halting fills skipped slots from them
+        loop_adaln = model.adaln_vectors(trajectory if rows is None else rows.steps, dtype, device)
+    num_steps = len(trajectory) if rows is None else rows.num_steps
+    rule = getattr(model, "halting_rule", None) or LoopFormerHaltingState
+    use_halting_layers(cache, (num_steps + rule.extra_slots) * num_blocks)
+    call = HaltingCall(trajectory, rows, halt_eps)
+    early_exit, hidden_states = rule.begin(model, call, hidden_states, loop_adaln, cache, mask, position_embeddings)
+    all_hidden_states = (hidden_states,) if output_hidden_states else None
+    for step in range(num_steps):
+        # halted tokens are left out of the step's computation unless the attention maps are returned
+        exit_step = early_exit.for_step(step, hidden_states, gather=not output_attentions)
+        if exit_step is None:  # every token has halted (the rule filled the slots of the steps left)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,) * (num_steps - step)
+            break
+        previous, block_kv = hidden_states, []
+        c = None if conditioning is None else conditioning[step]
+        for j, block in enumerate(model.layers):
+            adaln = None if loop_adaln is None or c is not None else loop_adaln[j][step]
+            adaln, halting = exit_step.block(j, adaln)
+            hidden_states = block(
+                hidden_states,
+                c,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                step_offset=step * num_blocks,
+                output_attentions=output_attentions,
+                adaln=adaln,
+                halting=halting,
+            )
+            block_kv.append(halting.kv)
+        early_exit.observe(previous, hidden_states, block_kv, final=step == num_steps - 1)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+    hidden_states, loop_counts = early_exit.finish(hidden_states)  # a rule may keep other states for some tokens
+    return hidden_states, all_hidden_states, loop_counts
+
+
 __all__ = [
     "LoopFormerActiveTokens",
+    "LoopFormerDynamicLayer",
+    "halting_loop",
     "LoopFormerExitStep",
     "LoopFormerHaltingState",
     "LoopFormerHaltingStep",

@@ -200,10 +200,7 @@ class LoopFormerRows:
         self.trajectories = trajectories
         self.budgets = budgets  # (batch,) M_b
         self.steps = steps  # (batch, largest budget) Δ in float64, 0 after a row's last step
-
-    @property
-    def num_steps(self):
-        return self.steps.shape[1]
+        self.num_steps = steps.shape[1]  # the largest budget
 
     @classmethod
     def from_trajectories(cls, trajectories):

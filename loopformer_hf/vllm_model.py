@@ -41,10 +41,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
+from .looped_common import rms_norm
+
 # c_i of each loop step (TimeEmb(t_{i-1}) + StepEmb(Δ_i), or TimeEmb(i - 1), or none): the checkpoint model's own
 # module, replicated on every rank (one small vector per step), so the conditioning is the same computation
-from .layers_loopformer import LoopFormerLoopConditioning
-from .looped_common import rms_norm
+from .modeling_loopformer import LoopFormerLoopConditioning
 from .vllm_plugin import server_trajectory, serving_of
 from .vllm_requests import LoopPlan, batch_request_loops
 

@@ -13,8 +13,12 @@ from huggingface_hub.errors import StrictDataclassError
 from fprm_hf import FPRMForReasoning
 from fprm_hf.layers_fprm import FPRMRotaryEmbedding, apply_rotary_pos_emb
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
-from loopformer_hf.layers_loopformer import LoopFormerRotaryEmbedding, apply_rotary, rotate_half
+from loopformer_hf.modeling_loopformer import LoopFormerRotaryEmbedding, apply_rotary_pos_emb, rotate_half
 from support.tiny_models import sequence_fprm_config, tiny_fprm, tiny_fprm_config, tiny_loopformer_config
+
+
+def apply_rotary_k(x, cos, sin):  # RoPE on one tensor
+    return apply_rotary_pos_emb(None, x, cos, sin)[1]
 
 
 def rope_config(**overrides):
@@ -58,7 +62,7 @@ def test_a_partial_rotation_rotates_only_its_share_of_each_head():
     assert config.rotary_dim == 8  # half of head_dim 16
     cos, sin = LoopFormerRotaryEmbedding(config)(torch.zeros(1), torch.arange(5)[None])
     x = torch.randn(1, 4, 5, 16)
-    out = apply_rotary(x, cos[:, None], sin[:, None])
+    out = apply_rotary_k(x, cos[:, None], sin[:, None])
     first = x[..., :8]
     assert torch.equal(out[..., 8:], x[..., 8:])
     assert torch.equal(out[..., :8], first * cos[:, None] + rotate_half(first) * sin[:, None])

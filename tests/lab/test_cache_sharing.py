@@ -3,10 +3,10 @@ within one call, an approximation across decode steps, the same in both storages
 
 import pytest
 import torch
-
-from benchmarks.cache_sharing import ModuloSharedCache, ModuloSharedStaticCache
 from loopformer.test_cache import _model, _prefill_then_decode, assert_logits_match
 from support.tiny_models import cache_of
+
+from benchmarks.cache_sharing import ModuloSharedCache, ModuloSharedStaticCache
 from loopformer_hf import LoopFormerCache
 
 
@@ -17,7 +17,7 @@ def model():
 
 def _shared(storage, model, share_n=2):
     if storage == "dynamic":
-        return ModuloSharedCache(share_n)
+        return ModuloSharedCache(model.config, share_n)
     return ModuloSharedStaticCache(model.config, max_cache_len=20, share_n=share_n)
 
 
@@ -47,7 +47,7 @@ def test_shared_cache_holds_n_step_slots_and_is_exact_within_a_call(model, stora
 def test_shared_cache_in_generate_in_both_storages(model):
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(4))
     kwargs = dict(max_new_tokens=4, do_sample=False, loop_budget=4, return_dict_in_generate=True)
-    out = model.generate(ids, cache=ModuloSharedCache(2), **kwargs)
+    out = model.generate(ids, cache=ModuloSharedCache(model.config, 2), **kwargs)
     static = model.generate(
         ids, cache=ModuloSharedStaticCache(model.config, 16, share_n=2, max_loop_budget=4), **kwargs
     )

@@ -4,10 +4,10 @@ cached as uncached, static as dynamic, padded and gathered."""
 
 import pytest
 import torch
-
-from benchmarks.halting_rules import KLHalting, LabLoopFormerForCausalLM
 from support.tiny_models import cache_of, tiny_loopformer_config
 from support.tiny_runs import TINY
+
+from benchmarks.halting_rules import LabLoopFormerForCausalLM
 from loopformer_hf import halting_loopformer
 
 
@@ -69,14 +69,14 @@ def test_cache_filled_under_one_criterion_refuses_another(model):
     """Another criterion halts other tokens, so their skipped slots differ: the cache names both criteria."""
     ids = torch.randint(3, 97, (1, 9))
     cache = cache_of(model(ids[:, :8], halt_eps=0.1, halt_criterion="kl"))
-    assert cache.spec.halting is KLHalting
+    assert cache.loop_key[2] == "KLHalting"
     with pytest.raises(
         ValueError,
-        match=r"filled under halt_eps=0.1 .*halting KLHalting.* this call runs "
-        r"halt_eps=0.1 \(kv fill \w+\)",
+        match=r"filled under trajectory .*halt_eps=0.1, halting KLHalting, but this call runs "
+        r"trajectory .*halt_eps=0.1, halting LoopFormerHaltingState",
     ):
         model(ids[:, 8:], cache=cache, halt_eps=0.1, halt_criterion="state_change")
-    assert cache_of(model(ids[:, :8])).spec.halting is None  # recorded only with halt_eps
+    assert len(cache_of(model(ids[:, :8])).loop_key) == 2  # the rule is recorded only with halt_eps
 
 
 @pytest.mark.parametrize("criterion", ["kl", "entropy"])
@@ -320,7 +320,12 @@ def test_probe_refuses_models_without_step_conditioning_and_a_shared_cache():
 
     model = LabLoopFormerForCausalLM(tiny_loopformer_config()).eval()
     with pytest.raises(ValueError, match="keeps its extra step in cache slots of its own.*use a LoopFormerCache"):
-        model(torch.randint(3, 97, (1, 6)), cache=ModuloSharedCache(2), halt_eps=0.1, halt_criterion="probe_entropy")
+        model(
+            torch.randint(3, 97, (1, 6)),
+            cache=ModuloSharedCache(model.config, 2),
+            halt_eps=0.1,
+            halt_criterion="probe_entropy",
+        )
 
 
 def test_each_row_computes_its_solo_call_under_a_lab_rule(tiny_model):
@@ -341,8 +346,9 @@ def test_per_row_budgets_refuse_a_rule_with_an_exit_step(tiny_model):
 def test_evaluate_sweeps_each_rule_and_prints_its_table_and_verdict(tmp_path, capsys):
     """`python -m benchmarks.halting_rules` (evaluate with the lab's rules) `--halt_criteria`: each rule at each halt_eps, the '_shortcut' one only on a model conditioned on Δ;
     the printed table has the fixed budgets at equal compute and a verdict per rule."""
-    from benchmarks import halting_rules
     from looped_training.loopformer import train
+
+    from benchmarks import halting_rules
 
     for variant in ("loopformer", "base_loop"):
         train.main(["--output_dir", str(tmp_path / variant), "--variant", variant, *TINY])

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers import DynamicCache, StaticCache
-
 from support.instruments import CountOps
 from support.tiny_data import left_padded
 from support.tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
+from transformers import DynamicCache, StaticCache
+
 import loopformer_hf
 from loopformer_hf import LoopFormerCache, LoopFormerStaticCache
 from loopformer_hf.modeling_loopformer import CACHE_FIELD
@@ -114,23 +113,25 @@ def test_user_supplied_empty_cache_is_filled_in_place(tiny_model):
     cache = LoopFormerCache()
     out = tiny_model(torch.randint(3, 97, (1, 5)), cache=cache, use_cache=True, loop_budget=2)
     assert cache_of(out) is cache and cache.get_seq_length() == 5 and len(cache.layers) == 4
-    assert cache.spec.trajectory == (0.5, 0.5) and [cache.slot(1, j) for j in range(2)] == [2, 3]
+    assert cache.loop_key == ((0.5, 0.5), None)
 
 
-def test_an_empty_dynamic_cache_is_replaced_by_a_loopformer_cache(tiny_model):
-    """A plain DynamicCache (e.g. `DynamicCache(config)`, num_hidden_layers slots that never grow) is swapped for a
-    LoopFormerCache; the returned one is the cache to continue with."""
+@pytest.mark.parametrize("with_config", [True, False])
+def test_a_plain_dynamic_cache_is_filled_in_place(tiny_model, with_config):
+    """A plain DynamicCache (`DynamicCache(config)` has num_hidden_layers layers that never grow) gets the layers it
+    lacks, one per (loop step, block), and is filled in place."""
     ids = torch.randint(3, 97, (1, 6))
     full = tiny_model(ids, use_cache=False).logits
-    out = tiny_model(ids[:, :5], cache=DynamicCache(config=tiny_model.config), use_cache=True)
-    assert isinstance(cache_of(out), LoopFormerCache) and len(cache_of(out).layers) == 4 * 2
+    cache = DynamicCache(config=tiny_model.config) if with_config else DynamicCache()
+    out = tiny_model(ids[:, :5], cache=cache, use_cache=True)
+    assert cache_of(out) is cache and len(cache.layers) == 4 * 2
     step = tiny_model(ids[:, 5:], cache=cache_of(out), use_cache=True)
     torch.testing.assert_close(step.logits, full[:, 5:], atol=1e-5, rtol=0)
 
 
 def test_an_empty_cache_of_another_kind_is_refused(tiny_model):
     cache = StaticCache(config=tiny_model.config, max_cache_len=16)
-    with pytest.raises(ValueError, match="needs 8 cache slots .* LoopFormerCache; got an empty StaticCache"):
+    with pytest.raises(ValueError, match="StaticCache holds 2 layers, but .* needs 8 .*LoopFormerStaticCache"):
         tiny_model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="must be a transformers Cache instance, got tuple"):
         tiny_model(torch.randint(3, 97, (1, 4)), cache=(), use_cache=True)
@@ -203,24 +204,22 @@ def test_a_cache_passed_in_is_filled_even_with_use_cache_false(tiny_model, where
     torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
 
 
-def test_an_offloading_cache_keeps_offloading_when_replaced():
+def test_an_offloading_cache_keeps_offloading_when_replaced(tiny_model, monkeypatch):
     """`generate(cache_implementation="offloaded")` builds `DynamicCache(offloading=True)`; the LoopFormer cache that
-    replaces it (and one replacing a user's empty offloading cache) offloads too, instead of silently not."""
-    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
+    replaces it offloads too, instead of silently not."""
+    from transformers import GenerationConfig
+    from transformers.generation import GenerationMixin
 
-    kwargs = {"cache": DynamicCache(offloading=True, offload_only_non_sliding=True)}
-    LoopFormerCache.replace_generate_default(kwargs, None, lambda: LoopFormerCacheSpec((0.5, 0.5), 1))
-    assert type(kwargs["cache"]) is LoopFormerCache
-    assert kwargs["cache"].offloading and kwargs["cache"].only_non_sliding
-    replaced = LoopFormerCache.for_call(DynamicCache(offloading=True), LoopFormerCacheSpec((0.5, 0.5), 1))
-    assert type(replaced) is LoopFormerCache and replaced.offloading
-    assert not LoopFormerCache.for_call(DynamicCache(), LoopFormerCacheSpec((1.0,), 1)).offloading
+    monkeypatch.setattr(GenerationMixin, "_prepare_cache_for_generation", lambda *args, **kwargs: None)
+    kwargs = {CACHE_FIELD: DynamicCache(offloading=True, offload_only_non_sliding=True)}
+    tiny_model._prepare_cache_for_generation(GenerationConfig(), kwargs)
+    assert type(kwargs[CACHE_FIELD]) is LoopFormerCache
+    assert kwargs[CACHE_FIELD].offloading and kwargs[CACHE_FIELD].only_non_sliding
 
 
-def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_plan(tiny_model, monkeypatch):
-    """The plan (trajectory, cache spec, halting) is built once per `generate` call (its cache hook) and bound to the
-    cache it makes: the prefill and the decode steps read it instead of validating the budget and schedule again
-    (before the plan was one object, generate's hook resolved the budget a second time to size the cache)."""
+def test_a_request_is_resolved_once_and_the_decode_steps_reuse_it(tiny_model, monkeypatch):
+    """A (budget, schedule) request is resolved and checked once and remembered by the model: the decode steps of a
+    `generate` call (and later calls with the same request) do not validate the budget and schedule again."""
     resolved = []
     resolve = type(tiny_model.config).resolve_trajectory
     monkeypatch.setattr(
@@ -229,24 +228,17 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
         lambda self, *a, **k: resolved.append(a) or resolve(self, *a, **k),
     )
     ids = torch.randint(3, 97, (2, 5))
-    out = tiny_model.generate(
-        ids,
-        max_new_tokens=6,
-        do_sample=False,
-        loop_budget=2,
-        step_schedule=[0.75, 0.25],
-        halt_eps=0.5,
-        return_dict_in_generate=True,
+    kw = dict(
+        max_new_tokens=6, do_sample=False, loop_budget=2, step_schedule=[0.75, 0.25], return_dict_in_generate=True
     )
-    cache = cache_of(out)
-    assert cache.plan.trajectory == (0.75, 0.25) and cache.plan.halt_eps == 0.5 and cache.spec is cache.plan.spec
-    # one resolution, by generate's cache hook; none by the prefill or the 5 decode steps
-    assert len(resolved) == 1
+    out = tiny_model.generate(ids, halt_eps=0.5, **kw)
+    assert cache_of(out).loop_key == ((0.75, 0.25), 0.5)
+    assert len(resolved) == 1  # the prefill's; none by the 5 decode steps
+    tiny_model.generate(ids, **kw)
+    assert len(resolved) == 1  # remembered
     resolved.clear()
-    tiny_model(ids[:, :1], cache=LoopFormerCache(), loop_budget=2)  # another call, another plan
-    assert len(resolved) == 1
-    resolved.clear()
-    # per-row budgets for rows repeated by num_return_sequences, into a preallocated cache: still once, for 4 rows
+    # per-row budgets for rows repeated by num_return_sequences, into a preallocated cache: the cache hook sizes it,
+    # the prefill resolves, the decode steps reuse
     out = tiny_model.generate(
         ids,
         max_new_tokens=3,
@@ -256,13 +248,8 @@ def test_a_generate_call_resolves_its_loop_once_and_its_decode_steps_reuse_the_p
         cache_implementation="static",
         return_dict_in_generate=True,
     )
-    assert len(resolved) == 4 and cache_of(out).plan.batch_size == 4  # one per row, by the hook alone
-    assert cache_of(out).plan.rows.budgets.tolist() == [1, 2, 2, 1]
-    resolved.clear()
-    # a cache the user passes (under the release's own keyword: `cache` from 5.24, `past_key_values` before): generate's
-    # hook makes no plan, the prefill does, once
-    tiny_model.generate(ids, max_new_tokens=3, do_sample=False, loop_budget=2, **{CACHE_FIELD: LoopFormerCache()})
-    assert len(resolved) == 1
+    assert len(resolved) == 2 * 4
+    assert cache_of(out).loop_key == (((1.0,), (0.5, 0.5), (0.5, 0.5), (1.0,)), None)
 
 
 # ---- the preallocated cache ------------------------------------------------------------------------------------------
@@ -382,7 +369,7 @@ def test_left_padded_batch_static_matches_dynamic(attn):
 
 def test_static_cache_refuses_what_it_cannot_hold(model):
     cache = LoopFormerStaticCache(model.config, max_cache_len=8, max_loop_budget=2)
-    with pytest.raises(ValueError, match="holds 4 slots, but trajectory .* needs 6 .*max_loop_budget=3"):
+    with pytest.raises(ValueError, match="holds 4 layers, but trajectory .* needs 6 .*max_loop_budget=3"):
         model(torch.randint(3, 97, (1, 4)), cache=cache, use_cache=True, loop_budget=3)
     model(torch.randint(3, 97, (1, 6)), cache=cache, use_cache=True, loop_budget=2)
     with pytest.raises(ValueError, match="max_cache_len=8 tokens; it has 6 and this call adds 3"):
@@ -391,14 +378,14 @@ def test_static_cache_refuses_what_it_cannot_hold(model):
         model(torch.randint(3, 97, (1, 1)), cache=cache, use_cache=True, loop_budget=1)
     cache.reset()  # an emptied cache takes a new trajectory
     model(torch.randint(3, 97, (1, 2)), cache=cache, use_cache=True, loop_budget=1)
-    assert cache.spec.trajectory == (1.0,) and int(cache.get_seq_length()) == 2
+    assert cache.loop_key == ((1.0,), None) and int(cache.get_seq_length()) == 2
     for bad in ({"max_cache_len": 0}, {"max_cache_len": 8, "max_loop_budget": 0}):
         with pytest.raises(ValueError, match="must be"):
             LoopFormerStaticCache(model.config, **bad)
 
 
 def test_plain_static_cache_is_refused_with_the_looped_alternative(model):
-    with pytest.raises(ValueError, match="needs 8 cache slots .* got an empty StaticCache.*LoopFormerStaticCache"):
+    with pytest.raises(ValueError, match="StaticCache holds 2 layers, but .* needs 8 .*LoopFormerStaticCache"):
         model(torch.randint(3, 97, (1, 4)), cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
 
 

@@ -243,8 +243,6 @@ PRIVATE_GENERATION_HOOKS = {
     "_prepare_cache_for_generation": (("generation_config", "model_kwargs"), ()),
     "_get_logits_processor": ((), ("model_kwargs",)),
     "_get_candidate_generator": ((), ("assistant_model", "model_kwargs")),
-    "_prefill": ((), ()),
-    "_update_model_kwargs_for_generation": (("outputs", "model_kwargs"), ("num_new_tokens",)),
 }
 
 
@@ -262,7 +260,7 @@ def test_the_private_generate_hooks_it_overrides_exist_in_the_installed_transfor
         for name in vars(LoopFormerGenerationMixin)
         if name.startswith("_") and not name.startswith("__") and hasattr(GenerationMixin, name)
     }
-    assert overridden == set(PRIVATE_GENERATION_HOOKS)
+    assert overridden == set(PRIVATE_GENERATION_HOOKS) and len(overridden) <= 4
     for name, (leading, named) in PRIVATE_GENERATION_HOOKS.items():
         parameters = list(inspect.signature(getattr(GenerationMixin, name)).parameters)[1:]  # after self
         assert parameters[: len(leading)] == list(leading), (name, parameters)

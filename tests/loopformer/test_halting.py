@@ -2,7 +2,6 @@
 
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from support.tiny_models import cache_of
 import loopformer_hf
 from loopformer_hf import halting_loopformer
 from loopformer_hf.looped_common import rms_norm
-from loopformer_hf.plan_loopformer import LoopFormerPlan
 
 EPS = 0.5  # with these random weights some tokens halt after 1-3 steps and others run all 4
 
@@ -327,23 +325,23 @@ def test_a_token_that_halts_early_pays_little_for_the_steps_it_skips(model):
 
 
 def test_deferred_slot_writes_are_seen_by_every_cache_operation():
-    """`LoopFormerCache.write` (halting's skipped slots) joins its pieces when the slot is next read: by `update`,
+    """halting's `write` (its skipped slots) joins its pieces when the slot is next read: by `update`,
     by reading `keys`/`values`, and by transformers' cache methods (crop, beam reordering, length)."""
     import copy
 
-    from loopformer_hf.cache_loopformer import LoopFormerCache
-    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
+    from loopformer_hf.halting_loopformer import use_halting_layers, write
 
     def kv(n, seed):
         g = torch.Generator().manual_seed(seed)
         return torch.randn(2, 4, n, 8, generator=g), torch.randn(2, 4, n, 8, generator=g)
 
-    cache = LoopFormerCache(LoopFormerCacheSpec((0.5, 0.5), num_blocks=1))
+    cache = loopformer_hf.LoopFormerCache()
+    use_halting_layers(cache, 2)
     first, second, third = kv(3, 0), kv(1, 1), kv(1, 2)
     cache.update(*first, 0)
     cache.update(*first, 1)
-    cache.write(*second, 1)
-    cache.write(*third, 1)
+    write(cache, *second, 1)
+    write(cache, *third, 1)
     expected_keys = torch.cat([first[0], second[0], third[0]], dim=-2)
     later = copy.deepcopy(cache)
     assert cache.get_seq_length(1) == 5
@@ -355,11 +353,11 @@ def test_deferred_slot_writes_are_seen_by_every_cache_operation():
     keys, _ = later.update(*new, 1)  # one concatenation of the history, both pieces and the new keys
     torch.testing.assert_close(keys, torch.cat([expected_keys, new[0]], dim=-2), rtol=0, atol=0)
     cropped = copy.deepcopy(later)
-    cropped.write(*kv(1, 4), 1)
+    write(cropped, *kv(1, 4), 1)
     cropped.layers[1].crop(-1)
     torch.testing.assert_close(cropped.layers[1].keys, keys, rtol=0, atol=0)
     reordered = copy.deepcopy(later)
-    reordered.write(*kv(1, 5), 1)
+    write(reordered, *kv(1, 5), 1)
     reordered.reorder_cache(torch.tensor([1, 0]))
     assert reordered.layers[1].keys.shape[-2] == 7
     torch.testing.assert_close(reordered.layers[1].keys[:, :, :6], keys.flip(0), rtol=0, atol=0)
@@ -369,14 +367,14 @@ def test_a_slot_that_is_never_read_does_not_keep_one_tensor_per_token():
     """A slot whose tokens always halt before its step is only ever written: its pieces join every `max_pending`
     appends, so a long generation holds a bounded number of tensors, and the slot's keys are still every piece in
     order."""
-    from loopformer_hf.cache_loopformer import LoopFormerCache
-    from loopformer_hf.plan_loopformer import LoopFormerCacheSpec
+    from loopformer_hf.halting_loopformer import use_halting_layers, write
 
-    cache = LoopFormerCache(LoopFormerCacheSpec((1.0,), num_blocks=1))
+    cache = loopformer_hf.LoopFormerCache()
+    use_halting_layers(cache, 1)
     g = torch.Generator().manual_seed(0)
     pieces = [torch.randn(1, 2, 1, 4, generator=g) for _ in range(150)]
     for piece in pieces:
-        cache.write(piece, -piece, 0)
+        write(cache, piece, -piece, 0)
     layer = cache.layers[0]
     assert len(layer._pending) < layer.max_pending
     assert layer._keys.shape[-2] == 150 - len(layer._pending)
@@ -433,17 +431,13 @@ class StopAfterOne(halting_loopformer.LoopFormerHaltingState):
 
 
 def runs_halting(model, monkeypatch, halting):
-    """`model`, whose base model's `_plan` (the one method a subclass overrides for another rule) names `halting`."""
-
-    def plan(cache, batch_size=None, *knobs):
-        return LoopFormerPlan.for_call(model.config, cache, *knobs, batch_size=batch_size, halting=halting)
-
-    monkeypatch.setattr(model.model, "_plan", plan)
+    """`model`, whose base model's `halting_rule` (what a subclass sets for another rule) is `halting`."""
+    monkeypatch.setattr(model.model, "halting_rule", halting, raising=False)
     return model
 
 
-def test_another_rule_reaches_the_loop_through_the_models_plan(model, monkeypatch):
-    """A `LoopFormerHaltingState` subclass that `_plan` names is what the loop runs: one whose score is 0 halts
+def test_another_rule_reaches_the_loop_through_the_models_halting_rule(model, monkeypatch):
+    """A `LoopFormerHaltingState` subclass that the model's `halting_rule` names is what the loop runs: one whose score is 0 halts
     every token after step 1, whose output it then keeps."""
     ids = torch.randint(3, 97, (2, 7))
     with torch.no_grad():
@@ -455,24 +449,21 @@ def test_another_rule_reaches_the_loop_through_the_models_plan(model, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"halt_eps": EPS}, {"loop_budget": torch.tensor([2, 4])}], ids=["halt_eps", "rows"]
+    "kwargs", [{"halt_eps": EPS}, {"halt_eps": EPS, "loop_budget": torch.tensor([2, 4])}], ids=["halt_eps", "rows"]
 )
 def test_the_loop_reaches_early_exit_through_four_calls(model, monkeypatch, kwargs):
-    """The model's code calls the rule's `begin`, `for_step`, `observe` and `finish` and reads nothing else of it
+    """The halting loop calls the rule's `begin`, `for_step`, `observe` and `finish` and reads nothing else of it
     (the hooks a rule overrides are called from the rule's own file). Before, the loop called nine of its hooks and
     wrote `last_kv` itself."""
     seen = set()
-    modeling = str(Path(loopformer_hf.modeling_loopformer.__file__).resolve())
 
     class Spy(halting_loopformer.LoopFormerHaltingState):
         def __getattribute__(self, name):
-            caller = sys._getframe(1).f_code.co_filename
-            if not name.startswith("__") and str(Path(caller).resolve()) == modeling:
+            if not name.startswith("__") and sys._getframe(1).f_code is halting_loopformer.halting_loop.__code__:
                 seen.add(name)
             return super().__getattribute__(name)
 
     runs_halting(model, monkeypatch, Spy)
-    monkeypatch.setattr(loopformer_hf.modeling_loopformer, "LoopFormerHaltingState", Spy)  # budgets alone
     ids = torch.randint(3, 97, (2, 9))
     with torch.no_grad():
         spied = model(ids, **kwargs)

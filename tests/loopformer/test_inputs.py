@@ -1,27 +1,45 @@
-"""inputs_loopformer.py: what a forward call accepts as masks, positions and token inputs (transformers' conventions,
-anything else a `ValueError` naming the value), the default positions, and the embeddings, positions and mask that
-`call_inputs` makes of them."""
+"""What a forward call accepts as masks, positions and token inputs (transformers' conventions, anything else a
+`ValueError` naming the value: `modeling_loopformer.check_inputs`), and the positions and mask a forward makes of
+them."""
 
 import pytest
 import torch
 from support.tiny_models import tiny_loopformer_config
 
-from loopformer_hf.inputs_loopformer import (
-    attention_mask_for,
-    call_inputs,
-    check_mask_and_positions,
-    check_token_inputs,
-    default_position_ids,
-)
+import loopformer_hf
+from loopformer_hf.modeling_loopformer import check_inputs
 
 VOCAB, HIDDEN = 97, 64
 
 
+def check_token_inputs(input_ids, inputs_embeds, vocab, hidden, dtype):
+    config = tiny_loopformer_config(vocab_size=vocab, hidden_size=hidden)
+    check_inputs(config, torch.nn.Embedding(vocab, hidden, dtype=dtype), input_ids, inputs_embeds, None, None, 0)
+
+
+def check_mask_and_positions(mask, positions, batch, q_len, kv_len):
+    ids = torch.ones(batch, q_len, dtype=torch.long)
+    check_inputs(
+        tiny_loopformer_config(), torch.nn.Embedding(VOCAB, HIDDEN), ids, None, mask, positions, kv_len - q_len, kv_len
+    )
+
+
 def test_default_positions_count_tokens_from_a_left_padded_mask_or_from_the_cache():
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert default_position_ids(mask, 2, 5, 0, "cpu").tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
-    assert default_position_ids(mask, 2, 2, 3, "cpu").tolist() == [[1, 2], [3, 4]]  # the last q_len of the mask
-    assert default_position_ids(None, 2, 2, 3, "cpu").tolist() == [[3, 4], [3, 4]]
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).eval()
+    ids, mask = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    explicit = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits, model(ids, attention_mask=mask, position_ids=explicit).logits
+        )
+        out = model(ids[:, :3])
+        torch.testing.assert_close(
+            model(ids[:, 3:], cache=out.cache).logits[:, -1],
+            model(ids, use_cache=False).logits[:, -1],
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_check_token_inputs_takes_exactly_one_well_formed_input():
@@ -71,31 +89,30 @@ def test_check_mask_and_positions_follows_transformers_conventions():
 
 def test_a_2d_mask_must_cover_the_cached_and_the_new_tokens():
     config = tiny_loopformer_config(attn_implementation="eager")
-    embeds = torch.zeros(2, 3, HIDDEN)
-    positions = torch.arange(3)[None].expand(2, 3)
+    ids = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"\(batch, past \+ new tokens\) = \(2, 5\), got \(2, 3\)"):
-        attention_mask_for(config, embeds, torch.ones(2, 3, dtype=torch.long), positions, None, past_len=2)
+        check_inputs(config, torch.nn.Embedding(VOCAB, HIDDEN), ids, None, torch.ones(2, 3, dtype=torch.long), None, 2)
 
 
-def test_call_inputs_embeds_positions_and_masks_padding_as_a_causal_mask_would():
-    config = tiny_loopformer_config(attn_implementation="eager")
-    embed = torch.nn.Embedding(VOCAB, HIDDEN)
-    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+def test_a_forward_masks_padding_as_a_causal_mask_would():
+    """A left-padded row's real tokens compute what the same tokens compute unpadded."""
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config(attn_implementation="eager")).eval()
+    ids = torch.tensor([[0, 6, 7], [8, 9, 10]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    embeds, positions, attention = call_inputs(config, embed, ids, None, mask, None, None)
-    torch.testing.assert_close(embeds, embed(ids))
-    assert positions.tolist() == [[0, 0, 1], [0, 1, 2]]
-    # eager: an additive (batch, 1, q, kv) mask in the embeddings' dtype; a query attends to key j <= i, not padding
-    assert attention.shape == (2, 1, 3, 3) and attention.dtype == embeds.dtype
-    allowed = attention[:, 0] == 0
-    causal = torch.tril(torch.ones(3, 3, dtype=torch.bool))
-    assert torch.equal(allowed[1], causal)
-    assert torch.equal(allowed[0][1:], causal[1:] & mask[0].bool())  # the padded query's row is transformers' own
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits
+        torch.testing.assert_close(padded[0, 1:], model(ids[:1, 1:]).logits[0], atol=1e-5, rtol=0)
 
 
-def test_call_inputs_takes_shared_positions_and_embeddings():
-    config = tiny_loopformer_config()
-    embed = torch.nn.Embedding(VOCAB, HIDDEN)
-    embeds = torch.randn(2, 4, HIDDEN)
-    out, positions, _ = call_inputs(config, embed, None, embeds, None, torch.tensor([[3, 4, 5, 6]]), None)
-    assert out is embeds and positions.shape == (2, 4) and positions.tolist() == [[3, 4, 5, 6]] * 2
+def test_a_forward_takes_shared_positions_and_embeddings():
+    torch.manual_seed(0)
+    model = loopformer_hf.LoopFormerForCausalLM(tiny_loopformer_config()).eval()
+    ids = torch.randint(3, 97, (2, 4))
+    embeds = model.get_input_embeddings()(ids)
+    positions = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(inputs_embeds=embeds, position_ids=positions).logits,
+            model(ids, position_ids=positions.expand(2, 4)).logits,
+        )

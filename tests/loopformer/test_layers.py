@@ -9,17 +9,21 @@ import torch
 import torch.nn.functional as F
 from support.tiny_models import randomize_parameters, tiny_loopformer_config
 
-from loopformer_hf.layers_loopformer import (
+from loopformer_hf.modeling_loopformer import (
     LoopFormerBlock,
     LoopFormerLoopConditioning,
     LoopFormerMLP,
     LoopFormerRMSNorm,
     LoopFormerRotaryEmbedding,
     LoopFormerTimestepEmbedder,
-    apply_rotary,
+    apply_rotary_pos_emb,
 )
 
 D = 64
+
+
+def apply_rotary_k(x, cos, sin):  # RoPE on one tensor
+    return apply_rotary_pos_emb(None, x, cos, sin)[1]
 
 
 def _config(**overrides):
@@ -59,7 +63,7 @@ def test_rotary_frequencies_are_theta_to_the_minus_2i_over_d_and_rotate_pairs():
     x = torch.randn(1, 4, 5, dim)
     cos, sin = rope(x, torch.arange(5)[None])
     assert cos.shape == (1, 5, dim)
-    rotated = apply_rotary(x, cos[:, None], sin[:, None])
+    rotated = apply_rotary_k(x, cos[:, None], sin[:, None])
     # channel i and i + dim/2 rotate together by position·inv_freq[i]: each pair's length is kept
     pairs = lambda t: t[..., : dim // 2] ** 2 + t[..., dim // 2 :] ** 2
     torch.testing.assert_close(pairs(rotated), pairs(x))
@@ -74,7 +78,7 @@ def test_rotary_scores_depend_on_the_distance_between_positions_alone():
         cos, sin = rope(q, torch.tensor([[i, j]]))
         cos, sin = cos[:, None], sin[:, None]
         return (
-            apply_rotary(q, cos[..., :1, :], sin[..., :1, :]) * apply_rotary(k, cos[..., 1:, :], sin[..., 1:, :])
+            apply_rotary_k(q, cos[..., :1, :], sin[..., :1, :]) * apply_rotary_k(k, cos[..., 1:, :], sin[..., 1:, :])
         ).sum()
 
     torch.testing.assert_close(score(3, 1), score(12, 10), atol=1e-5, rtol=1e-5)
@@ -83,7 +87,7 @@ def test_rotary_scores_depend_on_the_distance_between_positions_alone():
 def test_partial_rotary_leaves_the_channels_past_cos_unchanged():
     x = torch.randn(1, 2, 3, 8)
     cos, sin = torch.full((1, 1, 3, 4), 0.6), torch.full((1, 1, 3, 4), 0.8)
-    out = apply_rotary(x, cos, sin)
+    out = apply_rotary_k(x, cos, sin)
     torch.testing.assert_close(out[..., 4:], x[..., 4:])
     torch.testing.assert_close(out[..., :2], x[..., :2] * 0.6 - x[..., 2:4] * 0.8)
 
@@ -148,7 +152,7 @@ def _attention(attn, x):  # plain causal multi-head attention, no RoPE
 
 def test_a_block_without_conditioning_is_a_plain_pre_norm_block():
     config = _config(loop_conditioning="none", block_norm_weight=True)
-    block = _randomize(LoopFormerBlock(config)).eval()
+    block = _randomize(LoopFormerBlock(config, 0)).eval()
     assert not hasattr(block, "adaLN_modulation")
     x = torch.randn(2, 5, D)
     h = x + _attention(block.self_attn, _rms(x, block.input_layernorm.weight, config.rms_norm_eps))
@@ -158,7 +162,7 @@ def test_a_block_without_conditioning_is_a_plain_pre_norm_block():
 
 def test_a_block_applies_adaln_gates_and_scales_from_its_conditioning():
     config = _config()
-    block = _randomize(LoopFormerBlock(config)).eval()
+    block = _randomize(LoopFormerBlock(config, 0)).eval()
     x, c = torch.randn(2, 5, D), torch.randn(D)
     gate_attn, gate_mlp, scale_attn, scale_mlp = block.adaLN_modulation(c[None])[0].chunk(4)
     eps = config.rms_norm_eps

@@ -10,13 +10,11 @@ import warnings
 import pytest
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from support.tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from support.tiny_models import cache_of, randomize_modulation, tiny_loopformer_config
 import loopformer_hf
-from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
-from loopformer_hf import trajectory_loopformer
-
+from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel, trajectory_loopformer
 
 # ---- configuration ---------------------------------------------------------------------------------------------
 
@@ -217,7 +215,7 @@ def test_weighted_block_norms_in_cached_adaptive_decode(conditioning):
 
 def test_block_applies_gates_and_scales_in_spec_order(tiny_config):
     torch.manual_seed(0)
-    block = loopformer_hf.layers_loopformer.LoopFormerBlock(tiny_config).eval()
+    block = loopformer_hf.modeling_loopformer.LoopFormerBlock(tiny_config, 0).eval()
     d = tiny_config.hidden_size
     x, c = torch.randn(1, 5, d), torch.randn(d)  # one conditioning vector per loop step, shared by every token
     with torch.no_grad():
@@ -405,16 +403,12 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
     loads from them where the package cannot be imported."""
     tiny_model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [
-        "cache_loopformer.py",
         "configuration_loopformer.py",
         "generation_loopformer.py",
         "halting_loopformer.py",
-        "inputs_loopformer.py",
-        "layers_loopformer.py",
         "looped_common.py",
         "loss_loopformer.py",
         "modeling_loopformer.py",
-        "plan_loopformer.py",
         "trajectory_loopformer.py",
     ]
     # the common file as a file, not the package's link to common/ (which would not travel with the folder)
@@ -617,12 +611,17 @@ def _files_the_forward_enters(model, **kwargs):
     return trip
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"halt_eps": 0.1, "loop_budget": [1, 2]}, {"use_cache": False}])
-def test_the_forward_reads_top_to_bottom(tiny_model, kwargs):
-    """As Llama's: the cache argument, the call's plan, cache and inputs (`_call_inputs`: embeddings, positions,
-    mask), the loop, the final norm; each file it hands work to entered once (before the plan was one object,
-    `input_ids` went cache → plan → … → halting, returning to files already left)."""
-    assert _files_the_forward_enters(tiny_model, **kwargs) == [
-        "cache_loopformer.py",  # `cache_argument`: `cache`, or its former name `past_key_values`
-        "layers_loopformer.py",  # the final norm
-    ]
+@pytest.mark.parametrize(
+    "kwargs, files",
+    [
+        ({}, []),
+        ({"loop_budget": [1, 2]}, []),
+        ({"use_cache": False}, []),
+        ({"halt_eps": 0.1}, ["halting_loopformer.py"]),
+    ],
+    ids=["default", "per_row", "no_cache", "halting"],
+)
+def test_the_forward_reads_top_to_bottom(tiny_model, kwargs, files):
+    """As Llama's: inputs, the loop's trajectory, the cache, positions and mask, the loop, the final norm, all in the
+    modeling file; with `halt_eps` the loop is halting's, the one file the forward hands work to."""
+    assert _files_the_forward_enters(tiny_model, **kwargs) == files

@@ -160,7 +160,7 @@ def test_push_uploads_weights_config_code_tokenizer_generation_config_card(hub, 
     files = hub.files(REPO)
     pushed.save_pretrained(tmp_path)  # the code files: the modeling file and what it imports relatively
     code_files = {p.name for p in tmp_path.glob("*.py")}
-    assert {"configuration_loopformer.py", "modeling_loopformer.py", "cache_loopformer.py"} <= code_files
+    assert {"configuration_loopformer.py", "modeling_loopformer.py", "trajectory_loopformer.py"} <= code_files
     assert set(files) == {
         "model.safetensors",
         "config.json",
