@@ -4,13 +4,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from .authors_checkpoints import from_pretrained_reference, translate_config
 from .authors_config import AUTHORS_CONFIG_CLASSES
+from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
 from .configuration_loopformer import STEP_SCHEDULE_PRESETS, LoopFormerConfig
-from .generation_loopformer import (
-    LoopFormerCache,
-    LoopFormerGenerateBeamDecoderOnlyOutput,
-    LoopFormerGenerateDecoderOnlyOutput,
-    LoopFormerStaticCache,
-)
+from .generation_loopformer import LoopFormerGenerateBeamDecoderOnlyOutput, LoopFormerGenerateDecoderOnlyOutput
 from .loss_loopformer import ShortcutConsistency
 from .modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel, LoopFormerPreTrainedModel
 from .tokenization_loopformer import LoopFormerTokenizerFast

@@ -21,9 +21,8 @@ from transformers.utils import logging
 from transformers.utils.type_validators import interval, positive_int_field, probability
 
 from . import trajectory_loopformer as trajectory
-from .halting_loopformer import check_halt_eps
 from .looped_common import LoopedConfigMixin, check_positive_number, check_rope_parameters
-from .trajectory_loopformer import STEP_SCHEDULE_PRESETS
+from .trajectory_loopformer import STEP_SCHEDULE_PRESETS, check_halt_eps
 
 logger = logging.get_logger(__name__)
 
@@ -268,7 +267,7 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     def _check_budget(self, budget, name="loop_budget"):  # an integer 1 <= M <= `max_loop_budget`, or ValueError
         return trajectory.check_budget(self, budget, name)
 
-    check_halt_eps = staticmethod(check_halt_eps)  # the halting module's, also reachable from the config
+    check_halt_eps = staticmethod(check_halt_eps)  # a loop knob's rule, as the budget's
 
 
 __all__ = [

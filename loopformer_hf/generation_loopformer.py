@@ -10,22 +10,24 @@ name or signature. Nothing here runs in a decode step.
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
+import contextvars
 import functools
 import json
 import threading
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, StaticCache, StaticLayer
+from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation import (
+    AssistedCandidateGenerator,
     GenerateBeamDecoderOnlyOutput,
     GenerateDecoderOnlyOutput,
     GenerationMixin,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
-from .halting_loopformer import check_halt_eps
-from .trajectory_loopformer import resolve_call
+from .cache_loopformer import LoopFormerCache, LoopFormerStaticCache
+from .trajectory_loopformer import check_halt_eps, resolve_call
 
 # Loop knobs `generate` also reads from `generation_config` (call kwargs win), saved in generation_config.json.
 GENERATION_LOOP_KNOBS = ("loop_budget", "step_schedule", "halt_eps")
@@ -37,6 +39,10 @@ class LoopFormerGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     loop steps spent on each input position (position i produced token i + 1)."""
 
     loop_counts: torch.LongTensor | None = None
+    # with `assistant_loop_budget`: the tokens the shallow trajectory drafted, and how many of them the call's
+    # trajectory accepted
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
 @dataclass
@@ -69,57 +75,6 @@ def _schedule_as_numbers(schedule):
     if isinstance(schedule, list) and any(isinstance(s, torch.Tensor) for s in schedule):
         return [_schedule_as_numbers(s) if isinstance(s, torch.Tensor) else s for s in schedule]
     return schedule
-
-
-# ---- the cache: transformers' own layers, one per (loop step, block) --------------------------------------------
-
-
-class LoopFormerCache(DynamicCache):
-    """A `DynamicCache` whose layers are added as they are first written (M·k for a trajectory of M steps, whatever
-    `config` says), and which keeps the loop it was filled under (`loop_key`: the trajectory, or the per-row
-    trajectories, and `halt_eps`). A cache serves only the loop that filled it; another raises `ValueError` instead
-    of reading slots laid out for another trajectory. A plain `DynamicCache()` works too, checked by its layer count."""
-
-    def __init__(self, *args, config=None, **kwargs):
-        # `config` is accepted as `DynamicCache(config=...)` is, and not used: it would fix one layer per block
-        super().__init__(*args, **kwargs)
-        self.loop_key = None
-
-    def reset(self):
-        super().reset()
-        self.loop_key = None
-
-
-class LoopFormerStaticCache(StaticCache):
-    """A `StaticCache` for a looped model: `max_loop_budget x k` layers, each holding `max_cache_len` tokens, written
-    in place, so that `torch.compile` sees fixed shapes. `generate(..., cache_implementation="static")` builds one
-    for the call's trajectory; built by hand it serves any trajectory of at most `max_loop_budget` steps (default:
-    the config's default budget). Like [`LoopFormerCache`], the first call binds it to its loop (`reset()` empties it
-    for another).
-
-    ```python
-    cache = LoopFormerStaticCache(model.config, max_cache_len=64, max_loop_budget=4)
-    out = model.generate(ids, cache=cache, loop_budget=4, max_new_tokens=32)
-    ```
-    """
-
-    def __init__(
-        self, config, max_cache_len, max_loop_budget=None, offloading=False, offload_only_non_sliding=True, **kwargs
-    ):
-        steps = max_loop_budget if max_loop_budget is not None else (config.default_loop_budget or config.num_loops)
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"`max_loop_budget` must be None or an integer >= 1, got {max_loop_budget!r}.")
-        if not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool) or max_cache_len < 1:
-            raise ValueError(f"`max_cache_len` must be an integer >= 1, got {max_cache_len!r}.")
-        layers = [StaticLayer(max_cache_len=max_cache_len) for _ in range(steps * config.num_hidden_layers)]
-        # StaticCache's own __init__ makes one layer per block from the config
-        Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
-        self.loop_key = None
-        self.max_loop_budget = steps
-
-    def reset(self):
-        super().reset()
-        self.loop_key = None
 
 
 _UNSET = object()
@@ -280,8 +235,20 @@ class LoopFormerGenerationMixin(GenerationMixin):
     # every model kwarg into each `assistant_model.generate` call; no public hook filters them. The loop knobs belong to
     # this model, and an assistant of another class would reject them as unused model kwargs.
     def _get_candidate_generator(self, *args, **kwargs):
-        """Assisted decoding's drafter, without this model's loop knobs in the assistant's kwargs: the assistant runs
-        under its own `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
+        """Assisted decoding's drafter: this model at `assistant_loop_budget` (self-speculation, see `generate`), or
+        an assistant model without this model's loop knobs in its kwargs: the assistant runs under its own
+        `generation_config` (e.g. a LoopFormer draft with `generation_config.loop_budget = 1`)."""
+        draft = _LOOP_DRAFT.get()
+        if draft is not None and kwargs.get("assistant_model") is None:
+            return LoopDraftCandidateGenerator(
+                kwargs["input_ids"],
+                self,
+                kwargs["generation_config"],
+                kwargs["model_kwargs"],
+                kwargs.get("inputs_tensor"),
+                kwargs.get("logits_processor"),
+                draft,
+            )
         assistant = kwargs.get("assistant_model")
         if assistant is not None and assistant is not self and kwargs.get("model_kwargs") is not None:
             kwargs["model_kwargs"] = {
@@ -318,9 +285,35 @@ class LoopFormerGenerationMixin(GenerationMixin):
         `halt_eps`.
         """
         given = kwargs.get("generation_config") or self.generation_config
-        halt_eps = kwargs["halt_eps"] if "halt_eps" in kwargs else getattr(given, "halt_eps", None)
-        if halt_eps is None and kwargs.get("generation_config") is not None:
-            halt_eps = getattr(self.generation_config, "halt_eps", None)
+
+        def knob(name):  # a call kwarg, else the call's generation config's, else the model's
+            if name in kwargs:
+                return kwargs[name]
+            value = getattr(given, name, None)
+            return getattr(self.generation_config, name, None) if value is None else value
+
+        halt_eps = knob("halt_eps")
+        draft_budget = kwargs.pop("assistant_loop_budget", None)
+        draft_schedule = kwargs.pop("assistant_step_schedule", None)
+        draft_budget = draft_budget if draft_budget is not None else knob("assistant_loop_budget")
+        draft_schedule = draft_schedule if draft_schedule is not None else knob("assistant_step_schedule")
+        if (draft_budget is not None or draft_schedule is not None) and _LOOP_DRAFT.get() is None:
+            draft = _check_draft(self.config, draft_budget, draft_schedule, knob, args, kwargs)
+            record = {"drafted": 0, "accepted": 0}
+            token = _LOOP_DRAFT.set((draft, record))
+            try:  # transformers' switch to assisted decoding by the model itself (LayerSkip's), here at budget d
+                out = self.generate(*args, **kwargs, assistant_early_exit=len(draft))
+            finally:
+                _LOOP_DRAFT.reset(token)
+            if isinstance(out, GenerateDecoderOnlyOutput):
+                fields = {name: value for name, value in out.items()}
+                fields.update(drafted_tokens=record["drafted"], accepted_tokens=record["accepted"])
+                out = LoopFormerGenerateDecoderOnlyOutput(**fields)
+            return out
+        sorted_call = _sorted_by_budget(self.config, given, args, kwargs)
+        if sorted_call is not None:  # per-row budgets: rows sorted once, largest budget first, and back after
+            args, kwargs, order = sorted_call
+            return _unsorted(self.generate(*args, **kwargs), order)
         if halt_eps is None:
             return super().generate(*args, **kwargs)
         chunked = kwargs["prefill_chunk_size"] if "prefill_chunk_size" in kwargs else None
@@ -344,9 +337,160 @@ class LoopFormerGenerationMixin(GenerationMixin):
         return LoopFormerGenerateDecoderOnlyOutput(**out, loop_counts=counts)
 
 
+def _sorted_by_budget(config, given, args, kwargs):
+    """(args, kwargs, order) of a `generate` call with per-row budgets whose rows are not sorted by budget, largest
+    first: its rows sorted so (inputs, mask, per-row knobs), `order` the rows' original indices in the sorted batch.
+    Sorted, the rows still looping at a loop step are a prefix of the batch, and the step computes them alone (see
+    `LoopFormerModel.forward`). None where there is nothing to sort, or the call keeps its rows in order (beams,
+    a streamer)."""
+    knobs = {}
+    for name in ("loop_budget", "step_schedule"):
+        knobs[name] = kwargs[name] if name in kwargs else getattr(given, name, None)
+    if _row_count(knobs) is None or kwargs.get("streamer") is not None:
+        return None
+    if (kwargs["num_beams"] if "num_beams" in kwargs else getattr(given, "num_beams", 1) or 1) > 1:
+        return None
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids", kwargs.get("inputs_embeds")))
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2 or inputs.shape[0] < 2:
+        return None
+    batch = inputs.shape[0]
+    try:
+        trajectory, rows = resolve_call(config, knobs["loop_budget"], knobs["step_schedule"], batch)
+    except ValueError:
+        return None  # the call itself refuses it, as without sorting
+    if rows is None or rows.live_counts is not None:
+        return None
+    lengths = [len(t) for t in rows.trajectories]
+    order = sorted(range(batch), key=lambda b: -lengths[b])  # stable: equal budgets keep their order
+    index = torch.tensor(order, device=inputs.device)
+
+    def rows_of(value):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch:
+            return value[index.to(value.device)]
+        if isinstance(value, (list, tuple)) and len(value) == batch:
+            return [value[b] for b in order]
+        return value
+
+    args = (rows_of(args[0]), *args[1:]) if args else args
+    kwargs = dict(kwargs)
+    for name in ("inputs", "input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids"):
+        if name in kwargs:
+            kwargs[name] = rows_of(kwargs[name])
+    for name, value in knobs.items():
+        if value is not None and _row_count({name: value}) is not None:
+            kwargs[name] = rows_of(value)
+    return args, kwargs, order
+
+
+def _row_count(knobs):
+    """The number of rows a per-row `loop_budget` or `step_schedule` gives, or None for one value for the batch."""
+    budget, schedule = knobs.get("loop_budget"), knobs.get("step_schedule")
+    if isinstance(budget, (list, tuple)) or (isinstance(budget, torch.Tensor) and budget.dim() == 1):
+        return len(budget)
+    if isinstance(schedule, (list, tuple)) and schedule and not isinstance(schedule[0], (int, float)):
+        return len(schedule)
+    return None
+
+
+def _unsorted(out, order):
+    """`generate`'s output `out` of a batch sorted by `_sorted_by_budget`, its rows back in the caller's order
+    (each input's `num_return_sequences` rows stay together). The returned cache keeps the sorted order."""
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    per_input = sequences.shape[0] // len(order)
+    rows = (inverse[:, None] * per_input + torch.arange(per_input)).flatten()
+
+    def back(value):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == len(rows):
+            return value[rows.to(value.device)]
+        if isinstance(value, tuple):
+            return tuple(back(v) for v in value)
+        return value
+
+    if isinstance(out, torch.Tensor):
+        return back(out)
+    for name, value in out.items():
+        if name not in ("cache", "past_key_values"):
+            out[name] = back(value)
+    return out
+
+
+# The draft of the running `generate` call with `assistant_loop_budget`: (its trajectory, its record of drafted and
+# accepted tokens), read by `_get_candidate_generator` (a context variable: concurrent calls each see their own).
+_LOOP_DRAFT = contextvars.ContextVar("loopformer_loop_draft", default=None)
+
+
+def _check_draft(config, budget, schedule, knob, args, kwargs):
+    """The draft trajectory of `assistant_loop_budget` / `assistant_step_schedule`, or a `ValueError` in one line for
+    what cannot draft exactly: a draft at least as deep as the call's trajectory, per-row budgets, `halt_eps`, a
+    batch of more than one sequence, beams, another assistant."""
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise ValueError(f"`assistant_loop_budget` must be an integer >= 1, got {budget!r}.")
+    try:
+        draft = config.resolve_trajectory(budget, schedule)
+    except ValueError as error:
+        raise ValueError(f"assistant_loop_budget / assistant_step_schedule: {error}") from None
+    target, rows = resolve_call(config, knob("loop_budget"), knob("step_schedule"))
+    if rows is not None:
+        raise ValueError("`assistant_loop_budget` drafts for one trajectory; per-row loop budgets are not supported.")
+    if len(draft) >= len(target):
+        raise ValueError(
+            f"`assistant_loop_budget`={len(draft)} must be below the call's loop budget {len(target)}: the shallow "
+            f"trajectory drafts for the deeper one."
+        )
+    if knob("halt_eps") is not None:
+        raise ValueError("`assistant_loop_budget` with `halt_eps` is not supported: drop one of them.")
+    if kwargs.get("assistant_model") is not None or knob("prompt_lookup_num_tokens") is not None:
+        raise ValueError(
+            "`assistant_loop_budget` drafts with the model itself: drop `assistant_model` / prompt lookup."
+        )
+    if (knob("num_beams") or 1) > 1:
+        raise ValueError("`assistant_loop_budget` with beam search is not supported (nor is assisted decoding).")
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids", kwargs.get("inputs_embeds")))
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[0] != 1:
+        raise ValueError(
+            f"`assistant_loop_budget` drafts for one sequence at a time (batch 1, as transformers' assisted decoding); "
+            f"got a batch of {inputs.shape[0]}."
+        )
+    return draft
+
+
+class LoopDraftCandidateGenerator(AssistedCandidateGenerator):
+    """Self-speculative decoding: the model drafts for itself along a shallow trajectory (`assistant_loop_budget`
+    = d steps), in its own cache (the draft's trajectory fills other cache layers than the call's), and the call's
+    trajectory verifies. The same weights: `assistant_model` is the model itself, as in transformers'
+    `EarlyExitCandidateGenerator`. `num_assistant_tokens`, its schedule and `assistant_confidence_threshold` are the
+    call's (transformers reads them from the assistant's own generation_config)."""
+
+    def __init__(self, input_ids, model, generation_config, model_kwargs, inputs_tensor, logits_processor, draft):
+        trajectory, self.record = draft
+        super().__init__(
+            input_ids=input_ids,
+            assistant_model=model,
+            generation_config=generation_config,
+            model_kwargs=model_kwargs,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+        )
+        self.num_assistant_tokens = generation_config.num_assistant_tokens
+        for name in ("num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+            setattr(self.assistant_generation_config, name, getattr(generation_config, name))
+        self.generation_config.assistant_confidence_threshold = generation_config.assistant_confidence_threshold
+        self.generation_config.assistant_early_exit = None  # the draft's own generate is not assisted
+        self.assistant_kwargs.update(loop_budget=len(trajectory), step_schedule=list(trajectory))
+
+    def get_candidates(self, input_ids, **kwargs):
+        candidates, logits = super().get_candidates(input_ids, **kwargs)
+        self.record["drafted"] += candidates.shape[-1] - input_ids.shape[-1]
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        self.record["accepted"] += int(num_matches)
+        return super().update_candidate_strategy(input_ids, scores, num_matches)
+
+
 __all__ = [
-    "LoopFormerCache",
-    "LoopFormerStaticCache",
     "LoopFormerGenerationMixin",
     "LoopFormerGenerateDecoderOnlyOutput",
     "LoopFormerGenerateBeamDecoderOnlyOutput",

@@ -15,13 +15,13 @@ Another rule is a subclass of [`LoopFormerHaltingState`] that a model subclass r
 Relative imports only: `save_pretrained` copies this file next to the weights for `trust_remote_code` loading.
 """
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer, StaticCache, StaticLayer
+
+from .trajectory_loopformer import check_halt_eps  # noqa: F401 (re-exported: its home before)
 
 # Halted tokens are skipped (gathered out) once the active ones fill at most this share of the (batch, seq) grid:
 # below it the saved matmuls outweigh the gather/scatter copies (measured on CPU, benchmarks/bench_halting.py).
@@ -175,17 +175,6 @@ class LoopFormerExitStep(NamedTuple):
     def block(self, j, adaln):
         """(adaLN vectors, [`LoopFormerHaltingStep`]) of block `j`: the trajectory's `adaln`."""
         return adaln, self.rule.block_step(j, self.halted, self.active)
-
-
-def check_halt_eps(value, name="halt_eps"):
-    """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
-    if value is None:
-        return None
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be None or a positive finite float, got {value!r} ({type(value).__name__}).")
-    return float(value)
 
 
 def state_change_score(previous, hidden_states):
@@ -444,10 +433,22 @@ class LoopFormerDynamicLayer(DynamicLayer):
         return self._keys, self._values
 
 
-def use_halting_layers(cache, num_slots):
-    """Give a dynamic cache (not offloaded) the halting loop's layer class for its `num_slots` slots: the layers not
-    yet written become `LoopFormerDynamicLayer`s, and later ones are made so."""
-    if cache is None or isinstance(cache, StaticCache) or getattr(cache, "offloading", False):
+def use_halting_layers(cache, num_slots, rule):
+    """Give a cache the layers the halting loop of `rule` writes, `num_slots` of them: a dynamic cache (not offloaded)
+    the halting layer class (the layers not yet written become `LoopFormerDynamicLayer`s, and later ones are made
+    so), a static one not yet written the layers a rule's extra steps need."""
+    if cache is None:
+        return
+    if rule.extra_slots and type(cache).update is not Cache.update:
+        raise ValueError(
+            f"{rule.__name__} keeps its extra step in cache slots of its own, which {type(cache).__name__} (a cache "
+            f"that maps its layers) does not have: use a LoopFormerCache."
+        )
+    if isinstance(cache, StaticCache):
+        while len(cache.layers) < num_slots and not cache.layers[0].is_initialized:
+            cache.layers.append(StaticLayer(max_cache_len=cache.layers[0].max_cache_len))
+        return
+    if getattr(cache, "offloading", False):
         return
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         cache.layer_class_to_replicate = LoopFormerDynamicLayer
@@ -513,7 +514,7 @@ def halting_loop(
         loop_adaln = model.adaln_vectors(trajectory if rows is None else rows.steps, dtype, device)
     num_steps = len(trajectory) if rows is None else rows.num_steps
     rule = getattr(model, "halting_rule", None) or LoopFormerHaltingState
-    use_halting_layers(cache, (num_steps + rule.extra_slots) * num_blocks)
+    use_halting_layers(cache, (num_steps + rule.extra_slots) * num_blocks, rule)
     call = HaltingCall(trajectory, rows, halt_eps)
     early_exit, hidden_states = rule.begin(model, call, hidden_states, loop_adaln, cache, mask, position_embeddings)
     all_hidden_states = (hidden_states,) if output_hidden_states else None

@@ -13,13 +13,14 @@ tokens, so layer 0 gives the cached length.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache, StaticCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -28,14 +29,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, logging
 
+from .cache_loopformer import LoopFormerCache, bind_cache
 from .configuration_loopformer import LoopFormerConfig
-from .generation_loopformer import (
-    GENERATION_LOOP_KNOBS,
-    LoopFormerCache,
-    LoopFormerGenerationMixin,
-    check_generation_knobs,
-)
-from .looped_common import DEFAULT_RMS_NORM_EPS, CheckpointLoadersMixin, eager_attention_forward
+from .generation_loopformer import GENERATION_LOOP_KNOBS, LoopFormerGenerationMixin, check_generation_knobs
+from .looped_common import DEFAULT_RMS_NORM_EPS, CheckpointLoadersMixin, eager_attention_forward, rotate_half
 from .loss_loopformer import SHORTCUT_FORWARD_KWARGS as SHORTCUT_KWARGS
 from .loss_loopformer import check_labels, check_shortcut_consistency, shortcut_consistency_loss
 from .trajectory_loopformer import resolve_call
@@ -102,11 +99,6 @@ class LoopFormerRotaryEmbedding(nn.Module):
         """(cos, sin), each (batch, seq, rotary_dim), as Llama's."""
         emb = torch.cat([position_ids[..., None].float() * self.inv_freq.to(x.device)] * 2, dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
@@ -423,61 +415,6 @@ class LoopFormerCausalLMOutput(CausalLMOutputWithPast):
     consistency: torch.FloatTensor | None = None
 
 
-# ---- the cache: transformers' own layers, M·k of them (the cache classes: generation_loopformer.py) ------------
-
-
-def describe_loop(key):
-    """A cache's `loop_key` in words."""
-    if key is None:
-        return "an unknown trajectory"
-    trajectories, halt_eps, *rule = key
-    if trajectories and isinstance(trajectories[0], float):
-        loop = f"trajectory {list(trajectories)} (loop budget {len(trajectories)})"
-    else:
-        loop = f"per-row trajectories {[list(t) for t in trajectories]}"
-    loop = loop if halt_eps is None else f"{loop}, halt_eps={halt_eps}"
-    return loop if not rule else f"{loop}, halting {rule[0]}"
-
-
-def bind_cache(cache, key, num_steps, num_blocks, batch_size):
-    """Check that `cache` can serve the loop `key` ((trajectory or per-row trajectories, halt_eps)) of `num_steps`
-    steps over `num_blocks` blocks for `batch_size` rows, and record the key on an empty cache; run when the cache's
-    recorded loop is not this call's (its first call, or a mistake). A `DynamicCache` built with a config (one layer
-    per block, never grown) gets the layers it lacks."""
-    if not isinstance(cache, Cache):
-        raise ValueError(f"`cache` must be a transformers Cache instance, got {type(cache).__name__}.")
-    num_slots = num_steps * num_blocks
-    filled = int(cache.get_seq_length()) > 0
-    recorded = getattr(cache, "loop_key", None)
-    if filled and (recorded is not None or len(cache.layers) != num_slots):
-        raise ValueError(
-            f"This cache was filled under {describe_loop(recorded)}, but this call runs {describe_loop(key)}. Every "
-            f"(loop step, block) has its own cache slot, so a cache only serves the loop_budget/step_schedule/"
-            f"halt_eps that filled it: start a new cache (or call without one)."
-        )
-    if filled:
-        held = [layer.keys.shape[0] for layer in cache.layers if layer.is_initialized][0]
-        if held != batch_size:
-            raise ValueError(
-                f"This cache holds {held} sequences; this call gives {batch_size}: pass the cache of a call with "
-                f"{batch_size} sequences, a new cache, or `cache.reset()` it first."
-            )
-    if (
-        isinstance(cache, StaticCache)
-        and getattr(cache, "max_loop_budget", len(cache.layers) // num_blocks) < num_steps
-    ):
-        raise ValueError(
-            f"This {type(cache).__name__} holds {len(cache.layers)} layers, but {describe_loop(key)} needs "
-            f"{num_slots} ({num_steps} loop steps x {num_blocks} blocks): build it with "
-            f"`LoopFormerStaticCache(config, max_cache_len, max_loop_budget={num_steps})` or more."
-        )
-    if not isinstance(cache, StaticCache) and getattr(cache, "layer_class_to_replicate", DynamicLayer) is None:
-        while len(cache.layers) < num_slots:
-            cache.layers.append(DynamicLayer())
-    if hasattr(cache, "loop_key"):
-        cache.loop_key = key
-
-
 # ---- what a forward accepts (transformers' conventions; anything else a ValueError naming it) ---------------------
 
 
@@ -493,7 +430,7 @@ def check_inputs(config, embed_tokens, input_ids, inputs_embeds, attention_mask,
     if not isinstance(given, torch.Tensor) or given.dim() < 2 or given.shape[0] == 0 or given.shape[1] == 0:
         raise ValueError(
             f"`{name}` must hold at least one sequence of at least one token, shape (batch >= 1, seq_len >= 1), "
-            f"got {type(given).__name__} of shape {tuple(getattr(given, 'shape', ()))}."
+            f"got shape {tuple(getattr(given, 'shape', ()))} ({type(given).__name__})."
         )
     compiling = torch.compiler.is_compiling()  # value checks read the tensor (a graph break): skipped there
     dtype = embed_tokens.weight.dtype
@@ -616,11 +553,16 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             tuple(step_schedule) if isinstance(step_schedule, list) else step_schedule,
             batch_size,
         )
+        # tensors are values to read (outside a compiled graph: `resolve_call`), not to remember; a compiled forward
+        # resolves as it traces (the memo would be a guard that changes after the first call)
+        tensors = isinstance(loop_budget, torch.Tensor) or isinstance(step_schedule, torch.Tensor)
         try:
+            if tensors or torch.compiler.is_compiling():
+                raise KeyError
             trajectory, rows = self._trajectories[request]
         except (KeyError, TypeError):  # new, or not hashable (per-row schedules)
             trajectory, rows = resolve_call(self.config, loop_budget, step_schedule, batch_size)
-            if not isinstance(loop_budget, torch.Tensor) and not isinstance(step_schedule, torch.Tensor):
+            if not tensors and not torch.compiler.is_compiling():
                 try:
                     self._trajectories[request] = trajectory, rows
                 except TypeError:
@@ -690,7 +632,14 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         output_hidden_states = kwargs.get("output_hidden_states")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
-        cache = past_key_values if cache is None else cache
+        if past_key_values is not None:
+            if CACHE_FIELD == "cache":  # transformers 5.24 renamed it, and deprecates the old name as here
+                warnings.warn(
+                    f"`past_key_values` is deprecated for `{type(self).__name__}.forward`. Use `cache` instead.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+            cache = past_key_values if cache is None else cache
         if self.gradient_checkpointing and self.training:
             cache = None
         elif cache is None and (self.config.use_cache if use_cache is None else use_cache):
@@ -726,7 +675,7 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             key = (trajectory if rows is None else rows.trajectories, halt_eps)
             if halt_eps is not None and getattr(self, "halting_rule", None) is not None:
                 key += (self.halting_rule.__name__,)  # a subclass's rule halts other tokens, filling other slots
-            if getattr(cache, "loop_key", None) != key:
+            if getattr(cache, "loop_key", None) != key or (not fresh and cache.layers[0].keys.shape[0] != batch_size):
                 bind_cache(cache, key, num_steps, len(self.layers), batch_size)
             if isinstance(cache, StaticCache) and int(cache.get_seq_length()) + q_len > cache.layers[0].max_cache_len:
                 raise ValueError(
@@ -790,23 +739,45 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
                 conditioning = self.loop_conditioning(steps, hidden_states.device, hidden_states.dtype)
                 if conditioning.dim() == 3:  # per row: (batch, 1, d) at each step
                     conditioning = conditioning[:, :, None].transpose(0, 1)
-            budgets = None if rows is None else rows.budgets.to(hidden_states.device)[:, None, None]
+            # Rows sorted by budget (largest first, as generate sorts them): step i computes only the rows still
+            # looping, a prefix of the batch, and cache layers of step i hold those rows alone. Otherwise every row
+            # computes every step and a row past its budget keeps its state.
+            # (a static cache, which a compiled decode step may fill, keeps every row in every layer)
+            sliced = rows is not None and not torch.compiler.is_compiling() and not isinstance(cache, StaticCache)
+            live = rows.live_counts if sliced else None
+            budgets = (
+                None if rows is None or live is not None else rows.budgets.to(hidden_states.device)[:, None, None]
+            )
             all_hidden_states = (hidden_states,) if output_hidden_states else None
             for i in range(num_steps):
-                previous = hidden_states
+                n = batch_size if live is None else live[i]
+                h, step_mask, step_positions = hidden_states, mask, position_embeddings
+                if n < batch_size:
+                    h = hidden_states[:n]
+                    step_mask = mask if mask is None or mask.shape[0] == 1 else mask[:n]
+                    step_positions = None if position_embeddings is None else tuple(p[:n] for p in position_embeddings)
                 for j, block in enumerate(self.layers):
-                    hidden_states = block(
-                        hidden_states,
-                        None if conditioning is None else conditioning[i],
-                        attention_mask=mask,
-                        position_embeddings=position_embeddings,
+                    c = None if conditioning is None else conditioning[i]
+                    adaln = None if loop_adaln is None else loop_adaln[j][i]
+                    if n < batch_size and rows is not None:  # per-row vectors: those of the rows computed
+                        c = None if c is None or c.dim() == 1 else c[:n]
+                        adaln = None if adaln is None else tuple(v[:n] if v.dim() == 3 else v for v in adaln)
+                    h = block(
+                        h,
+                        c,
+                        attention_mask=step_mask,
+                        position_embeddings=step_positions,
                         cache=cache,
                         step_offset=i * k,
                         output_attentions=output_attentions,
-                        adaln=None if loop_adaln is None else loop_adaln[j][i],
+                        adaln=adaln,
                     )
-                if budgets is not None:  # rows past their budget keep their state
-                    hidden_states = torch.where(budgets > i, hidden_states, previous)
+                if n < batch_size:
+                    hidden_states = torch.cat((h, hidden_states[n:]))
+                elif budgets is not None:  # rows past their budget keep their state
+                    hidden_states = torch.where(budgets > i, h, hidden_states)
+                else:
+                    hidden_states = h
                 if output_hidden_states:
                     all_hidden_states += (hidden_states,)
         if output_attentions:
@@ -864,7 +835,8 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         """
         if labels is None and shift_labels is not None:
             labels = shift_labels  # the targets are given aligned: `_loss` reads them as such
-        if labels is not None or shortcut_consistency is not None or not kwargs.keys().isdisjoint(SHORTCUT_KWARGS):
+        old_arguments = kwargs and not torch.compiler.is_compiling() and not kwargs.keys().isdisjoint(SHORTCUT_KWARGS)
+        if labels is not None or shortcut_consistency is not None or old_arguments:
             shortcut_consistency = check_shortcut_consistency(shortcut_consistency, kwargs, labels)
         outputs = self.model(
             input_ids=input_ids,

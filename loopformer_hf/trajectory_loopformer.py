@@ -51,6 +51,17 @@ def check_budget(config, budget, name="loop_budget"):
     return int(budget)
 
 
+def check_halt_eps(value, name="halt_eps"):
+    """`None` (fixed depth) or a positive finite float: the per-token halting threshold."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be None or a positive finite float, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
 def _ramp_on_grid(budget, num_loops, descending):
     """M positive multiples of 1/L summing to 1, as close as possible to a linear ramp M, M-1, ..., 1."""
     weights = [budget - i for i in range(budget)]
@@ -162,6 +173,8 @@ def _warn_if_extrapolating(config, steps):
     """One warning per variant and trajectory that the model was not trained for, saying why for the variant:
     LoopFormer interpolates Δ for a uniform budget M <= L (the paper's elastic budgets, silent) but not beyond L
     or off the grid of a given schedule; TMLT and Base-Loop have no Δ, so every M != L is a count never run."""
+    if torch.compiler.is_compiling():  # a compiled decode step: the eager prefill of its call has warned
+        return
     L, M = config.num_loops, len(steps)
     if config.loop_conditioning == "shortcut":
         uniform = all(abs(s - steps[0]) <= SCHEDULE_SUM_TOLERANCE for s in steps)
@@ -191,8 +204,11 @@ def _warn_if_extrapolating(config, steps):
 
 class LoopFormerRows:
     """Per-row trajectories of one call: row b runs its own M_b steps Δ_1..Δ_{M_b}; the loop runs the largest budget
-    and a row's tokens freeze after its last step (as halted tokens do, `LoopFormerHaltingState`). A plain object,
-    not a tuple: a compiled forward guards only on the attributes it reads (the tensors), not on every value."""
+    and a row keeps its state after its last step. A plain object, not a tuple: a compiled forward guards only on the
+    attributes it reads (the tensors), not on every value.
+
+    `live_counts[i]`: the rows that step i computes when the rows come sorted by budget, largest first (then they are
+    a prefix of the batch, and step i computes only those: `generate` sorts a batch so); None otherwise."""
 
     def __init__(self, trajectories, budgets, steps):
         # per row, Δ_1..Δ_{M_b} as plain floats: read in eager code only (a compiled forward would guard on them, one
@@ -201,6 +217,10 @@ class LoopFormerRows:
         self.budgets = budgets  # (batch,) M_b
         self.steps = steps  # (batch, largest budget) Δ in float64, 0 after a row's last step
         self.num_steps = steps.shape[1]  # the largest budget
+        lengths = [len(t) for t in trajectories]
+        self.live_counts = None
+        if all(a >= b for a, b in zip(lengths, lengths[1:])):
+            self.live_counts = tuple(sum(m > i for m in lengths) for i in range(self.num_steps))
 
     @classmethod
     def from_trajectories(cls, trajectories):
@@ -304,6 +324,7 @@ __all__ = [
     "STEP_SCHEDULE_PRESETS",
     "LoopFormerRows",
     "check_budget",
+    "check_halt_eps",
     "check_schedule",
     "resolve_call",
     "resolve_rows",

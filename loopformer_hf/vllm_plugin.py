@@ -263,12 +263,11 @@ class LoopFormerServerConfig:
 def register():
     """Register LoopFormer with vLLM (idempotent: vLLM may call it more than once per process)."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     # `import loopformer_hf` registers LoopFormerConfig (model_type "loopformer") with AutoConfig, so vLLM reads a
     # checkpoint's config.json without `trust_remote_code`.
     import loopformer_hf  # noqa: F401
-
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     supported = set(ModelRegistry.get_supported_archs())
     for architecture, model_path in VLLM_ARCHITECTURES.items():

@@ -26,7 +26,6 @@ import logging
 
 import numpy as np
 import torch
-
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates

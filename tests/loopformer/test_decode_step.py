@@ -64,14 +64,14 @@ def test_a_default_decode_step_runs_at_most_10_functions_in_2_files_and_8_calls_
         print(f"M={budget}, k={k}: {len(seen)} functions in {len(files)} files, {calls} calls")
         assert len(seen) <= 10 and len(files) <= 2, f"{len(seen)} functions in {len(files)} files:\n{listing}"
         assert calls <= 6 + 8 * budget * k, (calls, listing)
-        # decided before the loop: no trajectory resolved, no input checked, no halting or loss code per step
-        assert files == ["modeling_loopformer.py"], listing
+        # decided before the loop: no trajectory resolved, no input checked, no cache, halting or loss code per step
+        assert set(files) <= {"modeling_loopformer.py", "looped_common.py"}, listing
 
 
 def test_per_row_budgets_run_no_halting_code():
     """Per-row budgets are not halting: their decode step runs in the modeling file alone."""
     seen, _ = profile_one_decode_forward(_model(), torch.randint(3, 97, (2, 5)), loop_budget=[1, 3])
-    assert {file for file, _ in seen} == {"modeling_loopformer.py"}, seen
+    assert {file for file, _ in seen} <= {"modeling_loopformer.py", "looped_common.py"}, seen
 
 
 def test_a_tensor_step_schedule_is_resolved_once_per_generate(monkeypatch):

@@ -336,7 +336,7 @@ def test_deferred_slot_writes_are_seen_by_every_cache_operation():
         return torch.randn(2, 4, n, 8, generator=g), torch.randn(2, 4, n, 8, generator=g)
 
     cache = loopformer_hf.LoopFormerCache()
-    use_halting_layers(cache, 2)
+    use_halting_layers(cache, 2, halting_loopformer.LoopFormerHaltingState)
     first, second, third = kv(3, 0), kv(1, 1), kv(1, 2)
     cache.update(*first, 0)
     cache.update(*first, 1)
@@ -370,7 +370,7 @@ def test_a_slot_that_is_never_read_does_not_keep_one_tensor_per_token():
     from loopformer_hf.halting_loopformer import use_halting_layers, write
 
     cache = loopformer_hf.LoopFormerCache()
-    use_halting_layers(cache, 1)
+    use_halting_layers(cache, 1, halting_loopformer.LoopFormerHaltingState)
     g = torch.Generator().manual_seed(0)
     pieces = [torch.randn(1, 2, 1, 4, generator=g) for _ in range(150)]
     for piece in pieces:

@@ -403,6 +403,7 @@ def test_saved_folder_loads_with_trust_remote_code_without_the_package(tiny_mode
     loads from them where the package cannot be imported."""
     tiny_model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [
+        "cache_loopformer.py",
         "configuration_loopformer.py",
         "generation_loopformer.py",
         "halting_loopformer.py",
@@ -622,6 +623,6 @@ def _files_the_forward_enters(model, **kwargs):
     ids=["default", "per_row", "no_cache", "halting"],
 )
 def test_the_forward_reads_top_to_bottom(tiny_model, kwargs, files):
-    """As Llama's: inputs, the loop's trajectory, the cache, positions and mask, the loop, the final norm, all in the
-    modeling file; with `halt_eps` the loop is halting's, the one file the forward hands work to."""
+    """As Llama's: inputs, the loop's trajectory, the cache (a new one, bound to the call's loop: the cache file),
+    positions and mask, the loop, the final norm; with `halt_eps` the loop is halting's. Each file entered once."""
     assert _files_the_forward_enters(tiny_model, **kwargs) == files
