@@ -87,7 +87,7 @@ def bind_cache(cache, key, num_steps, num_blocks, batch_size):
     num_slots = num_steps * num_blocks
     filled = int(cache.get_seq_length()) > 0
     recorded = getattr(cache, "loop_key", None)
-    if filled and (recorded is not None or len(cache.layers) != num_slots):
+    if filled and (recorded != key if recorded is not None else len(cache.layers) != num_slots):
         raise ValueError(
             f"This cache was filled under {describe_loop(recorded)}, but this call runs {describe_loop(key)}. Every "
             f"(loop step, block) has its own cache slot, so a cache only serves the loop_budget/step_schedule/"

@@ -615,10 +615,10 @@ def _files_the_forward_enters(model, **kwargs):
 @pytest.mark.parametrize(
     "kwargs, files",
     [
-        ({}, []),
-        ({"loop_budget": [1, 2]}, []),
+        ({}, ["cache_loopformer.py"]),
+        ({"loop_budget": [1, 2]}, ["cache_loopformer.py"]),
         ({"use_cache": False}, []),
-        ({"halt_eps": 0.1}, ["halting_loopformer.py"]),
+        ({"halt_eps": 0.1}, ["trajectory_loopformer.py", "cache_loopformer.py", "halting_loopformer.py"]),
     ],
     ids=["default", "per_row", "no_cache", "halting"],
 )
