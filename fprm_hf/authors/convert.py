@@ -1,8 +1,11 @@
-"""Convert a checkpoint of the authors' FPRM code (GitHub nilskiKonjIzDunava/fprm) into a saved `FPRMForReasoning`.
+"""Convert a checkpoint of the authors' FPRM or TRM code (GitHub nilskiKonjIzDunava/fprm) into a saved
+`FPRMForReasoning` (TRM: `FPRMConfig(recursion="trm")`).
 
     python -m fprm_hf.convert_authors --checkpoint step_50000 --config config/arch/fprm.yaml \
         --config config/cfg_pretrain_state_tracking_fprm_s5.yaml --seq-len 128 --vocab-size 122 \
         --num-puzzle-identifiers 1 --output out/fprm-s5
+    python -m fprm_hf.convert_authors --checkpoint step_50000 --config config/arch/trm.yaml \
+        --config config/cfg_pretrain_sudoku.yaml --dataset-json data/sudoku/train/dataset.json --output out/trm
 
 The checkpoint is what their `pretrain.py` saves: `state_dict()` of the loss-head wrapper around the model, so every
 key starts with `model.inner.` (and `_orig_mod.` first when the model was compiled). The settings are their `arch`
@@ -27,6 +30,12 @@ Key mapping (theirs, after `model.inner.` → this package):
     L_level.layers.{i}.mlp.down_proj.weight        → model.layers.{i}.mlp.down_proj.weight
     lm_head.weight                                 → lm_head.weight
     L_optimizer.init_vec                           → model.z_init                           (fixed_init)
+    H_init / L_init                                → model.H_init / model.L_init            (TRM)
+    q_head.weight / .bias                          → q_head.weight / .bias                  (TRM; --keep-q-head)
+
+A checkpoint that holds `H_init` and `L_init` (their models/recursive_reasoning/trm.py) is their TRM: it converts to
+`recursion="trm"`, with `H_cycles`, `L_cycles`, `n_backwards_L` (their default 1), `halt_max_steps` and
+`halt_exploration_prob` from the settings (their config/arch/trm.yaml) and the Q-head kept (the model halts by it).
 
 Dropped after a check: the `mask` buffer of every linear layer (their DropConnect mask, applied in training only;
 all ones unless `weight_dropout` > 0) and the Q-head (`q_head.weight`/`.bias`, a halting/loss head that does not
@@ -44,9 +53,9 @@ import sys
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from .authors_layout import build_config, fixed_alphas_of, map_reference_state_dict
-from .authors_settings import resolve_settings
-from .modeling_fprm import FPRMForReasoning
+from ..modeling_fprm import FPRMForReasoning
+from .layout import build_config, fixed_alphas_of, map_reference_state_dict, recursion_of
+from .settings import resolve_settings
 
 _REF = re.compile(r"^\$\{\.([A-Za-z_][A-Za-z0-9_]*)\}$")
 
@@ -130,7 +139,8 @@ def convert(
 ):
     """Convert and save; returns the loaded-back `FPRMForReasoning`. `checkpoint` is a path or a state dict;
     `configs` are paths or mappings of their arch fields (later wins). `keep_q_head=True` keeps their Q-head
-    (`use_q_head=True`, for training on with their Q-halt loss); by default it is dropped."""
+    (`use_q_head=True`, for training on with their Q-halt loss); by default an FPRM's is dropped (a TRM's is kept:
+    its model halts by it)."""
     output = os.fspath(output)
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"--output {output!r} exists and is not a folder.")
@@ -146,7 +156,8 @@ def convert(
     reference = checkpoint if isinstance(checkpoint, dict) else load_reference_state_dict(checkpoint, allow_pickle)
     where = "the checkpoint" if isinstance(checkpoint, dict) else os.fspath(checkpoint)
     settings, grid, _ = resolve_settings(reference, settings, "--config/flags", where=where)
-    config = build_config(settings, fixed_alphas_of(reference), use_q_head=keep_q_head, grid=grid)
+    recursion = recursion_of(reference)
+    config = build_config(settings, fixed_alphas_of(reference), use_q_head=keep_q_head, grid=grid, recursion=recursion)
     state_dict, _ = map_reference_state_dict(reference, config)
     model = FPRMForReasoning(config)
     model.load_state_dict(state_dict, strict=True)

@@ -6,7 +6,7 @@
         [--revision R] --output_dir out/
 
 The second form downloads one of the authors' Hub repos with huggingface_hub (its cache and offline mode honoured)
-and saves it in this package's format; `from_pretrained` on the repo itself works too (`authors_checkpoints`).
+and saves it in this package's format; `from_pretrained` on the repo itself works too (`checkpoints.py`).
 
 `--model-type` names the reference file the checkpoint comes from (train.py's `model_type`):
 
@@ -51,10 +51,10 @@ import sys
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from .authors_config import MODEL_TYPES
-from .authors_weights import map_names
-from .configuration_loopformer import LoopFormerConfig
-from .modeling_loopformer import LoopFormerForCausalLM
+from ..configuration_loopformer import LoopFormerConfig
+from ..modeling_loopformer import LoopFormerForCausalLM
+from .auto import MODEL_TYPES
+from .weights import map_names
 
 COMPILE_PREFIX = "_orig_mod."
 WRAPPER_KEYS = ("model", "state_dict")
@@ -183,7 +183,7 @@ def build_config(
 
 def map_reference_state_dict(reference, config, model_type="loopformer"):
     """Map reference keys onto `LoopFormerForCausalLM` keys by the table `from_pretrained` loads their Hub repos with
-    (`authors_weights.map_names`), every key checked. Raises `ValueError` listing every problem at once."""
+    (`weights.map_names`), every key checked. Raises `ValueError` listing every problem at once."""
     plain_list = _check_model_type(model_type)[2]
     block_key, other_layout = (
         (_LIST_BLOCK_KEY, _SHARED_BLOCK_KEY) if plain_list else (_SHARED_BLOCK_KEY, _LIST_BLOCK_KEY)
