@@ -28,10 +28,10 @@ _HOMES = {
     "strip_wrapper_prefixes": "weights",
     "convert": "convert",
     "convert_hub_repo": "convert",
-    "MODEL_TYPES": "auto",
+    "MODEL_TYPES": "model_types",
     "AUTHORS_CONFIG_CLASSES": "auto",
     "LoopFormerAuthorsConfig": "auto",
-    "is_reference_config": "auto",
+    "is_reference_config": "model_types",
 }
 
 

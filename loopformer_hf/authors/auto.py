@@ -18,27 +18,9 @@ from transformers.utils import logging
 from ..configuration_loopformer import LoopFormerConfig
 from ..modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel
 from ..tokenization_loopformer import LoopFormerTokenizerFast
+from .model_types import LOADER, is_reference_config
 
 logger = logging.get_logger(__name__)
-
-# their model types -> (loop_conditioning, block_norm_weight, one pass over a plain list of blocks); the variants
-# (the Hub's Base-Loop-EE) are trained differently but hold the weights of their looped model
-MODEL_TYPES = {
-    "loopformer": ("shortcut", False, False),
-    "tmlt": ("timestep", False, False),
-    "tmlt_ee": ("timestep", False, False),
-    "base_loop": ("none", True, False),
-    "base_loop_ee": ("none", True, False),
-    "base": ("none", True, True),
-}
-# Fields only this package's configs carry: a config.json with any of them is ours, not the authors'.
-OWN_CONFIG_KEYS = ("num_loops", "loop_conditioning")
-LOADER = "loopformer_hf.authors.from_pretrained_authors"
-
-
-def is_reference_config(config_dict):
-    """True for a config.json in the authors' layout: one of their model types and none of our own fields."""
-    return config_dict.get("model_type") in MODEL_TYPES and not any(key in config_dict for key in OWN_CONFIG_KEYS)
 
 
 def translated_config_dict(config_dict, pretrained_model_name_or_path, hub_kwargs):
@@ -173,7 +155,7 @@ def register_auto_classes():
             taken[model_type] = CONFIG_MAPPING[model_type]
     if taken:
         owners = ", ".join(f"{t!r} ({c.__module__}.{c.__qualname__})" for t, c in taken.items())
-        logger.warning(
+        logger.warning_once(
             f"loopformer_hf: AutoConfig already holds the model types {owners}, which the authors' LoopFormer repos "
             f"also use; they are left as registered, so AutoConfig and AutoModelForCausalLM read such a repo with "
             f"those classes. Load the authors' repos of these types with {LOADER}(repo)."

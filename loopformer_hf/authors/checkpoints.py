@@ -29,10 +29,10 @@ from transformers.modeling_utils import PreTrainedModel
 
 from ..configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
 from ..configuration_loopformer import LoopFormerConfig
-from .auto import MODEL_TYPES, OWN_CONFIG_KEYS, is_reference_config
 from .code_defaults import source_defaults
 from .config import derive_config, resolve_config
 from .files import read_config_dict, read_weight_shapes, read_weights, resolve_file
+from .model_types import MODEL_TYPES, OWN_CONFIG_KEYS, is_reference_config
 from .weights import (
     FUSED_QKV,
     is_reference_weight_name,

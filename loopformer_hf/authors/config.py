@@ -19,9 +19,9 @@ import re
 
 from transformers.utils import logging
 
-from .auto import MODEL_TYPES
 from .code_defaults import read_code_defaults
 from .files import read_config_dict, read_special_token_ids, read_weight_shapes
+from .model_types import MODEL_TYPES
 from .weights import strip_wrapper_prefixes
 
 logger = logging.get_logger(__name__)

@@ -53,7 +53,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..configuration_loopformer import LoopFormerConfig
 from ..modeling_loopformer import LoopFormerForCausalLM
-from .auto import MODEL_TYPES
+from .model_types import MODEL_TYPES
 from .weights import map_names
 
 COMPILE_PREFIX = "_orig_mod."

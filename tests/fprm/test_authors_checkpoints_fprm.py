@@ -470,3 +470,32 @@ def test_a_folder_with_a_config_json_is_not_read_as_theirs(tmp_path):
     assert FPRMForReasoning.from_pretrained(folder).config.hidden_size == 32
     with pytest.raises((OSError, ValueError), match="config.json"):  # transformers' own answer, unchanged
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_a_config_of_our_format_never_enters_the_authors_folder(tmp_path, monkeypatch):
+    """`FPRMConfig(**d)`, `FPRMConfig.from_dict(d)` and `from_pretrained` of a folder of ours read no file of theirs:
+    every reader of fprm_hf/authors/ raises here, and none is reached (issue 72, item 7)."""
+    import fprm_hf.authors.checkpoints as checkpoints
+    import fprm_hf.authors.layout as layout
+    import fprm_hf.authors.settings as settings
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a config of our own format reached the authors' readers")
+
+    for module, name in [
+        (checkpoints, "is_authors_layout"),
+        (checkpoints, "authors_checkpoint_config"),
+        (checkpoints, "read_step_file"),
+        (checkpoints, "read_arch"),
+        (settings, "resolve_settings"),
+        (layout, "build_config"),
+        (layout, "map_reference_state_dict"),
+    ]:
+        monkeypatch.setattr(module, name, refuse)
+    config = FPRMConfig(hidden_size=32, num_attention_heads=4, recursion="trm", H_cycles=2)
+    d = config.to_dict()
+    assert FPRMConfig(**d).to_dict() == d
+    assert FPRMConfig.from_dict(d).to_dict() == d
+    config.save_pretrained(tmp_path)
+    assert FPRMConfig.from_pretrained(tmp_path).H_cycles == 2
+    assert type(AutoConfig.from_pretrained(tmp_path)) is FPRMConfig

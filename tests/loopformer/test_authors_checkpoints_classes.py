@@ -10,7 +10,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import loopformer_hf  # noqa: F401  (registers the Auto classes, theirs included)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
-from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES, MODEL_TYPES
+from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES
+from loopformer_hf.authors.model_types import MODEL_TYPES
 
 from support.reference_oracle import write_authors_repo
 

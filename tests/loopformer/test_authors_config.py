@@ -6,7 +6,8 @@ test_authors_checkpoints.py."""
 import pytest
 
 from loopformer_hf import LoopFormerConfig
-from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES, is_reference_config
+from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES
+from loopformer_hf.authors.model_types import is_reference_config
 from loopformer_hf.authors.config import GITHUB_DEFAULTS, resolve_config, weight_family, weight_values
 
 SHAPES = {  # a LoopFormer with 2 blocks, d 48, FFN 96, 50 tokens, 32 positions, biases, 64 sinusoid features
