@@ -213,14 +213,19 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
         """As `PreTrainedConfig.get_config_dict` (what `from_pretrained` reads). A config.json without `num_loops` may
         be one of the authors' Hub repos (their model type "loopformer" is ours too): the authors' folder translates
-        it from the repo's files (`loopformer_hf/authors/`, their loading path alone)."""
+        it from the repo's files (`loopformer_hf/authors/`, their loading path alone). Asked by a model class's
+        `from_pretrained` (which reads weights under our names), their repo is refused: the Auto classes and
+        `loopformer_hf.authors.from_pretrained_authors` load it."""
         hub_kwargs = {key: kwargs[key] for key in HUB_OPTIONS if kwargs.get(key) is not None}
+        by_a_model = "gguf_file" in kwargs  # (`PreTrainedModel.from_pretrained` passes it, a config's caller does not)
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         if (
             "num_loops" not in config_dict
             and (authors := _authors_layouts())
             and authors.is_reference_config(config_dict)
         ):
+            if by_a_model:  # a model class of ours would read their weights under our names: at random
+                raise authors.refusal_of_a_model_class(pretrained_model_name_or_path)
             config_dict = authors.translated_config_dict(config_dict, pretrained_model_name_or_path, hub_kwargs)
         return config_dict, kwargs
 

@@ -31,6 +31,17 @@ def translated_config_dict(config_dict, pretrained_model_name_or_path, hub_kwarg
     return dict(derive_config(config_dict, pretrained_model_name_or_path, hub_kwargs), model_type="loopformer")
 
 
+def refusal_of_a_model_class(pretrained_model_name_or_path):
+    """The ValueError for `LoopFormerForCausalLM.from_pretrained(<their repo>)` where the model classes have no hook
+    that routes their repos to the loader: transformers would read their weights under our names, none would match,
+    and the model would be initialised at random."""
+    return ValueError(
+        f"{pretrained_model_name_or_path!s} is one of the authors' repos (their config.json and weight names): a "
+        f"model class's own from_pretrained reads weights under this package's names and would initialise this one "
+        f"at random. Load it with AutoModelForCausalLM.from_pretrained(repo) (or AutoModel), or {LOADER}(repo)."
+    )
+
+
 def authors_config_from_dict(config_dict, **kwargs):
     """`AutoConfig`'s `from_dict` of their config.json (`kwargs["name_or_path"]`: the repo `AutoConfig` was given): a
     `LoopFormerAuthorsConfig` with the values the repo's files determine, so that `AutoModelForCausalLM` loads it

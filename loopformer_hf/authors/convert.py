@@ -53,6 +53,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..configuration_loopformer import LoopFormerConfig
 from ..modeling_loopformer import LoopFormerForCausalLM
+from .checkpoints import from_pretrained_authors
 from .model_types import MODEL_TYPES
 from .weights import map_names
 
@@ -312,7 +313,7 @@ def convert_hub_repo(repo, output, revision=None, dtype=None):
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(f"--output_dir {output!r} exists and is not a folder.")
     folder = repo if os.path.isdir(repo) else snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS)
-    model = LoopFormerForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype] if dtype else "auto")
+    model = from_pretrained_authors(folder, dtype=DTYPES[dtype] if dtype else "auto")
     model.save_pretrained(output)
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(folder, name)):

@@ -183,3 +183,15 @@ def test_auto_classes_load_their_repo_without_a_hook_in_the_model_classes(tmp_pa
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "loopformer"
     assert type(AutoConfig.from_pretrained(tmp_path / "saved")) is LoopFormerConfig
     assert type(AutoModelForCausalLM.from_config(config)) is LoopFormerForCausalLM
+
+
+def test_without_the_hook_a_model_class_refuses_their_repo_rather_than_loading_it_at_random(tmp_path, monkeypatch):
+    """`LoopFormerForCausalLM.from_pretrained(<their repo>)` reaches the loader through the model classes'
+    `checkpoint_loaders` hook; without it transformers would read their weights under our names (none matches) and
+    initialise the model at random. The config's `get_config_dict` refuses that, naming the loader."""
+    write_authors_repo(tmp_path / "repo")
+    monkeypatch.setattr(LoopFormerPreTrainedModel, "checkpoint_loaders", [], raising=False)
+    for model_class in (LoopFormerForCausalLM, LoopFormerModel):
+        with pytest.raises(ValueError, match=rf"is one of the authors' repos.*AutoModelForCausalLM.*{LOADER}"):
+            model_class.from_pretrained(tmp_path / "repo")
+    assert LoopFormerConfig.from_pretrained(tmp_path / "repo").num_loops == N_LOOPS  # a config's caller: translated
