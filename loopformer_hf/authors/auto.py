@@ -1,8 +1,8 @@
-"""How transformers' Auto classes reach the authors' Hub repos: their model types, the config classes `AutoConfig`
-reads their config.json with, the translated config `AutoConfig` returns (`LoopFormerAuthorsConfig`), and the two
-model classes `AutoModelForCausalLM` / `AutoModel` map it to, whose `from_pretrained` is `from_pretrained_authors`
-(checkpoints.py) and which are never built: every model loaded is a plain `LoopFormerForCausalLM` / `LoopFormerModel`
-with a plain `LoopFormerConfig`.
+"""How transformers' Auto classes reach the authors' Hub repos: the config classes `AutoConfig` reads their
+config.json with (one per model type of theirs, model_types.py), the translated config `AutoConfig` returns
+(`LoopFormerAuthorsConfig`), and the two model classes `AutoModelForCausalLM` / `AutoModel` map it to, whose
+`from_pretrained` is `from_pretrained_authors` (checkpoints.py) and which are never built: every model loaded is a
+plain `LoopFormerForCausalLM` / `LoopFormerModel` with a plain `LoopFormerConfig`.
 
 This module reads no file: the readers (files.py, config.py, code_defaults.py, weights.py, checkpoints.py) are
 imported on the authors' loading path only, so `import loopformer_hf` and a config of this package's own format never
