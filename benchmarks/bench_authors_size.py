@@ -192,9 +192,9 @@ def load_theirs(module, folder):
     init), then load_state_dict of the stripped, tie-restored state dict (see the module docstring)."""
     from safetensors.torch import load_file
 
-    from loopformer_hf.authors_checkpoints import strip_wrapper_prefixes
+    from loopformer_hf.authors.weights import strip_wrapper_prefixes
 
-    from loopformer_hf.authors_checkpoints import source_defaults
+    from loopformer_hf.authors.code_defaults import source_defaults
 
     keep = (
         "model_type",

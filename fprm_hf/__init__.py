@@ -2,14 +2,14 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
-from .authors_checkpoints import from_pretrained_authors, authors_checkpoint_config_dict
+from .authors.checkpoints import authors_checkpoint_config_dict, from_pretrained_authors
 from .configuration_fprm import FPRMConfig
 from .modeling_fprm import FPRMForReasoning, FPRMModel, FPRMPreTrainedModel
 from .outputs_fprm import FPRMModelOutput, FPRMReasoningOutput
 from .solver_fprm import FPRMSolverState, SolverSettings
 
 AutoConfig.register(FPRMConfig.model_type, FPRMConfig, exist_ok=True)
-# the authors' folders (step files, no config.json): FPRMConfig.from_pretrained and the models'
+# the authors' folders (step files, no config.json; fprm_hf/authors/): FPRMConfig.from_pretrained and the models'
 # from_pretrained derive the config from their files (the model files import no loader). AutoConfig reads config.json
 # alone: for such a folder it gives transformers' own error.
 if authors_checkpoint_config_dict not in FPRMConfig.config_loaders:

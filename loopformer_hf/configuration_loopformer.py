@@ -11,6 +11,7 @@ A strict dataclass, as transformers' LlamaConfig, validated by what transformers
 Δ_1..Δ_M) is resolved in `trajectory_loopformer` ([`LoopFormerConfig.resolve_trajectory`]).
 """
 
+import importlib
 import math
 import numbers
 from typing import Literal
@@ -25,6 +26,16 @@ from .looped_common import LoopedConfigMixin, check_positive_number, check_rope_
 from .trajectory_loopformer import STEP_SCHEDULE_PRESETS, check_halt_eps
 
 logger = logging.get_logger(__name__)
+
+
+def _authors_layouts():
+    """The module that knows the authors' config.json (`loopformer_hf/authors/auto.py`), imported by name: a copy of
+    this file saved for `trust_remote_code` ships the model's files alone (transformers copies every module this file
+    imports), and there it is None."""
+    try:
+        return importlib.import_module(f"{__package__}.authors.auto")
+    except ImportError:
+        return None
 
 
 # the options of `from_pretrained` that say where its files are
@@ -147,9 +158,6 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
 
     model_type = "loopformer"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # Other layouts of config.json (the authors' Hub repos) register a translation here, `translate(config_dict)` ->
-    # constructor kwargs or None (`loopformer_hf/__init__.py`): this module imports no loader.
-    config_translators = []
 
     vocab_size: int = positive_int_field(default=50304)
     hidden_size: int = positive_int_field(default=768)
@@ -201,26 +209,34 @@ class LoopFormerConfig(LoopedConfigMixin, PreTrainedConfig):
             self.rope_parameters = given
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """As `PreTrainedConfig.from_pretrained`; the repo and its Hub options reach `from_dict`, where a config.json
-        in the authors' layout is derived from the files beside it (as `AutoConfig`, which names the repo)."""
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """As `PreTrainedConfig.get_config_dict` (what `from_pretrained` reads). A config.json without `num_loops` may
+        be one of the authors' Hub repos (their model type "loopformer" is ours too): the authors' folder translates
+        it from the repo's files (`loopformer_hf/authors/`, their loading path alone). Asked by a model class's
+        `from_pretrained` (which reads weights under our names), their repo is refused: the Auto classes and
+        `loopformer_hf.authors.from_pretrained_authors` load it."""
         hub_kwargs = {key: kwargs[key] for key in HUB_OPTIONS if kwargs.get(key) is not None}
-        return super().from_pretrained(
-            pretrained_model_name_or_path, _repo=(pretrained_model_name_or_path, hub_kwargs), **kwargs
-        )
+        by_a_model = "gguf_file" in kwargs  # (`PreTrainedModel.from_pretrained` passes it, a config's caller does not)
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if (
+            "num_loops" not in config_dict
+            and (authors := _authors_layouts())
+            and authors.is_reference_config(config_dict)
+        ):
+            if by_a_model:  # a model class of ours would read their weights under our names: at random
+                raise authors.refusal_of_a_model_class(pretrained_model_name_or_path)
+            config_dict = authors.translated_config_dict(config_dict, pretrained_model_name_or_path, hub_kwargs)
+        return config_dict, kwargs
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
-        """As `PreTrainedConfig.from_dict`; a config.json in another registered layout (the authors' Hub repos) is
-        translated (`config_translators`). The rules between fields run again once `from_pretrained`'s kwargs are
-        set (transformers sets them one by one after construction)."""
-        # the repo: AutoConfig names it (`name_or_path`), our `from_pretrained` with its Hub options
-        repo, hub_kwargs = kwargs.pop("_repo", None) or (kwargs.get("name_or_path"), None)
-        for translate in LoopFormerConfig.config_translators:
-            translated = translate(config_dict, repo, hub_kwargs)
-            if translated is not None:  # always a plain LoopFormerConfig, whichever model_type it claimed
-                return super(LoopFormerConfig, LoopFormerConfig).from_dict(translated, **kwargs)
+        """As `PreTrainedConfig.from_dict`. The rules between fields run again once `from_pretrained`'s kwargs are
+        set (transformers sets them one by one after construction). A config of this format reads no file; a dict
+        without `num_loops` is refused, unless it is an authors' config.json that `AutoConfig` hands here with the
+        repo's name (`name_or_path`), which the authors' folder translates."""
         if "num_loops" not in config_dict and "num_loops" not in kwargs:
+            if (authors := _authors_layouts()) and authors.is_reference_config(config_dict):
+                return authors.authors_config_from_dict(config_dict, **kwargs)
             # the constructor's default (8) would load silently and change the logits
             raise ValueError(
                 "A LoopFormer config.json must give `num_loops`, got none: the loop count a looped model "

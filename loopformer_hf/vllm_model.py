@@ -362,7 +362,7 @@ def _from_authors_layout(weights):
     """The weights of a repo in the authors' Hub layout (their GPT's names under `gpt.`/`model.`/`module.`, fused
     qkv) mapped onto ours by `from_pretrained`'s table; other weights pass through unchanged. A name with no
     parameter is refused by `_param`, a parameter left unfilled by vLLM's loader."""
-    from .authors_checkpoints import is_reference_weight_name, mapped_reference_state_dict
+    from .authors.weights import is_reference_weight_name, mapped_reference_state_dict
 
     weights, seen = iter(weights), []
     for item in weights:  # up to the first name that tells the layouts apart (an untied lm_head does not)

@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-from loopformer_hf.authors_config import MODEL_TYPES
+from loopformer_hf.authors.model_types import MODEL_TYPES
 from support import REPO_ROOT
 
 SNAPSHOT_SCRIPT = r'''

@@ -22,7 +22,8 @@ MAX_PUBLISHING_LINES = 620  # the planned ~400 lines packed, 597 after `ruff for
 
 
 def _modules(package):
-    return sorted((ROOT / package).glob("*.py"))
+    """Every module of a package, its subfolders' too (`authors/`: the authors' formats)."""
+    return sorted((ROOT / package).rglob("*.py"))
 
 
 def _catches_import_error(node):
@@ -252,7 +253,9 @@ MIN_MODULES_WITH_A_TEST_FILE = 0.8
 
 def _test_files_of(package, module):
     folder, suffix = TEST_FOLDERS[package]
-    name = module.stem.removesuffix(suffix)
+    # a module of a subfolder is named with it: loopformer_hf/authors/files.py -> test_authors_files.py
+    parts = module.relative_to(ROOT / package).with_suffix("").parts if module.is_relative_to(ROOT / package) else ()
+    name = "_".join(parts[:-1] + (module.stem,)).removesuffix(suffix)
     pattern = re.compile(rf"test_{re.escape(name)}(_\w+)?\.py")
     return [p.name for p in (ROOT / "tests" / folder).glob("test_*.py") if pattern.fullmatch(p.name)]
 
@@ -414,7 +417,8 @@ def test_no_import_cycles_anywhere_in_the_tree():
 @pytest.mark.parametrize("package, doc", [("loopformer_hf", "docs/loopformer.md"), ("fprm_hf", "docs/fprm_model.md")])
 def test_every_module_is_in_its_docs_files_table(package, doc):
     text = (ROOT / doc).read_text()
-    missing = [p.name for p in _modules(package) if p.name != "__init__.py" and f"`{p.name}`" not in text]
+    names = [p.relative_to(ROOT / package).as_posix() for p in _modules(package)]  # authors/config.py, ...
+    missing = [name for name in names if not name.endswith("__init__.py") and f"`{name}`" not in text]
     assert not missing, f"{doc} does not list {missing}"
 
 

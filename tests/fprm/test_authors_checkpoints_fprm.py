@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from fprm_hf import FPRMConfig, FPRMForReasoning, FPRMModel
-from fprm_hf.authors_checkpoints import PublishedCheckpointError
+from fprm_hf.authors.checkpoints import PublishedCheckpointError
 from support import REPO_ROOT
 from support.fprm_reference_oracle import PUBLISHED_STEPS, Reference, published_settings, write_published_folder
 
@@ -85,11 +85,11 @@ def test_where_each_value_came_from_is_logged(repo, caplog):
     root, _ = repo
     transformers.logging.enable_propagation()
     try:
-        with caplog.at_level("INFO", logger="fprm_hf.authors_checkpoints"):
+        with caplog.at_level("INFO", logger="fprm_hf.authors.checkpoints"):
             FPRMForReasoning.from_pretrained(root / "sudoku", step=OLDER)
     finally:
         transformers.logging.disable_propagation()
-    lines = [r.getMessage() for r in caplog.records if r.name == "fprm_hf.authors_checkpoints"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fprm_hf.authors.checkpoints"]
     line = next(m for m in lines if f"step_{OLDER}: " in m and "num_heads from" in m)
     assert "num_heads from all_config.yaml arch.num_heads" in line
     assert "hidden_size from weights: embed_tokens.embedding_weight (11, 512)" in line
@@ -129,7 +129,7 @@ def test_the_maze_folder_states_no_yaml_so_their_maze_experiment_config_is_named
     transformers.utils.logging.warning_once.cache_clear()  # said once per process: an earlier test may have said it
     transformers.logging.enable_propagation()
     try:
-        with caplog.at_level("WARNING", logger="fprm_hf.authors_checkpoints"):
+        with caplog.at_level("WARNING", logger="fprm_hf.authors.checkpoints"):
             maze = FPRMForReasoning.from_pretrained(root / "maze")
     finally:
         transformers.logging.disable_propagation()
@@ -144,7 +144,7 @@ def test_the_maze_folder_states_no_yaml_so_their_maze_experiment_config_is_named
     assert (c.num_attention_heads, c.alpha1, c.alpha2, c.init_std, c.max_loops) == (8, 0.75, 0.25, 6.0, 1000)
     assert "cfg_pretrain_maze.yaml" in c.authors_checkpoint["sources"]["num_heads"]
     assert "maze-30x30-hard-1k-noaug" in c.authors_checkpoint["sources"]["seq_len"]
-    warned = [r.getMessage() for r in caplog.records if r.name == "fprm_hf.authors_checkpoints"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "fprm_hf.authors.checkpoints"]
     assert any("states no all_config.yaml" in w and "cfg_pretrain_maze.yaml" in w for w in warned), warned
 
 
@@ -444,7 +444,7 @@ def test_a_yaml_field_their_config_does_not_define_is_warned_and_ignored_as_thei
     (folder / "all_config.yaml").write_text(yaml.dump(dump))
     transformers.logging.enable_propagation()
     try:
-        with caplog.at_level("WARNING", logger="fprm_hf.authors_checkpoints"):
+        with caplog.at_level("WARNING", logger="fprm_hf.authors.checkpoints"):
             model = FPRMForReasoning.from_pretrained(folder)
     finally:
         transformers.logging.disable_propagation()
@@ -470,3 +470,32 @@ def test_a_folder_with_a_config_json_is_not_read_as_theirs(tmp_path):
     assert FPRMForReasoning.from_pretrained(folder).config.hidden_size == 32
     with pytest.raises((OSError, ValueError), match="config.json"):  # transformers' own answer, unchanged
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_a_config_of_our_format_never_enters_the_authors_folder(tmp_path, monkeypatch):
+    """`FPRMConfig(**d)`, `FPRMConfig.from_dict(d)` and `from_pretrained` of a folder of ours read no file of theirs:
+    every reader of fprm_hf/authors/ raises here, and none is reached (issue 72, item 7)."""
+    import fprm_hf.authors.checkpoints as checkpoints
+    import fprm_hf.authors.layout as layout
+    import fprm_hf.authors.settings as settings
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a config of our own format reached the authors' readers")
+
+    for module, name in [
+        (checkpoints, "is_authors_layout"),
+        (checkpoints, "authors_checkpoint_config"),
+        (checkpoints, "read_step_file"),
+        (checkpoints, "read_arch"),
+        (settings, "resolve_settings"),
+        (layout, "build_config"),
+        (layout, "map_reference_state_dict"),
+    ]:
+        monkeypatch.setattr(module, name, refuse)
+    config = FPRMConfig(hidden_size=32, num_attention_heads=4, recursion="trm", H_cycles=2)
+    d = config.to_dict()
+    assert FPRMConfig(**d).to_dict() == d
+    assert FPRMConfig.from_dict(d).to_dict() == d
+    config.save_pretrained(tmp_path)
+    assert FPRMConfig.from_pretrained(tmp_path).H_cycles == 2
+    assert type(AutoConfig.from_pretrained(tmp_path)) is FPRMConfig

@@ -1,4 +1,4 @@
-"""authors_layout.py: the authors' arch fields (their names, their defaults) checked and built into an `FPRMConfig`,
+"""fprm_hf/authors/layout.py: the authors' arch fields (their names, their defaults) checked and built into an `FPRMConfig`,
 and their state dict mapped onto this package's names, key by key and shape by shape. Each direction is checked
 against a table written here from their code's module names; whole authors' folders load in
 test_authors_checkpoints_fprm.py."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fprm_hf import FPRMForReasoning
-from fprm_hf.authors_layout import (
+from fprm_hf.authors.layout import (
     build_config,
     check_settings,
     fixed_alphas_of,

@@ -1,4 +1,4 @@
-"""authors_settings.py: the authors' settings derived from a checkpoint in their layout, each from the first source
+"""fprm_hf/authors/settings.py: the authors' settings derived from a checkpoint in their layout, each from the first source
 that gives it (the tensors' shapes, a config file's `arch:`, the task sizes their dataset builders write, their
 defaults), with where it came from; a contradiction or a value nothing determines is a `PublishedCheckpointError`.
 Loading whole authors' folders is in test_authors_checkpoints_fprm.py."""
@@ -6,8 +6,8 @@ Loading whole authors' folders is in test_authors_checkpoints_fprm.py."""
 import pytest
 import torch
 
-from fprm_hf.authors_layout import COMPUTING_DEFAULTS
-from fprm_hf.authors_settings import PublishedCheckpointError, data_sizes, resolve_settings, weight_settings
+from fprm_hf.authors.layout import COMPUTING_DEFAULTS
+from fprm_hf.authors.settings import PublishedCheckpointError, data_sizes, resolve_settings, weight_settings
 from fprm_hf.configuration_fprm import swiglu_width
 
 D, VOCAB, WIDTH = 32, 11, swiglu_width(32, 4)

@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from fprm_hf import FPRMConfig, FPRMForReasoning
-from fprm_hf.authors_layout import _map_key
+from fprm_hf.authors.layout import _map_key
 from fprm_hf.recursion_trm import applications_per_step
 from looped_training.fprm.arguments import FPRMTrainingArguments
 from looped_training.fprm.trainer_trm import TRMTrainer

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks import bench_authors_size as bench
-from loopformer_hf.authors_checkpoints import strip_wrapper_prefixes
+from loopformer_hf.authors.weights import strip_wrapper_prefixes
 from tests.support.reference_oracle import reference_forward, reference_state_dict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

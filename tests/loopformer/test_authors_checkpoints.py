@@ -244,12 +244,12 @@ def test_where_the_heads_and_trajectory_came_from_is_logged_once(tmp_path, caplo
     transformers.logging.set_verbosity_info()
     transformers.logging.enable_propagation()
     try:
-        with caplog.at_level("INFO", logger="loopformer_hf.authors_config"):
+        with caplog.at_level("INFO", logger="loopformer_hf.authors.config"):
             AutoModelForCausalLM.from_pretrained(tmp_path / "repo")
     finally:
         transformers.logging.disable_propagation()
         transformers.logging.set_verbosity_warning()
-    lines = [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.authors_config"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "loopformer_hf.authors.config"]
     assert len(lines) == 1 and f"{N_HEAD} attention heads from configuration_loopformer.py" in lines[0], lines
     assert "trajectory (L=4, uniform) from configuration_loopformer.py" in lines[0]
 
@@ -408,7 +408,7 @@ def test_autoconfig_is_the_config_from_pretrained_builds(tmp_path, stated, code)
 
 
 def _warnings_of(caplog, load):
-    return warnings_logged(caplog, "loopformer_hf.authors_config", load)
+    return warnings_logged(caplog, "loopformer_hf.authors.config", load)
 
 
 def test_an_assumed_head_count_is_a_warning_that_names_it(tmp_path, caplog):

@@ -10,11 +10,12 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import loopformer_hf  # noqa: F401  (registers the Auto classes, theirs included)
 from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM, LoopFormerModel
-from loopformer_hf.authors_config import AUTHORS_CONFIG_CLASSES, MODEL_TYPES
+from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES
+from loopformer_hf.authors.model_types import MODEL_TYPES
 
 from support.reference_oracle import write_authors_repo
 
-LOADER_MODULES = sorted((Path(loopformer_hf.__file__).parent).glob("authors_*.py")) + [
+LOADER_MODULES = sorted((Path(loopformer_hf.__file__).parent).glob("authors/*.py")) + [
     Path(loopformer_hf.__file__).parent / "convert_authors.py"
 ]
 

@@ -1,11 +1,11 @@
-"""authors_code_defaults.py: the defaults of the configuration class an authors' config.json names in `auto_map`,
+"""loopformer_hf/authors/code_defaults.py: the defaults of the configuration class an authors' config.json names in `auto_map`,
 read from the repo's Python source with `ast`: constants and simple arithmetic only, bases first, nothing executed."""
 
 import json
 
 import pytest
 
-from loopformer_hf.authors_code_defaults import read_code_defaults, source_defaults
+from loopformer_hf.authors.code_defaults import read_code_defaults, source_defaults
 
 SOURCE = """
 import os

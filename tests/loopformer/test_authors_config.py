@@ -1,4 +1,4 @@
-"""authors_config.py: an authors' config.json translated into `LoopFormerConfig` keyword arguments, every value from
+"""loopformer_hf/authors/config.py: an authors' config.json translated into `LoopFormerConfig` keyword arguments, every value from
 the first source that determines it (the weights' shapes, config.json, their code's defaults, the repo's name, their
 GitHub defaults), and a contradiction between the weights and a file refused. Loading whole stand-in repos is in
 test_authors_checkpoints.py."""
@@ -6,14 +6,9 @@ test_authors_checkpoints.py."""
 import pytest
 
 from loopformer_hf import LoopFormerConfig
-from loopformer_hf.authors_config import (
-    AUTHORS_CONFIG_CLASSES,
-    GITHUB_DEFAULTS,
-    is_reference_config,
-    resolve_config,
-    weight_family,
-    weight_values,
-)
+from loopformer_hf.authors.auto import AUTHORS_CONFIG_CLASSES
+from loopformer_hf.authors.model_types import is_reference_config
+from loopformer_hf.authors.config import GITHUB_DEFAULTS, resolve_config, weight_family, weight_values
 
 SHAPES = {  # a LoopFormer with 2 blocks, d 48, FFN 96, 50 tokens, 32 positions, biases, 64 sinusoid features
     "transformer.wte.weight": (50, 48),

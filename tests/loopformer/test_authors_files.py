@@ -1,4 +1,4 @@
-"""authors_files.py: a repo's files in the authors' layout read without loading a tensor: config.json, the weights'
+"""loopformer_hf/authors/files.py: a repo's files in the authors' layout read without loading a tensor: config.json, the weights'
 names and shapes (a safetensors header, a shard index, a pytorch_model.bin mapped to "meta"), the special tokens'
 ids; a truncated or missing file is an OSError naming it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loopformer_hf.authors_files import read_config_dict, read_special_token_ids, read_weight_shapes
+from loopformer_hf.authors.files import read_config_dict, read_special_token_ids, read_weight_shapes
 
 
 def test_config_json_is_read_as_a_dict_and_a_folder_without_one_gives_none(tmp_path):

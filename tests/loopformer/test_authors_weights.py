@@ -1,10 +1,10 @@
-"""authors_weights.py: the authors' weight names onto this package's (their wrapper prefixes stripped, the blocks and
+"""loopformer_hf/authors/weights.py: the authors' weight names onto this package's (their wrapper prefixes stripped, the blocks and
 embedders renamed, the fused c_attn split into q, k, v), the one table every loader maps with."""
 
 import pytest
 import torch
 
-from loopformer_hf.authors_weights import (
+from loopformer_hf.authors.weights import (
     is_reference_weight_name,
     map_names,
     mapped_reference_state_dict,

@@ -97,7 +97,7 @@ PRECISE_SKIPS = {
     "test_capture_outputs_decorator": "outputs are collected by the model's own loop, not through the `@capture_outputs` decorator",
     "test_reverse_loading_mapping": "no weight-name conversion is registered for this model type (transformers' conversion mapping): checkpoints "
     "are saved and loaded under the module names; the authors' layouts are translated by the packages' own "
-    "loaders (authors_checkpoints, convert_authors)",
+    "loaders (loopformer_hf/authors/, fprm_hf/authors/)",
     "test_can_load_from_already_mapped_keys": "no weight-name conversion is registered for this model type, so there are no mapped keys to reload",
     "test_resize_position_vector_embeddings": "`resize_position_embeddings` is not implemented: a learned position table keeps `max_position_embeddings` "
     "rows (as GPT-2's), RoPE has no table",

@@ -59,7 +59,7 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
     from transformers import AutoConfig
 
     from fprm_hf import FPRMConfig  # (the import registers "fprm" with AutoConfig)
-    from fprm_hf.authors_checkpoints import is_authors_layout
+    from fprm_hf.authors.checkpoints import is_authors_layout
 
     # the authors' folder has no config.json, which AutoConfig reads: FPRMConfig derives it from the files
     where = {"subfolder": model_args.subfolder} if model_args.subfolder else {}

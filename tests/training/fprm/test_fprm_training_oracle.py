@@ -21,7 +21,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from fprm_hf.authors_layout import _map_key
+from fprm_hf.authors.layout import _map_key
 from fprm_hf.convert_authors import convert
 from looped_training.fprm.arguments import FPRMTrainingArguments
 from looped_training.fprm.trainer import FPRMTrainer

@@ -3,7 +3,7 @@ read as text and parsed with `ast`, never imported or executed (their module may
 
 import ast
 
-from .authors_files import resolve_file
+from .files import resolve_file
 
 _OPERATORS = {
     ast.Add: lambda a, b: a + b,

@@ -8,11 +8,12 @@ configuration class in the repo's own code. model.safetensors holds 29 bf16 tens
 state dict under a `gpt.` prefix, the tied head stored once as `transformer.wte.weight`; GPT-2's tokenizer files.
 What is inferred: which keys the 1- and 2-block repos state (most likely `n_layer`, perhaps `steps`).
 
-The modules, in the order a load reads them: `authors_files` (config.json, the weights' header), `authors_config`
-(the config every value of which comes from the first file that determines it), `authors_code_defaults` (their
-configuration class's defaults, parsed, never executed), `authors_weights` (their names onto ours), and this one.
+The modules of this folder, in the order a load reads them: `files` (config.json, the weights' header), `config`
+(the config every value of which comes from the first file that determines it), `code_defaults` (their
+configuration class's defaults, parsed, never executed), `weights` (their names onto ours), and this one; `auto`
+holds the classes the Auto registries reach it by.
 
-The weights are then read as stored (every shard), renamed by the one table of `authors_weights` (the fused `c_attn`
+The weights are then read as stored (every shard), renamed by the one table of `weights.py` (the fused `c_attn`
 split in three), and handed as a state dict to transformers' own `from_pretrained` (dtype, `device_map`,
 quantisation, the missing/unexpected-key report), which builds a `LoopFormerForCausalLM` as such; the repo's
 generation_config.json is then read as `from_pretrained` reads it for any folder. No registry of transformers' is
@@ -24,18 +25,15 @@ import os
 import re
 
 import torch
+from transformers.modeling_utils import PreTrainedModel
 
-from .authors_code_defaults import source_defaults
-from .authors_config import (
-    MODEL_TYPES,
-    OWN_CONFIG_KEYS,
-    derive_config,
-    is_reference_config,
-    resolve_config,
-    translate_config,
-)
-from .authors_files import read_config_dict, read_weight_shapes, read_weights, resolve_file
-from .authors_weights import (
+from ..configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
+from ..configuration_loopformer import LoopFormerConfig
+from .code_defaults import source_defaults
+from .config import derive_config, resolve_config
+from .files import read_config_dict, read_weight_shapes, read_weights, resolve_file
+from .model_types import MODEL_TYPES, OWN_CONFIG_KEYS, is_reference_config
+from .weights import (
     FUSED_QKV,
     is_reference_weight_name,
     map_names,
@@ -45,9 +43,6 @@ from .authors_weights import (
     strip_wrapper_prefixes,
     wrapper_prefix,
 )
-from .configuration_loopformer import HUB_OPTIONS as HUB_KWARGS
-from .configuration_loopformer import LoopFormerConfig
-from .looped_common import CheckpointLoadersMixin
 
 
 def _check_tied_head(path, prefix, names, hub_kwargs):
@@ -159,14 +154,14 @@ _ACCEPTED_NOOPS = ("trust_remote_code", "code_revision", "_from_auto", "adapter_
 
 
 def _load_mapped(causal_lm, path, state_dict, config, hub_kwargs, kwargs):
-    """transformers' own `from_pretrained` of `causal_lm` (past ours, which routed here) from `state_dict` (their
-    tensors under our names), then the repo's generation_config.json as `from_pretrained` reads it for a folder.
-    Returns (model, loading info)."""
+    """transformers' own `from_pretrained` of `causal_lm` (past any override of ours, which routed here) from
+    `state_dict` (their tensors under our names), then the repo's generation_config.json as `from_pretrained` reads it
+    for a folder. Returns (model, loading info)."""
     generation_config = kwargs.get("generation_config")
     kwargs = {key: value for key, value in kwargs.items() if key not in HUB_KWARGS}
     try:
-        model, info = super(CheckpointLoadersMixin, causal_lm).from_pretrained(  # transformers', past the loaders
-            None, config=config, state_dict=state_dict, output_loading_info=True, **kwargs
+        model, info = PreTrainedModel.from_pretrained.__func__(  # transformers' own, with `causal_lm` as the class
+            causal_lm, None, config=config, state_dict=state_dict, output_loading_info=True, **kwargs
         )
     except TypeError as error:  # an option transformers passed on to the model's constructor
         unknown = re.findall(r"unexpected keyword argument '(\w+)'", str(error))
@@ -192,8 +187,10 @@ def _refuse_our_weights_under_their_config(path, shapes):
         )
 
 
-def from_pretrained_reference(cls, path, model_args, kwargs):
-    """`cls.from_pretrained(path, ...)` for a repo in the authors' layout, or None when `path` is not one."""
+def load_authors_repo(cls, path, model_args, kwargs):
+    """`cls.from_pretrained(path, *model_args, **kwargs)` for a repo in the authors' layout, or None when `path` is not
+    one (a folder of ours whose weights are named as theirs is refused). `cls`: LoopFormerForCausalLM or
+    LoopFormerModel (the base model of the loaded causal LM)."""
     hub_kwargs = {key: kwargs[key] for key in HUB_KWARGS if kwargs.get(key) is not None}
     config_dict = read_config_dict(path, hub_kwargs)
     if config_dict is None or config_dict.get("model_type") not in MODEL_TYPES:
@@ -201,7 +198,7 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     if not is_reference_config(config_dict):
         _refuse_reference_weights_under_our_config(path, hub_kwargs)
         return None
-    from .modeling_loopformer import LoopFormerForCausalLM
+    from ..modeling_loopformer import LoopFormerForCausalLM
 
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for the authors' layout.")
@@ -231,11 +228,33 @@ def from_pretrained_reference(cls, path, model_args, kwargs):
     return (model, info) if output_loading_info else model
 
 
+def from_pretrained_authors(pretrained_model_name_or_path, *model_args, model_class=None, **kwargs):
+    """One of the authors' Hub repos (or a folder in their layout) loaded as a `LoopFormerForCausalLM` (or, with
+    `model_class=LoopFormerModel`, its base model), whatever transformers' Auto registries hold: this is what
+    `AutoModelForCausalLM.from_pretrained` runs for their repos after `import loopformer_hf`, and what to call where
+    another library holds one of their model types ("base", ...). `kwargs`: `from_pretrained`'s (Hub options,
+    `dtype`, `device_map`, `config`, config fields). A folder not in their layout is a ValueError."""
+    from ..modeling_loopformer import LoopFormerForCausalLM, LoopFormerModel
+
+    model_class = LoopFormerForCausalLM if model_class is None else model_class
+    if not (isinstance(model_class, type) and issubclass(model_class, (LoopFormerForCausalLM, LoopFormerModel))):
+        raise ValueError(f"`model_class` must be LoopFormerForCausalLM or LoopFormerModel, got {model_class!r}.")
+    model = load_authors_repo(model_class, pretrained_model_name_or_path, model_args, kwargs)
+    if model is None:
+        raise ValueError(
+            f"{os.fspath(pretrained_model_name_or_path)!r} is not in the authors' layout (a config.json whose "
+            f"model_type is one of {sorted(MODEL_TYPES)}, without {' / '.join(OWN_CONFIG_KEYS)}): load it with "
+            f"{model_class.__name__}.from_pretrained."
+        )
+    return model
+
+
 # what other modules read from here: the loader, the config translation and the weight table (vLLM's loader, the
 # benchmarks), each defined in the module named above
 __all__ = [
     "derive_config",
-    "from_pretrained_reference",
+    "from_pretrained_authors",
+    "load_authors_repo",
     "is_reference_config",
     "is_reference_weight_name",
     "map_names",
@@ -245,5 +264,4 @@ __all__ = [
     "resolve_config",
     "source_defaults",
     "strip_wrapper_prefixes",
-    "translate_config",
 ]

@@ -11,7 +11,7 @@ training model (`pretrain.py`): keys `_orig_mod.model.inner.*`, fp32, the EMA co
 `all_config.yaml` (`yaml.dump(PretrainConfig.model_dump())`; its `arch:` carries the fields their Hydra configs set)
 and the model source `pretrain.py` copies beside a run; `maze/` holds the step files only. No config.json anywhere.
 
-So every value comes from the files, in this order (`authors_settings.resolve_settings`, the one derivation behind
+So every value comes from the files, in this order (`settings.resolve_settings`, the one derivation behind
 `from_pretrained`, `FPRMConfig.from_pretrained` and `python -m fprm_hf.convert_authors`):
 
 1. the tensors' shapes: vocabulary, width, blocks, SwiGLU width, conv type and kernel, conv bias, residual scaling,
@@ -33,11 +33,11 @@ import re
 import zipfile
 
 import torch
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import cached_file, logging
 
-from .authors_layout import GITHUB, build_config, fixed_alphas_of, map_reference_state_dict, unknown_settings
-from .authors_settings import PublishedCheckpointError, resolve_settings, weight_settings
-from .looped_common import CheckpointLoadersMixin
+from .layout import GITHUB, build_config, fixed_alphas_of, map_reference_state_dict, recursion_of, unknown_settings
+from .settings import PublishedCheckpointError, resolve_settings, weight_settings
 
 logger = logging.get_logger(__name__)
 
@@ -314,7 +314,9 @@ def authors_checkpoint_config(path, hub_kwargs, step=None, reference=None):
         )
         settings = {k: v for k, v in settings.items() if k not in unknown}
     _, has_q_head = weight_settings(reference)
-    config = build_config(settings, fixed_alphas_of(reference), use_q_head=has_q_head, grid=grid)
+    config = build_config(
+        settings, fixed_alphas_of(reference), use_q_head=has_q_head, grid=grid, recursion=recursion_of(reference)
+    )
     config.dtype = str(next(iter(reference.values())).dtype).removeprefix("torch.")  # as stored (their fp32 EMA)
     sub = hub_kwargs.get("subfolder")
     config.authors_checkpoint = {
@@ -350,8 +352,8 @@ def from_pretrained_authors(cls, path, model_args, kwargs):
         if isinstance(path, (str, os.PathLike)):
             refuse_root_or_step(path, hub_kwargs, kwargs.get("step"))
         return None
-    from .configuration_fprm import FPRMConfig
-    from .modeling_fprm import FPRMForReasoning
+    from ..configuration_fprm import FPRMConfig
+    from ..modeling_fprm import FPRMForReasoning
 
     if model_args:
         raise ValueError(f"positional model arguments {model_args!r} are not accepted for an authors' folder.")
@@ -380,10 +382,8 @@ def from_pretrained_authors(cls, path, model_args, kwargs):
         f"(all-ones DropConnect masks and rotary caches, not used by the forward)"
     )
     loading = cls if issubclass(cls, FPRMForReasoning) else FPRMForReasoning
-    # transformers' own, past the loaders
-    loaded = super(CheckpointLoadersMixin, loading).from_pretrained(
-        None, config=config, state_dict=state_dict, **kwargs
-    )
+    # transformers' own `from_pretrained`, with `loading` as the class (past the hook that routed here)
+    loaded = PreTrainedModel.from_pretrained.__func__(loading, None, config=config, state_dict=state_dict, **kwargs)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
     model.name_or_path = model.config._name_or_path = os.fspath(path)
     if loading is not cls:  # FPRMModel (AutoModel): the base model of the loaded reasoner

@@ -1,7 +1,7 @@
 """The authors' FPRM layout (GitHub nilskiKonjIzDunava/fprm) and this package's: their arch field names mapped to
 `FPRMConfig`'s (`check_settings`, `build_config`) and their weight keys to `FPRMForReasoning`'s
-(`map_reference_state_dict`; the converter's docstring, `convert_authors`, has the key mapping table). Where their
-settings come from (a checkpoint's files) is `authors_settings.resolve_settings`.
+(`map_reference_state_dict`; the converter's docstring, `convert.py`, has the key mapping table). Where their
+settings come from (a checkpoint's files) is `settings.resolve_settings`.
 """
 
 import math
@@ -10,8 +10,8 @@ import re
 import torch
 from transformers.utils import logging
 
-from .configuration_fprm import FPRMConfig
-from .modeling_fprm import FPRMForReasoning
+from ..configuration_fprm import FPRMConfig
+from ..modeling_fprm import FPRMForReasoning
 
 logger = logging.get_logger(__name__)
 
@@ -89,6 +89,10 @@ IGNORED = {
     "expon_scale",
     "n_decode_steps",
 }
+# their TRM's fields (models/config.py ReasoningModelConfig, required there; `n_backwards_L` defaults to 1), read where
+# the checkpoint holds TRM's initial states H_init / L_init (models/recursive_reasoning/trm.py); ignored for FPRM
+TRM_REQUIRED = ("H_cycles", "L_cycles", "halt_max_steps", "halt_exploration_prob")
+TRM_STATES = ("H_init", "L_init")
 POSITIONS = {"rope": "rope", "learned": "learned", "none": "none"}
 NORM_TYPES = {"pre-norm": "pre", "post-norm": "post", "peri-norm": "peri"}
 CONV_TYPES = {"conv1d": "causal_1d", "conv2d": "2d", "none": "none"}
@@ -155,11 +159,47 @@ def check_settings(settings):
     return s
 
 
-def build_config(settings, fixed_alphas=None, use_q_head=False, grid=None):
+def recursion_of(reference):
+    """ "trm" for a checkpoint of their TRM (its initial states `H_init` and `L_init` stored), else "fixed_point"."""
+    held = [key for key in TRM_STATES if key in strip_reference_prefixes(reference)]
+    if len(held) == 1:
+        raise ValueError(
+            f"the checkpoint holds {held[0]} without {set(TRM_STATES) - set(held)}: their TRM stores both."
+        )
+    return "trm" if held else "fixed_point"
+
+
+def trm_fields(settings):
+    """`FPRMConfig`'s TRM fields (`recursion="trm"`) from their TRM settings, refused where one is missing or asks for
+    what this model does not compute."""
+    missing = [k for k in TRM_REQUIRED if settings.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"missing settings {missing}: a TRM checkpoint (H_init / L_init) needs them, as their config/arch/trm.yaml "
+            f"gives them; give them in a --config file."
+        )
+    if settings.get("q_logit_from_puzzle_emb", True) is not True:
+        raise ValueError(
+            f"unsupported settings: q_logit_from_puzzle_emb={settings['q_logit_from_puzzle_emb']!r} (a Q-head over the "
+            f"mean of the tokens; the Q-head here reads z_H[:, 0], their default)."
+        )
+    return dict(
+        recursion="trm",
+        H_cycles=int(settings["H_cycles"]),
+        L_cycles=int(settings["L_cycles"]),
+        n_backwards_L=int(settings.get("n_backwards_L") or 1),  # their ReasoningModelConfig's default
+        halt_max_steps=int(settings["halt_max_steps"]),
+        halt_exploration_prob=float(settings["halt_exploration_prob"]),
+    )
+
+
+def build_config(settings, fixed_alphas=None, use_q_head=False, grid=None, recursion="fixed_point"):
     """An `FPRMConfig` from their arch fields (names as in their code; module docstring). `intermediate_size`, where
     given (the weights' SwiGLU width), is built as it is instead of their rule over `expansion`; `grid` is the
-    task's (height, width), which a conv2d needs and which fixes the input length."""
+    task's (height, width), which a conv2d needs and which fixes the input length; `recursion="trm"` (a checkpoint
+    of their TRM, `recursion_of`) reads their TRM fields too (`trm_fields`)."""
     s = check_settings(settings)
+    trm = trm_fields(s) if recursion == "trm" else {}
     residual = RESIDUAL_SCALES[s["residual_scale"]]
     hidden, seq_len = int(s["hidden_size"]), int(s["seq_len"])
     ndim, prefix = int(s["puzzle_emb_ndim"]), prefix_rows(s)
@@ -206,6 +246,7 @@ def build_config(settings, fixed_alphas=None, use_q_head=False, grid=None):
         puzzle_emb_ndim=ndim if prefix else None,
         use_q_head=use_q_head,
         **({"max_loops": int(max_loops)} if max_loops else {}),
+        **trm,
     )
 
 
@@ -290,7 +331,7 @@ def map_reference_state_dict(reference, config):
                 logger.warning(f"{key} is not all ones (a DropConnect mask of training); inference does not use it")
             dropped.append(key)
             continue
-        if key in ("q_head.weight", "q_head.bias") and config.use_q_head:
+        if key in ("q_head.weight", "q_head.bias") and (config.use_q_head or config.recursion == "trm"):
             mapped[key] = tensor.float()
             continue
         if key in (
@@ -361,6 +402,8 @@ def _map_key(key, config):
         return "model.embed_positions.weight"
     if key == "L_optimizer.init_vec" and config.fixed_init:
         return "model.z_init"
+    if key in TRM_STATES and config.recursion == "trm":
+        return f"model.{key}"
     match = re.fullmatch(r"L_level\.alpha_([12])_param", key)
     if match:
         if config.residual_scaling == "fixed":

@@ -1,22 +1,22 @@
 """The one derivation of the authors' settings from a checkpoint's files (`resolve_settings`), shared by
-`from_pretrained` on their authors' folders (`authors_checkpoints`), `FPRMConfig.from_pretrained` and the converter
+`from_pretrained` on their authors' folders (`checkpoints.py`), `FPRMConfig.from_pretrained` and the converter
 (`convert_authors`). Each value comes from the first of these that gives it, with where it came from:
 
 1. the tensors' shapes (`weight_settings`);
 2. the fields a config file states (their names, `arch:`);
 3. the task sizes their dataset builders write, from the data path's name (`data_sizes`);
-4. the defaults of their config classes (`authors_layout.COMPUTING_DEFAULTS`).
+4. the defaults of their config classes (`layout.COMPUTING_DEFAULTS`).
 
 A later source that contradicts an earlier one, or a field nothing determines, is a `PublishedCheckpointError`
-naming it. Their field and key names are mapped to this package's in `authors_layout`.
+naming it. Their field and key names are mapped to this package's in `layout.py`.
 """
 
 import math
 import os
 import re
 
-from .authors_layout import COMPUTING_DEFAULTS, GITHUB, strip_reference_prefixes
-from .configuration_fprm import swiglu_width
+from ..configuration_fprm import swiglu_width
+from .layout import COMPUTING_DEFAULTS, GITHUB, strip_reference_prefixes
 
 # Their defaults, with the class that holds each (models/config.py, else fprm_config.py).
 FPRM_CONFIG_FIELDS = {

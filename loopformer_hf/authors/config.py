@@ -4,13 +4,13 @@ repo's files that determines it (`resolve_config`; docs/loopformer.md has the or
 1. the weights: vocabulary, width, block count, FFN width, context, biases, the model family and the sinusoid
    width, read from the safetensors header (or its shard index), never by reading the tensors;
 2. config.json, where it states a value (nanoGPT keys or the GPT-2 aliases their loader accepts);
-3. the defaults of the configuration class named in `auto_map` (`authors_code_defaults`, parsed, never executed);
+3. the defaults of the configuration class named in `auto_map` (`code_defaults.py`, parsed, never executed);
 4. the repo's name ("…-2block-12iterations") for the loop count only;
 5. their GitHub `GPTConfig` defaults (32 heads, `steps=[1/8]*8`).
 
 A value a later source states that the weights contradict is a `ValueError` naming both; the attention-head count and
 the trajectory, which no tensor shape gives, are recorded in `config.authors_config_sources` and logged once.
-Their model types other than "loopformer" (ours) are registered with `AutoConfig` as the classes at the end.
+Their model types and the config classes `AutoConfig` reads them with are in `auto.py`.
 """
 
 import math
@@ -19,24 +19,13 @@ import re
 
 from transformers.utils import logging
 
-from .authors_code_defaults import read_code_defaults
-from .authors_files import read_config_dict, read_special_token_ids, read_weight_shapes
-from .authors_weights import strip_wrapper_prefixes
-from .configuration_loopformer import LoopFormerConfig
+from .code_defaults import read_code_defaults
+from .files import read_config_dict, read_special_token_ids, read_weight_shapes
+from .model_types import MODEL_TYPES
+from .weights import strip_wrapper_prefixes
 
 logger = logging.get_logger(__name__)
 
-# variants (the Hub's Base-Loop-EE) are trained differently but hold the weights of their looped model
-MODEL_TYPES = {
-    "loopformer": ("shortcut", False, False),
-    "tmlt": ("timestep", False, False),
-    "tmlt_ee": ("timestep", False, False),
-    "base_loop": ("none", True, False),
-    "base_loop_ee": ("none", True, False),
-    "base": ("none", True, True),
-}
-# Fields only this package's configs carry: a config.json with any of them is ours, not the authors'.
-OWN_CONFIG_KEYS = ("num_loops", "loop_conditioning")
 # nanoGPT name -> the names their loader also accepts, in its order of preference (`_get` in GPT.from_pretrained).
 REFERENCE_CONFIG_KEYS = {
     "block_size": ("block_size", "n_positions", "max_position_embeddings"),
@@ -66,11 +55,6 @@ GITHUB_STEP_COUNT = 8
 GITHUB = "their GitHub GPTConfig's default"
 REPO_NAME = re.compile(r"(\d+)\s*blocks?-(\d+)\s*iterations?", re.IGNORECASE)
 SUM_TOLERANCE = 1e-6
-
-
-def is_reference_config(config_dict):
-    """True for a config.json in the authors' layout: one of their model types and none of our own fields."""
-    return config_dict.get("model_type") in MODEL_TYPES and not any(key in config_dict for key in OWN_CONFIG_KEYS)
 
 
 # ---- what the files say ----------------------------------------------------------------------------------------------
@@ -322,52 +306,3 @@ def _report_sources(name_or_path, kwargs):
             f"{named.group(0)}; pass num_loops={named.group(2)} to from_pretrained if the name is "
             f"right."
         )
-
-
-def translate_config(config_dict, name_or_path=None, hub_kwargs=None):
-    """`derive_config` for a config.json in the authors' layout (`is_reference_config`), else None: the translator
-    `LoopFormerConfig.from_dict` calls."""
-    return derive_config(config_dict, name_or_path, hub_kwargs) if is_reference_config(config_dict) else None
-
-
-# ---- their model types, for AutoConfig -------------------------------------------------------------------------------
-
-
-class AuthorsTMLTConfig(LoopFormerConfig):
-    """config.json of their TMLT repos; `from_dict` translates it into a plain `LoopFormerConfig`."""
-
-    model_type = "tmlt"
-
-
-class AuthorsTMLTEarlyExitConfig(LoopFormerConfig):
-    """config.json of their early-exit TMLT repos (the weights of a TMLT model); translated as `AuthorsTMLTConfig`."""
-
-    model_type = "tmlt_ee"
-
-
-class AuthorsBaseLoopConfig(LoopFormerConfig):
-    """config.json of their Base-Loop repos; `from_dict` translates it into a plain `LoopFormerConfig`."""
-
-    model_type = "base_loop"
-
-
-class AuthorsBaseLoopEarlyExitConfig(LoopFormerConfig):
-    """config.json of their Base-Loop-EE repos (the weights of a Base-Loop model); translated as Base-Loop."""
-
-    model_type = "base_loop_ee"
-
-
-class AuthorsBaseConfig(LoopFormerConfig):
-    """config.json of their Base repos (24 blocks, one pass); `from_dict` translates it into a `LoopFormerConfig`."""
-
-    model_type = "base"
-
-
-# one a model type of theirs other than "loopformer" (ours); `loopformer_hf/__init__.py` registers them
-AUTHORS_CONFIG_CLASSES = (
-    AuthorsTMLTConfig,
-    AuthorsTMLTEarlyExitConfig,
-    AuthorsBaseLoopConfig,
-    AuthorsBaseLoopEarlyExitConfig,
-    AuthorsBaseConfig,
-)
