@@ -627,6 +627,8 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
         """
         if "halt_criterion" in kwargs or "halt_head" in kwargs:
             raise TypeError(REMOVED_HALTING_ARGUMENTS)
+        if halt_eps is not None:
+            halt_eps = self.config.check_halt_eps(halt_eps)
         output_attentions = kwargs.get("output_attentions")
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = kwargs.get("output_hidden_states")
@@ -669,8 +671,6 @@ class LoopFormerModel(LoopFormerPreTrainedModel):
             loop_budget, step_schedule, batch_size, inputs_embeds.dtype, inputs_embeds.device
         )
         num_steps = len(trajectory) if rows is None else rows.num_steps
-        if halt_eps is not None:
-            halt_eps = self.config.check_halt_eps(halt_eps)
         if cache is not None and not torch.compiler.is_compiling():
             key = (trajectory if rows is None else rows.trajectories, halt_eps)
             if halt_eps is not None and getattr(self, "halting_rule", None) is not None:
@@ -819,20 +819,25 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         step_schedule=None,
         halt_eps=None,
         shortcut_consistency=None,
-        shift_labels=None,
         past_key_values=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
         r"""
-        labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored.
-        shift_labels (`torch.LongTensor`, *optional*): targets already aligned with the positions, one per position
-            (the authors' windows: `y = data[s+1:s+T+1]`); named, so that a `Trainer` keeps the column.
+        labels (`torch.LongTensor`, *optional*): next-token targets (shifted inside), -100 is ignored; as Llama's,
+            of the input's length (T − 1 targets), or one longer: the whole window `data[s:s+T+1]` of the input
+            `data[s:s+T]`, whose T targets `data[s+1:s+T+1]` are the authors' (a stock `Trainer` keeps a `labels`
+            column, not a `shift_labels` one). `shift_labels` (a keyword, as for Llama): targets already aligned.
         loop_budget, step_schedule, halt_eps: as for [`LoopFormerModel.forward`], also as `generate` kwargs;
             `output_attentions`, `output_hidden_states`, `return_dict` as Llama's.
         shortcut_consistency ([`ShortcutConsistency`], *optional*): with `labels`, the same inputs also run its short
             trajectory: `loss = CE_full + λ1·CE_short + λ2·D(stopgrad(h_full), h_short)`, its terms in `ce_full`,
             `ce_short`, `consistency` (in a Trainer, looped_training's ShortcutConsistencyCallback passes it).
         """
+        shift_labels = kwargs.pop("shift_labels", None)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if shift_labels is None and isinstance(labels, torch.Tensor) and labels.dim() == 2:
+            if labels.shape[1] == length + 1:  # the whole window: its last T tokens are the targets
+                shift_labels = labels[:, 1:].contiguous()
         if labels is None and shift_labels is not None:
             labels = shift_labels  # the targets are given aligned: `_loss` reads them as such
         old_arguments = kwargs and not torch.compiler.is_compiling() and not kwargs.keys().isdisjoint(SHORTCUT_KWARGS)
@@ -878,7 +883,7 @@ class LoopFormerForCausalLM(LoopFormerPreTrainedModel, LoopFormerGenerationMixin
         if shortcut_consistency is None:
             extra = {"ignore_index": kwargs["ignore_index"]} if "ignore_index" in kwargs else {}
             if shift_labels is not None:
-                extra["shift_labels"] = shift_labels
+                extra["shift_labels"] = shift_labels.contiguous()  # transformers' loss views it flat
             loss = self.loss_function(
                 logits=logits,
                 labels=None if shift_labels is not None else labels,
