@@ -43,6 +43,7 @@ incomplete by a kill during its save is skipped with a warning) or a path. An `-
 unless the run resumes it or `--overwrite_output_dir` is given (which deletes the old run first).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -285,8 +286,17 @@ def main(argv=None):
         # Every variant's training forward uses every parameter (tests/training/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
-    with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
-        return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable, given)
+    if data_args.data_dir is not None:  # the record's path reads from any folder (evaluate, a resume)
+        data_args.data_dir = os.path.abspath(data_args.data_dir)
+    created = not os.path.exists(training_args.output_dir)
+    try:
+        with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
+            return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable, given)
+    except BaseException:
+        if created and training_args.process_index == 0:  # a refused run leaves no empty --output_dir behind
+            with contextlib.suppress(OSError):
+                os.rmdir(training_args.output_dir)
+        raise
 
 
 def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
@@ -386,7 +396,12 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
         source = continued.load_source(model_args.model_name_or_path, LoopFormerForCausalLM)
         continued.model_args_of(source[0].config, model_args, given, VARIANTS)
     tokenizer, train_dataset, eval_dataset, block_size = build_data(
-        data_args, model_args, source, training_args.process_index, training_args.world_size
+        data_args,
+        model_args,
+        source,
+        training_args.process_index,
+        training_args.world_size,
+        evaluate=training_args.eval_strategy != "no",
     )
     if chat_template is not None:
         set_chat_template(tokenizer, chat_template, data_args.chat_template)

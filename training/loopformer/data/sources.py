@@ -15,6 +15,7 @@ import logging
 from functools import partial
 
 import numpy as np
+import torch
 from looped_training.loopformer.data import corpus as corpus_docs
 from looped_training.loopformer.data import text, token_files
 
@@ -82,7 +83,14 @@ def choose_tokenizer(data_args, corpus, source_tokenizer):
         logger.info(
             "%s has no tokens.json (the authors' layout): its ids are read as %s's.", corpus.folder, AUTHORS_TOKENIZER
         )
-        return load_tokenizer(AUTHORS_TOKENIZER)
+        try:
+            return load_tokenizer(AUTHORS_TOKENIZER)
+        except ValueError as e:
+            raise ValueError(
+                f"--data_dir {corpus.folder!r} has no tokens.json (the authors' layout), so its ids are read as "
+                f"{AUTHORS_TOKENIZER!r}'s, and that tokenizer does not load here "
+                f"({str(e).split(' (', 1)[-1].rstrip('.)')}); give --tokenizer_name (a Hub id or a folder)."
+            ) from None
     else:
         if data_args.streaming:
             raise ValueError(
@@ -120,9 +128,42 @@ def _in_split(held, split):
     return [h == (split == "val") for h in held]
 
 
+def stream_eval_windows(data_args, tokenizer, block_size):
+    """The held-out windows of a streamed run, read once (the first `--max_eval_samples`, default 256) and kept in
+    memory, so each evaluation reads the same windows without streaming the corpus again."""
+    import torch
+
+    fraction = data_args.validation_fraction
+    rows = []
+    if fraction > 0:
+        n = data_args.max_eval_samples or STREAM_EVAL_WINDOWS
+        rows = list(stream_windows(data_args, tokenizer, block_size, "val").take(n))
+    if not rows:
+        raise ValueError(
+            f"--streaming: no window of {block_size} tokens is held out at --validation_fraction {fraction} (no "
+            f"document of the corpus fell to validation, or none is that long), so there is nothing to evaluate on; "
+            f"raise --validation_fraction, or give --eval_strategy no."
+        )
+    return Rows(rows)
+
+
+class Rows(torch.utils.data.Dataset):
+    """A list of rows (dicts of tensors) as a map-style dataset."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
 def token_data(data_args, block_size, vocab_size):
-    """(train, eval or None) windows of `--data_dir`, after checking its ids fit `vocab_size`."""
-    corpus = token_files.open_corpus(data_args.data_dir, block_size)
+    """(train, eval or None) windows of `--data_dir`, after checking its files against tokens.json (sizes and
+    checksums) and that its ids fit `vocab_size`."""
+    corpus = token_files.open_corpus(data_args.data_dir, block_size, verify=True)
     token_files.check_vocabulary(corpus, vocab_size)
     train = token_files.TokenWindows(corpus.train, block_size, corpus.dtype, vocab_size)
     evaluation = None
@@ -148,7 +189,7 @@ def held_out_windows(data_args, tokenizer, block_size, max_rows):
     import torch
 
     if data_args.data_dir is not None:
-        corpus = token_files.open_corpus(data_args.data_dir)
+        corpus = token_files.open_corpus(data_args.data_dir, verify=True)
         if corpus.val is None:
             raise ValueError(f"{data_args.data_dir!r} has no val.bin: nothing is held out to evaluate on.")
         windows = token_files.TokenWindows(corpus.val, block_size, corpus.dtype)
