@@ -151,7 +151,9 @@ def test_a_kill_after_train_bin_moved_in_never_gives_a_zero_padded_corpus(source
     assert (tmp_path / "k" / "train.bin").exists() and not (tmp_path / "k" / "tokens.json").exists()
     meta = run_prepare(tmp_path / "k", source, tokenizer_dir)
     data = np.fromfile(tmp_path / "k" / "train.bin", np.uint16)
-    assert meta["splits"] == reference["splits"] and np.count_nonzero(data == 0) == meta["splits"]["train"]["documents"]
+    assert (
+        meta["splits"] == reference["splits"] and np.count_nonzero(data == 0) == meta["splits"]["train"]["documents"]
+    )
     assert (tmp_path / "k" / "train.bin").read_bytes() == (tmp_path / "ref" / "train.bin").read_bytes()
 
 
@@ -412,7 +414,9 @@ def test_the_authors_layout_without_a_tokenizer_names_the_missing_flag(tmp_path,
     monkeypatch.setattr(sources, "load_tokenizer", offline)
     with pytest.raises(ValueError, match=r"has no tokens.json \(the authors' layout\), .* give --tokenizer_name") as e:
         sources.choose_tokenizer(
-            train_loopformer.DataArguments(task="text", data_dir=str(tmp_path)), token_files.open_corpus(tmp_path), None
+            train_loopformer.DataArguments(task="text", data_dir=str(tmp_path)),
+            token_files.open_corpus(tmp_path),
+            None,
         )
     assert "--tokenizer_name 'gpt2'" not in str(e.value)
 
