@@ -217,6 +217,23 @@ def check_sharding(trainer):
             )
 
 
+MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+
+
+def check_launcher(environ=os.environ):
+    """Refuse a run that `accelerate launch --cpu --num_processes N` (N > 1) started as one process: without mpirun,
+    accelerate's --cpu launcher runs the script once (it sets MASTER_ADDR for the N processes but starts none of the
+    others), which would train a single process silently."""
+    cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1", "yes")
+    if cpu and "MASTER_ADDR" in environ and not any(k in environ for k in MPI_SIZES):
+        raise ValueError(
+            "accelerate launch --cpu --num_processes N started one process, not N (its --cpu launcher starts several "
+            "only through mpirun): launch with the DDP config, `ACCELERATE_USE_CPU=true accelerate launch "
+            '--config_file "$(python -m looped_training.configs accelerate ddp)" --num_processes N -m '
+            "looped_training.loopformer.train ...`, or leave out --num_processes."
+        )
+
+
 def read_chat_template(path):
     """The text of a `--chat_template` file (None without one), read before any work."""
     if path is None:
@@ -275,6 +292,7 @@ def main(argv=None):
     if schedule_args.lr_warmup not in LR_WARMUPS:
         raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
     check_run_length(training_args)
+    check_launcher()
     if schedule_args.torch_threads is not None and schedule_args.torch_threads < 1:
         raise ValueError(f"`--torch_threads` must be an integer >= 1, got {schedule_args.torch_threads}.")
     if schedule_args.torch_threads:

@@ -42,8 +42,7 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1, evaluat
             f"--block_size {block_size} is longer than --model_name_or_path's context of {context} learned positions."
         )
     if tokenizer is None:  # the in-memory path trains its BPE
-        tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+        return in_memory(data_args, tokenizer, block_size, evaluate)
     vocab_size = (
         source_model.config.vocab_size if source_model is not None else model_args.vocab_size or len(tokenizer)
     )
@@ -58,5 +57,10 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1, evaluat
         train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
         evaluation = sources.stream_eval_windows(data_args, tokenizer, block_size) if evaluate else None
         return tokenizer, train, evaluation, block_size
-    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-    return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+    return in_memory(data_args, tokenizer, block_size, evaluate)
+
+
+def in_memory(data_args, tokenizer, block_size, evaluate):
+    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size, evaluate)
+    evaluation = None if evaluation is None else datasets.Dataset.from_dict(evaluation)
+    return tokenizer, datasets.Dataset.from_dict(train), evaluation, block_size

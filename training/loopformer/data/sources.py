@@ -131,8 +131,6 @@ def _in_split(held, split):
 def stream_eval_windows(data_args, tokenizer, block_size):
     """The held-out windows of a streamed run, read once (the first `--max_eval_samples`, default 256) and kept in
     memory, so each evaluation reads the same windows without streaming the corpus again."""
-    import torch
-
     fraction = data_args.validation_fraction
     rows = []
     if fraction > 0:
@@ -203,19 +201,30 @@ def held_out_windows(data_args, tokenizer, block_size, max_rows):
     return data
 
 
-def in_memory_data(data_args, tokenizer, block_size):
-    """The in-memory text path: (train rows, eval rows) as dicts of lists (text.chunk_text)."""
+def in_memory_data(data_args, tokenizer, block_size, evaluate=True):
+    """The in-memory text path: (tokenizer, train rows, eval rows or None) as dicts of lists (text.chunk_text)."""
     from looped_training.loopformer.data import held_out_text
 
-    train_text, valid_text = held_out_text(data_args, with_train=True)
+    train_docs, valid_docs = held_out_text(data_args, with_train=True)
+    if not train_docs:
+        raise ValueError(
+            f"Every document of the corpus is held out at --validation_fraction {data_args.validation_fraction}: "
+            f"nothing is left to train on; lower it."
+        )
     if tokenizer is None:
         from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
-        tokenizer = train_bpe_tokenizer(
-            [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
-            data_args.tokenizer_vocab_size or 1024,
-        )
+        pieces = (p for d in train_docs for p in corpus_docs.pieces(d, 10_000))
+        tokenizer = train_bpe_tokenizer(pieces, data_args.tokenizer_vocab_size or 1024)
+    train = text.chunk_text(train_docs, tokenizer, block_size, window_targets=data_args.window_targets)
+    if not valid_docs:
+        if evaluate:
+            raise ValueError(
+                f"No document of the corpus is held out at --validation_fraction {data_args.validation_fraction} "
+                f"(whole documents are held out, by a seeded hash of their text), so there is nothing to evaluate "
+                f"on; raise --validation_fraction, give more documents, or give --eval_strategy no."
+            )
+        logger.warning("No document is held out at --validation_fraction %s.", data_args.validation_fraction)
+        return tokenizer, train, None
     # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
-    train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
-    evaluation = text.chunk_text(valid_text, tokenizer, block_size)
-    return tokenizer, train, evaluation
+    return tokenizer, train, text.chunk_text(valid_docs, tokenizer, block_size)
