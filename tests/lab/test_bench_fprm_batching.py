@@ -19,3 +19,13 @@ def test_the_benchmark_runs_every_mode_and_writes_its_ratios(tmp_path):
     tau = record["matched_halt_eps"]
     assert f"continuous, τ {tau:g} / batch" in record["ratios"]
     assert record["modes"]["batch"]["rows_per_step"] >= record["modes"]["sample"]["rows_per_step"]
+
+
+def test_the_default_output_is_not_the_tracked_results_file():
+    import os
+
+    from benchmarks import bench_fprm_batching
+
+    assert os.path.relpath(bench_fprm_batching.RESULT, bench_fprm_batching.ROOT) == os.path.join(
+        "outputs", "bench-fprm-batching", "fprm_batching.json"
+    )

@@ -22,7 +22,8 @@ def texts(tmp, bad=None, name="texts"):
     folder = Path(tmp) / name
     folder.mkdir(exist_ok=True)
     for i in range(3):
-        (folder / f"d{i}.txt").write_text(f"the cat sat on the mat and the dog ran {i} " * 20)
+        if not (folder / f"d{i}.txt").exists():  # written once: a second call keeps their mtimes
+            (folder / f"d{i}.txt").write_text(f"the cat sat on the mat and the dog ran {i} " * 20)
     if bad is not None:
         (folder / "bad.txt").write_bytes(bad)
     return str(folder)
