@@ -36,10 +36,15 @@ STREAM_TRAIN = [
 ]  # fmt: skip
 
 
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def words():
     if os.path.isdir(SHAKESPEARE):
         names = sorted(os.listdir(SHAKESPEARE))
-        text = " ".join(open(os.path.join(SHAKESPEARE, n), encoding="utf-8").read() for n in names)
+        text = " ".join(read(os.path.join(SHAKESPEARE, n)) for n in names)
         return text.split(" ")
     rng = random.Random(0)
     return [f"w{rng.randrange(5000)}" for _ in range(500_000)]
@@ -190,7 +195,10 @@ def main(argv=None):
 
 
 def table(results):
-    lines = ["| run | small | large | peak RssAnon, small | large | growth | limit |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| run | small | large | peak RssAnon, small | large | growth | limit |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for r in results["rows"]:
         lines.append(
             f"| {r['run']} | {r['small']} | {r['large']} | {r['small_mib']:,.0f} MiB | {r['large_mib']:,.0f} MiB | "

@@ -6,7 +6,6 @@ in one line naming the file (and the row)."""
 import os
 
 import pytest
-
 from looped_training.fprm import prepare
 from support import fprm_data_oracle as oracle
 
@@ -16,7 +15,8 @@ def folder_bytes(folder):
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = f.read()
     return found
 
 

@@ -11,14 +11,34 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from looped_training.loopformer import prepare as prepare_cli
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data import TokenWindows, corpus, sources, token_files
 from looped_training.loopformer.data.folder_lock import folder_lock
 from support.hub_helpers import make_tokenizer
 
-WORDS = "the a cat dog sat ran on under mat log red blue quick slow fox jumps over lazy king queen".split()
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "log",
+    "red",
+    "blue",
+    "quick",
+    "slow",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "king",
+    "queen",
+]
 TINY_MODEL = ["--hidden_size", "32", "--num_attention_heads", "2", "--num_loops", "2", "--block_size", "16"]
 TINY_RUN = [
     "--per_device_train_batch_size", "4", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
@@ -64,7 +84,8 @@ def folder_bytes(folder):
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = open(path, "rb").read()
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = f.read()
     return found
 
 
@@ -203,9 +224,8 @@ def test_a_second_prepare_into_a_locked_folder_is_refused_and_the_lock_goes_with
     source, tokenizer_dir, tmp_path
 ):
     out = tmp_path / "out"
-    with folder_lock(str(out)):
-        with pytest.raises(ValueError, match=r"is being written by another prepare \(pid \d+ on .*\)"):
-            run_prepare(out, source, tokenizer_dir)
+    with folder_lock(str(out)), pytest.raises(ValueError, match=r"being written by another prepare \(pid \d+ on .*\)"):
+        run_prepare(out, source, tokenizer_dir)
     assert run_prepare(out, source, tokenizer_dir)["splits"]["train"]["tokens"] > 0
     assert not (out / ".prepare.lock").exists()
     # a killed holder's lock is released by the kernel: the next prepare takes it
@@ -309,6 +329,11 @@ def test_a_long_document_tokenized_in_pieces_has_the_whole_documents_tokens(monk
     assert len(parts) > 50 and "".join(parts) == text
     out = corpus.Tokenize(tok, "uint16", 0.0, 0)({"text": [text, "short one"]})
     assert out["input_ids"][0].tolist() == [*whole, tok.eos_token_id]
+    # short documents go to the tokenizer in groups of at most PIECE_CHARS characters: each keeps its own tokens
+    short = [awkward_text(30, seed=s) for s in range(60)] + ["", None]
+    out = corpus.Tokenize(tok, "uint16", 0.0, 0)({"text": short})
+    expected = [[*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id] if d else [] for d in short]
+    assert [ids.tolist() for ids in out["input_ids"]] == expected
     # the held-out hash of a document is the same hashed whole or by pieces
     key = (3).to_bytes(8, "little", signed=True)
     digest = hashlib.blake2b(text.encode(), digest_size=8, key=key).digest()
@@ -425,3 +450,15 @@ def test_a_refused_run_leaves_no_output_dir(tmp_path):
     with pytest.raises(ValueError, match="has no train.bin"):
         train_on(tmp_path / "run", "--data_dir", str(tmp_path), "--max_steps", "1")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_one_process_launch_of_accelerate_cpu_with_several_processes_is_refused(tmp_path, monkeypatch):
+    for name in train_loopformer.MPI_SIZES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # what accelerate's --cpu launcher sets for N > 1, starting one
+    with pytest.raises(ValueError, match="accelerate launch --cpu --num_processes N started one process, not N"):
+        train_on(tmp_path / "run", "--max_steps", "1")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher that started them all (torchrun, the DDP config, mpirun)
+    train_loopformer.check_launcher()

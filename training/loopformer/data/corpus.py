@@ -200,22 +200,37 @@ class Tokenize:
 
     def __call__(self, batch):
         texts = [t or "" for t in batch["text"]]
-        short = [i for i, t in enumerate(texts) if len(t) <= PIECE_CHARS]
-        ids = dict(zip(short, self.ids([texts[i] for i in short]) if short else []))
-        eos = self.tokenizer.eos_token_id
-        out = []
-        for i, t in enumerate(texts):
+        out = [None] * len(texts)
+        group, size = [], 0
+        for i, t in enumerate(texts):  # short documents a group of at most PIECE_CHARS characters a call
             if not t:
-                out.append(np.zeros(0, self.dtype))
-            elif i in ids:
-                out.append(np.asarray([*ids.pop(i), eos], dtype=self.dtype))
-            else:
-                parts = [np.asarray(self.ids([p])[0], dtype=self.dtype) for p in pieces(t)]
-                out.append(np.concatenate([*parts, np.asarray([eos], self.dtype)]))
+                out[i] = np.zeros(0, self.dtype)  # an empty document: no token, its row kept
+                continue
+            if len(t) > PIECE_CHARS:
+                out[i] = self.document(t)
+                continue
+            if size + len(t) > PIECE_CHARS and group:
+                self.tokenize_group(texts, group, out)
+                group, size = [], 0
+            group.append(i)
+            size += len(t)
+        self.tokenize_group(texts, group, out)
         return {
             "input_ids": out,
             "validation": is_validation(texts, self.validation_fraction, self.seed).tolist(),
         }
+
+    def tokenize_group(self, texts, group, out):
+        """The ids of the documents `group` (indices into `texts`) by one call, each as an array right away: what
+        the tokenizer holds at a time is at most PIECE_CHARS characters' encodings, whatever the batch."""
+        eos = self.tokenizer.eos_token_id
+        for i, ids in zip(group, self.ids([texts[i] for i in group]) if group else []):
+            out[i] = np.asarray([*ids, eos], dtype=self.dtype)
+
+    def document(self, text):
+        """A long document's ids, tokenized a piece at a time (`pieces`), and its EOS."""
+        parts = [np.asarray(self.ids([p])[0], dtype=self.dtype) for p in pieces(text)]
+        return np.concatenate([*parts, np.asarray([self.tokenizer.eos_token_id], self.dtype)])
 
 
 class PackWindows:
