@@ -48,3 +48,27 @@ def test_step_rate_benchmark_runs_the_preset_step_at_toy_size():
     result = json.loads(proc.stdout[proc.stdout.rindex("{\n") :])
     assert result["shape"] == "tiny" and result["seconds_per_step"] > 0
     assert result["projected_gpu_hours"] == pytest.approx(50_000 * result["seconds_per_step"] * 8 / 3600)
+
+
+def test_corpus_memory_benchmark_measures_every_dimension_side_by_side(tmp_path):
+    out = tmp_path / "memory.json"
+    proc = _run(
+        "benchmarks.bench_corpus_memory", "--sizes_mb", "1", "2", "--document_mb", "1", "2", "--train_steps", "2",
+        "--output", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == [
+        "prepare --num_proc 2", "prepare, one document", "2 steps of --streaming training"
+    ]  # fmt: skip
+    for r in rows:
+        # the process tree's private memory: at least the interpreter and its imports, in each process
+        assert 100 < r["small_mib"] < 20_000 and 100 < r["large_mib"] < 20_000, r
+    assert rows[0]["small_mib"] > rows[1]["small_mib"]  # --num_proc 2: its workers are counted too
+    assert "| prepare, one document | 1 MB | 2 MB |" in proc.stdout
+
+
+def test_corpus_memory_benchmark_answers_a_mistake_in_one_line():
+    proc = _run("benchmarks.bench_corpus_memory", "--document_mb", "60", "5")
+    assert proc.returncode == 2
+    assert "--document_mb 60 5" in proc.stderr.strip().splitlines()[-1]
