@@ -97,7 +97,7 @@ def check_csv(path):
     """Refuse, in one line naming `path`, a file that is not UTF-8 text, one whose first row is not the header of
     their CSVs (source, question, answer, rating; a header-less file's first row would be taken for one), and one
     with a header and no row."""
-    from looped_training.loopformer.data.corpus import check_text_file
+    from looped_training.prepare_folder import check_text_file
 
     check_text_file(path)
     with open(path, newline="", encoding="utf-8") as f:
@@ -394,7 +394,7 @@ def move_in(output_dir, staging, names):
 
 
 def main(argv=None):
-    from looped_training.loopformer.data.folder_lock import folder_lock
+    from looped_training.prepare_folder import folder_lock
 
     args = parser().parse_args(argv)
     try:

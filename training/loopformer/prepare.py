@@ -36,7 +36,6 @@ import sys
 import numpy as np
 from looped_training.loopformer.arguments import PrepareArguments, check_args
 from looped_training.loopformer.data.corpus import Tokenize, fingerprint, load_documents
-from looped_training.loopformer.data.folder_lock import folder_lock
 from looped_training.loopformer.data.token_files import (
     SPLITS,
     STAGING_DIR,
@@ -46,6 +45,7 @@ from looped_training.loopformer.data.token_files import (
     file_sha256,
     read_meta,
 )
+from looped_training.prepare_folder import folder_lock
 from transformers import HfArgumentParser
 
 PROG = "python -m looped_training.loopformer.prepare"

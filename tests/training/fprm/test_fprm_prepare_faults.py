@@ -118,7 +118,7 @@ def test_a_bad_csv_is_answered_in_one_line_naming_the_file_or_the_row(sudoku, tm
 
 
 def test_a_second_prepare_into_a_locked_folder_is_refused(sudoku, tmp_path, capsys):
-    from looped_training.loopformer.data.folder_lock import folder_lock
+    from looped_training.prepare_folder import folder_lock
 
     with folder_lock(str(tmp_path / "out")):
         assert run(sudoku, tmp_path / "out") == 2

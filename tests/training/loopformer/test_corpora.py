@@ -14,7 +14,7 @@ import torch
 from looped_training.loopformer import prepare as prepare_cli
 from looped_training.loopformer import train as train_loopformer
 from looped_training.loopformer.data import TokenWindows, corpus, sources, token_files
-from looped_training.loopformer.data.folder_lock import folder_lock
+from looped_training.prepare_folder import folder_lock
 from support.hub_helpers import make_tokenizer
 
 WORDS = [
@@ -231,9 +231,7 @@ def test_a_second_prepare_into_a_locked_folder_is_refused_and_the_lock_goes_with
     # a killed holder's lock is released by the kernel: the next prepare takes it
     pid = os.fork()
     if pid == 0:
-        from looped_training.loopformer.data import folder_lock as module
-
-        with module.folder_lock(str(tmp_path / "dead")):
+        with folder_lock(str(tmp_path / "dead")):
             os._exit(9)
     os.waitpid(pid, 0)
     assert (tmp_path / "dead" / ".prepare.lock").exists()

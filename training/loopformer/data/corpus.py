@@ -12,6 +12,7 @@ import re
 from functools import partial
 
 import numpy as np
+from looped_training.prepare_folder import check_text_file
 
 TEXT_SUFFIXES = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -110,39 +111,6 @@ def data_files(train_files):
     if len(kinds) > 1:
         raise ValueError(f"--train_files mixes kinds of file ({sorted(kinds)}); give one kind at a time.")
     return kinds.pop(), paths
-
-
-def check_text_file(path, chunk=1 << 22):
-    """Refuse a text file that is not UTF-8 text (a binary file: NUL bytes, or bytes UTF-8 does not decode) in one
-    line naming it and the offset, before any long work. Read in chunks: memory flat in the file's size."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    try:
-        with open(path, "rb") as f:
-            while True:
-                data = f.read(chunk)
-                nul = data.find(b"\0")
-                if nul >= 0:
-                    raise ValueError(
-                        f"{path} holds a NUL byte at byte {offset + nul}: a binary file, not UTF-8 text; "
-                        f"leave it out of the corpus."
-                    )
-                pending = len(decoder.getstate()[0])  # bytes of a character the last chunk began
-                try:
-                    decoder.decode(data, final=not data)
-                except UnicodeDecodeError as e:
-                    raise ValueError(
-                        f"{path} is not UTF-8 text (byte {offset - pending + e.start} does not decode: {e.reason}); "
-                        f"convert it "
-                        f"to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of the corpus."
-                    ) from None
-                if not data:
-                    return
-                offset += len(data)
-    except PermissionError as e:
-        raise ValueError(f"{path} cannot be read ({e.strerror}).") from None
 
 
 PIECE_CHARS = 1 << 18  # a longer document is tokenized in pieces of about this many characters (`pieces`)
