@@ -48,3 +48,39 @@ def test_step_rate_benchmark_runs_the_preset_step_at_toy_size():
     result = json.loads(proc.stdout[proc.stdout.rindex("{\n") :])
     assert result["shape"] == "tiny" and result["seconds_per_step"] > 0
     assert result["projected_gpu_hours"] == pytest.approx(50_000 * result["seconds_per_step"] * 8 / 3600)
+
+
+@pytest.mark.slow  # six commands, each in its own process (~3.5 min on 2 busy cores); the default run has one part
+def test_corpus_memory_benchmark_measures_every_dimension_side_by_side(tmp_path):
+    out = tmp_path / "memory.json"
+    proc = _run(
+        "benchmarks.bench_corpus_memory", "--sizes_mb", "1", "2", "--document_mb", "1", "2", "--train_steps", "2",
+        "--output", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == [
+        "prepare --num_proc 2", "prepare, one document", "2 steps of --streaming training"
+    ]  # fmt: skip
+    for r in rows:
+        # the process tree's private memory: at least the interpreter and its imports, in each process
+        assert 100 < r["small_mib"] < 20_000 and 100 < r["large_mib"] < 20_000, r
+    assert rows[0]["small_mib"] > rows[1]["small_mib"]  # --num_proc 2: its workers are counted too
+
+
+def test_corpus_memory_benchmark_measures_one_long_document_against_a_short_one(tmp_path):
+    out = tmp_path / "memory.json"
+    proc = _run(
+        "benchmarks.bench_corpus_memory", "--only", "document", "--document_mb", "1", "2", "--output", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["run"] == "prepare, one document" and 100 < row["small_mib"] < 20_000, row
+    assert row["growth_mib"] == pytest.approx(row["large_mib"] - row["small_mib"])
+    assert "| prepare, one document | 1 MB | 2 MB |" in proc.stdout
+
+
+def test_corpus_memory_benchmark_answers_a_mistake_in_one_line():
+    proc = _run("benchmarks.bench_corpus_memory", "--document_mb", "60", "5")
+    assert proc.returncode == 2
+    assert "--document_mb 60 5" in proc.stderr.strip().splitlines()[-1]

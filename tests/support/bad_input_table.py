@@ -23,6 +23,7 @@ if (tests_dir := str(Path(__file__).resolve().parents[1])) not in sys.path:
     sys.path.insert(0, tests_dir)
 from support import REPO_ROOT as REPO  # noqa: E402
 from support.bad_inputs import commands as command_rows  # noqa: E402
+from support.bad_inputs import corpora as corpus_rows  # noqa: E402
 from support.bad_inputs import fprm as fprm_rows  # noqa: E402
 from support.bad_inputs import loopformer as loopformer_rows  # noqa: E402
 from support.bad_inputs.commands import (  # noqa: E402  (what tests of the commands run themselves)
@@ -32,7 +33,7 @@ from support.bad_inputs.commands import (  # noqa: E402  (what tests of the comm
     made_read_only_mid_run,
     train_unwritable,
 )
-from support.bad_inputs.handled import HANDLED  # noqa: E402
+from support.bad_inputs.handled import HANDLED as OTHER_HANDLED  # noqa: E402
 from support.bad_inputs.loopformer import IDS, loopformer, loopformer_config  # noqa: E402
 from support.bad_inputs.shared import AS_COMMAND, RAN_AS_COMMAND, Case, Handled, read_only  # noqa: E402
 
@@ -47,7 +48,9 @@ CASES = [
     *fprm_rows.WEAK_ROWS,
     *loopformer_rows.WEAK_ROWS,
     *command_rows.OTHER_COMMANDS,
+    *corpus_rows.CASES,
 ]
+HANDLED = [*OTHER_HANDLED, *corpus_rows.HANDLED]
 
 
 # ---- running a case and rendering the table ------------------------------------------------------------------------

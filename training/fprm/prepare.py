@@ -18,12 +18,19 @@ training rows (`choice(rows, N, replace=False)`); Sudoku's `--num_aug N` adds N 
 their augmentation (a digit permutation, a transpose with probability 1/2, then the bands and the rows in each band,
 the stacks and the columns in each, shuffled), one group per puzzle; the maze's `--aug` adds the 7 other dihedral
 transforms of each training maze (their README trains on the unaugmented build). The test split is never
-subsampled or augmented. Exit status 2: bad input, one line naming it.
+subsampled or augmented. Exit status 2: bad input, one line naming it (a CSV that is binary, not UTF-8, without the
+header row, without rows, or with a bad value: the file and the row).
+
+The splits are built whole in `OUTPUT_DIR/.prepare/` and moved in only once every split asked for is built: a bad
+test.csv, a kill or any error leaves `--output_dir` as it was (a rerun starts the staging over), and a split folder
+holds its `dataset.json` only beside all its rows. A lock (`OUTPUT_DIR/.prepare.lock`) keeps a second prepare out.
 """
 
 import argparse
+import csv
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -32,6 +39,8 @@ PROG = "python -m looped_training.fprm.prepare"
 MAZE_CHARSET = "# SGo"
 SUDOKU_CELLS = 81
 CHUNK = 4096  # rows converted at a time: memory stays flat whatever the dataset
+STAGING = ".prepare"  # in --output_dir: where the splits are built before they are moved in
+COLUMNS = ("source", "question", "answer", "rating")
 
 
 # ---- reading the source rows ---------------------------------------------------------------------------------------
@@ -39,7 +48,8 @@ CHUNK = 4096  # rows converted at a time: memory stays flat whatever the dataset
 
 def load_rows(dataset, split, single_split):
     """A split of `dataset` through `datasets`, with question and answer as text (pandas would read a Sudoku answer
-    as an integer)."""
+    as an integer). A local CSV is checked first (`check_csv`): one line naming it for a file that is not one."""
+    import datasets
     from datasets import load_dataset
 
     text = {"converters": {"question": str, "answer": str}, "keep_default_na": False}
@@ -49,16 +59,29 @@ def load_rows(dataset, split, single_split):
                 f"--dataset {dataset} is one CSV file: give the one split it holds with --splits train or --splits "
                 f"test, or a folder holding train.csv and test.csv."
             )
-        rows = load_dataset("csv", data_files={split: dataset}, split=split, **text)
+        path, files = dataset, {split: dataset}
     elif os.path.isdir(dataset):
         path = os.path.join(dataset, f"{split}.csv")
         if not os.path.isfile(path):
             raise ValueError(
                 f"--dataset {dataset} holds no {split}.csv (their Hub repos hold train.csv and test.csv)."
             )
-        rows = load_dataset("csv", data_files={split: path}, split=split, **text)
+        files = {split: path}
     else:  # their Hub datasets are CSV files too
-        rows = load_dataset(dataset, data_files={split: f"{split}.csv"}, split=split, **text)
+        path, files = None, {split: f"{split}.csv"}
+    if path is not None:
+        check_csv(path)
+    try:
+        if path is not None:
+            rows = load_dataset("csv", data_files=files, split=split, **text)
+        else:
+            rows = load_dataset(dataset, data_files=files, split=split, **text)
+    except datasets.exceptions.DatasetGenerationError as e:
+        cause = e.__cause__ or e
+        raise ValueError(
+            f"--dataset {dataset} ({split}): {path or split + '.csv'} does not read as CSV "
+            f"({type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]})."
+        ) from None
     missing = {"question", "answer", "rating"} - set(rows.column_names)
     if missing:
         raise ValueError(
@@ -68,6 +91,45 @@ def load_rows(dataset, split, single_split):
     if len(rows) == 0:
         raise ValueError(f"--dataset {dataset} ({split}) holds no rows.")
     return rows
+
+
+def check_csv(path):
+    """Refuse, in one line naming `path`, a file that is not UTF-8 text, one whose first row is not the header of
+    their CSVs (source, question, answer, rating; a header-less file's first row would be taken for one), and one
+    with a header and no row."""
+    from looped_training.prepare_folder import check_text_file
+
+    check_text_file(path)
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise ValueError(f"{path} is empty: their CSVs hold a header ({', '.join(COLUMNS)}) and one puzzle a row.")
+        if not {"question", "answer", "rating"} <= {h.strip() for h in header}:
+            shown = ", ".join(h[:20] for h in header[:4])
+            raise ValueError(
+                f"{path} has no header row: its first row is [{shown}], where their CSVs begin with the column names "
+                f"{', '.join(COLUMNS)}; add that line."
+            )
+        if next(reader, None) is None:
+            raise ValueError(f"{path} holds the header row and no puzzle: nothing to build.")
+
+
+def ratings_of(rows, dataset, split):
+    """The rating column as integers, refusing a value that is not one with its row."""
+    values = rows["rating"]
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except (ValueError, TypeError):
+        for i, v in enumerate(values):
+            try:
+                int(v)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    f"--dataset {dataset} ({split}): row {i} has the rating {v!r}, not an integer (their CSVs rate "
+                    f"each puzzle with a whole number)."
+                ) from None
+        raise
 
 
 def infer_task(rows):
@@ -186,11 +248,11 @@ def subsample(count, size, rng):
     return rng.choice(count, size=size, replace=False)
 
 
-def build_sudoku(args, split, rng):
+def build_sudoku(args, split, rng, root):
     rows = load_rows(args.dataset, split, len(args.splits) == 1)
     questions, answers = grids(rows, split, SUDOKU_CELLS, ("0123456789.", "0123456789"), args.dataset)
     questions[questions == ord(".")] = ord("0")
-    ratings = np.asarray(rows["rating"], dtype=np.int64)
+    ratings = ratings_of(rows, args.dataset, split)
     keep = np.arange(len(ratings))
     if args.min_difficulty is not None:
         keep = keep[ratings >= args.min_difficulty]
@@ -213,7 +275,7 @@ def build_sudoku(args, split, rng):
     # theirs concatenates uint8 originals with the int64 augmented grids: int64 as soon as one is augmented
     dtype = np.int64 if augments else np.uint8
     write_split(
-        os.path.join(args.output_dir, split),
+        os.path.join(root, split),
         len(keep) * (1 + augments),
         examples(),
         1 + augments,
@@ -224,7 +286,7 @@ def build_sudoku(args, split, rng):
     )
 
 
-def build_maze(args, split, rng):
+def build_maze(args, split, rng, root):
     rows = load_rows(args.dataset, split, len(args.splits) == 1)
     first = len(rows[0]["question"])
     side = int(first**0.5)
@@ -243,7 +305,7 @@ def build_maze(args, split, rng):
                 yield char2id[dihedral(q, tid).reshape(-1)], char2id[dihedral(a, tid).reshape(-1)]
 
     write_split(
-        os.path.join(args.output_dir, split),
+        os.path.join(root, split),
         len(keep) * copies,
         examples(),
         copies,
@@ -299,18 +361,57 @@ def check_task(args, task):
         raise ValueError("--aug is the maze's (8 dihedral transforms); Sudoku's augmentation is --num_aug N.")
 
 
+def phase(name):
+    """A boundary between two steps of the build (the kill-point test stops the process at each)."""
+
+
+def build(args, staging):
+    """Every split asked for, built whole in `staging` (their files and identifiers.json)."""
+    rng = np.random.RandomState(args.seed)
+    for split in args.splits:
+        task = args.task or infer_task(load_rows(args.dataset, split, len(args.splits) == 1))
+        check_task(args, task)
+        (build_sudoku if task == "sudoku" else build_maze)(args, split, rng, staging)
+        phase(f"built {split}")
+    with open(os.path.join(staging, "identifiers.json"), "w") as f:
+        json.dump(["<blank>"], f)
+
+
+def move_in(output_dir, staging, names):
+    """Move each staged split (and identifiers.json) into `output_dir`, replacing the one there: the old one is
+    moved aside into the staging folder first, so a folder in `output_dir` is always a whole split."""
+    for name in names:
+        new, final, old = (
+            os.path.join(staging, name),
+            os.path.join(output_dir, name),
+            os.path.join(staging, "old-" + name),
+        )
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(new, final)
+        phase(f"moved {name}")
+    shutil.rmtree(staging)
+
+
 def main(argv=None):
+    from looped_training.prepare_folder import folder_lock
+
     args = parser().parse_args(argv)
     try:
         check(args)
-        rng = np.random.RandomState(args.seed)
+        with folder_lock(args.output_dir):
+            staging = os.path.join(args.output_dir, STAGING)
+            if os.path.isdir(staging):  # a killed or failed build: its rows are not trusted, it starts over
+                shutil.rmtree(staging)
+            os.makedirs(staging)
+            try:
+                build(args, staging)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            move_in(args.output_dir, staging, [*args.splits, "identifiers.json"])
         for split in args.splits:
-            task = args.task or infer_task(load_rows(args.dataset, split, len(args.splits) == 1))
-            check_task(args, task)
-            (build_sudoku if task == "sudoku" else build_maze)(args, split, rng)
             print(f"wrote {os.path.join(args.output_dir, split)}")
-        with open(os.path.join(args.output_dir, "identifiers.json"), "w") as f:
-            json.dump(["<blank>"], f)
     except (ValueError, OSError) as error:
         print(f"{PROG}: error: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -65,7 +65,14 @@ def build_eval_data(meta, tokenizer, max_rows):
         data = held_out_windows(data_args, tokenizer, block_size, max_rows)
         return data_args.task, data, {"input_ids": data["input_ids"].tolist()}
     else:
-        rows = chunk_text(held_out_text(data_args), tokenizer, block_size)
+        held = held_out_text(data_args)
+        if not held:
+            raise ValueError(
+                f"No document of the run's corpus is held out at --validation_fraction "
+                f"{data_args.validation_fraction} (whole documents are, by a seeded hash of their text): nothing to "
+                f"evaluate on. Train with more documents or a larger --validation_fraction."
+            )
+        rows = chunk_text(held, tokenizer, block_size)
         rows = {k: v[:max_rows] for k, v in rows.items()}
     tensors = {k: torch.tensor(rows[k]) for k in ("input_ids", "attention_mask", "labels")}
     if "depth" in rows:

@@ -13,12 +13,17 @@ arrive), then appended to the token files a batch at a time, so memory stays fla
 documents go to `val.bin` by a seeded hash of their text (`--validation_fraction`, `--seed`).
 
 The folder then holds `train.bin`, `val.bin` (when a document was held out), the tokenizer and `tokens.json` (dtype,
-tokenizer, vocabulary size, EOS id, tokens and documents per split, source), written last. Until then the work lies
-in `DIR/.prepare/`: a killed run, rerun with the same flags, goes on from its last progress record (the Arrow files
-of a finished `map` are kept); a rerun with other flags starts over. A folder without `tokens.json` is refused by
-train, so a half-written `train.bin` never passes for a whole one. `--tokenizer_name` names any AutoTokenizer (a Hub
-id or a folder); without it the package's byte-level BPE is trained on the training documents (not with
-`--streaming`).
+tokenizer, vocabulary size, EOS id, tokens, documents and a sha256 per split, source), written last. Until then the
+work lies in `DIR/.prepare/`: a killed run, rerun with the same flags, goes on from its last progress record (the
+Arrow files of a finished `map` are kept); a rerun with other flags, or over source files whose sizes or mtimes
+changed, starts over. The finished files are staged there whole (their checksums and `tokens.json` included) before
+the first is moved in, so a kill anywhere, then the same command, gives the bytes of an uninterrupted run; a file is
+never padded or extended to a recorded size. Train refuses a folder without `tokens.json`, or whose files differ from
+its record in size or checksum. A lock (`DIR/.prepare.lock`) keeps a second prepare out of the folder while one runs.
+`--tokenizer_name` names any AutoTokenizer (a Hub id or a folder); without it the package's byte-level BPE is
+trained on the training documents (not with `--streaming`). A document longer than 256k characters is tokenized in
+pieces cut before a space (memory flat in the document's length; the same tokens for a byte-level BPE); a non-UTF-8
+or binary text file is refused in one line naming it, before any work.
 """
 
 import hashlib
@@ -30,20 +35,24 @@ import sys
 
 import numpy as np
 from looped_training.loopformer.arguments import PrepareArguments, check_args
-from looped_training.loopformer.data.corpus import Tokenize, load_documents
+from looped_training.loopformer.data.corpus import Tokenize, fingerprint, load_documents
 from looped_training.loopformer.data.token_files import (
+    SPLITS,
     STAGING_DIR,
     TOKENS_FILE,
     count_tokens,
     dtype_for_vocab,
+    file_sha256,
     read_meta,
 )
+from looped_training.prepare_folder import folder_lock
 from transformers import HfArgumentParser
 
 PROG = "python -m looped_training.loopformer.prepare"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a sha256 per split
 PROGRESS_FILE = "progress.json"
 SETTINGS_FILE = "settings.json"
+TOKENIZER_STAGING = "tokenizer"  # the tokenizer's files, staged beside the token files before they move in
 CHECKPOINT_TOKENS = 1 << 24  # tokens written between two progress records
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,7 @@ def settings_of(args, tokenizer):
     settings = {k: getattr(args, k) for k in keep}
     if args.train_files:
         settings["train_files"] = [os.path.abspath(p) for p in args.train_files]
+    settings["source_files"] = fingerprint(args.dataset_name, args.train_files)
     if tokenizer is not None:
         vocab = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab())
         settings["tokenizer_sha256"] = hashlib.sha256(vocab.encode()).hexdigest()
@@ -110,18 +120,40 @@ def read_json(path):
         return None
 
 
+def phase(name):
+    """A boundary between two steps of prepare, where a kill leaves the folder in a state a rerun finishes from (the
+    kill-point test stops the process at each)."""
+
+
+def what_differs(old, new):
+    """Why a corpus prepared with the settings `old` is not the one asked for (`new`), for a message."""
+    if {k: v for k, v in old.items() if k != "source_files"} == {k: v for k, v in new.items() if k != "source_files"}:
+        was = {p: (size, mtime) for p, size, mtime in old.get("source_files") or []}
+        now = {p: (size, mtime) for p, size, mtime in new.get("source_files") or []}
+        changed = sorted(p for p in was.keys() | now.keys() if was.get(p) != now.get(p))
+        return f"from source files that changed since ({len(changed)} differ in size, mtime or presence: {changed[0]})"
+    flags = sorted(k for k in new if k != "source_files" and old.get(k) != new[k])
+    return f"with other flags ({', '.join(flags) or 'format'})"
+
+
 def claim_folder(args, settings):
     """The staging folder of this run, after refusing or clearing what `--output_dir` holds: None when the folder
     already holds this very corpus (nothing to do)."""
     out, staging = args.output_dir, os.path.join(args.output_dir, STAGING_DIR)
     meta = read_meta(out) if os.path.isdir(out) else None
     if meta is not None and meta.get("settings") == settings:
+        if os.path.isdir(staging):  # a kill after tokens.json moved in, before the staging folder went
+            shutil.rmtree(staging)
         return None
     stale = meta is not None or (
         not os.path.isdir(staging) and any(os.path.exists(os.path.join(out, n)) for n in ("train.bin", "val.bin"))
     )
     if stale and not args.overwrite_output_dir:
-        what = "a corpus prepared with other flags" if meta is not None else "a train.bin that prepare did not write"
+        what = (
+            f"a corpus prepared {what_differs(meta.get('settings') or {}, settings)}"
+            if meta is not None
+            else "a train.bin that prepare did not write"
+        )
         raise ValueError(
             f"--output_dir {out!r} holds {what}; give --overwrite_output_dir to replace it, or another --output_dir."
         )
@@ -129,8 +161,10 @@ def claim_folder(args, settings):
         for name in (TOKENS_FILE, "train.bin", "val.bin"):
             if os.path.exists(os.path.join(out, name)):
                 os.remove(os.path.join(out, name))
-    if read_json(os.path.join(staging, SETTINGS_FILE)) != settings and os.path.isdir(staging):
-        logger.warning("%s holds an unfinished prepare of other flags: starting over.", staging)
+    staged = read_json(os.path.join(staging, SETTINGS_FILE))
+    if staged != settings and os.path.isdir(staging):
+        why = what_differs(staged, settings) if isinstance(staged, dict) else "of unreadable settings"
+        logger.warning("%s holds an unfinished prepare %s: starting over.", staging, why)
         shutil.rmtree(staging)
     os.makedirs(staging, exist_ok=True)
     write_json(os.path.join(staging, SETTINGS_FILE), settings)
@@ -153,9 +187,11 @@ def train_tokenizer(docs, args, staging):
             yield from (t for t, h in zip(batch["text"], held) if t and not h)
 
     tokenizer = train_bpe_tokenizer(texts(), args.tokenizer_vocab_size)
+    if os.path.isdir(folder + ".tmp"):
+        shutil.rmtree(folder + ".tmp")
     tokenizer.save_pretrained(folder + ".tmp")
     os.replace(folder + ".tmp", folder)
-    return tokenizer
+    return AutoTokenizer.from_pretrained(folder)  # as a rerun reads it: the same files saved after a kill or not
 
 
 class SplitWriter:
@@ -165,15 +201,21 @@ class SplitWriter:
 
     def __init__(self, staging, dtype):
         self.staging, self.dtype = staging, np.dtype(dtype)
-        self.progress = read_json(os.path.join(staging, PROGRESS_FILE)) or {
+        self.progress = read_json(os.path.join(staging, PROGRESS_FILE))
+        sizes = {s: os.path.getsize(self.path(s)) if os.path.exists(self.path(s)) else 0 for s in ("train", "val")}
+        recorded = self.progress and {s: r["tokens"] * self.dtype.itemsize for s, r in self.progress["splits"].items()}
+        if recorded and any(sizes[s] < recorded[s] for s in sizes):
+            # never padded to the record: the files lost bytes the record counts, so the work starts over
+            logger.warning("%s holds less than its progress record counts: tokenizing from the start.", staging)
+            self.progress = None
+        self.progress = self.progress or {
             "documents_read": 0,
             "finished": False,
             "splits": {s: {"tokens": 0, "documents": 0, "max_token_id": -1} for s in ("train", "val")},
         }
         self.files = {}
         for split, record in self.progress["splits"].items():
-            path = self.path(split)
-            f = open(path, "r+b" if os.path.exists(path) else "wb")  # noqa: SIM115 (closed by close())
+            f = open(self.path(split), "r+b" if os.path.exists(self.path(split)) else "wb")  # noqa: SIM115 (close())
             f.truncate(record["tokens"] * self.dtype.itemsize)  # what followed the last record is written again
             f.seek(0, os.SEEK_END)
             self.files[split] = f
@@ -208,6 +250,7 @@ class SplitWriter:
         self.progress["finished"] = finished
         write_json(os.path.join(self.staging, PROGRESS_FILE), self.progress)
         self.unrecorded = 0
+        phase("finished" if finished else "recorded")
 
     def close(self):
         for f in self.files.values():
@@ -234,12 +277,14 @@ def tokenized_rows(docs, tokenize, args, staging, dtype, done):
         desc="Tokenizing",
         **kwargs,
     )
+    if done >= len(rows):  # killed after its last batch was recorded, before the record of the end
+        return iter(())
     return rows.select(range(done, len(rows))).with_format("arrow").iter(batch_size=args.batch_size)
 
 
-def finish(args, staging, tokenizer, dtype, progress):
-    """Move the files in, the tokenizer beside them, tokens.json last; each step may be redone after a kill."""
-    out = args.output_dir
+def stage(args, staging, tokenizer, dtype, progress):
+    """Stage the finished corpus whole in `staging`: the token files checked against the progress record and their
+    sha256, the tokenizer's files, and tokens.json, written last (from then on a rerun only moves files in)."""
     splits = progress["splits"]
     if splits["train"]["tokens"] == 0:
         shutil.rmtree(staging)
@@ -248,18 +293,27 @@ def finish(args, staging, tokenizer, dtype, progress):
             + (" (every document went to validation: lower --validation_fraction)" if splits["val"]["tokens"] else "")
             + "; nothing was written."
         )
-    for split in ("train", "val"):
-        partial, final = os.path.join(staging, f"{split}.bin.partial"), os.path.join(out, f"{split}.bin")
-        if os.path.exists(partial) and (split == "train" or splits[split]["tokens"]):
-            os.replace(partial, final)
-        if splits[split]["tokens"] == 0 and os.path.exists(final):
-            os.remove(final)
-        if os.path.exists(final) and count_tokens(final, dtype) != splits[split]["tokens"]:
+    for split, record in splits.items():
+        partial = os.path.join(staging, f"{split}.bin.partial")
+        if record["tokens"] == 0:
+            if os.path.exists(partial):
+                os.remove(partial)
+            continue
+        if count_tokens(partial, dtype) != record["tokens"]:
+            shutil.rmtree(staging)
             raise ValueError(
-                f"{final} does not hold the {splits[split]['tokens']} tokens recorded; rerun with "
-                f"--overwrite_output_dir."
+                f"{partial} does not hold the {record['tokens']} tokens recorded (changed while prepare ran?); the "
+                f"staging folder was removed: rerun the command."
             )
-    tokenizer.save_pretrained(out)
+        record["sha256"] = file_sha256(partial)
+    folder = os.path.join(staging, TOKENIZER_STAGING)
+    if os.path.isdir(folder + ".tmp"):
+        shutil.rmtree(folder + ".tmp")
+    tokenizer.save_pretrained(folder + ".tmp")
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.replace(folder + ".tmp", folder)
+    phase("tokenizer staged")
     settings = read_json(os.path.join(staging, SETTINGS_FILE))
     meta = {
         "format_version": FORMAT_VERSION,
@@ -283,15 +337,39 @@ def finish(args, staging, tokenizer, dtype, progress):
         },
         "settings": settings,
     }
-    write_json(os.path.join(out, TOKENS_FILE), meta)
+    write_json(os.path.join(staging, TOKENS_FILE), meta)
+    phase("staged")
+    return meta
+
+
+def move_in(out, staging, meta):
+    """Move the staged files into `out` one by one, tokens.json last, then remove the staging folder. Each move is a
+    rename; a rerun after a kill between two moves goes on with the files still staged."""
+    folder = os.path.join(staging, TOKENIZER_STAGING)
+    moves = [(os.path.join(folder, n), n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
+    moves += [(os.path.join(staging, f"{s}.bin.partial"), f"{s}.bin") for s in SPLITS if meta["splits"][s]["tokens"]]
+    for source, name in moves:
+        final = os.path.join(out, name)
+        if os.path.exists(source):
+            os.replace(source, final)
+            phase(f"moved {name}")
+        elif not os.path.exists(final):
+            raise ValueError(
+                f"{staging} lost {os.path.basename(source)} before it was moved to {final}; rerun with "
+                f"--overwrite_output_dir."
+            )
+    for split in SPLITS:
+        final = os.path.join(out, f"{split}.bin")
+        if not meta["splits"][split]["tokens"] and os.path.exists(final):
+            os.remove(final)
+    os.replace(os.path.join(staging, TOKENS_FILE), os.path.join(out, TOKENS_FILE))
+    phase("moved tokens.json")
     shutil.rmtree(staging)
     return meta
 
 
 def prepare(args):
     """Write `args.output_dir`'s corpus (see the module docstring); its tokens.json."""
-    from tqdm.auto import tqdm
-
     check_args(args)
     tokenizer = load_tokenizer(args.tokenizer_name) if args.tokenizer_name else None
     docs = load_documents(
@@ -303,12 +381,24 @@ def prepare(args):
         )
     if not args.streaming and len(docs) == 0:
         raise ValueError("The corpus holds no document; nothing was written.")
-    staging = claim_folder(args, settings_of(args, tokenizer))
-    if staging is None:
-        logger.warning("%s already holds this corpus (same flags): nothing to do.", args.output_dir)
-        return read_meta(args.output_dir)
+    with folder_lock(args.output_dir):
+        staging = claim_folder(args, settings_of(args, tokenizer))
+        if staging is None:
+            logger.warning("%s already holds this corpus (same flags): nothing to do.", args.output_dir)
+            return read_meta(args.output_dir)
+        phase("claimed")
+        meta = read_json(os.path.join(staging, TOKENS_FILE))
+        if meta is None:  # not staged yet
+            meta = tokenize_and_stage(args, docs, tokenizer, staging)
+        return move_in(args.output_dir, staging, meta)
+
+
+def tokenize_and_stage(args, docs, tokenizer, staging):
+    from tqdm.auto import tqdm
+
     if tokenizer is None:
         tokenizer = train_tokenizer(docs, args, staging)
+        phase("tokenizer trained")
     dtype = dtype_for_vocab(len(tokenizer))
     writer = SplitWriter(staging, dtype)
     try:
@@ -316,6 +406,7 @@ def prepare(args):
         if not writer.progress["finished"]:
             tokenize = Tokenize(tokenizer, dtype, args.validation_fraction, args.seed)
             rows = tokenized_rows(docs, tokenize, args, staging, dtype, done)  # the map runs here (Arrow)
+            phase("mapped")
             total = None if args.streaming else len(docs)
             bar = tqdm(total=total, initial=done, unit="doc", desc="Writing token files", file=sys.stderr)
             for table in rows:
@@ -325,7 +416,7 @@ def prepare(args):
             writer.record(finished=True)
     finally:
         writer.close()
-    return finish(args, staging, tokenizer, dtype, writer.progress)
+    return stage(args, staging, tokenizer, dtype, writer.progress)
 
 
 def main(argv=None):

@@ -43,6 +43,7 @@ incomplete by a kill during its save is skipped with a warning) or a path. An `-
 unless the run resumes it or `--overwrite_output_dir` is given (which deletes the old run first).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -216,6 +217,23 @@ def check_sharding(trainer):
             )
 
 
+MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+
+
+def check_launcher(environ=os.environ):
+    """Refuse a run that `accelerate launch --cpu --num_processes N` (N > 1) started as one process: without mpirun,
+    accelerate's --cpu launcher runs the script once (it sets MASTER_ADDR for the N processes but starts none of the
+    others), which would train a single process silently."""
+    cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1", "yes")
+    if cpu and "MASTER_ADDR" in environ and not any(k in environ for k in MPI_SIZES):
+        raise ValueError(
+            "accelerate launch --cpu --num_processes N started one process, not N (its --cpu launcher starts several "
+            "only through mpirun): launch with the DDP config, `ACCELERATE_USE_CPU=true accelerate launch "
+            '--config_file "$(python -m looped_training.configs accelerate ddp)" --num_processes N -m '
+            "looped_training.loopformer.train ...`, or leave out --num_processes."
+        )
+
+
 def read_chat_template(path):
     """The text of a `--chat_template` file (None without one), read before any work."""
     if path is None:
@@ -274,6 +292,7 @@ def main(argv=None):
     if schedule_args.lr_warmup not in LR_WARMUPS:
         raise ValueError(f"`lr_warmup` must be one of {LR_WARMUPS}, got {schedule_args.lr_warmup!r}.")
     check_run_length(training_args)
+    check_launcher()
     if schedule_args.torch_threads is not None and schedule_args.torch_threads < 1:
         raise ValueError(f"`--torch_threads` must be an integer >= 1, got {schedule_args.torch_threads}.")
     if schedule_args.torch_threads:
@@ -285,8 +304,17 @@ def main(argv=None):
         # Every variant's training forward uses every parameter (tests/training/test_distributed.py checks it), so DDP's extra
         # autograd traversal is not needed; the Trainer would turn it on (and torch then warns that it found nothing).
         training_args.ddp_find_unused_parameters = False
-    with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
-        return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable, given)
+    if data_args.data_dir is not None:  # the record's path reads from any folder (evaluate, a resume)
+        data_args.data_dir = os.path.abspath(data_args.data_dir)
+    created = not os.path.exists(training_args.output_dir)
+    try:
+        with output_dir_lock(training_args.output_dir, hold=training_args.process_index == 0) as unwritable:
+            return train(model_args, data_args, shortcut_args, schedule_args, training_args, unwritable, given)
+    except BaseException:
+        if created and training_args.process_index == 0:  # a refused run leaves no empty --output_dir behind
+            with contextlib.suppress(OSError):
+                os.rmdir(training_args.output_dir)
+        raise
 
 
 def generation_defaults(data_args, tokenizer, eval_dataset, block_size):
@@ -386,7 +414,12 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
         source = continued.load_source(model_args.model_name_or_path, LoopFormerForCausalLM)
         continued.model_args_of(source[0].config, model_args, given, VARIANTS)
     tokenizer, train_dataset, eval_dataset, block_size = build_data(
-        data_args, model_args, source, training_args.process_index, training_args.world_size
+        data_args,
+        model_args,
+        source,
+        training_args.process_index,
+        training_args.world_size,
+        evaluate=training_args.eval_strategy != "no",
     )
     if chat_template is not None:
         set_chat_template(tokenizer, chat_template, data_args.chat_template)

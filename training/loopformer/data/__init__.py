@@ -27,6 +27,7 @@ def held_out_problems(data_args):
 
 
 def held_out_text(data_args, with_train=False):
+    """The held-out documents of the in-memory text path (and the training ones, `with_train`)."""
     docs = text.read_text_documents(
         data_args.dataset_name, data_args.dataset_config_name, data_args.train_files, data_args.text_column
     )

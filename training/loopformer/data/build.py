@@ -7,9 +7,10 @@ from looped_training.loopformer.data import TASKS, held_out_problems, sources, s
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
 
-def build_data(data_args, model_args, source=None, rank=0, world_size=1):
+def build_data(data_args, model_args, source=None, rank=0, world_size=1, evaluate=True):
     """(tokenizer, train dataset, eval dataset or None, block_size). `source`: the (model, tokenizer) of
-    --model_name_or_path, whose tokenizer and context the data then follows."""
+    --model_name_or_path, whose tokenizer and context the data then follows. `evaluate`: whether the run evaluates
+    (a streamed run reads its held-out windows only then)."""
     if data_args.task not in TASKS:
         raise ValueError(f"`task` must be one of {TASKS}, got {data_args.task!r}.")
     source_model, source_tokenizer = source or (None, None)
@@ -41,8 +42,7 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1):
             f"--block_size {block_size} is longer than --model_name_or_path's context of {context} learned positions."
         )
     if tokenizer is None:  # the in-memory path trains its BPE
-        tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-        return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+        return in_memory(data_args, tokenizer, block_size, evaluate)
     vocab_size = (
         source_model.config.vocab_size if source_model is not None else model_args.vocab_size or len(tokenizer)
     )
@@ -55,11 +55,12 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1):
         )
     if data_args.streaming:
         train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
-        evaluation = None
-        if data_args.validation_fraction > 0:
-            evaluation = sources.stream_windows(data_args, tokenizer, block_size, "val").take(
-                data_args.max_eval_samples or sources.STREAM_EVAL_WINDOWS
-            )
+        evaluation = sources.stream_eval_windows(data_args, tokenizer, block_size) if evaluate else None
         return tokenizer, train, evaluation, block_size
-    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size)
-    return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
+    return in_memory(data_args, tokenizer, block_size, evaluate)
+
+
+def in_memory(data_args, tokenizer, block_size, evaluate):
+    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size, evaluate)
+    evaluation = None if evaluation is None else datasets.Dataset.from_dict(evaluation)
+    return tokenizer, datasets.Dataset.from_dict(train), evaluation, block_size

@@ -15,6 +15,7 @@ import logging
 from functools import partial
 
 import numpy as np
+import torch
 from looped_training.loopformer.data import corpus as corpus_docs
 from looped_training.loopformer.data import text, token_files
 
@@ -82,7 +83,14 @@ def choose_tokenizer(data_args, corpus, source_tokenizer):
         logger.info(
             "%s has no tokens.json (the authors' layout): its ids are read as %s's.", corpus.folder, AUTHORS_TOKENIZER
         )
-        return load_tokenizer(AUTHORS_TOKENIZER)
+        try:
+            return load_tokenizer(AUTHORS_TOKENIZER)
+        except ValueError as e:
+            raise ValueError(
+                f"--data_dir {corpus.folder!r} has no tokens.json (the authors' layout), so its ids are read as "
+                f"{AUTHORS_TOKENIZER!r}'s, and that tokenizer does not load here "
+                f"({str(e).split(' (', 1)[-1].rstrip('.)')}); give --tokenizer_name (a Hub id or a folder)."
+            ) from None
     else:
         if data_args.streaming:
             raise ValueError(
@@ -120,9 +128,40 @@ def _in_split(held, split):
     return [h == (split == "val") for h in held]
 
 
+def stream_eval_windows(data_args, tokenizer, block_size):
+    """The held-out windows of a streamed run, read once (the first `--max_eval_samples`, default 256) and kept in
+    memory, so each evaluation reads the same windows without streaming the corpus again."""
+    fraction = data_args.validation_fraction
+    rows = []
+    if fraction > 0:
+        n = data_args.max_eval_samples or STREAM_EVAL_WINDOWS
+        rows = list(stream_windows(data_args, tokenizer, block_size, "val").take(n))
+    if not rows:
+        raise ValueError(
+            f"--streaming: no window of {block_size} tokens is held out at --validation_fraction {fraction} (no "
+            f"document of the corpus fell to validation, or none is that long), so there is nothing to evaluate on; "
+            f"raise --validation_fraction, or give --eval_strategy no."
+        )
+    return Rows(rows)
+
+
+class Rows(torch.utils.data.Dataset):
+    """A list of rows (dicts of tensors) as a map-style dataset."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
 def token_data(data_args, block_size, vocab_size):
-    """(train, eval or None) windows of `--data_dir`, after checking its ids fit `vocab_size`."""
-    corpus = token_files.open_corpus(data_args.data_dir, block_size)
+    """(train, eval or None) windows of `--data_dir`, after checking its files against tokens.json (sizes and
+    checksums) and that its ids fit `vocab_size`."""
+    corpus = token_files.open_corpus(data_args.data_dir, block_size, verify=True)
     token_files.check_vocabulary(corpus, vocab_size)
     train = token_files.TokenWindows(corpus.train, block_size, corpus.dtype, vocab_size)
     evaluation = None
@@ -148,7 +187,7 @@ def held_out_windows(data_args, tokenizer, block_size, max_rows):
     import torch
 
     if data_args.data_dir is not None:
-        corpus = token_files.open_corpus(data_args.data_dir)
+        corpus = token_files.open_corpus(data_args.data_dir, verify=True)
         if corpus.val is None:
             raise ValueError(f"{data_args.data_dir!r} has no val.bin: nothing is held out to evaluate on.")
         windows = token_files.TokenWindows(corpus.val, block_size, corpus.dtype)
@@ -162,19 +201,30 @@ def held_out_windows(data_args, tokenizer, block_size, max_rows):
     return data
 
 
-def in_memory_data(data_args, tokenizer, block_size):
-    """The in-memory text path: (train rows, eval rows) as dicts of lists (text.chunk_text)."""
+def in_memory_data(data_args, tokenizer, block_size, evaluate=True):
+    """The in-memory text path: (tokenizer, train rows, eval rows or None) as dicts of lists (text.chunk_text)."""
     from looped_training.loopformer.data import held_out_text
 
-    train_text, valid_text = held_out_text(data_args, with_train=True)
+    train_docs, valid_docs = held_out_text(data_args, with_train=True)
+    if not train_docs:
+        raise ValueError(
+            f"Every document of the corpus is held out at --validation_fraction {data_args.validation_fraction}: "
+            f"nothing is left to train on; lower it."
+        )
     if tokenizer is None:
         from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
-        tokenizer = train_bpe_tokenizer(
-            [train_text[i : i + 10_000] for i in range(0, len(train_text), 10_000)],
-            data_args.tokenizer_vocab_size or 1024,
-        )
+        pieces = (p for d in train_docs for p in corpus_docs.pieces(d, 10_000))
+        tokenizer = train_bpe_tokenizer(pieces, data_args.tokenizer_vocab_size or 1024)
+    train = text.chunk_text(train_docs, tokenizer, block_size, window_targets=data_args.window_targets)
+    if not valid_docs:
+        if evaluate:
+            raise ValueError(
+                f"No document of the corpus is held out at --validation_fraction {data_args.validation_fraction} "
+                f"(whole documents are held out, by a seeded hash of their text), so there is nothing to evaluate "
+                f"on; raise --validation_fraction, give more documents, or give --eval_strategy no."
+            )
+        logger.warning("No document is held out at --validation_fraction %s.", data_args.validation_fraction)
+        return tokenizer, train, None
     # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
-    train = text.chunk_text(train_text, tokenizer, block_size, window_targets=data_args.window_targets)
-    evaluation = text.chunk_text(valid_text, tokenizer, block_size)
-    return tokenizer, train, evaluation
+    return tokenizer, train, text.chunk_text(valid_docs, tokenizer, block_size)

@@ -1,75 +1,78 @@
-"""Plain text for causal LM training: a Hugging Face `datasets` dataset or local text files (a folder of .txt
-files such as ../shared/data/shakespeare works). Documents are split into train / validation by document, then
-tokenized, joined with `<|endoftext|>` and cut into blocks of `block_size` tokens, as run_clm.py does."""
+"""Plain text for causal LM training, in memory (small runs): a Hugging Face `datasets` dataset or local text files (a
+folder of .txt files such as ../shared/data/shakespeare works), read as `prepare` reads them (one document a .txt
+file, undecodable files refused naming them). Whole documents are held out by prepare's seeded hash
+(`--validation_fraction` means the same on every path), then each document is tokenized (a long one in pieces cut
+before a space, never mid-word), followed by EOS, and the stream is cut into blocks of `block_size` tokens."""
 
-import glob
-import os
 import random
+
+from looped_training.loopformer.data import corpus
 
 
 def read_text_documents(dataset_name=None, dataset_config_name=None, train_files=None, text_column="text"):
-    """A list of documents (strings) from a `datasets` dataset (its train split) or from local files/folders."""
+    """A list of documents (strings) from a `datasets` dataset (its train split) or from local files/folders, as
+    `corpus.load_documents` reads them (one document a .txt file, for `dataset_name` a folder of .txt too)."""
     if (dataset_name is None) == (not train_files):
         raise ValueError(
             f"Give exactly one of `dataset_name` (a datasets name or path) or `train_files` (text files or folders); "
             f"got dataset_name={dataset_name!r}, train_files={train_files!r}."
         )
-    if dataset_name is not None:
-        import datasets
-
-        ds = datasets.load_dataset(dataset_name, dataset_config_name, split="train")
-        if text_column not in ds.column_names:
-            raise ValueError(
-                f"`text_column`={text_column!r} is not a column of {dataset_name}; it has {ds.column_names}."
-            )
-        return [t for t in ds[text_column] if t and t.strip()]
-    paths = []
-    for entry in train_files:
-        if os.path.isdir(entry):
-            paths += sorted(glob.glob(os.path.join(entry, "**", "*.txt"), recursive=True))
-        elif os.path.isfile(entry):
-            paths.append(entry)
-        else:
-            raise ValueError(f"`train_files` entry {entry!r} is neither a file nor a folder.")
-    if not paths:
-        raise ValueError(f"No .txt files found in {train_files!r}.")
-    docs = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            docs.append(f.read())
-    return docs
+    ds = corpus.load_documents(dataset_name, dataset_config_name, train_files, text_column)
+    return [t for t in ds["text"] if t and t.strip()]
 
 
 def split_documents(docs, validation_fraction=0.05, seed=0, max_chars=None):
-    """(train_text, validation_text). Each document gives its last `validation_fraction` to validation, so both
-    splits see every play/author; `max_chars` caps the training text (small CPU runs)."""
-    if not 0 < validation_fraction < 1:
-        raise ValueError(f"`validation_fraction` must be in (0, 1), got {validation_fraction!r}.")
+    """(train documents, validation documents): whole documents held out by prepare's seeded hash of their text
+    (`corpus.is_validation`, as prepare and streaming split them), the training documents in a seeded order.
+    `max_chars` caps the training text (the last document kept is cut before a space) and the validation text at a
+    tenth of it (small CPU runs)."""
+    if not 0 <= validation_fraction < 1:
+        raise ValueError(f"`validation_fraction` must be in [0, 1), got {validation_fraction!r}.")
     docs = list(docs)
-    random.Random(seed).shuffle(docs)
-    train, valid = [], []
-    for doc in docs:
-        cut = int(len(doc) * (1 - validation_fraction))
-        train.append(doc[:cut])
-        valid.append(doc[cut:])
-    train_text, valid_text = "\n".join(train), "\n".join(valid)
+    held = corpus.is_validation(docs, validation_fraction, seed)
+    train = [d for d, h in zip(docs, held) if not h]
+    valid = [d for d, h in zip(docs, held) if h]
+    random.Random(seed).shuffle(train)
     if max_chars is not None:
-        train_text = train_text[:max_chars]
-        valid_text = valid_text[: max(max_chars // 10, 1)]
-    return train_text, valid_text
+        train, valid = _cap(train, max_chars), _cap(valid, max(max_chars // 10, 1))
+    return train, valid
 
 
-def chunk_text(text, tokenizer, block_size, chunk_chars=100_000, window_targets=False):
+def _cap(docs, chars):
+    kept = []
+    for d in docs:
+        if chars <= 0:
+            break
+        if len(d) > chars:
+            d = d[:chars].rsplit(" ", 1)[0] if " " in d[:chars] else d[:chars]
+        kept.append(d)
+        chars -= len(d)
+    return kept
+
+
+def token_ids(text, tokenizer):
+    """`text`'s ids, a long text tokenized in `corpus.pieces` (the whole text's tokens for a byte-level BPE)."""
+    ids = []
+    for piece in corpus.pieces(text):
+        ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
+
+
+def chunk_text(text, tokenizer, block_size, window_targets=False):
     """Rows of exactly `block_size` tokens (input_ids, attention_mask, labels = input_ids); the tail is dropped.
+    `text`: a list of documents, each followed by the tokenizer's EOS (as prepare writes them), or one string.
 
     With `window_targets`, each row also holds `shift_labels`, the `block_size` tokens that follow its own, so that a
     window of T tokens trains T next-token targets (x = data[i:i+T], y = data[i+1:i+T+1], as the authors' get_batch)
     where run_clm's rows train T - 1."""
-    ids = []
-    for start in range(0, len(text), chunk_chars):
-        ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
+    if isinstance(text, str):
+        ids = token_ids(text, tokenizer)
+    else:
+        ids = []
+        for doc in text:
+            ids += [*token_ids(doc, tokenizer), tokenizer.eos_token_id]
     n = (len(ids) - window_targets) // block_size
-    if n == 0:
+    if n <= 0:
         raise ValueError(
             f"The text holds {len(ids)} tokens, fewer than one block of block_size={block_size}"
             f"{' plus its next-token target' if window_targets else ''}."

@@ -7,6 +7,7 @@ tokenizer, counts) and the tokenizer beside the files; the authors' folders hold
 ids). Nothing is read into memory: `TokenWindows` maps the file and reads one window per item.
 """
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -88,16 +89,34 @@ def count_tokens(path, dtype):
     return size // itemsize
 
 
+def file_sha256(path, chunk=1 << 24):
+    """The sha256 of a file, read in chunks (memory flat in its size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_meta(folder):
-    """The folder's tokens.json, or None for the authors' layout."""
+    """The folder's tokens.json, checked for the fields train reads, or None for the authors' layout."""
     path = os.path.join(folder, TOKENS_FILE)
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a readable tokens.json ({e}): rerun prepare into this folder.") from None
+    splits = meta.get("splits") if isinstance(meta, dict) else None
+    if not isinstance(splits, dict) or not all(
+        isinstance(splits.get(s), dict) and isinstance(splits[s].get("tokens"), int) for s in SPLITS
+    ):
+        raise ValueError(
+            f"{path} has no 'splits' with the token counts of {list(SPLITS)} (prepare writes them): it was not written "
+            f"by `python -m looped_training.loopformer.prepare`, or was edited; rerun prepare into this folder."
+        )
+    return meta
 
 
 def file_dtype(path):
@@ -121,15 +140,19 @@ class TokenCorpus:
         return self.folder if self.meta is not None else None
 
 
-def open_corpus(folder, block_size=None):
-    """Check a corpus folder before any work: the files exist, are whole, agree with tokens.json, and (with
-    `block_size`) hold at least one training window."""
+def open_corpus(folder, block_size=None, verify=False):
+    """Check a corpus folder before any work: the files exist, are whole, agree with tokens.json (their sizes; with
+    `verify`, their sha256 too, read in full), and (with `block_size`) hold at least one training window."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise ValueError(
             f"--data_dir {folder!r} is not a folder; give the --output_dir of prepare or a folder "
             f"holding the authors' train.bin."
         )
+    try:
+        os.listdir(folder)
+    except PermissionError as e:
+        raise ValueError(f"--data_dir {folder!r} cannot be read ({e.strerror}).") from None
     meta = read_meta(folder)
     if meta is None and os.path.isdir(os.path.join(folder, STAGING_DIR)):
         raise ValueError(
@@ -155,6 +178,23 @@ def open_corpus(folder, block_size=None):
                 f"{split}.bin in {folder!r} holds {n} tokens where {TOKENS_FILE} says {written}: the file was changed "
                 f"or cut short after prepare wrote it; rerun prepare."
             )
+    if meta:
+        for split in SPLITS:
+            if meta["splits"][split]["tokens"] and split not in counts:
+                raise ValueError(
+                    f"{folder!r} has no {split}.bin where {TOKENS_FILE} counts {meta['splits'][split]['tokens']} "
+                    f"tokens in it: rerun prepare."
+                )
+    if meta and verify:
+        for split, path in (("train", train), ("val", val)):
+            recorded = meta["splits"][split].get("sha256") if path else None
+            if recorded is None:
+                continue  # tokens.json of format 1 (before checksums): the sizes were checked
+            if file_sha256(path) != recorded:
+                raise ValueError(
+                    f"{split}.bin in {folder!r} does not have the sha256 {TOKENS_FILE} records (its bytes changed "
+                    f"after prepare wrote it, its size did not): rerun prepare."
+                )
     if block_size is not None and counts["train"] < block_size + 1:
         raise ValueError(
             f"{train} holds {counts['train']} tokens, fewer than one window of block_size={block_size} plus its "
