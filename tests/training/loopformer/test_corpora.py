@@ -265,11 +265,11 @@ def test_changed_source_files_are_refused_in_a_finished_folder_and_started_over_
 # ---- Deliver 2: windows train T targets under a stock Trainer -------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason="needs shift_labels as a named forward argument (model rewrite)")
 def test_token_windows_train_the_authors_t_targets_under_a_stock_trainer_with_default_arguments(tmp_path):
     """A stock `Trainer` with default `TrainingArguments` (CPU, no reporting): every batch forward receives holds
-    `shift_labels = data[s+1:s+T+1]` for its windows `data[s:s+T]`, and the loss is the mean CE over all T targets of
-    each window (the authors' get_batch), not run_clm's T - 1."""
+    the targets `data[s+1:s+T+1]` of its windows `data[s:s+T]` (as `labels` one token longer than the input, the
+    whole window: the Trainer keeps that column), and the loss is the mean CE over all T targets of each window (the
+    authors' get_batch), not run_clm's T - 1."""
     from transformers import Trainer, TrainingArguments
 
     from loopformer_hf import LoopFormerConfig, LoopFormerForCausalLM
@@ -294,8 +294,9 @@ def test_token_windows_train_the_authors_t_targets_under_a_stock_trainer_with_de
     assert seen
     full = torch.from_numpy(data.astype(np.int64))
     for kwargs, output in seen:
-        x, y = kwargs["input_ids"], kwargs.get("shift_labels")
-        assert y is not None, "shift_labels did not reach forward: each window trains T - 1 targets"
+        x, labels = kwargs["input_ids"], kwargs["labels"]
+        assert labels.shape[1] == T + 1, "the window's last target did not reach forward: it trains T - 1 targets"
+        y = labels[:, 1:]
         for row_x, row_y in zip(x, y):
             (s,) = [i * T for i in range(8) if torch.equal(full[i * T : i * T + T], row_x)]
             assert torch.equal(row_y, full[s + 1 : s + T + 1])  # the authors' y = data[s+1:s+T+1]

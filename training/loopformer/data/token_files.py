@@ -70,8 +70,9 @@ class TokenWindows(torch.utils.data.Dataset):
                 f"{self.path}: window {index} (tokens {s}..{s + T}) holds token id {int(window.max())}, beyond the "
                 f"model's vocabulary of {self.vocab_size}: the file was written with another tokenizer."
             )
-        x = window[:T]
-        return {"input_ids": x, "labels": x, "shift_labels": window[1:]}
+        # `labels` one token longer than the input: the causal LM trains its T targets window[1:] (the authors' y),
+        # and a stock Trainer keeps the column (`shift_labels`, a keyword of forward, it would drop)
+        return {"input_ids": window[:T], "labels": window, "shift_labels": window[1:]}
 
     def __getstate__(self):  # DataLoader workers map the file themselves
         return {**self.__dict__, "_data": None}
