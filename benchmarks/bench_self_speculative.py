@@ -38,8 +38,8 @@ SHAPES = {  # hidden, heads, intermediate, vocab, k
 }
 
 
-def build(name, loops, seed=0):
-    """(model, tokenizer or None) of `--model`."""
+def build(name, loops, seed=0, hidden_size=None):
+    """(model, tokenizer or None) of `--model` (`hidden_size`: another width for a built one, 4x its MLP)."""
     if os.path.isdir(name):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -48,6 +48,8 @@ def build(name, loops, seed=0):
         )
         return AutoModelForCausalLM.from_pretrained(name).eval(), tokenizer
     hidden, heads, intermediate, vocab, k = SHAPES[name]
+    if hidden_size is not None:
+        hidden, intermediate = hidden_size, 4 * hidden_size
     config = loopformer_hf.LoopFormerConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -196,7 +198,10 @@ def mixed(model, batch, new_tokens, budget, repeats, log):
 
 
 def format_table(report):
-    lines = [f"model {report['model']}, L={report['loops']}, {report['new_tokens']} new tokens, {report['machine']}"]
+    lines = [
+        f"model {report['model']} (hidden {report['hidden_size']}), L={report['loops']}, {report['new_tokens']} new "
+        f"tokens, {report['machine']}"
+    ]
     if report["speculative"]:
         lines += ["", "| d | num_assistant_tokens | speed-up | tokens/s plain -> drafted | acceptance | identical |"]
         lines.append("|---|---|---|---|---|---|")
@@ -223,6 +228,7 @@ def main(argv=None):
     p = timing_arguments(__doc__, DEFAULT_OUTPUT, "timing rounds per side (default 5; --quick 2)")
     p.add_argument("--model", default="random", help="a saved folder, or: " + ", ".join(SHAPES))
     p.add_argument("--loops", type=int, default=4, help="L of a built model (default 4)")
+    p.add_argument("--hidden_size", type=int, default=None, help="width of a built model (default: its shape's)")
     p.add_argument("--prompts", default="random", choices=["random", "chains", "shakespeare"])
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--drafts", type=int, nargs="*", default=None, help="draft budgets d (default 1..L-1)")
@@ -237,7 +243,7 @@ def main(argv=None):
         p.error(f"--model must be a saved LoopFormer folder or one of {sorted(SHAPES)}, got {args.model!r}")
     torch.set_num_threads(args.threads)
     name = "quick" if args.quick else args.model
-    model, tokenizer = build(name, args.loops)
+    model, tokenizer = build(name, args.loops, hidden_size=args.hidden_size)
     budget = model.config.num_loops
     drafts = args.drafts or list(range(1, budget))
     bad = [d for d in drafts if not 1 <= d < budget]
@@ -249,6 +255,7 @@ def main(argv=None):
     start = time.time()
     report = dict(
         model=args.model,
+        hidden_size=model.config.hidden_size,
         loops=budget,
         new_tokens=new_tokens,
         threads=args.threads,
