@@ -123,7 +123,7 @@ def token_stream(seed=0, windows=STEPS * BATCH):
 class WordIds:
     """A stand-in tokenizer for `chunk_text`: the text is the token ids, space-separated."""
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
         return {"input_ids": [int(w) for w in text.split()]}
 
 
