@@ -38,12 +38,46 @@ RISE = {"spearman_rho": 0.8, "relative_rise": 0.1}
 EXTRAPOLATION = {"kept_fraction": 0.9, "margin_over_trm": 0.05}
 LEARNED = 0.9  # in-distribution per-position accuracy at which a model counts as having learned the task
 
-# TRM's block and recursion on a preset of FPRM's (for the S3 recipe, which has no TRM preset): the flags that make
-# preset sudoku-cpu-trm / s5-cpu-trm out of sudoku-cpu / s5-cpu
-TRM_FLAGS = (
-    "--variant trm --norm_type post --residual_scaling none --conv_type none --halt_exploration_prob 0.1 "
-    "--H_cycles 2 --L_cycles 1 --halt_max_steps 16"
+# TRM as the authors run it (their config/arch/trm.yaml and cfg_pretrain_state_tracking.yaml), on a preset of
+# FPRM's (the S3 recipe, which has no TRM preset): these values of preset s5-cpu-trm, which holds theirs (rope, 16
+# prefix rows of the model's width, post-norm blocks without conv or α, H 3 x L 6, 16 ACT steps, the Q-halt loss,
+# weight decay 0.1 and the SignSGD prefix rows at lr 1e-2, weight decay 0.1), with the model's width as
+# puzzle_emb_ndim. The rest is the FPRM recipe's, as for FPRM: the data, width, batch, steps and learning rate (their
+# TRM and FPRM state-tracking files both train at lr 1e-4), and causal attention (the task's, their arch.causal).
+TRM_PRESET = "s5-cpu-trm"
+TRM_KEYS = (
+    "variant",
+    "position_embedding_type",
+    "num_prefix_tokens",
+    "norm_type",
+    "norm_placement",
+    "residual_scaling",
+    "conv_type",
+    "H_cycles",
+    "L_cycles",
+    "n_backwards_L",
+    "halt_max_steps",
+    "halt_exploration_prob",
+    "q_loss_coefficient",
+    "weight_decay",
+    "puzzle_emb_optimizer",
+    "puzzle_emb_lr",
+    "puzzle_emb_weight_decay",
 )
+
+
+def trm_flags(hidden_size):
+    """The flags that make TRM, as the authors run it, out of an FPRM state-tracking preset of width `hidden_size`."""
+    import yaml
+    from looped_training.configs import config_path
+
+    with open(config_path("fprm", TRM_PRESET)) as f:
+        preset = yaml.safe_load(f)
+    values = {key: preset[key] for key in TRM_KEYS} | {"puzzle_emb_ndim": hidden_size}
+    return " ".join(f"--{key} {value}" for key, value in values.items())
+
+
+TRM_FLAGS = trm_flags(64)  # the width of preset s3-evidence
 
 SIZES = {
     # CPU: 4x4 Sudoku, d 64, 500 optimizer steps; state tracking on S3 (the s3-evidence recipe: trained at <= 16,
@@ -54,12 +88,12 @@ SIZES = {
             "--preset sudoku-cpu",
             "--preset sudoku-cpu-trm",
             "--sudoku_size 4 --hidden_size 64 --puzzle_emb_ndim 64 --num_train 6000 --num_test 300 "
-            "--compare_cap false --eval_batch_size 300 --max_steps 500 --time_budget_minutes 45",
+            "--compare_cap false --eval_batch_size 300 --max_steps 500 --time_budget_minutes 90",
         ),
         "state": (
             "--preset s3-evidence",
             "--preset s3-evidence " + TRM_FLAGS,
-            "--compare_cap false --time_budget_minutes 60",
+            "--compare_cap false --time_budget_minutes 150",
         ),
         "group": "S3",
         "train_length": 16,

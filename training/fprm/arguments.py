@@ -47,7 +47,20 @@ class ModelArguments:
     fixed_init: bool = field(
         default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"}
     )
-    num_prefix_tokens: int = field(default=0)
+    num_prefix_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "learned prefix rows before the input (their puzzle_emb_len; 16 in their arch/trm.yaml); default "
+            "the task's: 0"
+        },
+    )
+    position_embedding_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "rope, learned or none (their pos_encodings; rope in arch/trm.yaml); default the task's: none for "
+            "state tracking (their FPRM state-tracking configs), rope for grids"
+        },
+    )
     init_std: float = field(
         default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"}
     )

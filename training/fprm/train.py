@@ -201,7 +201,6 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             alpha1=model_args.alpha1,
             alpha2=model_args.alpha2,
             fixed_init=model_args.fixed_init,
-            num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
             init_std=model_args.init_std,
             halt_eps=model_args.halt_eps,
             patience=model_args.patience,
@@ -211,7 +210,7 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             gamma_train=model_args.gamma_train,
             gamma_eval=model_args.gamma_eval,
             max_loops=eval_args.eval_max_loops,
-            **{**task_config, **variant_config(model_args)},
+            **{"num_prefix_tokens": 0, **task_config, **variant_config(model_args)},
         )
     )
     if data_args.data is not None:
@@ -348,8 +347,13 @@ def authors_report(model, ds, data_args, eval_args, train_args, when):
 
 
 def variant_config(model_args):
-    """The config fields of `--variant trm` (TRM's recursion) and a `--conv_type` over the task's."""
-    fields = {} if model_args.conv_type is None else {"conv_type": model_args.conv_type}
+    """The config fields of `--variant trm` (TRM's recursion), and a `--conv_type`, `--position_embedding_type` or
+    `--num_prefix_tokens` given over the task's."""
+    fields = {
+        name: getattr(model_args, name)
+        for name in ("conv_type", "position_embedding_type", "num_prefix_tokens")
+        if getattr(model_args, name) is not None
+    }
     if model_args.variant == "trm":
         fields.update(
             recursion="trm",
