@@ -3,7 +3,7 @@ processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep su
 the main one alone saves `model/`, evaluates and writes `results.json` (strict JSON: a non-finite number is null).
 
     python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
-    python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
+    python -m looped_training.fprm.train --preset s5-gpu              # the same on one accelerator (<= 10 min, bf16)
     python -m looped_training.fprm.train --preset sudoku-cpu --max_steps 500 --output_dir outputs/sudoku
     python -m looped_training.fprm.train training/configs/fprm/maze-cpu.yaml --torch_threads 2
 
@@ -109,6 +109,20 @@ def parse_args(argv=None):
         "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm",
     }
     (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
+    if train_args.forward_dtype == "bfloat16" and not train_args.bf16:
+        # their forward_dtype: bfloat16 is bf16 autocast; TrainingArguments sets it up from --bf16 (and refuses it
+        # without an accelerator, in words about --use_cpu), so it is checked here and set as that flag
+        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+        if not (is_torch_bf16_gpu_available() or is_torch_xla_available()):
+            parser.error(
+                f"`--forward_dtype bfloat16`{f' (preset {data_args.preset})' if data_args.preset else ''} trains under "
+                "bf16 autocast on an accelerator, and this machine has none with bf16: give --forward_dtype float32 "
+                "to train in float32 here."
+            )
+        (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(
+            parser, [*argv, "--bf16", "true"], defaults
+        )
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     if model_args.variant not in VARIANTS:
