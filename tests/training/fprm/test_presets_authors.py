@@ -675,11 +675,12 @@ def test_accelerator_presets_train_under_bf16_autocast_and_cpu_presets_in_float3
 
     names = set(preset_names())
     assert ACCELERATOR <= names
+    monkeypatch.setattr(utils, "is_torch_bf16_gpu_available", lambda *args, **kwargs: False)  # (a machine without)
     for name in sorted(names - ACCELERATOR):  # the CPU presets
         train_args = parse_args(["--preset", name])[3]
         assert (train_args.forward_dtype, train_args.bf16) == ("float32", False), name
     for name in sorted(ACCELERATOR):
-        with pytest.raises(SystemExit):  # this machine has no accelerator: refused, naming the way out
+        with pytest.raises(SystemExit):  # refused, naming the way out
             parse_args(["--preset", name])
         train_args = parse_args(["--preset", name, "--forward_dtype", "float32"])[3]
         assert train_args.bf16 is False
@@ -690,8 +691,11 @@ def test_accelerator_presets_train_under_bf16_autocast_and_cpu_presets_in_float3
         assert (train_args.forward_dtype, train_args.bf16) == ("bfloat16", True), name
 
 
-def test_the_refusal_on_a_machine_without_an_accelerator_says_what_to_give(capsys):
+def test_the_refusal_on_a_machine_without_an_accelerator_says_what_to_give(capsys, monkeypatch):
     from looped_training.fprm.train import parse_args
+    from transformers import utils
+
+    monkeypatch.setattr(utils, "is_torch_bf16_gpu_available", lambda *args, **kwargs: False)
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--preset", "s5-trm"])
