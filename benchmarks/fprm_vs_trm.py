@@ -1,6 +1,8 @@
-"""The paper's comparison of FPRM with TRM, from our own runs, at equal parameters (the same block stack: width,
-heads, SwiGLU and layers; FPRM adds its conv and α logits), trained by the same command
-(`python -m looped_training.fprm.train`, `--variant trm` for TRM) on the same data and seeds:
+"""The paper's comparison of FPRM with TRM, from our own runs, with the same block stack (width, heads, SwiGLU and
+layers; FPRM adds its conv and α logits, TRM its learned prefix row, H_init/L_init and Q-head), trained by the same
+command (`python -m looped_training.fprm.train`) on the same data and seeds, TRM as the authors run it (their
+config/arch/trm.yaml: RoPE, 16 prefix rows of the model's width, causal attention on state tracking, H 3 x L 6, 16 ACT
+steps; presets *-cpu-trm):
 
 (a) Sudoku (4x4, 4..12 blanks): FPRM's iterations to halt rise with the blanks, while TRM's stay flat at its
     maximum (halt_max_steps ACT steps of the block stack);
@@ -8,7 +10,7 @@ heads, SwiGLU and layers; FPRM adds its conv and α logits), trained by the same
     positions k = 2L..4L). The paper's size runs S5 (L 32); the CPU size runs S3 (L 16, the s3-evidence recipe),
     since S5 does not learn in a CPU budget (benchmarks/writeups/fprm.md).
 
-    nice python -m benchmarks.fprm_vs_trm                      # CPU-sized: 2 seeds, 8 runs, ~40 min on 2 cores
+    nice python -m benchmarks.fprm_vs_trm                      # CPU-sized: 2 seeds, 8 runs (hours on 2 shared cores)
     python -m benchmarks.fprm_vs_trm --size paper --jobs 1    # the paper's size (presets sudoku / sudoku-trm, s5 /
                                                               # s5-trm: d 512, 9x9 Sudoku, S5 at 32 -> 128), GPU
 
@@ -321,7 +323,19 @@ def report(result, command):
         f"**{result['verdicts']['sudoku']}**. (b) {result['group']}, trained on lengths <= {result['train_length']}, FPRM "
         f"extrapolates to {2 * result['train_length']}..{4 * result['train_length']} (keeps >= "
         f"{EXTRAPOLATION['kept_fraction']} of its in-distribution accuracy, beats TRM by >= "
-        f"{EXTRAPOLATION['margin_over_trm']}): **{result['verdicts']['state']}**.",
+        f"{EXTRAPOLATION['margin_over_trm']}): **{result['verdicts']['state']}**; beside it, whether TRM learned "
+        f"{result['group']} in distribution (per-position accuracy over 1..L >= {LEARNED}): "
+        + ", ".join(
+            f"seed {seed} {'yes' if r['state']['trm_learned_in_distribution'] else 'no'} "
+            f"({r['state']['trm_in_distribution']:.3f})"
+            for seed, r in result["per_seed"].items()
+        )
+        + ".",
+        "",
+        f"The runs: `python -m looped_training.fprm.train` with {' / '.join(f'`{f}`' for f in SIZES[result['size']]['sudoku'][:2])}"
+        f" (Sudoku) and {' / '.join(f'`{f}`' for f in SIZES[result['size']]['state'][:2])} (state tracking), then "
+        f"`{SIZES[result['size']]['sudoku'][2]}` and `{SIZES[result['size']]['state'][2]}` and the seed: TRM as the "
+        "authors run it (their config/arch/trm.yaml), FPRM as its preset.",
         "",
         "| seed | params FPRM / TRM | Sudoku exact FPRM / TRM | FPRM iterations by blanks bin | ρ | TRM iterations |"
         f" {result['group']} in-dist FPRM / TRM | {result['group']} at 2L..4L FPRM / TRM |",
