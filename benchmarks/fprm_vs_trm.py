@@ -226,19 +226,25 @@ def run_commands(size, seeds, output_dir, minutes):
 
 
 def train_all(runs, jobs, reuse):
+    """Train the runs, `jobs` at a time, the longest first (state tracking before Sudoku, TRM before FPRM), each
+    writing its output to `<its folder>.log`."""
+
     def one(item):
         (task, variant, seed), (cmd, folder) = item
         if reuse and os.path.exists(os.path.join(folder, "results.json")):
             return
-        print("$ " + " ".join(cmd[1:]), flush=True)
+        print(f"{time.strftime('%H:%M:%S')} $ " + " ".join(cmd[1:]), flush=True)
         start = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+        with open(f"{folder}.log", "w") as log:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode:
-            raise RuntimeError(f"{task} {variant} seed {seed} failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"{task} {variant} seed {seed} failed: see {folder}.log")
         print(f"  {task} {variant} seed {seed}: {time.perf_counter() - start:.0f}s", flush=True)
 
+    longest_first = sorted(runs.items(), key=lambda item: (item[0][0] != "state", item[0][1] != "trm", item[0][2]))
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(one, runs.items()))
+        list(pool.map(one, longest_first))
 
 
 def analyse(runs, seeds, train_length, group):

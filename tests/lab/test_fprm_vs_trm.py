@@ -104,3 +104,17 @@ def test_trm_runs_are_trm_as_the_authors_run_it():
     # state tracking: causal attention, the task's (their arch.causal), and their TRM file's weight decays
     assert data.task == "s3" and build_task(data, 0)[1]["causal"] is True
     assert (train.weight_decay, train.puzzle_emb_lr, train.puzzle_emb_weight_decay) == (0.1, 0.01, 0.1)
+
+
+def test_runs_train_longest_first_each_with_its_log(tmp_path, capsys):
+    import sys
+
+    runs = {
+        (task, variant, 0): ([sys.executable, "-c", f"print('{task} {variant}')"], str(tmp_path / f"{task}-{variant}"))
+        for task in ("sudoku", "state")
+        for variant in ("fprm", "trm")
+    }
+    bench.train_all(runs, 1, reuse=False)
+    started = [line.split("print(")[1] for line in capsys.readouterr().out.splitlines() if "$ " in line]
+    assert started == ["'state trm')", "'state fprm')", "'sudoku trm')", "'sudoku fprm')"]
+    assert (tmp_path / "state-trm.log").read_text() == "state trm\n"
