@@ -8,7 +8,9 @@ the main one alone saves `model/`, evaluates and writes `results.json` (strict J
     python -m looped_training.fprm.train training/configs/fprm/maze-cpu.yaml --torch_threads 2
 
 A preset is a YAML file of training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
-the first argument). It only sets defaults: any flag given on the command line wins.
+the first argument). It only sets defaults: any flag given on the command line wins. The accelerator presets train under
+bf16 autocast as the authors' configs do (`forward_dtype: bfloat16`, which sets `--bf16 true`; refused on a machine
+without an accelerator, where `--forward_dtype float32` runs them in float32); the CPU presets in float32.
 
 Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
 run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`; one left incomplete by a
