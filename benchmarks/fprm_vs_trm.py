@@ -1,6 +1,8 @@
-"""The paper's comparison of FPRM with TRM, from our own runs, at equal parameters (the same block stack: width,
-heads, SwiGLU and layers; FPRM adds its conv and α logits), trained by the same command
-(`python -m looped_training.fprm.train`, `--variant trm` for TRM) on the same data and seeds:
+"""The paper's comparison of FPRM with TRM, from our own runs, with the same block stack (width, heads, SwiGLU and
+layers; FPRM adds its conv and α logits, TRM its learned prefix row, H_init/L_init and Q-head), trained by the same
+command (`python -m looped_training.fprm.train`) on the same data and seeds, TRM as the authors run it (their
+config/arch/trm.yaml: RoPE, 16 prefix rows of the model's width, causal attention on state tracking, H 3 x L 6, 16 ACT
+steps; presets *-cpu-trm):
 
 (a) Sudoku (4x4, 4..12 blanks): FPRM's iterations to halt rise with the blanks, while TRM's stay flat at its
     maximum (halt_max_steps ACT steps of the block stack);
@@ -8,7 +10,7 @@ heads, SwiGLU and layers; FPRM adds its conv and α logits), trained by the same
     positions k = 2L..4L). The paper's size runs S5 (L 32); the CPU size runs S3 (L 16, the s3-evidence recipe),
     since S5 does not learn in a CPU budget (benchmarks/writeups/fprm.md).
 
-    nice python -m benchmarks.fprm_vs_trm                      # CPU-sized: 2 seeds, 8 runs, ~40 min on 2 cores
+    nice python -m benchmarks.fprm_vs_trm                      # CPU-sized: 2 seeds, 8 runs (hours on 2 shared cores)
     python -m benchmarks.fprm_vs_trm --size paper --jobs 1    # the paper's size (presets sudoku / sudoku-trm, s5 /
                                                               # s5-trm: d 512, 9x9 Sudoku, S5 at 32 -> 128), GPU
 
@@ -38,12 +40,46 @@ RISE = {"spearman_rho": 0.8, "relative_rise": 0.1}
 EXTRAPOLATION = {"kept_fraction": 0.9, "margin_over_trm": 0.05}
 LEARNED = 0.9  # in-distribution per-position accuracy at which a model counts as having learned the task
 
-# TRM's block and recursion on a preset of FPRM's (for the S3 recipe, which has no TRM preset): the flags that make
-# preset sudoku-cpu-trm / s5-cpu-trm out of sudoku-cpu / s5-cpu
-TRM_FLAGS = (
-    "--variant trm --norm_type post --residual_scaling none --conv_type none --halt_exploration_prob 0.1 "
-    "--H_cycles 2 --L_cycles 1 --halt_max_steps 16"
+# TRM as the authors run it (their config/arch/trm.yaml and cfg_pretrain_state_tracking.yaml), on a preset of
+# FPRM's (the S3 recipe, which has no TRM preset): these values of preset s5-cpu-trm, which holds theirs (rope, 16
+# prefix rows of the model's width, post-norm blocks without conv or α, H 3 x L 6, 16 ACT steps, the Q-halt loss,
+# weight decay 0.1 and the SignSGD prefix rows at lr 1e-2, weight decay 0.1), with the model's width as
+# puzzle_emb_ndim. The rest is the FPRM recipe's, as for FPRM: the data, width, batch, steps and learning rate (their
+# TRM and FPRM state-tracking files both train at lr 1e-4), and causal attention (the task's, their arch.causal).
+TRM_PRESET = "s5-cpu-trm"
+TRM_KEYS = (
+    "variant",
+    "position_embedding_type",
+    "num_prefix_tokens",
+    "norm_type",
+    "norm_placement",
+    "residual_scaling",
+    "conv_type",
+    "H_cycles",
+    "L_cycles",
+    "n_backwards_L",
+    "halt_max_steps",
+    "halt_exploration_prob",
+    "q_loss_coefficient",
+    "weight_decay",
+    "puzzle_emb_optimizer",
+    "puzzle_emb_lr",
+    "puzzle_emb_weight_decay",
 )
+
+
+def trm_flags(hidden_size):
+    """The flags that make TRM, as the authors run it, out of an FPRM state-tracking preset of width `hidden_size`."""
+    import yaml
+    from looped_training.configs import config_path
+
+    with open(config_path("fprm", TRM_PRESET)) as f:
+        preset = yaml.safe_load(f)
+    values = {key: preset[key] for key in TRM_KEYS} | {"puzzle_emb_ndim": hidden_size}
+    return " ".join(f"--{key} {value}" for key, value in values.items())
+
+
+TRM_FLAGS = trm_flags(64)  # the width of preset s3-evidence
 
 SIZES = {
     # CPU: 4x4 Sudoku, d 64, 500 optimizer steps; state tracking on S3 (the s3-evidence recipe: trained at <= 16,
@@ -54,12 +90,12 @@ SIZES = {
             "--preset sudoku-cpu",
             "--preset sudoku-cpu-trm",
             "--sudoku_size 4 --hidden_size 64 --puzzle_emb_ndim 64 --num_train 6000 --num_test 300 "
-            "--compare_cap false --eval_batch_size 300 --max_steps 500 --time_budget_minutes 45",
+            "--compare_cap false --eval_batch_size 300 --max_steps 500 --time_budget_minutes 90",
         ),
         "state": (
             "--preset s3-evidence",
             "--preset s3-evidence " + TRM_FLAGS,
-            "--compare_cap false --time_budget_minutes 60",
+            "--compare_cap false --time_budget_minutes 150",
         ),
         "group": "S3",
         "train_length": 16,
@@ -190,19 +226,25 @@ def run_commands(size, seeds, output_dir, minutes):
 
 
 def train_all(runs, jobs, reuse):
+    """Train the runs, `jobs` at a time, the longest first (state tracking before Sudoku, TRM before FPRM), each
+    writing its output to `<its folder>.log`."""
+
     def one(item):
         (task, variant, seed), (cmd, folder) = item
         if reuse and os.path.exists(os.path.join(folder, "results.json")):
             return
-        print("$ " + " ".join(cmd[1:]), flush=True)
+        print(f"{time.strftime('%H:%M:%S')} $ " + " ".join(cmd[1:]), flush=True)
         start = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        os.makedirs(os.path.dirname(os.path.abspath(folder)), exist_ok=True)
+        with open(f"{folder}.log", "w") as log:
+            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode:
-            raise RuntimeError(f"{task} {variant} seed {seed} failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"{task} {variant} seed {seed} failed: see {folder}.log")
         print(f"  {task} {variant} seed {seed}: {time.perf_counter() - start:.0f}s", flush=True)
 
+    longest_first = sorted(runs.items(), key=lambda item: (item[0][0] != "state", item[0][1] != "trm", item[0][2]))
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(one, runs.items()))
+        list(pool.map(one, longest_first))
 
 
 def analyse(runs, seeds, train_length, group):
@@ -287,7 +329,19 @@ def report(result, command):
         f"**{result['verdicts']['sudoku']}**. (b) {result['group']}, trained on lengths <= {result['train_length']}, FPRM "
         f"extrapolates to {2 * result['train_length']}..{4 * result['train_length']} (keeps >= "
         f"{EXTRAPOLATION['kept_fraction']} of its in-distribution accuracy, beats TRM by >= "
-        f"{EXTRAPOLATION['margin_over_trm']}): **{result['verdicts']['state']}**.",
+        f"{EXTRAPOLATION['margin_over_trm']}): **{result['verdicts']['state']}**; beside it, whether TRM learned "
+        f"{result['group']} in distribution (per-position accuracy over 1..L >= {LEARNED}): "
+        + ", ".join(
+            f"seed {seed} {'yes' if r['state']['trm_learned_in_distribution'] else 'no'} "
+            f"({r['state']['trm_in_distribution']:.3f})"
+            for seed, r in result["per_seed"].items()
+        )
+        + ".",
+        "",
+        f"The runs: `python -m looped_training.fprm.train` with {' / '.join(f'`{f}`' for f in SIZES[result['size']]['sudoku'][:2])}"
+        f" (Sudoku) and {' / '.join(f'`{f}`' for f in SIZES[result['size']]['state'][:2])} (state tracking), then "
+        f"`{SIZES[result['size']]['sudoku'][2]}` and `{SIZES[result['size']]['state'][2]}` and the seed: TRM as the "
+        "authors run it (their config/arch/trm.yaml), FPRM as its preset.",
         "",
         "| seed | params FPRM / TRM | Sudoku exact FPRM / TRM | FPRM iterations by blanks bin | ρ | TRM iterations |"
         f" {result['group']} in-dist FPRM / TRM | {result['group']} at 2L..4L FPRM / TRM |",

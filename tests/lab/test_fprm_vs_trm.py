@@ -75,3 +75,46 @@ def test_command_analyses_finished_runs(tmp_path, capsys):
     for (task, _, _), (cmd, _) in runs.items():
         if task == "sudoku":
             assert cmd[cmd.index("--max_steps") + 1] == "500"
+
+
+def test_trm_runs_are_trm_as_the_authors_run_it():
+    """Both TRM runs of the CPU comparison, as `fprm.train` parses them: their arch/trm.yaml (RoPE, 16 prefix rows of
+    the model's width, H 3 x L 6, 16 ACT steps, post-norm blocks without conv or α) and, on state tracking, causal
+    attention (the task's) and their TRM optimizer values, with the FPRM recipe's width, batch, steps and lr."""
+    from looped_training.fprm.tasks import build_task
+    from looped_training.fprm.train import parse_args, variant_config
+
+    runs = bench.run_commands("cpu", [0], "out", None)
+    for task in ("sudoku", "state"):
+        model, data, _, train = parse_args(runs[(task, "trm", 0)][0][3:])
+        fprm_train = parse_args(runs[(task, "fprm", 0)][0][3:])[3]
+        config = variant_config(model)
+        assert config["recursion"] == "trm" and (config["H_cycles"], config["L_cycles"], config["n_backwards_L"]) == (
+            3,
+            6,
+            6,
+        )
+        assert (config["halt_max_steps"], config["halt_exploration_prob"], config["conv_type"]) == (16, 0.1, "none")
+        assert (config["position_embedding_type"], config["num_prefix_tokens"]) == ("rope", 16)
+        assert model.puzzle_emb_ndim == model.hidden_size == 64
+        assert (model.norm_type, model.residual_scaling) == ("post", "none")
+        assert (train.puzzle_emb_optimizer, train.q_loss_coefficient) == ("signsgd", 0.5)
+        for same in ("max_steps", "per_device_train_batch_size", "learning_rate", "seed"):
+            assert getattr(train, same) == getattr(fprm_train, same), same
+    # state tracking: causal attention, the task's (their arch.causal), and their TRM file's weight decays
+    assert data.task == "s3" and build_task(data, 0)[1]["causal"] is True
+    assert (train.weight_decay, train.puzzle_emb_lr, train.puzzle_emb_weight_decay) == (0.1, 0.01, 0.1)
+
+
+def test_runs_train_longest_first_each_with_its_log(tmp_path, capsys):
+    import sys
+
+    runs = {
+        (task, variant, 0): ([sys.executable, "-c", f"print('{task} {variant}')"], str(tmp_path / f"{task}-{variant}"))
+        for task in ("sudoku", "state")
+        for variant in ("fprm", "trm")
+    }
+    bench.train_all(runs, 1, reuse=False)
+    started = [line.split("print(")[1] for line in capsys.readouterr().out.splitlines() if "$ " in line]
+    assert started == ["'state trm')", "'state fprm')", "'sudoku trm')", "'sudoku fprm')"]
+    assert (tmp_path / "state-trm.log").read_text() == "state trm\n"

@@ -47,7 +47,20 @@ class ModelArguments:
     fixed_init: bool = field(
         default=False, metadata={"help": "one stored z0 vector instead of a fresh draw per reset"}
     )
-    num_prefix_tokens: int = field(default=0)
+    num_prefix_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "learned prefix rows before the input (their puzzle_emb_len; 16 in their arch/trm.yaml); default "
+            "the task's: 0"
+        },
+    )
+    position_embedding_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "rope, learned or none (their pos_encodings; rope in arch/trm.yaml); default the task's: none for "
+            "state tracking (their FPRM state-tracking configs), rope for grids"
+        },
+    )
     init_std: float = field(
         default=1.0, metadata={"help": "std of the truncated normal z0 (6.0 in the paper's configs)"}
     )
@@ -254,6 +267,7 @@ LOSS_TYPES = ("softmax", "stablemax")
 LR_SCHEDULES = ("trainer", "authors")
 LOSS_NORMALIZATIONS = ("sample", "token")
 PUZZLE_EMB_OPTIMIZERS = ("adamw", "signsgd")
+FORWARD_DTYPES = ("float32", "bfloat16")
 
 
 def _option(default, help):
@@ -312,6 +326,13 @@ class FPRMTrainingArguments(TrainingArguments):
     puzzle_emb_weight_decay: float | None = _option(
         None, "SignSGD weight decay of the prefix rows (default: --weight_decay)."
     )
+    forward_dtype: str = _option(
+        "float32",
+        f"{FORWARD_DTYPES}: what the training forward runs in (their forward_dtype). bfloat16 (their configs; the "
+        "accelerator presets) trains under bf16 autocast, as --bf16 true, and needs an accelerator with bf16: on a "
+        "machine without one the command refuses it (give --forward_dtype float32 there). float32 (the CPU presets): "
+        "as --bf16 says.",
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -322,6 +343,7 @@ class FPRMTrainingArguments(TrainingArguments):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"`loss_type` must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         choices = (
+            ("forward_dtype", FORWARD_DTYPES),
             ("lr_schedule", LR_SCHEDULES),
             ("loss_normalization", LOSS_NORMALIZATIONS),
             ("puzzle_emb_optimizer", PUZZLE_EMB_OPTIMIZERS),

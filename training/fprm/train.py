@@ -3,12 +3,14 @@ processes (`accelerate launch`), through `FPRMTrainer` (truncated BPTT + deep su
 the main one alone saves `model/`, evaluates and writes `results.json` (strict JSON: a non-finite number is null).
 
     python -m looped_training.fprm.train --preset s5-cpu              # the authors' S5 recipe, CPU-sized (<= 15 min)
-    python -m looped_training.fprm.train --preset s5-gpu --bf16 true  # the same on one accelerator (<= 10 min)
+    python -m looped_training.fprm.train --preset s5-gpu              # the same on one accelerator (<= 10 min, bf16)
     python -m looped_training.fprm.train --preset sudoku-cpu --max_steps 500 --output_dir outputs/sudoku
     python -m looped_training.fprm.train training/configs/fprm/maze-cpu.yaml --torch_threads 2
 
 A preset is a YAML file of training/configs/fprm/ (`--preset NAME`; any file of the same keys: `--config FILE` or FILE as
-the first argument). It only sets defaults: any flag given on the command line wins.
+the first argument). It only sets defaults: any flag given on the command line wins. The accelerator presets train under
+bf16 autocast as the authors' configs do (`forward_dtype: bfloat16`, which sets `--bf16 true`; refused on a machine
+without an accelerator, where `--forward_dtype float32` runs them in float32); the CPU presets in float32.
 
 Checkpoints are off by default (`--save_strategy no`); with `--save_strategy steps --save_steps N`, resume a killed
 run with `--resume_from_checkpoint last` (the newest complete checkpoint in `--output_dir`; one left incomplete by a
@@ -109,6 +111,20 @@ def parse_args(argv=None):
         "output_dir": f"outputs/fprm-{name}" if name else "outputs/fprm",
     }
     (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(parser, argv, defaults)
+    if train_args.forward_dtype == "bfloat16" and not train_args.bf16:
+        # their forward_dtype: bfloat16 is bf16 autocast; TrainingArguments sets it up from --bf16 (and refuses it
+        # without an accelerator, in words about --use_cpu), so it is checked here and set as that flag
+        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+        if not (is_torch_bf16_gpu_available() or is_torch_xla_available()):
+            parser.error(
+                f"`--forward_dtype bfloat16`{f' (preset {data_args.preset})' if data_args.preset else ''} trains under "
+                "bf16 autocast on an accelerator, and this machine has none with bf16: give --forward_dtype float32 "
+                "to train in float32 here."
+            )
+        (model_args, data_args, eval_args, train_args), _ = parse_args_with_config(
+            parser, [*argv, "--bf16", "true"], defaults
+        )
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     if model_args.variant not in VARIANTS:
@@ -201,7 +217,6 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             alpha1=model_args.alpha1,
             alpha2=model_args.alpha2,
             fixed_init=model_args.fixed_init,
-            num_prefix_tokens=task_config.pop("num_prefix_tokens", model_args.num_prefix_tokens),
             init_std=model_args.init_std,
             halt_eps=model_args.halt_eps,
             patience=model_args.patience,
@@ -211,7 +226,7 @@ def train(model_args, data_args, eval_args, train_args, unwritable=None):
             gamma_train=model_args.gamma_train,
             gamma_eval=model_args.gamma_eval,
             max_loops=eval_args.eval_max_loops,
-            **{**task_config, **variant_config(model_args)},
+            **{"num_prefix_tokens": 0, **task_config, **variant_config(model_args)},
         )
     )
     if data_args.data is not None:
@@ -348,8 +363,13 @@ def authors_report(model, ds, data_args, eval_args, train_args, when):
 
 
 def variant_config(model_args):
-    """The config fields of `--variant trm` (TRM's recursion) and a `--conv_type` over the task's."""
-    fields = {} if model_args.conv_type is None else {"conv_type": model_args.conv_type}
+    """The config fields of `--variant trm` (TRM's recursion), and a `--conv_type`, `--position_embedding_type` or
+    `--num_prefix_tokens` given over the task's."""
+    fields = {
+        name: getattr(model_args, name)
+        for name in ("conv_type", "position_embedding_type", "num_prefix_tokens")
+        if getattr(model_args, name) is not None
+    }
     if model_args.variant == "trm":
         fields.update(
             recursion="trm",
