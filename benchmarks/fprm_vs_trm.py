@@ -10,7 +10,7 @@ steps; presets *-cpu-trm):
     positions k = 2L..4L). The paper's size runs S5 (L 32); the CPU size runs S3 (L 16, the s3-evidence recipe),
     since S5 does not learn in a CPU budget (benchmarks/writeups/fprm.md).
 
-    nice python -m benchmarks.fprm_vs_trm                      # CPU-sized: 2 seeds, 8 runs (hours on 2 shared cores)
+    nice python -m benchmarks.fprm_vs_trm --jobs 4             # CPU-sized: 2 seeds, 8 runs (a TRM S3 run: ~95 min)
     python -m benchmarks.fprm_vs_trm --size paper --jobs 1    # the paper's size (presets sudoku / sudoku-trm, s5 /
                                                               # s5-trm: d 512, 9x9 Sudoku, S5 at 32 -> 128), GPU
 
