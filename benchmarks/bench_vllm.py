@@ -24,6 +24,14 @@ compared with `generate`'s at its budget (`exact`); `over_all_at_L` (the median 
 that matters: a mixed batch should cost the budgets it asks (1 and L: (1 + L) / 2L of the loop steps), not its
 largest. The default width (256) is bound by per-step overheads at batch 64; `--hidden_size 1024` makes the loop
 steps' compute the cost, which is what a budget saves.
+
+`--speculative --checkpoint DIR`: vLLM's speculative decoding with the same weights at a shallow budget as the draft
+(`speculative_config={"method": "draft_model", "model": <DIR at loop_budget d>}`: vLLM loads the draft as a second
+model, so the draft is a second folder, `loopformer_hf.vllm_plugin.write_draft_checkpoint`'s: the checkpoint's files
+linked, its generation_config.json at `loop_budget=d`; a second copy of the weights in memory). For each d in `--drafts` and n in
+`--num_speculative_tokens`: tokens/s against the same engine without a draft at the checkpoint's full budget L, the
+acceptance (vLLM's spec-decode counters: accepted / drafted tokens), and every request's tokens against `generate`'s
+at L (`exact`). Prompts: `--prompts` windows of Shakespeare's text through the checkpoint's tokenizer.
 """
 
 import argparse
@@ -111,15 +119,18 @@ def vllm_side(spec_path, out_path):
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    draft = spec.get("draft")  # {"model": a folder, "num_speculative_tokens": n}
     llm = LLM(
         model=spec["checkpoint"],
         dtype="float32",
-        max_model_len=256,
+        max_model_len=spec.get("max_model_len", 256),
         enforce_eager=spec["enforce_eager"],
         skip_tokenizer_init=True,
         distributed_executor_backend="uni",
         seed=0,
         hf_overrides={"loop_budget": spec["budget"], "step_schedule": "uniform"},
+        speculative_config=None if draft is None else {"method": "draft_model", **draft},
+        disable_log_stats=draft is None,  # the spec-decode counters need the stat loggers
     )
     setup = time.perf_counter() - started
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
@@ -151,9 +162,19 @@ def vllm_side(spec_path, out_path):
         for name, budgets in workloads.items():
             timed[name].append(call(budgets))
     new_tokens = len(prompts) * spec["new_tokens"]
+    counters = (
+        {}
+        if draft is None
+        else {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec")}
+    )
     json.dump(
         {
             "setup_s": setup,
+            "spec_decode": {
+                name.removeprefix("vllm:spec_decode_"): value
+                for name, value in counters.items()
+                if isinstance(value, (int, float))
+            },
             "workloads": {
                 name: {
                     "tokens_per_s": [new_tokens / wall for wall, _, _ in runs],
@@ -167,8 +188,9 @@ def vllm_side(spec_path, out_path):
     )
 
 
-def run_vllm(checkpoint, prompts, budget, args, workdir, workloads=None, name=None):
+def run_vllm(checkpoint, prompts, budget, args, workdir, workloads=None, name=None, **extra):
     spec = {
+        **extra,
         "checkpoint": checkpoint,
         "prompts": prompts,
         "budget": budget,
@@ -233,6 +255,67 @@ def bench_per_request(checkpoint, prompts, generated, args, workdir):
     return rows
 
 
+def bench_speculative(args, workdir):
+    """Speculative decoding in vLLM with the checkpoint at budget d drafting for itself at its full budget L."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.bench_self_speculative import prompts_of
+    from loopformer_hf.vllm_plugin import write_draft_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    top = model.config.num_loops
+    prompts = prompts_of("shakespeare", tokenizer, None, args.prompts, args.prompt_tokens).tolist()
+    with torch.no_grad():
+        _, _, reference = bench_generate(model, prompts, top, args.new_tokens, 0)
+    max_model_len = args.prompt_tokens + args.new_tokens
+    plain = run_vllm(args.checkpoint, prompts, top, args, workdir, name="plain", max_model_len=max_model_len)
+    plain_speeds = plain["workloads"]["server"]["tokens_per_s"]
+    rows = [
+        {
+            "d": None,
+            "tokens_per_s": statistics.median(plain_speeds),
+            "exact": plain["workloads"]["server"]["tokens"] == reference,
+        }
+    ]
+    print(f"vLLM at M={top}, no draft: {rows[0]['tokens_per_s']:.1f} tok/s, exact {rows[0]['exact']}")
+    for d in args.drafts or range(1, top):
+        folder = write_draft_checkpoint(args.checkpoint, os.path.join(workdir, f"draft_at_{d}"), d)
+        for n in args.num_speculative_tokens:
+            draft = {"model": folder, "num_speculative_tokens": n}
+            served = run_vllm(
+                args.checkpoint,
+                prompts,
+                top,
+                args,
+                workdir,
+                name=f"d{d}n{n}",
+                max_model_len=max_model_len,
+                draft=draft,
+            )
+            out, counters = served["workloads"]["server"], served["spec_decode"]
+            drafted, accepted = counters.get("num_draft_tokens", 0), counters.get("num_accepted_tokens", 0)
+            row = {
+                "d": d,
+                "num_speculative_tokens": n,
+                "tokens_per_s": statistics.median(out["tokens_per_s"]),
+                "exact": out["tokens"] == reference,
+                "acceptance": accepted / drafted if drafted else None,
+                "drafted": drafted,
+                "accepted": accepted,
+                "setup_s": served["setup_s"],
+            }
+            # each side in its own engine and process, timed in turn round by round is not possible: the ratio is of
+            # the medians
+            row["over_no_draft"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+            rows.append(row)
+            print(
+                f"  d={d} n={n}: {row['tokens_per_s']:.1f} tok/s ({row['over_no_draft']:.2f}x), acceptance "
+                f"{row['acceptance'] or 0:.2f}, exact {row['exact']}"
+            )
+    return {"checkpoint": args.checkpoint, "loops": top, "prompts": args.prompts, "rows": rows}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
@@ -248,13 +331,25 @@ def main(argv=None):
         action="store_true",
         help="only the per-request budgets in one engine (and generate's tokens to check them)",
     )
+    parser.add_argument("--speculative", action="store_true", help="vLLM's draft_model speculative decoding (below)")
+    parser.add_argument("--checkpoint", default=None, help="with --speculative: a trained LoopFormer folder")
+    parser.add_argument("--drafts", type=int, nargs="*", default=None, help="draft budgets d (default 1..L-1)")
+    parser.add_argument("--num_speculative_tokens", type=int, nargs="*", default=[4])
+    parser.add_argument("--prompt_tokens", type=int, default=16, help="with --speculative: tokens per prompt")
     parser.add_argument("--vllm_side", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--output", default="benchmarks/results/bench_vllm.json")
     args = parser.parse_args(argv)
     if args.vllm_side:
         return vllm_side(*args.vllm_side)
+    if args.speculative and (args.checkpoint is None or not os.path.isdir(args.checkpoint)):
+        parser.error(f"--speculative needs --checkpoint, a trained LoopFormer folder; got {args.checkpoint!r}")
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench_vllm_")
+    if args.speculative:
+        results = bench_speculative(args, workdir)
+        write_json(args.output, results)
+        print(f"wrote {args.output}")
+        return results
     checkpoint = os.path.join(workdir, "loopformer")
     model = build_model(checkpoint, args.num_loops, hidden_size=args.hidden_size)
     prompts = make_prompts(args.prompts)

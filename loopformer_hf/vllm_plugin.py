@@ -225,6 +225,46 @@ def bind_processor(processors, serving):
     return [*kept, served_processor(getattr(importlib.import_module(module), name), serving)]
 
 
+def write_draft_checkpoint(checkpoint, path, loop_budget, step_schedule="uniform"):
+    """Write `path`, a checkpoint folder that vLLM serves as `checkpoint` at `loop_budget` (and `step_schedule`): the
+    draft of vLLM's speculative decoding, `speculative_config={"method": "draft_model", "model": path}`. vLLM builds
+    a draft as a second model from its own folder and reads no `--hf-overrides` for it, so the budget goes in the
+    folder's generation_config.json; the other files are links to the checkpoint's (copies where links fail). The
+    trajectory is checked as `generate` checks it; `path` must be new or empty. Returns `path`."""
+    import os
+    import shutil
+
+    from transformers import AutoConfig, GenerationConfig
+
+    import loopformer_hf  # noqa: F401  (registers the config with AutoConfig)
+
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ValueError(f"{checkpoint!r} is not a checkpoint folder (no config.json).")
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"The draft folder {path!r} exists and is not empty: give a new folder.")
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.resolve_trajectory(loop_budget, step_schedule)  # a bad budget or schedule is refused here, named
+    try:
+        generation = GenerationConfig.from_pretrained(checkpoint)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    generation.loop_budget, generation.step_schedule = loop_budget, step_schedule
+    # a generation_config.json that says `"_from_model_config": true` loses every other field when it is read
+    # (transformers' GenerationConfig.__init__); transformers < 5.24 keeps the flag on save
+    generation._from_model_config = False
+    os.makedirs(path, exist_ok=True)
+    for name in sorted(os.listdir(checkpoint)):
+        source = os.path.abspath(os.path.join(checkpoint, name))
+        if name == "generation_config.json" or not os.path.isfile(source):
+            continue
+        try:
+            os.symlink(source, os.path.join(path, name))
+        except OSError:
+            shutil.copy2(source, os.path.join(path, name))
+    generation.save_pretrained(path)
+    return path
+
+
 class LoopFormerServerConfig:
     """vLLM's per-architecture config hook (the `VerifyAndUpdateConfig` protocol of
     vllm.model_executor.models.config): vLLM calls it where the `ModelConfig` is built, in the user's own process

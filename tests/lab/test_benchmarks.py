@@ -61,11 +61,12 @@ def test_bad_arguments_are_rejected(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_mixed_budgets_quick_run_is_exact(tmp_path):
-    """bench_mixed_budgets times every side and checks every mixed row's tokens against its budget's batch."""
-    out = tmp_path / "mixed.json"
+def test_self_speculative_quick_run_is_exact(tmp_path):
+    """bench_self_speculative times drafting against plain decoding with identical greedy tokens, and a mixed batch
+    [1, L, 1, L, ...] against all rows at L with every row equal to its budget's, and the ideal from measured steps."""
+    out = tmp_path / "spec.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_mixed_budgets", "--quick", "--output", str(out)],
+        [sys.executable, "-m", "benchmarks.bench_self_speculative", "--quick", "--output", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -73,11 +74,17 @@ def test_mixed_budgets_quick_run_is_exact(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["rows_equal_to_their_budget"] == {"mixed": report["rows"], "mixed_dense": report["rows"]}
-    assert sorted(report["results"]) == ["all_1", "all_L", "mixed", "mixed_dense"]
-    for name in ("all_1", "mixed", "mixed_dense"):
-        assert math.isfinite(report["results"][name]["tokens_per_s_over_all_L"])
-        assert name in proc.stdout
+    loops = report["loops"]
+    assert sorted({r["d"] for r in report["speculative"]}) == list(range(1, loops))
+    for r in report["speculative"]:
+        assert r["identical_greedy_tokens"] and 0 <= r["acceptance"] <= 1 and r["drafted"] > 0
+        assert math.isfinite(r["speedup"]) and r["speedup"] > 0
+    for r in report["mixed"]:
+        assert r["each_row_equals_its_budget"]
+        assert 1 <= r["ideal"] <= loops and math.isclose(
+            r["share_of_ideal"], r["mixed_over_all_L_throughput"] / r["ideal"]
+        )
+    assert "| batch | mixed / all-L throughput |" in proc.stdout
 
 
 def test_row_scaling_times_each_half_batch_against_its_full_one(capsys):

@@ -69,3 +69,32 @@ def test_the_serving_is_resolved_once_and_a_processor_bound_to_it_pickles_with_i
     assert issubclass(bound, Processor) and bound.serving is serving
     again = pickle.loads(pickle.dumps(bound))  # as a VllmConfig holding it reaches a spawned engine core
     assert again.__bases__ == (Processor,) and again.serving.loop == serving.loop
+
+
+def test_a_draft_checkpoint_serves_the_same_weights_at_its_own_budget(config, tmp_path):
+    """write_draft_checkpoint: the folder vLLM's draft_model speculative decoding loads as the draft. Its
+    generation_config.json holds the draft's budget where vLLM's generation-config reader finds it (a saved
+    `"_from_model_config": true` would make transformers drop it), and its weights are the checkpoint's."""
+    import filecmp
+
+    from transformers import GenerationConfig
+
+    from loopformer_hf import LoopFormerForCausalLM
+    from loopformer_hf.vllm_plugin import write_draft_checkpoint
+
+    checkpoint = tmp_path / "ckpt"
+    LoopFormerForCausalLM(config).save_pretrained(checkpoint)  # a fresh save says "_from_model_config": true
+    draft = write_draft_checkpoint(str(checkpoint), str(tmp_path / "draft"), 1)
+    saved = GenerationConfig.from_pretrained(draft).to_dict()  # what vLLM's try_get_generation_config reads
+    assert (saved["loop_budget"], saved["step_schedule"]) == (1, "uniform")
+    assert server_trajectory(config, saved) == (1.0,)
+    assert filecmp.cmp(checkpoint / "model.safetensors", tmp_path / "draft" / "model.safetensors", shallow=False)
+    assert GenerationConfig.from_pretrained(checkpoint).to_dict().get("loop_budget") is None  # the source untouched
+
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        write_draft_checkpoint(str(checkpoint), draft, 1)
+    with pytest.raises(ValueError, match="loop_budget"):
+        write_draft_checkpoint(str(checkpoint), str(tmp_path / "bad"), 0)
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="no config.json"):
+        write_draft_checkpoint(str(tmp_path / "missing"), str(tmp_path / "d2"), 1)

@@ -75,8 +75,11 @@ JOBS = {
     "authors_M2": ("authors", {"loop_budget": 2}, (2, "uniform")),
     # per-request trajectories (PER_REQUEST) next to the server's own, which stays the saved one
     "lf_per_request": ("loopformer", {"max_request_loop_budget": 4}, (2, "coarse_to_fine")),
+    # speculative decoding, the draft the same weights at budget 1 (a second folder: write_draft_checkpoint)
+    "lf_spec_d1": ("loopformer", {"loop_budget": 3, "step_schedule": "uniform"}, (3, "uniform")),
 }
 PER_REQUEST_JOB = "lf_per_request"
+SPECULATIVE_JOB, DRAFT_BUDGET, DRAFT_TOKENS = "lf_spec_d1", 1, 3
 # (prompt, loop_budget, step_schedule, engine step at which it arrives): budgets {1, 2, 4, L=3} under two schedules,
 # arriving while the earlier ones decode; None: no extra_args, the server's trajectory
 PER_REQUEST = [
@@ -246,6 +249,12 @@ def drive(spec_path, out_path):
             ][::-1]
         if name == PER_REQUEST_JOB:
             result.update(drive_per_request(llm, spec))
+        if "speculative_config" in job.get("llm", {}):  # vLLM's counters of drafted and accepted tokens
+            result["spec_decode"] = {
+                m.name: m.value
+                for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")  # counters, not vectors
+            }
         results[name] = result
         del llm
         import gc
@@ -344,6 +353,13 @@ def vllm_results(checkpoints, halting_checkpoint, tmp_path_factory):
     jobs["halt_eps_refused"] = {"checkpoint": halting_checkpoint, "overrides": {}}
     jobs["bad_budget_refused"] = {"checkpoint": checkpoints["loopformer"], "overrides": {"loop_budget": 0}}
     jobs[PER_REQUEST_JOB]["llm"] = {"block_size": PREFIX_BLOCK_SIZE}
+    from loopformer_hf.vllm_plugin import write_draft_checkpoint
+
+    draft = write_draft_checkpoint(checkpoints["loopformer"], str(root / "draft"), DRAFT_BUDGET)
+    jobs[SPECULATIVE_JOB]["llm"] = {
+        "speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": DRAFT_TOKENS},
+        "disable_log_stats": False,  # the spec-decode counters
+    }
     spec = {
         "jobs": jobs,
         "prompt_ids": _prompt_ids(checkpoints["loopformer"]),
@@ -445,6 +461,15 @@ def test_logprobs_match_generate(job, vllm_results, checkpoints):
     _, logprobs = reference(checkpoints[ckpt], budget, schedule)
     got = torch.tensor(vllm_results[job]["logprobs"], dtype=torch.float64)
     torch.testing.assert_close(got, torch.tensor(logprobs, dtype=torch.float64), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_a_shallow_draft_of_the_same_weights_speculates_exactly(vllm_results):
+    """vLLM's draft_model speculative decoding with the checkpoint at budget 1 as the draft of itself at L=3: the
+    tokens and log-probabilities equal `generate` at 3 (the parametrized tests above run this job too); the draft ran
+    at its own budget (some drafts rejected: a draft at 3 would be accepted whole)."""
+    counters = vllm_results[SPECULATIVE_JOB]["spec_decode"]
+    drafted, accepted = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted >= len(PROMPTS) * DRAFT_TOKENS and 0 < accepted < drafted, counters
 
 
 def test_budgets_and_schedules_change_the_outputs(vllm_results):
