@@ -23,6 +23,8 @@ from transformers.generation import (
     GenerateBeamDecoderOnlyOutput,
     GenerateDecoderOnlyOutput,
     GenerationMixin,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
@@ -479,6 +481,62 @@ class LoopDraftCandidateGenerator(AssistedCandidateGenerator):
         self.generation_config.assistant_confidence_threshold = generation_config.assistant_confidence_threshold
         self.generation_config.assistant_early_exit = None  # the draft's own generate is not assisted
         self.assistant_kwargs.update(loop_budget=len(trajectory), step_schedule=list(trajectory))
+
+    def _generate_candidates(self, generation_args):
+        """The draft: this model at the draft's trajectory, one forward per token in the draft's own cache. It decides
+        what `assistant_model.generate` would (the call's logits processors, greedy or sampled as the call is; EOS
+        and `assistant_confidence_threshold` end a draft) without a nested `generate` per round, whose set-up costs
+        more than the draft's own forwards on a small model. Exactness does not rest on it: verification keeps
+        greedy output and the sampled distribution the call's whatever is drafted, given each sampled draft token
+        is drawn from the returned scores."""
+        ids, config = generation_args["input_ids"], self.generation_config
+        kwargs = self.assistant_kwargs
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs["cache"] = LoopFormerCache()
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(ids)
+        positions = kwargs.get("position_ids")
+        if positions is None or positions.shape[-1] != ids.shape[-1]:  # as `prepare_inputs_for_generation` makes them
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        eos = config._eos_token_tensor
+        processors = LogitsProcessorList(self.logits_processor)  # the call's, less MinLength (the parent's __init__)
+        if generation_args["min_new_tokens"] and eos is not None:
+            processors.insert(
+                0, MinNewTokensLengthLogitsProcessor(ids.shape[-1], generation_args["min_new_tokens"], eos)
+            )
+        knobs = {name: kwargs[name] for name in ("loop_budget", "step_schedule")}
+        scores = []
+        for _ in range(generation_args["max_new_tokens"]):
+            seen = cache.get_seq_length()
+            logits = (
+                self.assistant_model(
+                    input_ids=ids[:, seen:],
+                    attention_mask=mask,
+                    position_ids=positions[:, seen:],
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **knobs,
+                )
+                .logits[:, -1]
+                .to(torch.float32)
+            )
+            step_scores = processors(ids, logits)
+            probs = step_scores.softmax(-1)
+            token = torch.multinomial(probs, 1) if config.do_sample else step_scores.argmax(-1, keepdim=True)
+            scores.append(step_scores)
+            ids = torch.cat((ids, token), dim=-1)
+            mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), dim=-1)
+            positions = torch.cat((positions, positions[:, -1:] + 1), dim=-1)
+            if eos is not None and bool(torch.isin(token, eos.to(token.device)).any()):
+                break
+            threshold = config.assistant_confidence_threshold
+            if threshold and probs.gather(-1, token).item() < threshold:  # transformers' ConfidenceCriteria
+                break
+        kwargs.update(attention_mask=mask, position_ids=positions)
+        return ids, torch.stack(scores, dim=1)
 
     def get_candidates(self, input_ids, **kwargs):
         candidates, logits = super().get_candidates(input_ids, **kwargs)

@@ -194,3 +194,33 @@ def test_the_pipeline_takes_assistant_loop_budget(tmp_path):
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, loop_budget=3)
     drafted = generator("the cat sat", assistant_loop_budget=1, **kw)
     assert drafted[0]["generated_text"] == generator("the cat sat", **kw)[0]["generated_text"]
+
+
+def test_each_draft_is_plain_greedy_generate_at_the_draft_budget(model, monkeypatch):
+    """The draft runs one forward per token (no nested `generate`); what it proposes is what `generate` at loop
+    budget d gives from the same prefix, round after round, and a confidence threshold above every probability ends
+    each draft after one token."""
+    from loopformer_hf.generation_loopformer import LoopDraftCandidateGenerator
+
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(6))
+    rounds = []
+    get_candidates = LoopDraftCandidateGenerator.get_candidates
+
+    def recorded(self, input_ids, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, **kwargs)
+        rounds.append((input_ids, candidates))
+        return candidates, logits
+
+    monkeypatch.setattr(LoopDraftCandidateGenerator, "get_candidates", recorded)
+    kw = dict(assistant_loop_budget=2, num_assistant_tokens=4, num_assistant_tokens_schedule="constant")
+    greedy(model, ids, assistant_confidence_threshold=0.0, max_new_tokens=12, min_new_tokens=12, **kw)
+    assert len(rounds) > 1
+    for prefix, candidates in rounds:
+        new = candidates.shape[-1] - prefix.shape[-1]
+        if new:
+            plain = model.generate(prefix, do_sample=False, loop_budget=2, max_new_tokens=new, min_new_tokens=new)
+            assert torch.equal(candidates, plain)
+    rounds.clear()
+    out = greedy(model, ids, assistant_confidence_threshold=1.0, max_new_tokens=6, min_new_tokens=6, **kw)
+    assert all(candidates.shape[-1] - prefix.shape[-1] <= 1 for prefix, candidates in rounds)
+    assert torch.equal(out, greedy(model, ids, max_new_tokens=6, min_new_tokens=6))
