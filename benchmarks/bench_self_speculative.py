@@ -89,47 +89,55 @@ def prompts_of(kind, tokenizer, vocab, batch, length, seed=0):
     return torch.randint(3, vocab, (batch, length), generator=g)
 
 
-def speculative(model, prompt, new_tokens, budget, drafts, assistant_tokens, repeats, log):
-    """Rows of (d, num_assistant_tokens, speed-up, acceptance) against plain greedy at `budget`."""
+def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, thresholds, repeats, log):
+    """Rows of (d, num_assistant_tokens, confidence threshold, speed-up, acceptance) against plain greedy at
+    `budget`, each side decoding every prompt (a batch-1 call each) in turn."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, loop_budget=budget)
     kw["pad_token_id"] = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with torch.no_grad():
-        plain_tokens = model.generate(prompt, **kw)
+        plain_tokens = [model.generate(p[None], **kw) for p in prompts]
+    tokens = len(prompts) * new_tokens
+
+    def run(**knobs):
+        def go():
+            with torch.no_grad():
+                for p in prompts:
+                    model.generate(p[None], **kw, **knobs)
+
+        return go
+
     rows = []
     for d in drafts:
         for n in assistant_tokens:
-            draft = dict(assistant_loop_budget=d, num_assistant_tokens=n, num_assistant_tokens_schedule="constant")
-            draft["assistant_confidence_threshold"] = 0.0
-            with torch.no_grad():
-                out = model.generate(prompt, return_dict_in_generate=True, **kw, **draft)
-            identical = bool(torch.equal(out.sequences, plain_tokens))
-            acceptance = out.accepted_tokens / max(out.drafted_tokens, 1)
-
-            def plain():
+            for threshold in thresholds:
+                draft = dict(assistant_loop_budget=d, num_assistant_tokens=n, num_assistant_tokens_schedule="constant")
+                draft["assistant_confidence_threshold"] = threshold
+                drafted = accepted = 0
+                identical = True
                 with torch.no_grad():
-                    model.generate(prompt, **kw)
-
-            def drafted():
-                with torch.no_grad():
-                    model.generate(prompt, **kw, **draft)
-
-            times = interleaved({"plain": plain, "drafted": drafted}, repeats, clock=time.process_time)
-            row = dict(
-                d=d,
-                num_assistant_tokens=n,
-                speedup=paired_ratio(times, "plain", "drafted"),
-                plain_tokens_per_s=new_tokens / med(times["plain"]),
-                drafted_tokens_per_s=new_tokens / med(times["drafted"]),
-                acceptance=acceptance,
-                drafted=out.drafted_tokens,
-                accepted=out.accepted_tokens,
-                identical_greedy_tokens=identical,
-            )
-            log(
-                f"  d={d} n={n}: {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} -> "
-                f"{row['drafted_tokens_per_s']:.1f} tokens/s), acceptance {acceptance:.2f}, identical {identical}"
-            )
-            rows.append(row)
+                    for p, plain in zip(prompts, plain_tokens):
+                        out = model.generate(p[None], return_dict_in_generate=True, **kw, **draft)
+                        identical &= bool(torch.equal(out.sequences, plain))
+                        drafted, accepted = drafted + out.drafted_tokens, accepted + out.accepted_tokens
+                times = interleaved({"plain": run(), "drafted": run(**draft)}, repeats, clock=time.process_time)
+                row = dict(
+                    d=d,
+                    num_assistant_tokens=n,
+                    assistant_confidence_threshold=threshold,
+                    speedup=paired_ratio(times, "plain", "drafted"),
+                    plain_tokens_per_s=tokens / med(times["plain"]),
+                    drafted_tokens_per_s=tokens / med(times["drafted"]),
+                    acceptance=accepted / max(drafted, 1),
+                    drafted=drafted,
+                    accepted=accepted,
+                    identical_greedy_tokens=identical,
+                )
+                log(
+                    f"  d={d} n={n} threshold {threshold}: {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} "
+                    f"-> {row['drafted_tokens_per_s']:.1f} tokens/s), acceptance {row['acceptance']:.2f}, "
+                    f"identical {identical}"
+                )
+                rows.append(row)
     return rows
 
 
@@ -203,11 +211,16 @@ def format_table(report):
         f"tokens, {report['machine']}"
     ]
     if report["speculative"]:
-        lines += ["", "| d | num_assistant_tokens | speed-up | tokens/s plain -> drafted | acceptance | identical |"]
-        lines.append("|---|---|---|---|---|---|")
+        lines += [
+            "",
+            "| d | num_assistant_tokens | confidence threshold | speed-up | tokens/s plain -> drafted | acceptance "
+            "| identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in report["speculative"]:
             lines.append(
-                f"| {r['d']} | {r['num_assistant_tokens']} | {r['speedup']:.2f}x | {r['plain_tokens_per_s']:.1f} -> "
+                f"| {r['d']} | {r['num_assistant_tokens']} | {r['assistant_confidence_threshold']} | "
+                f"{r['speedup']:.2f}x | {r['plain_tokens_per_s']:.1f} -> "
                 f"{r['drafted_tokens_per_s']:.1f} | {r['acceptance']:.2f} | {r['identical_greedy_tokens']} |"
             )
     if report["mixed"]:
@@ -233,12 +246,26 @@ def main(argv=None):
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--drafts", type=int, nargs="*", default=None, help="draft budgets d (default 1..L-1)")
     p.add_argument("--num_assistant_tokens", type=int, nargs="*", default=[2, 4, 8])
+    p.add_argument(
+        "--confidence",
+        type=float,
+        nargs="*",
+        default=[0.0],
+        help="assistant_confidence_threshold values: a draft ends after a token its own probability puts below it",
+    )
+    p.add_argument("--num_prompts", type=int, default=1, help="prompts decoded one after another per side")
     p.add_argument("--mixed_batches", type=int, nargs="*", default=[8, 32])
     p.add_argument("--skip", choices=["speculative", "mixed"], default=None)
     args = p.parse_args(argv)
-    for name, value in (("--new_tokens", args.new_tokens), ("--loops", args.loops)):
+    for name, value in (
+        ("--new_tokens", args.new_tokens),
+        ("--loops", args.loops),
+        ("--num_prompts", args.num_prompts),
+    ):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
+    if any(not 0 <= c <= 1 for c in args.confidence):
+        p.error(f"--confidence values are probabilities in [0, 1], got {args.confidence}")
     if not os.path.isdir(args.model) and args.model not in SHAPES:
         p.error(f"--model must be a saved LoopFormer folder or one of {sorted(SHAPES)}, got {args.model!r}")
     torch.set_num_threads(args.threads)
@@ -266,10 +293,10 @@ def main(argv=None):
         mixed=[],
     )
     if args.skip != "speculative":
-        prompt = prompts_of(args.prompts, tokenizer, model.config.vocab_size, 1, 16)
+        prompts = prompts_of(args.prompts, tokenizer, model.config.vocab_size, args.num_prompts, 16)
         log(f"self-speculative decoding, {args.model}, L={budget}:")
         report["speculative"] = speculative(
-            model, prompt, new_tokens, budget, drafts, args.num_assistant_tokens, repeats, log
+            model, prompts, new_tokens, budget, drafts, args.num_assistant_tokens, args.confidence, repeats, log
         )
     if args.skip != "mixed":
         log(f"mixed budgets [1, {budget}, 1, {budget}, ...] against all rows at {budget}:")
