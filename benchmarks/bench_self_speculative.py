@@ -141,9 +141,11 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
     return rows
 
 
-def mixed(model, batch, new_tokens, budget, repeats, log):
+def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
     """Rows [1, L, 1, L, ...] against all rows at L, and the ideal from the measured cost of a decode step over B/2
-    rows against B rows (a mixed step computes B rows at step 1 and B/2 at the others)."""
+    rows against B rows (a mixed step computes B rows at step 1 and B/2 at the others). The same for one forward over
+    a `prefill_tokens` prompt, where a step's cost follows its rows (a decode step reads every weight once, whatever
+    its rows)."""
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (batch, 8), generator=torch.Generator().manual_seed(1))
     budgets = torch.tensor([1 if b % 2 == 0 else budget for b in range(batch)])
@@ -174,12 +176,26 @@ def mixed(model, batch, new_tokens, budget, repeats, log):
 
         return go
 
+    long_prompt = torch.randint(3, vocab, (batch, prefill_tokens), generator=torch.Generator().manual_seed(2))
+
+    by_budget = budgets.sort(descending=True, stable=True).values  # sorted, as generate sorts a call's rows
+
+    def prefill(rows, loop_budget):
+        def go():
+            with torch.no_grad():
+                model(long_prompt[:rows], loop_budget=loop_budget, use_cache=False)
+
+        return go
+
     times = interleaved(
         {
             "all_L": run(loop_budget=budget),
             "mixed": run(loop_budget=budgets),
             "step_B": step(batch),
             "step_half": step(batch // 2),
+            "prefill_all_L": prefill(batch, budget),
+            "prefill_mixed": prefill(batch, by_budget),
+            "prefill_half": prefill(batch // 2, budget),
         },
         repeats,
         clock=time.process_time,
@@ -187,6 +203,9 @@ def mixed(model, batch, new_tokens, budget, repeats, log):
     half_over_full = paired_ratio(times, "step_half", "step_B")
     ideal = budget / (1 + (budget - 1) * half_over_full)
     ratio = paired_ratio(times, "all_L", "mixed")
+    prefill_half = paired_ratio(times, "prefill_half", "prefill_all_L")
+    prefill_ideal = budget / (1 + (budget - 1) * prefill_half)
+    prefill_ratio = paired_ratio(times, "prefill_all_L", "prefill_mixed")
     row = dict(
         batch=batch,
         budget=budget,
@@ -197,10 +216,16 @@ def mixed(model, batch, new_tokens, budget, repeats, log):
         all_L_tokens_per_s=batch * new_tokens / med(times["all_L"]),
         mixed_tokens_per_s=batch * new_tokens / med(times["mixed"]),
         each_row_equals_its_budget=exact,
+        prefill_tokens=prefill_tokens,
+        prefill_mixed_over_all_L=prefill_ratio,
+        prefill_ideal=prefill_ideal,
+        prefill_half_over_full=prefill_half,
     )
     log(
         f"  batch {batch}: mixed/all-L throughput {ratio:.2f}x (ideal {ideal:.2f}x from a step over B/2 rows costing "
-        f"{half_over_full:.2f} of B rows: {ratio / ideal:.0%} of it), rows exact {exact}"
+        f"{half_over_full:.2f} of B rows: {ratio / ideal:.0%} of it), rows exact {exact}; prefill of "
+        f"{prefill_tokens} tokens {prefill_ratio:.2f}x (ideal {prefill_ideal:.2f}x, B/2 rows costing "
+        f"{prefill_half:.2f} of B)"
     )
     return row
 
@@ -226,13 +251,15 @@ def format_table(report):
     if report["mixed"]:
         lines += [
             "",
-            "| batch | mixed / all-L throughput | ideal | share of ideal | rows exact |",
-            "|---|---|---|---|---|",
+            "| batch | decode: mixed / all-L throughput | ideal | share of ideal | rows exact | prefill: mixed / "
+            "all-L | ideal |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in report["mixed"]:
             lines.append(
                 f"| {r['batch']} | {r['mixed_over_all_L_throughput']:.2f}x | {r['ideal']:.2f}x | "
-                f"{r['share_of_ideal']:.0%} | {r['each_row_equals_its_budget']} |"
+                f"{r['share_of_ideal']:.0%} | {r['each_row_equals_its_budget']} | "
+                f"{r['prefill_mixed_over_all_L']:.2f}x | {r['prefill_ideal']:.2f}x |"
             )
     return "\n".join(lines)
 
@@ -255,15 +282,19 @@ def main(argv=None):
     )
     p.add_argument("--num_prompts", type=int, default=1, help="prompts decoded one after another per side")
     p.add_argument("--mixed_batches", type=int, nargs="*", default=[8, 32])
+    p.add_argument("--prefill_tokens", type=int, default=128, help="prompt of the mixed prefill (default 128)")
     p.add_argument("--skip", choices=["speculative", "mixed"], default=None)
     args = p.parse_args(argv)
     for name, value in (
         ("--new_tokens", args.new_tokens),
         ("--loops", args.loops),
         ("--num_prompts", args.num_prompts),
+        ("--prefill_tokens", args.prefill_tokens),
     ):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
+    if any(b < 2 or b % 2 for b in args.mixed_batches):
+        p.error(f"--mixed_batches are even batch sizes >= 2 (half the rows at M=1), got {args.mixed_batches}")
     if any(not 0 <= c <= 1 for c in args.confidence):
         p.error(f"--confidence values are probabilities in [0, 1], got {args.confidence}")
     if not os.path.isdir(args.model) and args.model not in SHAPES:
@@ -300,7 +331,10 @@ def main(argv=None):
         )
     if args.skip != "mixed":
         log(f"mixed budgets [1, {budget}, 1, {budget}, ...] against all rows at {budget}:")
-        report["mixed"] = [mixed(model, b, new_tokens, budget, repeats, log) for b in args.mixed_batches]
+        report["mixed"] = [
+            mixed(model, b, new_tokens, budget, repeats, log, 16 if args.quick else args.prefill_tokens)
+            for b in args.mixed_batches
+        ]
     report["wall_s"] = time.time() - start
     write_report(report, args.output, format_table(report))
     return report
