@@ -89,8 +89,8 @@ def prompts_of(kind, tokenizer, vocab, batch, length, seed=0):
     return torch.randint(3, vocab, (batch, length), generator=g)
 
 
-def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, thresholds, repeats, log):
-    """Rows of (d, num_assistant_tokens, confidence threshold, speed-up, acceptance) against plain greedy at
+def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, thresholds, schedules, repeats, log):
+    """Rows of (d, num_assistant_tokens, its schedule, confidence threshold, speed-up, acceptance) against plain greedy at
     `budget`, each side decoding every prompt (a batch-1 call each) in turn."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, loop_budget=budget)
     kw["pad_token_id"] = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -109,8 +109,8 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
     rows = []
     for d in drafts:
         for n in assistant_tokens:
-            for threshold in thresholds:
-                draft = dict(assistant_loop_budget=d, num_assistant_tokens=n, num_assistant_tokens_schedule="constant")
+            for schedule, threshold in ((s, t) for s in schedules for t in thresholds):
+                draft = dict(assistant_loop_budget=d, num_assistant_tokens=n, num_assistant_tokens_schedule=schedule)
                 draft["assistant_confidence_threshold"] = threshold
                 drafted = accepted = 0
                 identical = True
@@ -123,6 +123,7 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
                 row = dict(
                     d=d,
                     num_assistant_tokens=n,
+                    num_assistant_tokens_schedule=schedule,
                     assistant_confidence_threshold=threshold,
                     speedup=paired_ratio(times, "plain", "drafted"),
                     plain_tokens_per_s=tokens / med(times["plain"]),
@@ -133,7 +134,7 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
                     identical_greedy_tokens=identical,
                 )
                 log(
-                    f"  d={d} n={n} threshold {threshold}: {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} "
+                    f"  d={d} n={n} ({schedule}) threshold {threshold}: {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} "
                     f"-> {row['drafted_tokens_per_s']:.1f} tokens/s), acceptance {row['acceptance']:.2f}, "
                     f"identical {identical}"
                 )
@@ -238,13 +239,14 @@ def format_table(report):
     if report["speculative"]:
         lines += [
             "",
-            "| d | num_assistant_tokens | confidence threshold | speed-up | tokens/s plain -> drafted | acceptance "
-            "| identical |",
-            "|---|---|---|---|---|---|---|",
+            "| d | num_assistant_tokens | schedule | confidence threshold | speed-up | tokens/s plain -> drafted "
+            "| acceptance | identical |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in report["speculative"]:
             lines.append(
-                f"| {r['d']} | {r['num_assistant_tokens']} | {r['assistant_confidence_threshold']} | "
+                f"| {r['d']} | {r['num_assistant_tokens']} | {r.get('num_assistant_tokens_schedule', 'constant')} | "
+                f"{r['assistant_confidence_threshold']} | "
                 f"{r['speedup']:.2f}x | {r['plain_tokens_per_s']:.1f} -> "
                 f"{r['drafted_tokens_per_s']:.1f} | {r['acceptance']:.2f} | {r['identical_greedy_tokens']} |"
             )
@@ -279,6 +281,13 @@ def main(argv=None):
         nargs="*",
         default=[0.0],
         help="assistant_confidence_threshold values: a draft ends after a token its own probability puts below it",
+    )
+    p.add_argument(
+        "--schedules",
+        nargs="*",
+        default=["constant"],
+        choices=["constant", "heuristic"],
+        help="num_assistant_tokens_schedule values (heuristic: +2 after a fully accepted draft, -1 otherwise)",
     )
     p.add_argument("--num_prompts", type=int, default=1, help="prompts decoded one after another per side")
     p.add_argument("--mixed_batches", type=int, nargs="*", default=[8, 32])
@@ -327,7 +336,16 @@ def main(argv=None):
         prompts = prompts_of(args.prompts, tokenizer, model.config.vocab_size, args.num_prompts, 16)
         log(f"self-speculative decoding, {args.model}, L={budget}:")
         report["speculative"] = speculative(
-            model, prompts, new_tokens, budget, drafts, args.num_assistant_tokens, args.confidence, repeats, log
+            model,
+            prompts,
+            new_tokens,
+            budget,
+            drafts,
+            args.num_assistant_tokens,
+            args.confidence,
+            args.schedules,
+            repeats,
+            log,
         )
     if args.skip != "mixed":
         log(f"mixed budgets [1, {budget}, 1, {budget}, ...] against all rows at {budget}:")
