@@ -176,7 +176,7 @@ CASES = [
     ),
     Case(
         "loopformer.train",
-        "--task text --train_files FOLDER holding a latin-1 .txt (the in-memory path)",
+        "--task text --train_files FOLDER holding a latin-1 .txt (prepared into datasets' cache first)",
         lambda t: TRAIN(
             "--task",
             "text",
@@ -189,6 +189,20 @@ CASES = [
         )(t),
         ValueError,
         r"texts/bad\.txt is not UTF-8 text \(byte 3 does not decode: invalid continuation byte\)",
+    ),
+    Case(
+        "loopformer.train",
+        "--task text --train_files FOLDER --max_train_chars 1000 (it capped the in-memory path, now gone)",
+        TRAIN("--task", "text", "--train_files", "{tmp}", "--max_train_chars", "1000", "--output_dir", "{tmp}/run"),
+        ValueError,
+        r"--max_train_chars capped the in-memory text path, which is gone: .*cap the run with --max_steps",
+    ),
+    Case(
+        "loopformer.train",
+        "--task text --train_files FOLDER --window_targets false (the in-memory path's T - 1 targets)",
+        TRAIN("--task", "text", "--train_files", "{tmp}", "--window_targets", "false", "--output_dir", "{tmp}/run"),
+        ValueError,
+        r"--window_targets false gave the in-memory text path's rows T - 1 targets .* leave the flag out",
     ),
     Case(
         "loopformer.prepare",
