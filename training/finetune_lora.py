@@ -21,8 +21,9 @@ embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling`
 `freeze` (default) keeps them as in the base model (PEFT freezes every base parameter); `train` makes them trainable
 through PEFT's `modules_to_save`: a trained copy is stored in the adapter and `merge_and_unload()` puts it in place.
 
-`--model` is a model folder, a Hub id, or a training run's folder (FPRM's model is its `model/`). LoopFormer rows
-are `--block_size` tokens long (default 128, or the model's context if shorter).
+`--model` is a model folder, a Hub id, or a training run's folder (FPRM's model is its `model/`). LoopFormer's text is
+prepared once with the model's tokenizer into token files in datasets' cache, as `loopformer.train --train_files`
+prepares it, and read in windows of `--block_size` tokens (default 128, or the model's context if shorter).
 
 Outputs: `<output>/adapter` (adapter_model.safetensors + adapter_config.json + tokenizer) and, with `--merge`,
 `<output>/merged`, a plain checkpoint (with auto_map and modeling code) that `looped_training.publish` can push. An
