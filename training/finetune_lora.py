@@ -21,8 +21,9 @@ embedders) and every block's `adaLN_modulation`; FPRM's `model.residual_scaling`
 `freeze` (default) keeps them as in the base model (PEFT freezes every base parameter); `train` makes them trainable
 through PEFT's `modules_to_save`: a trained copy is stored in the adapter and `merge_and_unload()` puts it in place.
 
-`--model` is a model folder, a Hub id, or a training run's folder (FPRM's model is its `model/`). LoopFormer rows
-are `--block_size` tokens long (default 128, or the model's context if shorter).
+`--model` is a model folder, a Hub id, or a training run's folder (FPRM's model is its `model/`). LoopFormer's text is
+prepared once with the model's tokenizer into token files in datasets' cache, as `loopformer.train --train_files`
+prepares it, and read in windows of `--block_size` tokens (default 128, or the model's context if shorter).
 
 Outputs: `<output>/adapter` (adapter_model.safetensors + adapter_config.json + tokenizer) and, with `--merge`,
 `<output>/merged`, a plain checkpoint (with auto_map and modeling code) that `looped_training.publish` can push. An
@@ -147,7 +148,7 @@ class ExtraKwargsCollator:
         self.rng = random.Random(seed)
 
     def __call__(self, rows):
-        batch = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+        batch = {key: torch.stack([torch.as_tensor(row[key]) for row in rows]) for key in rows[0]}
         batch.update(self.fixed)
         for key, values in self.choices.items():
             batch[key] = self.rng.choice(values)
@@ -164,13 +165,24 @@ def _parse_int_list(text, name):
     return values
 
 
-def _text_dataset(args, tokenizer):
-    import datasets
+def _text_dataset(args, tokenizer, vocab_size):
+    """The text's windows of `--block_size` tokens, as LoopFormer's train reads `--train_files` / `--dataset_name`:
+    prepared once with the model's tokenizer into token files in datasets' cache (`text_cache`; no document held
+    out), read by `TokenWindows`."""
+    from looped_training.loopformer.arguments import DataArguments
+    from looped_training.loopformer.data import text_cache, token_files
 
-    from looped_training.loopformer.data.text import chunk_text, read_text_documents
-
-    docs = read_text_documents(args.dataset, args.dataset_config, args.train_files, args.text_column)
-    return datasets.Dataset.from_dict(chunk_text("\n".join(docs), tokenizer, args.block_size))
+    data_args = DataArguments(
+        task="text",
+        dataset_name=args.dataset,
+        dataset_config_name=args.dataset_config,
+        train_files=args.train_files,
+        text_column=args.text_column,
+        validation_fraction=0.0,
+    )
+    folder = text_cache.prepared_folder(data_args, tokenizer, text_cache.MODEL_TOKENIZER)
+    corpus = token_files.open_corpus(folder, args.block_size, verify=True)
+    return token_files.TokenWindows(corpus.train, args.block_size, corpus.dtype, vocab_size)
 
 
 def _task_dataset(path):
@@ -344,7 +356,7 @@ def main(argv=None):
     if config.model_type == "loopformer":
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = load_model(AutoModelForCausalLM, args.model)
-        train = _text_dataset(args, tokenizer)
+        train = _text_dataset(args, tokenizer, model.config.vocab_size)
         collator = ExtraKwargsCollator(choices={"loop_budget": args.loop_budgets or []}, seed=args.seed)
     else:  # fprm
         import fprm_hf

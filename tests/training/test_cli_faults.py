@@ -100,14 +100,17 @@ def test_evaluate_rejects_a_generate_budget_above_num_loops_before_any_work(chec
 # FPRM training: a flag read only by the evaluation or a callback failed after the whole run, or was ignored
 
 
-def _fprm_train_refuses(tmp_path, capsys, flag, value):
-    from looped_training.fprm import train as train_fprm
+def _fprm_train_refuses(tmp_path, capsys, *flags):
+    """`python -m looped_training.fprm.train ... FLAGS` as a user runs it: exit status 2 and one line on stderr,
+    the refusal (argparse's 195-line usage came before it once), before any work."""
+    from support.bad_inputs.shared import run_as_command
 
     with pytest.raises(SystemExit) as exit_info:
-        train_fprm.main([*FPRM_TINY, "--output_dir", str(tmp_path / "out"), flag, value])
+        run_as_command("looped_training.fprm.train", [*FPRM_TINY, "--output_dir", str(tmp_path / "out"), *flags])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert not (tmp_path / "out").exists() and "data:" not in captured.out  # refused before any work
+    assert len(captured.err.strip().splitlines()) == 1, captured.err[:2000]
     return captured.err
 
 
@@ -120,6 +123,20 @@ FPRM_FLAG_ROWS = [case for case in CASES if case.area == "fprm.train" and case.s
 def test_fprm_train_rejects_a_bad_flag_before_any_work(tmp_path, capsys, case):
     err = _fprm_train_refuses(tmp_path, capsys, *case.setting)
     assert re.search(rf"error: .*{case.message}", err)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--step", "10"], r"`--step` names a folder or step of `--model_name_or_path`, which is not given"),
+        (["--eval_before_training", "true"], r"`--eval_before_training` evaluates on the test split of `--data`"),
+        (["--variant", "trm", "--eval_batching", "continuous"], r"--eval_batching continuous: --variant trm runs"),
+    ],
+    ids=["step-without-model", "eval_before_training-without-data", "trm-continuous"],
+)
+def test_fprm_train_answers_contradicting_flags_in_one_line(tmp_path, capsys, flags, message):
+    err = _fprm_train_refuses(tmp_path, capsys, *flags)
+    assert re.search(rf"^python -m looped_training\.fprm\.train: error: {message}", err)
 
 
 def test_fprm_train_takes_a_zero_time_budget_as_none_over_a_presets():

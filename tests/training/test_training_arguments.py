@@ -61,7 +61,7 @@ def test_every_fprm_preset_parses_with_its_name_as_output_dir():
     for name in names:
         try:
             _, data, _, train = parse_args(["--preset", name])
-        except SystemExit:  # an accelerator preset (bf16 autocast) on a machine without one: refused, then in float32
+        except ValueError:  # an accelerator preset (bf16 autocast) on a machine without one: refused, then in float32
             _, data, _, train = parse_args(["--preset", name, "--forward_dtype", "float32"])
         assert data.preset == name and train.output_dir == f"outputs/fprm-{name}" and train.max_steps > 0
 

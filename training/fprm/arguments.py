@@ -219,8 +219,8 @@ def _unless_none(check):
     return lambda value, name: value is None or check(value, name)
 
 
-def check_run_flags(parser, data_args, eval_args):
-    """argparse's error (exit 2) for a flag read only after training (the evaluation) or during it (a callback),
+def check_run_flags(data_args, eval_args):
+    """A ValueError (one line and exit 2 as a command) for a flag read only after training (the evaluation) or during it (a callback),
     before any data or model is built: a bad value must not cost a run. The rules are those of the code that reads
     the flag."""
     checks = [
@@ -238,14 +238,11 @@ def check_run_flags(parser, data_args, eval_args):
         (eval_args, "time_budget_decay_fraction", lambda value, name: TimeBudgetCallback(1.0, value)),
     ]
     for args, flag, check in checks:
-        try:
-            check(getattr(args, flag), f"--{flag}")
-        except ValueError as e:
-            parser.error(str(e))
+        check(getattr(args, flag), f"--{flag}")
 
 
-def check_train_size(parser, data_args, train_args):
-    """argparse's error for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
+def check_train_size(data_args, train_args):
+    """A ValueError (one line and exit 2 as a command) for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
     no batch: Trainer would train 0 steps, or fail in its sampler, after the data was built."""
     if data_args.task == "arc" or data_args.curriculum_start_length is not None or data_args.data is not None:
         return  # --data: the folder's size is checked when it is read (AuthorsTrainStream)
@@ -257,7 +254,7 @@ def check_train_size(parser, data_args, train_args):
             if train_args.dataloader_drop_last
             else "a batch"
         )
-        parser.error(
+        raise ValueError(
             f"`--num_train` must be >= {needed} ({why}: a smaller training set gives no batch), got "
             f"{data_args.num_train}."
         )

@@ -41,16 +41,16 @@ def _source_error(model_args, error):
     return ValueError(f"--model_name_or_path {where} does not load as an FPRM: {str(error).splitlines()[0]}")
 
 
-def check_continued_flags(parser, model_args, data_args, eval_args, given):
-    """argparse's error (exit 2, before any work) for flags that cannot go together: `--subfolder`/`--step` without
+def check_continued_flags(model_args, data_args, eval_args, given):
+    """A ValueError (one line and exit 2 as a command, before any work) for flags that cannot go together: `--subfolder`/`--step` without
     `--model_name_or_path`, `--eval_before_training` without `--data`, and model flags that contradict the
     checkpoint's config (read alone, without its weights)."""
     if model_args.model_name_or_path is None:
         for flag in ("subfolder", "step"):
             if getattr(model_args, flag) is not None:
-                parser.error(f"`--{flag}` names a folder or step of `--model_name_or_path`, which is not given.")
+                raise ValueError(f"`--{flag}` names a folder or step of `--model_name_or_path`, which is not given.")
     if eval_args.eval_before_training and data_args.data is None:
-        parser.error(
+        raise ValueError(
             "`--eval_before_training` evaluates on the test split of `--data` (the authors' folder), which is not "
             "given."
         )
@@ -67,9 +67,9 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
     try:
         config = config_class.from_pretrained(model_args.model_name_or_path, **_load_kwargs(model_args))
     except (OSError, ValueError) as error:
-        parser.error(str(_source_error(model_args, error)))
+        raise _source_error(model_args, error) from None
     if getattr(config, "model_type", None) != "fprm":
-        parser.error(
+        raise ValueError(
             f"--model_name_or_path {model_args.model_name_or_path} holds a {config.model_type!r} model, not an FPRM."
         )
     contradicting = [
@@ -80,7 +80,7 @@ def check_continued_flags(parser, model_args, data_args, eval_args, given):
         and getattr(model_args, flag) != getattr(config, name)
     ]
     if contradicting:
-        parser.error(
+        raise ValueError(
             f"The model comes from --model_name_or_path, so its shape and solver are the checkpoint's: "
             f"{', '.join(contradicting)}; leave these flags out (--train_halt_eps and the --eval_* flags set the "
             f"solver of training and evaluation)."

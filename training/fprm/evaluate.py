@@ -331,13 +331,6 @@ def build_parser(argv):
     return parser, run
 
 
-class _OneLineErrors:
-    """A stand-in parser for `check_run_flags`: its error is a ValueError (one line, exit 2), not argparse's usage."""
-
-    def error(self, message):
-        raise ValueError(message)
-
-
 def card_results(data, path, checkpoint, record, _):
     """A results.json of this command or of training as the card's model-index (`looped_training.model_cards`): exact
     and cell accuracy and mean iterations, halting and at the cap."""
@@ -384,7 +377,7 @@ def main(argv=None):
     eval_args, extra = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
     model_dir, record = run
     data_args = DataArguments(**_known(DataArguments, record["args"]["data"]))
-    check_run_flags(_OneLineErrors(), data_args, eval_args)
+    check_run_flags(data_args, eval_args)
     if extra.num_test is not None and extra.num_test < 1:
         raise ValueError(f"--num_test must be >= 1, got {extra.num_test}.")
     output_dir = extra.output_dir or os.path.join(os.path.dirname(model_dir), "eval")

@@ -117,7 +117,7 @@ def parse_args(argv=None):
         from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
         if not (is_torch_bf16_gpu_available() or is_torch_xla_available()):
-            parser.error(
+            raise ValueError(
                 f"`--forward_dtype bfloat16`{f' (preset {data_args.preset})' if data_args.preset else ''} trains under "
                 "bf16 autocast on an accelerator, and this machine has none with bf16: give --forward_dtype float32 "
                 "to train in float32 here."
@@ -128,9 +128,9 @@ def parse_args(argv=None):
     if data_args.task not in TASKS:
         raise ValueError(f"`--task` must be one of {TASKS}, got {data_args.task!r}.")
     if model_args.variant not in VARIANTS:
-        parser.error(f"`--variant` must be one of {VARIANTS}, got {model_args.variant!r}.")
+        raise ValueError(f"`--variant` must be one of {VARIANTS}, got {model_args.variant!r}.")
     if model_args.variant == "trm" and eval_args.eval_batching not in (None, "batch"):
-        parser.error(
+        raise ValueError(
             f"--eval_batching {eval_args.eval_batching}: --variant trm runs every row its halt_max_steps ACT steps, "
             "so its batches are filled one way; give --eval_batching batch or leave it out."
         )
@@ -153,9 +153,9 @@ def parse_args(argv=None):
             raise ValueError("A curriculum streams fresh data without end: set `--max_steps`.")
     if eval_args.eval_iterations_curve is not None:
         parse_iteration_counts(eval_args.eval_iterations_curve)
-    check_run_flags(parser, data_args, eval_args)
-    check_continued_flags(parser, model_args, data_args, eval_args, given_flags(parser, argv, config_file))
-    check_train_size(parser, data_args, train_args)
+    check_run_flags(data_args, eval_args)
+    check_continued_flags(model_args, data_args, eval_args, given_flags(parser, argv, config_file))
+    check_train_size(data_args, train_args)
     return model_args, data_args, eval_args, train_args
 
 

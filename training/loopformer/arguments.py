@@ -97,28 +97,45 @@ class DataArguments:
         default=None,
         metadata={
             "help": "Any AutoTokenizer (a Hub id such as gpt2, or a folder), on every text path; default: the one of "
-            "--model_name_or_path, else --data_dir's, else the package's BPE trained on the text (in-memory path only)."
+            "--model_name_or_path, else --data_dir's, else the package's BPE trained on the text by prepare (not "
+            "with --streaming)."
         },
     )
     max_eval_samples: int = field(
         default=None,
         metadata={"help": "Held-out windows the Trainer evaluates (token files: all; a stream: 256)."},
     )
-    dataset_name: str = field(default=None, metadata={"help": "A datasets name or path (task=text)."})
+    dataset_name: str = field(
+        default=None,
+        metadata={
+            "help": "A datasets name or path (task=text; a folder of .txt: one document a file, as --train_files). "
+            "Without --data_dir or --streaming, prepared once into token files in datasets' cache and reused."
+        },
+    )
     dataset_config_name: str = field(default=None, metadata={"help": "The datasets configuration name."})
-    train_files: list[str] = field(default=None, metadata={"help": "Text files or folders of .txt (task=text)."})
+    train_files: list[str] = field(
+        default=None,
+        metadata={
+            "help": "Text files or folders of .txt, one document a file (task=text); prepared once into token files "
+            "in datasets' cache (reused while the files and settings stay the same), unless --streaming."
+        },
+    )
     text_column: str = field(default="text", metadata={"help": "Column holding the text (dataset_name)."})
     validation_fraction: float = field(
         default=0.05,
-        metadata={"help": "Text held out: the tail of each document (in memory), or whole documents (--streaming)."},
+        metadata={"help": "Share of whole documents held out (prepare's seeded hash), streamed or not."},
     )
-    max_train_chars: int = field(default=None, metadata={"help": "Cap on training characters (text, small runs)."})
+    max_train_chars: int = field(
+        default=None,
+        metadata={"help": "Refused: it capped the in-memory text path, now gone (cap a run with --max_steps)."},
+    )
     block_size: int = field(default=None, metadata={"help": "Tokens per row (default: 128 text, longest problem)."})
     window_targets: bool = field(
         default=True,
         metadata={
-            "help": "Text training rows of T tokens train T next-token targets, the last one the token after the row "
-            "(the authors' get_batch: y = data[i+1:i+T+1]); False: T - 1 targets a row, as run_clm.py."
+            "help": "Text windows of T tokens train T next-token targets, the last one the token after the window (the "
+            "authors' get_batch: y = data[i+1:i+T+1]), on every text path; false is refused (it was the gone "
+            "in-memory path's run_clm rows of T - 1 targets)."
         },
     )
     num_train_problems: int = field(default=20000, metadata={"help": "Synthetic training problems."})

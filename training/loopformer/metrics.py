@@ -4,6 +4,7 @@ steps per token), hidden states per loop step for the representation metrics, an
 command is `python -m looped_training.loopformer.evaluate`; its tables, verdicts and plots are
 `looped_training.loopformer.report`'s."""
 
+import dataclasses
 import json
 import math
 import os
@@ -16,9 +17,8 @@ from tqdm.auto import tqdm
 from looped_training.checkpoints import check_checkpoint, check_model_type, load_model
 from looped_training.loopformer import representations
 from looped_training.loopformer.arguments import DataArguments
-from looped_training.loopformer.data import TRAINING_META_FILE, held_out_problems, held_out_text, synthetic
+from looped_training.loopformer.data import TRAINING_META_FILE, held_out_problems, synthetic, text_cache
 from looped_training.loopformer.data.sources import held_out_windows
-from looped_training.loopformer.data.text import chunk_text
 
 SCHEDULES = ("uniform", "coarse_to_fine", "fine_to_coarse")
 
@@ -60,24 +60,29 @@ def build_eval_data(meta, tokenizer, max_rows):
         rows = synthetic.tokenize_problems(problems, tokenizer, block_size, answer_only_loss=True)
         rows["prompts"] = [p.prompt for p in problems]
         rows["answers"] = [p.answer for p in problems]
-    elif data_args.data_dir is not None or data_args.streaming:
+    else:
+        if data_args.data_dir is None and not data_args.streaming:  # text files or a dataset: the run's token folder
+            data_args = dataclasses.replace(data_args, data_dir=held_out_folder(data_args, tokenizer))
         # the run's own held-out windows: T next-token targets a row, as the authors' estimate_loss scores them
         data = held_out_windows(data_args, tokenizer, block_size, max_rows)
         return data_args.task, data, {"input_ids": data["input_ids"].tolist()}
-    else:
-        held = held_out_text(data_args)
-        if not held:
-            raise ValueError(
-                f"No document of the run's corpus is held out at --validation_fraction "
-                f"{data_args.validation_fraction} (whole documents are, by a seeded hash of their text): nothing to "
-                f"evaluate on. Train with more documents or a larger --validation_fraction."
-            )
-        rows = chunk_text(held, tokenizer, block_size)
-        rows = {k: v[:max_rows] for k, v in rows.items()}
     tensors = {k: torch.tensor(rows[k]) for k in ("input_ids", "attention_mask", "labels")}
     if "depth" in rows:
         tensors["depth"] = torch.tensor(rows["depth"])
     return data_args.task, tensors, rows
+
+
+def held_out_folder(data_args, tokenizer):
+    """The token folder a text run without `--data_dir` trained from (`text_cache`): the cached one of its BPE where
+    it is still there and its tokenizer is the checkpoint's, else the text prepared with the checkpoint's tokenizer
+    (the same held-out documents: prepare's seeded hash of their text)."""
+    from transformers import AutoTokenizer
+
+    if data_args.tokenizer_name is None:
+        folder = text_cache.prepared_folder(data_args, prepare_missing=False)
+        if folder is not None and AutoTokenizer.from_pretrained(folder).get_vocab() == tokenizer.get_vocab():
+            return folder
+    return text_cache.prepared_folder(data_args, tokenizer, data_args.tokenizer_name or text_cache.MODEL_TOKENIZER)
 
 
 @torch.no_grad()

@@ -368,10 +368,14 @@ def move_in(out, staging, meta):
     return meta
 
 
-def prepare(args):
-    """Write `args.output_dir`'s corpus (see the module docstring); its tokens.json."""
+def prepare(args, tokenizer=None):
+    """Write `args.output_dir`'s corpus (see the module docstring); its tokens.json. `tokenizer`: one loaded already
+    (train's text cache passes the model's), else `--tokenizer_name`'s, else the package's BPE trained here."""
     check_args(args)
-    tokenizer = load_tokenizer(args.tokenizer_name) if args.tokenizer_name else None
+    if tokenizer is not None:
+        check_eos(tokenizer, args.tokenizer_name)
+    elif args.tokenizer_name:
+        tokenizer = load_tokenizer(args.tokenizer_name)
     docs = load_documents(
         args.dataset_name, args.dataset_config_name, args.train_files, args.text_column, streaming=args.streaming
     )

@@ -25,8 +25,10 @@ count, the callback's `trajectory="early_exit"`), and the Base-Loop, Naive-Loop-
 with a learnable weight (`block_norm_weight`, their models/base_loop.py and base.py).
 
 Data (`--task`): `synthetic` (the embedded multi-hop variable-binding corpus, no network or files) or `text`
-(`--dataset_name` of Hugging Face datasets, or `--train_files` text files or folders of .txt files).
-A byte-level BPE is trained on the training data and saved with the model. The output folder holds a model that
+(`--dataset_name` of Hugging Face datasets, or `--train_files` text files or folders of .txt files, prepared once
+into token files in datasets' cache and reused while the files and settings stay the same; or `--data_dir`, prepare's
+folder; or `--streaming`). Without a tokenizer, a byte-level BPE is trained on the training documents and saved with
+the model. The output folder holds a model that
 `AutoModelForCausalLM.from_pretrained` loads (after `import loopformer_hf`), its tokenizer, its generation config
 (new tokens that fit the context after the task's prompts; the synthetic tasks stop at the answer's newline, so
 `pipeline("text-generation", model=folder)("3+4=")` needs no other argument), and `loopformer_training.json` (the
@@ -253,8 +255,8 @@ def check_resume_matches(checkpoint, tokenizer, config):
         moved = sum(saved.get(token) != index for token, index in now.items())
         raise ValueError(
             f"The data flags of this run train a tokenizer whose vocabulary differs from {checkpoint}'s ({moved} of "
-            f"{len(now)} tokens have other ids): resume with the data flags (corpus, --max_train_chars, "
-            f"--tokenizer_vocab_size, ...) of the run that wrote it."
+            f"{len(now)} tokens have other ids): resume with the data flags (corpus, --tokenizer_vocab_size, "
+            f"--validation_fraction, ...) of the run that wrote it."
         )
     check_resume_config(checkpoint, config)
 
@@ -413,14 +415,16 @@ def train(model_args, data_args, shortcut_args, schedule_args, training_args, un
     if model_args.model_name_or_path is not None:
         source = continued.load_source(model_args.model_name_or_path, LoopFormerForCausalLM)
         continued.model_args_of(source[0].config, model_args, given, VARIANTS)
-    tokenizer, train_dataset, eval_dataset, block_size = build_data(
-        data_args,
-        model_args,
-        source,
-        training_args.process_index,
-        training_args.world_size,
-        evaluate=training_args.eval_strategy != "no",
-    )
+    # each machine's first process prepares text files into the datasets cache; the others then find it there
+    with training_args.main_process_first(desc="preparing the text"):
+        tokenizer, train_dataset, eval_dataset, block_size = build_data(
+            data_args,
+            model_args,
+            source,
+            training_args.process_index,
+            training_args.world_size,
+            evaluate=training_args.eval_strategy != "no",
+        )
     if chat_template is not None:
         set_chat_template(tokenizer, chat_template, data_args.chat_template)
     config = source[0].config if source is not None else build_config(model_args, len(tokenizer), block_size)

@@ -142,7 +142,7 @@ def refused_fprm_flag(flag, value, message):
         "fprm.train",
         f"{flag} {value}",
         FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", flag, value),
-        SystemExit,
+        ValueError,
         message,
         setting=(flag, value),
     )
@@ -389,7 +389,7 @@ CASES = [
         "fprm.train",
         "--variant trm --eval_batching continuous",
         FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--variant", "trm", "--eval_batching", "continuous"),
-        SystemExit,
+        ValueError,
         r"--eval_batching continuous: --variant trm runs every row its halt_max_steps ACT steps",
     ),
     *(
@@ -454,21 +454,21 @@ CASES = [
         lambda t: FPRM_TRAIN(
             *FPRM_TINY, "--output_dir", "{tmp}/out", "--model_name_or_path", str(saved_fprm(t)), "--hidden_size", "128"
         )(t),
-        SystemExit,
+        ValueError,
         r"its shape and solver are the checkpoint's: --hidden_size 128 \(the checkpoint has 32\)",
     ),
     Case(
         "fprm.train",
         "--step 10 without --model_name_or_path",
         FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--step", "10"),
-        SystemExit,
+        ValueError,
         r"`--step` names a folder or step of `--model_name_or_path`, which is not given",
     ),
     Case(
         "fprm.train",
         "--eval_before_training true without --data",
         FPRM_TRAIN(*FPRM_TINY, "--output_dir", "{tmp}/out", "--eval_before_training", "true"),
-        SystemExit,
+        ValueError,
         r"`--eval_before_training` evaluates on the test split of `--data`",
     ),
     Case(

@@ -13,6 +13,7 @@ from support.bad_inputs.shared import Case, Handled, cli, without_root_override
 
 PREPARE = cli("looped_training.loopformer.prepare")
 CORPORA = "tests/training/loopformer/test_corpora.py::"
+TEXT_CACHE = "tests/training/loopformer/test_text_cache.py::"
 FPRM_FAULTS = "tests/training/fprm/test_fprm_prepare_faults.py::"
 PUZZLE, ANSWER = "." * 81, "1" * 81
 
@@ -176,7 +177,7 @@ CASES = [
     ),
     Case(
         "loopformer.train",
-        "--task text --train_files FOLDER holding a latin-1 .txt (the in-memory path)",
+        "--task text --train_files FOLDER holding a latin-1 .txt (prepared into datasets' cache first)",
         lambda t: TRAIN(
             "--task",
             "text",
@@ -189,6 +190,20 @@ CASES = [
         )(t),
         ValueError,
         r"texts/bad\.txt is not UTF-8 text \(byte 3 does not decode: invalid continuation byte\)",
+    ),
+    Case(
+        "loopformer.train",
+        "--task text --train_files FOLDER --max_train_chars 1000 (it capped the in-memory path, now gone)",
+        TRAIN("--task", "text", "--train_files", "{tmp}", "--max_train_chars", "1000", "--output_dir", "{tmp}/run"),
+        ValueError,
+        r"--max_train_chars capped the in-memory text path, which is gone: .*cap the run with --max_steps",
+    ),
+    Case(
+        "loopformer.train",
+        "--task text --train_files FOLDER --window_targets false (the in-memory path's T - 1 targets)",
+        TRAIN("--task", "text", "--train_files", "{tmp}", "--window_targets", "false", "--output_dir", "{tmp}/run"),
+        ValueError,
+        r"--window_targets false gave the in-memory text path's rows T - 1 targets .* leave the flag out",
     ),
     Case(
         "loopformer.prepare",
@@ -328,6 +343,20 @@ HANDLED = [
         "`--dataset_name` a folder of .txt files",
         "one document a file, as `--train_files` reads it (datasets' own text builder makes one a line)",
         CORPORA + "test_dataset_name_on_a_folder_of_txt_reads_one_document_a_file",
+    ),
+    Handled(
+        "loopformer.train",
+        "`--train_files` (or `--dataset_name`) without `--data_dir`, run twice with the same flags",
+        "prepared once into a token folder in datasets' cache, trained from by TokenWindows (the batches of prepare + "
+        "--data_dir); the second run reuses the folder without tokenizing and prints which folder it uses (was: the "
+        "text tokenized in memory at every run)",
+        TEXT_CACHE + "test_the_text_is_prepared_once_then_reused_by_train_and_evaluate",
+    ),
+    Handled(
+        "loopformer.train",
+        "`--train_files` without `--data_dir` after a source file changed",
+        "a new cache folder, prepared afresh: the key holds each source file's size and mtime",
+        TEXT_CACHE + "test_a_changed_source_file_is_prepared_again_into_a_new_folder",
     ),
     Handled(
         "loopformer.prepare",

@@ -1,6 +1,6 @@
 """Training-step oracle: the package's LoopFormer training path against the authors' train.py, step by step.
 
-The package side is exactly what `python -m looped_training.loopformer.train` runs: its text windows (`chunk_text`),
+The package side is exactly what `python -m looped_training.loopformer.train` runs: its text windows (`TokenWindows`),
 `build_trainer` (the stock Trainer, the shortcut-consistency callback and its collator, the reference warm-up), the
 Trainer's AdamW and `cosine_with_min_lr` schedule, on a model converted from random weights in the authors' layout.
 The authors' side is re-written here from their train.py and models/: get_lr (warm-up (s+1)/(W+1), cosine to min_lr),
@@ -16,13 +16,13 @@ sampler draws them; the reference takes them from the batch the model received).
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
 from transformers import TrainerCallback, TrainingArguments
 
-from looped_training.loopformer.data.text import chunk_text
+from looped_training.loopformer.data import TokenWindows
 from looped_training.loopformer.objective import ShortcutConsistencyCallback
 from looped_training.loopformer.arguments import ModelArguments, ScheduleArguments, ShortcutArguments
 from looped_training.loopformer.train import build_trainer
@@ -120,11 +120,19 @@ def token_stream(seed=0, windows=STEPS * BATCH):
     return [rng.randrange(VOCAB) for _ in range(windows * T + 1)]
 
 
-class WordIds:
-    """A stand-in tokenizer for `chunk_text`: the text is the token ids, space-separated."""
+class RunClmWindows(torch.utils.data.Dataset):
+    """`windows` as run_clm.py's rows: labels = input_ids, so a window of T tokens trains T - 1 targets (a recipe knob
+    the oracle must see)."""
 
-    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
-        return {"input_ids": [int(w) for w in text.split()]}
+    def __init__(self, windows):
+        self.windows = windows
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, i):
+        ids = self.windows[i]["input_ids"]
+        return {"input_ids": ids, "labels": ids}
 
 
 def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_targets=True, max_grad_norm=CLIP):
@@ -141,7 +149,9 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
         model_type=MODEL_TYPES[variant],
     ).train()
     stream = token_stream()
-    rows = chunk_text(" ".join(map(str, stream)), WordIds(), T, window_targets=window_targets)
+    np.asarray(stream, dtype=np.uint16).tofile(tmp_path / "train.bin")  # the token file train reads
+    windows = TokenWindows(tmp_path / "train.bin", T, "uint16")
+    windows = windows if window_targets else RunClmWindows(windows)
     args = TrainingArguments(
         output_dir=str(tmp_path / "run"),
         max_steps=STEPS,
@@ -163,7 +173,7 @@ def package_train(tmp_path, variant, state_dict, lr_warmup="reference", window_t
     trainer = build_trainer(
         model,
         None,
-        Dataset.from_dict(rows),
+        windows,
         None,
         ModelArguments(variant=variant),
         ShortcutArguments(),

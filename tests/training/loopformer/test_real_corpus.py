@@ -358,7 +358,8 @@ def test_streaming_without_max_steps_is_refused_before_any_work(tmp_path):
     [
         (["--data_dir", "x", "--train_files", "y"], "does not combine"),
         (["--streaming", "--max_steps", "2"], "--streaming streams --dataset_name or --train_files"),
-        (["--data_dir", "x", "--max_train_chars", "9"], "--max_train_chars caps the in-memory text path"),
+        (["--train_files", "x", "--max_train_chars", "9"], "--max_train_chars capped the in-memory text path"),
+        (["--train_files", "x", "--window_targets", "false"], "every text window trains T next-token targets"),
     ],
 )
 def test_flags_that_do_not_combine_are_refused(tmp_path, flags, message):

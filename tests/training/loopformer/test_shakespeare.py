@@ -8,7 +8,7 @@ import pytest
 
 from looped_training.loopformer import evaluate as evaluate_elastic
 from looped_training.loopformer import train as train_loopformer
-from looped_training.loopformer.data import text
+from looped_training.loopformer.data import corpus
 from support import REPO_ROOT
 
 REPO = str(REPO_ROOT)
@@ -21,13 +21,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_plays_are_read_as_documents():
-    docs = text.read_text_documents(train_files=[SHAKESPEARE])
+    docs = corpus.load_documents(train_files=[SHAKESPEARE])["text"]
     assert len(docs) == 39
     assert sum(len(d) for d in docs) > 4_000_000  # the whole 4.6 MB corpus, one document per file
 
 
-def test_train_and_evaluate_on_shakespeare(tmp_path):
+def test_train_and_evaluate_on_shakespeare(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")  # the prepared plays
     out = tmp_path / "run"
+    plays = sorted(os.path.join(SHAKESPEARE, n) for n in os.listdir(SHAKESPEARE))[:8]
     trainer = train_loopformer.main(
         [
             "--output_dir",
@@ -37,9 +41,9 @@ def test_train_and_evaluate_on_shakespeare(tmp_path):
             "--task",
             "text",
             "--train_files",
-            SHAKESPEARE,
-            "--max_train_chars",
-            "40000",
+            *plays,
+            "--validation_fraction",
+            "0.25",
             "--block_size",
             "32",
             "--tokenizer_vocab_size",

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import loopformer_hf  # noqa: F401
 from loopformer_hf import ShortcutConsistency
 from looped_training.loopformer import train as train_loopformer
-from looped_training.loopformer.data import corpus, synthetic, text
+from looped_training.loopformer.data import synthetic
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
 TINY = [
@@ -129,26 +129,6 @@ def test_tokenizer_round_trips_and_saves_as_fast_tokenizer(tmp_path):
     assert loaded(sample)["input_ids"] == tok(sample)["input_ids"]
     with pytest.raises(ValueError, match="got 100"):
         train_bpe_tokenizer(texts, 100)
-
-
-def test_text_files_are_read_split_and_chunked(tmp_path):
-    for i in range(3):
-        (tmp_path / f"play{i}.txt").write_text(f"ACT {i}. " + "Enter the king and queen. " * 200)
-    docs = text.read_text_documents(train_files=[str(tmp_path)])
-    assert len(docs) == 3
-    train, valid = text.split_documents(docs, 0.5)
-    # whole documents held out by prepare's seeded hash, as on every text path (issue 70)
-    assert sorted(train + valid) == sorted(docs) and list(corpus.is_validation(valid, 0.5, 0)) == [True] * len(valid)
-    tok = train_bpe_tokenizer(train, 300)
-    rows = text.chunk_text(docs, tok, 16)
-    assert rows["input_ids"] and all(len(r) == 16 for r in rows["input_ids"])
-    ids = [i for r in rows["input_ids"] for i in r]
-    joined = [i for d in docs for i in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
-    assert ids == joined[: len(ids)]  # each document's tokens followed by EOS, as prepare writes them
-    with pytest.raises(ValueError, match="neither a file nor a folder"):
-        text.read_text_documents(train_files=[str(tmp_path / "missing")])
-    with pytest.raises(ValueError, match="exactly one"):
-        text.read_text_documents()
 
 
 # ---- variants ------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""What a LoopFormer run trains and evaluates on (`build_data`): the synthetic corpus with its BPE, or text, in memory,
-streamed or from token files, with the tokenizer `sources` chooses."""
+"""What a LoopFormer run trains and evaluates on (`build_data`): the synthetic corpus with its BPE, or text, streamed
+or from token files (`--data_dir`, or the folder `--train_files` / `--dataset_name` is prepared into once), with the
+tokenizer `sources` chooses."""
 
 import datasets
 
-from looped_training.loopformer.data import TASKS, held_out_problems, sources, synthetic, token_files
+from looped_training.loopformer.data import TASKS, held_out_problems, sources, synthetic, text_cache, token_files
 from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
 
 
@@ -33,7 +34,12 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1, evaluat
         evaluation = synthetic.tokenize_problems(eval_problems, tokenizer, block_size, data_args.answer_only_loss)
         train.pop("depth"), evaluation.pop("depth")
         return tokenizer, datasets.Dataset.from_dict(train), datasets.Dataset.from_dict(evaluation), block_size
-    corpus = token_files.open_corpus(data_args.data_dir) if data_args.data_dir is not None else None
+    folder = data_args.data_dir
+    if folder is None and not data_args.streaming:  # text files or a dataset: prepared once into datasets' cache
+        folder = text_cache.prepared_folder(
+            data_args, source_tokenizer, text_cache.MODEL_TOKENIZER if source_tokenizer is not None else None
+        )
+    corpus = token_files.open_corpus(folder) if folder is not None else None
     tokenizer = sources.choose_tokenizer(data_args, corpus, source_tokenizer)
     context = source_model.config.max_position_embeddings if source_model is not None else None
     block_size = data_args.block_size or context or sources.DEFAULT_BLOCK_SIZE
@@ -41,26 +47,20 @@ def build_data(data_args, model_args, source=None, rank=0, world_size=1, evaluat
         raise ValueError(
             f"--block_size {block_size} is longer than --model_name_or_path's context of {context} learned positions."
         )
-    if tokenizer is None:  # the in-memory path trains its BPE
-        return in_memory(data_args, tokenizer, block_size, evaluate)
     vocab_size = (
         source_model.config.vocab_size if source_model is not None else model_args.vocab_size or len(tokenizer)
     )
-    if data_args.data_dir is not None:
-        return (tokenizer, *sources.token_data(data_args, block_size, vocab_size), block_size)
+    if corpus is not None:
+        # the text cache's folder is the run's own: no held-out document is refused where the run evaluates
+        train, evaluation = sources.token_data(
+            folder, data_args, block_size, vocab_size, evaluate=evaluate and data_args.data_dir is None
+        )
+        return tokenizer, train, evaluation, block_size
     if len(tokenizer) > vocab_size:
         raise ValueError(
             f"The tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of {vocab_size}: its ids "
             f"would have no embedding."
         )
-    if data_args.streaming:
-        train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
-        evaluation = sources.stream_eval_windows(data_args, tokenizer, block_size) if evaluate else None
-        return tokenizer, train, evaluation, block_size
-    return in_memory(data_args, tokenizer, block_size, evaluate)
-
-
-def in_memory(data_args, tokenizer, block_size, evaluate):
-    tokenizer, train, evaluation = sources.in_memory_data(data_args, tokenizer, block_size, evaluate)
-    evaluation = None if evaluation is None else datasets.Dataset.from_dict(evaluation)
-    return tokenizer, datasets.Dataset.from_dict(train), evaluation, block_size
+    train = sources.stream_windows(data_args, tokenizer, block_size, "train", rank, world_size)
+    evaluation = sources.stream_eval_windows(data_args, tokenizer, block_size) if evaluate else None
+    return tokenizer, train, evaluation, block_size

@@ -3,8 +3,8 @@
 - `--data_dir`: token files (prepare's output, or the authors' train.bin/val.bin), read by memmap (`TokenWindows`);
 - `--streaming`: a `datasets` stream, tokenized on the fly, packed into the same windows and split across ranks with
   `split_dataset_by_node`;
-- otherwise (`--train_files` / `--dataset_name`): the in-memory text path of small runs (`text.py`), the only one
-  that trains the package's byte-level BPE, and only where no tokenizer is named.
+- otherwise (`--train_files` / `--dataset_name`): prepared once into a token folder in datasets' cache
+  (`text_cache`), then read as `--data_dir` is; without a tokenizer, prepare trains the package's byte-level BPE.
 
 The tokenizer: `--tokenizer_name`, else the one of `--model_name_or_path`, else the corpus folder's (prepare saves
 it there), else, for the authors' folder (GPT-2 ids, no metadata), `gpt2`. A tokenizer that is not the corpus
@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 import torch
 from looped_training.loopformer.data import corpus as corpus_docs
-from looped_training.loopformer.data import text, token_files
+from looped_training.loopformer.data import token_files
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,15 @@ def check_text_flags(data_args, max_steps):
         raise ValueError("--streaming streams --dataset_name or --train_files: give one.")
     if data_args.streaming and (max_steps is None or max_steps <= 0):
         raise ValueError("--streaming reads a corpus of unknown length: set --max_steps.")
-    if (data_args.data_dir is not None or data_args.streaming) and data_args.max_train_chars is not None:
+    if data_args.max_train_chars is not None:
         raise ValueError(
-            "--max_train_chars caps the in-memory text path; with --data_dir or --streaming cap the run with "
-            "--max_steps (or prepare --max_documents)."
+            "--max_train_chars capped the in-memory text path, which is gone: text is prepared into token files and "
+            "trained from them; cap the run with --max_steps (or the corpus with prepare --max_documents)."
+        )
+    if not data_args.window_targets:
+        raise ValueError(
+            "--window_targets false gave the in-memory text path's rows T - 1 targets (run_clm's), and that path is "
+            "gone: every text window trains T next-token targets, as the authors' get_batch; leave the flag out."
         )
     if data_args.max_eval_samples is not None and data_args.max_eval_samples < 1:
         raise ValueError(f"--max_eval_samples must be a positive integer, got {data_args.max_eval_samples}.")
@@ -158,13 +163,20 @@ class Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def token_data(data_args, block_size, vocab_size):
-    """(train, eval or None) windows of `--data_dir`, after checking its files against tokens.json (sizes and
-    checksums) and that its ids fit `vocab_size`."""
-    corpus = token_files.open_corpus(data_args.data_dir, block_size, verify=True)
+def token_data(folder, data_args, block_size, vocab_size, evaluate=False):
+    """(train, eval or None) windows of the token folder `folder` (`--data_dir`, or the text cache's), after checking
+    its files against tokens.json (sizes and checksums) and that its ids fit `vocab_size`. `evaluate`, for the text
+    cache's folder: refuse one where no document was held out."""
+    corpus = token_files.open_corpus(folder, block_size, verify=True)
     token_files.check_vocabulary(corpus, vocab_size)
     train = token_files.TokenWindows(corpus.train, block_size, corpus.dtype, vocab_size)
     evaluation = None
+    if corpus.val is None and evaluate:
+        raise ValueError(
+            f"No document of the corpus is held out at --validation_fraction {data_args.validation_fraction} "
+            f"(whole documents are held out, by a seeded hash of their text), so there is nothing to evaluate on; "
+            f"raise --validation_fraction, give more documents, or give --eval_strategy no."
+        )
     if corpus.val is not None:
         evaluation = token_files.TokenWindows(corpus.val, block_size, corpus.dtype, vocab_size)
         if len(evaluation) == 0:
@@ -199,32 +211,3 @@ def held_out_windows(data_args, tokenizer, block_size, max_rows):
     data = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "shift_labels")}
     data["attention_mask"] = torch.ones_like(data["input_ids"])
     return data
-
-
-def in_memory_data(data_args, tokenizer, block_size, evaluate=True):
-    """The in-memory text path: (tokenizer, train rows, eval rows or None) as dicts of lists (text.chunk_text)."""
-    from looped_training.loopformer.data import held_out_text
-
-    train_docs, valid_docs = held_out_text(data_args, with_train=True)
-    if not train_docs:
-        raise ValueError(
-            f"Every document of the corpus is held out at --validation_fraction {data_args.validation_fraction}: "
-            f"nothing is left to train on; lower it."
-        )
-    if tokenizer is None:
-        from looped_training.loopformer.data.tokenizer import train_bpe_tokenizer
-
-        pieces = (p for d in train_docs for p in corpus_docs.pieces(d, 10_000))
-        tokenizer = train_bpe_tokenizer(pieces, data_args.tokenizer_vocab_size or 1024)
-    train = text.chunk_text(train_docs, tokenizer, block_size, window_targets=data_args.window_targets)
-    if not valid_docs:
-        if evaluate:
-            raise ValueError(
-                f"No document of the corpus is held out at --validation_fraction {data_args.validation_fraction} "
-                f"(whole documents are held out, by a seeded hash of their text), so there is nothing to evaluate "
-                f"on; raise --validation_fraction, give more documents, or give --eval_strategy no."
-            )
-        logger.warning("No document is held out at --validation_fraction %s.", data_args.validation_fraction)
-        return tokenizer, train, None
-    # the held-out rows keep T - 1 targets: the perplexities of evaluate.py and the Trainer's eval_loss agree
-    return tokenizer, train, text.chunk_text(valid_docs, tokenizer, block_size)
