@@ -142,6 +142,28 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
     return rows
 
 
+def step_costs(model, prompt, budget, drafts, assistant_tokens, repeats, calls=30):
+    """Milliseconds (CPU time) of one forward on a filled cache: a token at each draft budget d and at `budget`, and
+    the n + 1 tokens a verification at `budget` reads for each draft length n: where the speed-up's cost goes."""
+    with torch.no_grad():
+
+        def forward_ms(loop_budget, tokens):
+            out = model(prompt[None], loop_budget=loop_budget, use_cache=True)
+            cache, ids = out.cache if hasattr(out, "cache") else out.past_key_values, prompt[None, -tokens:]
+            runs = []
+            for _ in range(repeats):
+                start = time.process_time()
+                for _ in range(calls):
+                    model(ids, cache=cache, loop_budget=loop_budget)
+                    cache.crop(-tokens)  # back to the prompt
+                runs.append((time.process_time() - start) / calls * 1e3)
+            return med(runs)
+
+        costs = {f"forward_M{m}_1_token_ms": forward_ms(m, 1) for m in sorted({*drafts, budget})}
+        costs.update({f"verify_M{budget}_{n + 1}_tokens_ms": forward_ms(budget, n + 1) for n in assistant_tokens})
+    return costs
+
+
 def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
     """Rows [1, L, 1, L, ...] against all rows at L, and the ideal from the measured cost of a decode step over B/2
     rows against B rows (a mixed step computes B rows at step 1 and B/2 at the others). The same for one forward over
@@ -250,6 +272,12 @@ def format_table(report):
                 f"{r['speedup']:.2f}x | {r['plain_tokens_per_s']:.1f} -> "
                 f"{r['drafted_tokens_per_s']:.1f} | {r['acceptance']:.2f} | {r['identical_greedy_tokens']} |"
             )
+    if report.get("step_costs"):
+        lines += [
+            "",
+            "one forward on a filled cache (ms): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in report["step_costs"].items()),
+        ]
     if report["mixed"]:
         lines += [
             "",
@@ -347,6 +375,8 @@ def main(argv=None):
             repeats,
             log,
         )
+        report["step_costs"] = step_costs(model, prompts[0], budget, drafts, args.num_assistant_tokens, repeats)
+        log("  one forward on a filled cache: " + ", ".join(f"{k} {v:.2f}" for k, v in report["step_costs"].items()))
     if args.skip != "mixed":
         log(f"mixed budgets [1, {budget}, 1, {budget}, ...] against all rows at {budget}:")
         report["mixed"] = [

@@ -81,10 +81,13 @@ def test_self_speculative_quick_run_is_exact(tmp_path):
         assert math.isfinite(r["speedup"]) and r["speedup"] > 0
     for r in report["mixed"]:
         assert r["each_row_equals_its_budget"]
-        assert 1 <= r["ideal"] <= loops and math.isclose(
-            r["share_of_ideal"], r["mixed_over_all_L_throughput"] / r["ideal"]
-        )
-    assert "| batch | mixed / all-L throughput |" in proc.stdout
+        # the ideal is the one a step over B/2 rows costing `step_half_over_full` of B rows allows (timing-free check)
+        for ideal, half in ((r["ideal"], r["step_half_over_full"]), (r["prefill_ideal"], r["prefill_half_over_full"])):
+            assert half > 0 and math.isclose(ideal, loops / (1 + (loops - 1) * half))
+        assert math.isclose(r["share_of_ideal"], r["mixed_over_all_L_throughput"] / r["ideal"])
+        assert r["prefill_mixed_over_all_L"] > 0
+    assert set(report["step_costs"]) >= {f"forward_M{m}_1_token_ms" for m in range(1, loops + 1)}
+    assert "| batch | decode: mixed / all-L throughput |" in proc.stdout
 
 
 def test_row_scaling_times_each_half_batch_against_its_full_one(capsys):
