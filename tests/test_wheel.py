@@ -332,7 +332,9 @@ def test_installed_text_preset_trains_on_the_users_files(venv):
         "--tokenizer_vocab_size",
         "300",
     ]
-    assert "Give exactly one of `dataset_name`" in _fails([*common, "--output_dir", "no-data"], cwd=work, env=env)
+    assert "Give exactly one of --dataset_name or --train_files" in _fails(
+        [*common, "--output_dir", "no-data"], cwd=work, env=env
+    )
     _run([*common, "--train_files", "plays", "--output_dir", "text-run"], cwd=work, env=env)
     assert (work / "text-run" / "model.safetensors").is_file()
 
