@@ -90,8 +90,8 @@ def prompts_of(kind, tokenizer, vocab, batch, length, seed=0):
 
 
 def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, thresholds, schedules, repeats, log):
-    """Rows of (d, num_assistant_tokens, its schedule, confidence threshold, speed-up, acceptance) against plain greedy at
-    `budget`, each side decoding every prompt (a batch-1 call each) in turn."""
+    """Rows of (d, num_assistant_tokens, its schedule, confidence threshold, speed-up, acceptance) against plain
+    greedy at `budget`, each side decoding every prompt (a batch-1 call each) in turn."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, loop_budget=budget)
     kw["pad_token_id"] = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with torch.no_grad():
@@ -134,7 +134,8 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
                     identical_greedy_tokens=identical,
                 )
                 log(
-                    f"  d={d} n={n} ({schedule}) threshold {threshold}: {row['speedup']:.2f}x ({row['plain_tokens_per_s']:.1f} "
+                    f"  d={d} n={n} ({schedule}) threshold {threshold}: {row['speedup']:.2f}x "
+                    f"({row['plain_tokens_per_s']:.1f} "
                     f"-> {row['drafted_tokens_per_s']:.1f} tokens/s), acceptance {row['acceptance']:.2f}, "
                     f"identical {identical}"
                 )
@@ -142,25 +143,36 @@ def speculative(model, prompts, new_tokens, budget, drafts, assistant_tokens, th
     return rows
 
 
+def cached_forward(model, ids, loop_budget, tokens=1):
+    """A callable running one forward of the last `tokens` of `ids` (batch, seq) at `loop_budget` on a cache filled
+    with the rest, then cropping the cache back: every call computes the same step."""
+    with torch.no_grad():
+        out = model(ids, loop_budget=loop_budget, use_cache=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+
+    def go():
+        with torch.no_grad():
+            model(ids[:, -tokens:], cache=cache, loop_budget=loop_budget)
+        cache.crop(-tokens)
+
+    return go
+
+
 def step_costs(model, prompt, budget, drafts, assistant_tokens, repeats, calls=30):
     """Milliseconds (CPU time) of one forward on a filled cache: a token at each draft budget d and at `budget`, and
     the n + 1 tokens a verification at `budget` reads for each draft length n: where the speed-up's cost goes."""
-    with torch.no_grad():
 
-        def forward_ms(loop_budget, tokens):
-            out = model(prompt[None], loop_budget=loop_budget, use_cache=True)
-            cache, ids = out.cache if hasattr(out, "cache") else out.past_key_values, prompt[None, -tokens:]
-            runs = []
-            for _ in range(repeats):
-                start = time.process_time()
-                for _ in range(calls):
-                    model(ids, cache=cache, loop_budget=loop_budget)
-                    cache.crop(-tokens)  # back to the prompt
-                runs.append((time.process_time() - start) / calls * 1e3)
-            return med(runs)
+    def forward_ms(loop_budget, tokens):
+        go, runs = cached_forward(model, prompt[None], loop_budget, tokens), []
+        for _ in range(repeats):
+            start = time.process_time()
+            for _ in range(calls):
+                go()
+            runs.append((time.process_time() - start) / calls * 1e3)
+        return med(runs)
 
-        costs = {f"forward_M{m}_1_token_ms": forward_ms(m, 1) for m in sorted({*drafts, budget})}
-        costs.update({f"verify_M{budget}_{n + 1}_tokens_ms": forward_ms(budget, n + 1) for n in assistant_tokens})
+    costs = {f"forward_M{m}_1_token_ms": forward_ms(m, 1) for m in sorted({*drafts, budget})}
+    costs.update({f"verify_M{budget}_{n + 1}_tokens_ms": forward_ms(budget, n + 1) for n in assistant_tokens})
     return costs
 
 
@@ -186,19 +198,6 @@ def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
 
         return go
 
-    def step(rows):  # one decode step of `rows` rows at the full budget, on a filled cache
-        ids = prompt[:rows]
-        with torch.no_grad():
-            out = model(ids, loop_budget=budget)
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
-
-        def go():
-            with torch.no_grad():
-                model(ids[:, -1:], cache=cache, loop_budget=budget)
-                cache.crop(-1)  # back to the prompt: every round decodes the same step
-
-        return go
-
     long_prompt = torch.randint(3, vocab, (batch, prefill_tokens), generator=torch.Generator().manual_seed(2))
 
     by_budget = budgets.sort(descending=True, stable=True).values  # sorted, as generate sorts a call's rows
@@ -214,8 +213,8 @@ def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
         {
             "all_L": run(loop_budget=budget),
             "mixed": run(loop_budget=budgets),
-            "step_B": step(batch),
-            "step_half": step(batch // 2),
+            "step_B": cached_forward(model, prompt, budget),
+            "step_half": cached_forward(model, prompt[: batch // 2], budget),
             "prefill_all_L": prefill(batch, budget),
             "prefill_mixed": prefill(batch, by_budget),
             "prefill_half": prefill(batch // 2, budget),

@@ -220,9 +220,9 @@ def _unless_none(check):
 
 
 def check_run_flags(data_args, eval_args):
-    """A ValueError (one line and exit 2 as a command) for a flag read only after training (the evaluation) or during it (a callback),
-    before any data or model is built: a bad value must not cost a run. The rules are those of the code that reads
-    the flag."""
+    """A ValueError (one line and exit 2 as a command) for a flag read only after training (the evaluation) or
+    during it (a callback), before any data or model is built: a bad value must not cost a run. The rules are those
+    of the code that reads the flag."""
     checks = [
         (eval_args, "eval_max_loops", check_max_loops),
         (eval_args, "eval_halt_eps", _unless_none(check_halt_eps)),  # None: the config's
@@ -242,8 +242,9 @@ def check_run_flags(data_args, eval_args):
 
 
 def check_train_size(data_args, train_args):
-    """A ValueError (one line and exit 2 as a command) for a generated training set (`--num_train`; not ARC's, not a curriculum's stream) that gives
-    no batch: Trainer would train 0 steps, or fail in its sampler, after the data was built."""
+    """A ValueError (one line and exit 2 as a command) for a generated training set (`--num_train`; not ARC's, not
+    a curriculum's stream) that gives no batch: Trainer would train 0 steps, or fail in its sampler, after the data
+    was built."""
     if data_args.task == "arc" or data_args.curriculum_start_length is not None or data_args.data is not None:
         return  # --data: the folder's size is checked when it is read (AuthorsTrainStream)
     batch, processes = train_args.per_device_train_batch_size, train_args.world_size

@@ -42,9 +42,9 @@ def _source_error(model_args, error):
 
 
 def check_continued_flags(model_args, data_args, eval_args, given):
-    """A ValueError (one line and exit 2 as a command, before any work) for flags that cannot go together: `--subfolder`/`--step` without
-    `--model_name_or_path`, `--eval_before_training` without `--data`, and model flags that contradict the
-    checkpoint's config (read alone, without its weights)."""
+    """A ValueError (one line and exit 2 as a command, before any work) for flags that cannot go together:
+    `--subfolder`/`--step` without `--model_name_or_path`, `--eval_before_training` without `--data`, and model flags
+    that contradict the checkpoint's config (read alone, without its weights)."""
     if model_args.model_name_or_path is None:
         for flag in ("subfolder", "step"):
             if getattr(model_args, flag) is not None:
