@@ -23,7 +23,6 @@ from transformers.generation import (
     GenerateBeamDecoderOnlyOutput,
     GenerateDecoderOnlyOutput,
     GenerationMixin,
-    LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
@@ -501,19 +500,22 @@ class LoopDraftCandidateGenerator(AssistedCandidateGenerator):
         if positions is None or positions.shape[-1] != ids.shape[-1]:  # as `prepare_inputs_for_generation` makes them
             positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         eos = config._eos_token_tensor
-        processors = LogitsProcessorList(self.logits_processor)  # the call's, less MinLength (the parent's __init__)
+        processors = list(self.logits_processor)  # the call's, less MinLength (the parent's __init__)
         if generation_args["min_new_tokens"] and eos is not None:
             processors.insert(
                 0, MinNewTokensLengthLogitsProcessor(ids.shape[-1], generation_args["min_new_tokens"], eos)
             )
         knobs = {name: kwargs[name] for name in ("loop_budget", "step_schedule")}
+        # without padding the draft needs no mask (a draft forward then skips building one: a d=1 step is short)
+        padded = not bool(mask.all())
+        threshold = config.assistant_confidence_threshold
         scores = []
         for _ in range(generation_args["max_new_tokens"]):
             seen = cache.get_seq_length()
-            logits = (
+            step_scores = (
                 self.assistant_model(
                     input_ids=ids[:, seen:],
-                    attention_mask=mask,
+                    attention_mask=mask if padded else None,
                     position_ids=positions[:, seen:],
                     cache=cache,
                     use_cache=True,
@@ -523,8 +525,10 @@ class LoopDraftCandidateGenerator(AssistedCandidateGenerator):
                 .logits[:, -1]
                 .to(torch.float32)
             )
-            step_scores = processors(ids, logits)
-            probs = step_scores.softmax(-1)
+            for processor in processors:  # as LogitsProcessorList, without its signature lookup at every call
+                step_scores = processor(ids, step_scores)
+            if config.do_sample or threshold:
+                probs = step_scores.softmax(-1)
             token = torch.multinomial(probs, 1) if config.do_sample else step_scores.argmax(-1, keepdim=True)
             scores.append(step_scores)
             ids = torch.cat((ids, token), dim=-1)
@@ -532,7 +536,6 @@ class LoopDraftCandidateGenerator(AssistedCandidateGenerator):
             positions = torch.cat((positions, positions[:, -1:] + 1), dim=-1)
             if eos is not None and bool(torch.isin(token, eos.to(token.device)).any()):
                 break
-            threshold = config.assistant_confidence_threshold
             if threshold and probs.gather(-1, token).item() < threshold:  # transformers' ConfidenceCriteria
                 break
         kwargs.update(attention_mask=mask, position_ids=positions)
