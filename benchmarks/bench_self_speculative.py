@@ -158,6 +158,29 @@ def cached_forward(model, ids, loop_budget, tokens=1):
     return go
 
 
+def products_ratio(model, rows, base_rows, repeats, calls=30):
+    """CPU time of one block's matrix products (its Linear modules as a decode step runs them, one token a row; not
+    adaLN's, computed once per trajectory) over `rows` rows against `base_rows` rows: the least a step over `rows`
+    rows can cost, as a share of one over `base_rows`, where the products dominate. A kernel property of this
+    machine, measured with the model's own weights."""
+    block = model.model.layers[0]
+    linears = [m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) and "adaLN" not in n]
+
+    def products(n):
+        inputs = [torch.randn(n, 1, m.in_features, dtype=m.weight.dtype) for m in linears]
+
+        def go():
+            with torch.no_grad():
+                for _ in range(calls):
+                    for m, x in zip(linears, inputs):
+                        m(x)
+
+        return go
+
+    times = interleaved({"rows": products(rows), "base": products(base_rows)}, repeats, clock=time.process_time)
+    return paired_ratio(times, "rows", "base")
+
+
 def step_costs(model, prompt, budget, drafts, assistant_tokens, repeats, calls=30):
     """Milliseconds (CPU time) of one forward on a filled cache: a token at each draft budget d and at `budget`, and
     the n + 1 tokens a verification at `budget` reads for each draft length n: where the speed-up's cost goes."""
@@ -173,6 +196,8 @@ def step_costs(model, prompt, budget, drafts, assistant_tokens, repeats, calls=3
 
     costs = {f"forward_M{m}_1_token_ms": forward_ms(m, 1) for m in sorted({*drafts, budget})}
     costs.update({f"verify_M{budget}_{n + 1}_tokens_ms": forward_ms(budget, n + 1) for n in assistant_tokens})
+    # a verification's rows are its n + 1 tokens: what its products cost against one token's
+    costs.update({f"products_{n + 1}_rows_over_1": products_ratio(model, n + 1, 1, repeats) for n in assistant_tokens})
     return costs
 
 
@@ -224,6 +249,8 @@ def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
     )
     half_over_full = paired_ratio(times, "step_half", "step_B")
     ideal = budget / (1 + (budget - 1) * half_over_full)
+    products_half = products_ratio(model, batch // 2, batch, repeats)
+    products_ideal = budget / (1 + (budget - 1) * products_half)  # the cap if a step were its products alone
     ratio = paired_ratio(times, "all_L", "mixed")
     prefill_half = paired_ratio(times, "prefill_half", "prefill_all_L")
     prefill_ideal = budget / (1 + (budget - 1) * prefill_half)
@@ -235,6 +262,8 @@ def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
         ideal=ideal,
         share_of_ideal=ratio / ideal,
         step_half_over_full=half_over_full,
+        products_half_over_full=products_half,
+        products_ideal=products_ideal,
         all_L_tokens_per_s=batch * new_tokens / med(times["all_L"]),
         mixed_tokens_per_s=batch * new_tokens / med(times["mixed"]),
         each_row_equals_its_budget=exact,
@@ -245,7 +274,8 @@ def mixed(model, batch, new_tokens, budget, repeats, log, prefill_tokens=128):
     )
     log(
         f"  batch {batch}: mixed/all-L throughput {ratio:.2f}x (ideal {ideal:.2f}x from a step over B/2 rows costing "
-        f"{half_over_full:.2f} of B rows: {ratio / ideal:.0%} of it), rows exact {exact}; prefill of "
+        f"{half_over_full:.2f} of B rows: {ratio / ideal:.0%} of it; a block's matrix products over B/2 rows cost "
+        f"{products_half:.2f} of B rows, a cap of {products_ideal:.2f}x), rows exact {exact}; prefill of "
         f"{prefill_tokens} tokens {prefill_ratio:.2f}x (ideal {prefill_ideal:.2f}x, B/2 rows costing "
         f"{prefill_half:.2f} of B)"
     )
@@ -274,20 +304,20 @@ def format_table(report):
     if report.get("step_costs"):
         lines += [
             "",
-            "one forward on a filled cache (ms): "
+            "one forward on a filled cache (ms), and a block's matrix products over n + 1 rows against one (share): "
             + ", ".join(f"{k} {v:.2f}" for k, v in report["step_costs"].items()),
         ]
     if report["mixed"]:
         lines += [
             "",
-            "| batch | decode: mixed / all-L throughput | ideal | share of ideal | rows exact | prefill: mixed / "
-            "all-L | ideal |",
-            "|---|---|---|---|---|---|---|",
+            "| batch | decode: mixed / all-L throughput | ideal | share of ideal | cap of the products alone | rows "
+            "exact | prefill: mixed / all-L | ideal |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in report["mixed"]:
             lines.append(
                 f"| {r['batch']} | {r['mixed_over_all_L_throughput']:.2f}x | {r['ideal']:.2f}x | "
-                f"{r['share_of_ideal']:.0%} | {r['each_row_equals_its_budget']} | "
+                f"{r['share_of_ideal']:.0%} | {r['products_ideal']:.2f}x | {r['each_row_equals_its_budget']} | "
                 f"{r['prefill_mixed_over_all_L']:.2f}x | {r['prefill_ideal']:.2f}x |"
             )
     return "\n".join(lines)

@@ -82,11 +82,17 @@ def test_self_speculative_quick_run_is_exact(tmp_path):
     for r in report["mixed"]:
         assert r["each_row_equals_its_budget"]
         # the ideal is the one a step over B/2 rows costing `step_half_over_full` of B rows allows (timing-free check)
-        for ideal, half in ((r["ideal"], r["step_half_over_full"]), (r["prefill_ideal"], r["prefill_half_over_full"])):
+        for ideal, half in (
+            (r["ideal"], r["step_half_over_full"]),
+            (r["prefill_ideal"], r["prefill_half_over_full"]),
+            (r["products_ideal"], r["products_half_over_full"]),  # the cap of a step that were its products alone
+        ):
             assert half > 0 and math.isclose(ideal, loops / (1 + (loops - 1) * half))
         assert math.isclose(r["share_of_ideal"], r["mixed_over_all_L_throughput"] / r["ideal"])
         assert r["prefill_mixed_over_all_L"] > 0
     assert set(report["step_costs"]) >= {f"forward_M{m}_1_token_ms" for m in range(1, loops + 1)}
+    # a verification's products over n + 1 rows, against one row, for each draft length n
+    assert all(report["step_costs"][f"products_{n + 1}_rows_over_1"] > 0 for n in (2, 4, 8))
     assert "| batch | decode: mixed / all-L throughput |" in proc.stdout
 
 
